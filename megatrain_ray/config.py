@@ -1,0 +1,235 @@
+"""Every setting as a frozen dataclass; YAML files plus `--set section.key=value` overrides.
+
+Unknown keys and wrong types are refused with one clear message (naming the nearest valid key),
+before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message says how."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str | None = None  # a name from models.arch.PRESETS
+    path: str | None = None  # a Hugging Face model directory (config.json + safetensors)
+    compute_dtype: str = "bfloat16"  # bfloat16 | float32: the copy the executor streams
+    init_std: float = 0.02  # random initialisation when no path is given
+    overrides: dict[str, Any] = field(default_factory=dict)  # ModelArch fields to change, e.g. num_layers
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"  # synthetic | a file, directory or glob of parquet/arrow/jsonl
+    format: str = "auto"  # auto | tokens | text | alpaca | sharegpt
+    tokenizer: str | None = None  # tokenizer.json for text formats
+    text_column: str = "text"
+    seq_len: int = 128
+    pack: bool = True
+    truncate: bool = True
+    shuffle: bool = True
+    add_eos: bool = True
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 10
+    micro_batch_size: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step, all streamed layer-major
+    seed: int = 0
+    log_every: int = 1
+    output_dir: str = "runs/default"
+    max_bad_steps: int = 3  # non-finite loss or gradients in a row before the run stops
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    device: str = "auto"  # auto | cuda | cpu
+    num_slots: int = 3  # weight slots per layer size on the device (prefetch depth + 1)
+    loss_chunk_tokens: int = 4096  # tokens per chunk of the LM-head loss
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    address: str | None = None  # Ray address; None joins RAY_ADDRESS or a running cluster, else starts one
+    num_cpus: int | None = None  # for an embedded Ray
+    object_store_memory: int | None = None  # bytes, for an embedded Ray
+    store_on_gpu_node: bool = True
+    ram_resource: str = "megatrain_ram"
+    shm_dir: str = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 2
+    dir: str | None = None  # default: <output_dir>/checkpoints
+    export_hf: bool = True
+    export_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def replace(self, **sections: Any) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _nearest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(options)}"
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if hint is Any:
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, where) for v, a in zip(value, args))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    raise ConfigError(f"{where}: unsupported setting type {hint}")
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(f"unknown config key {path!r}{_nearest(key, names)}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, path)
+        else:
+            kwargs[key] = _coerce(value, hint, path)
+    return cls(**kwargs)
+
+
+def _parse_scalar(text: str) -> Any:
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`section.key=value` strings (YAML values) applied onto a raw config dict."""
+    raw = dict(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        dotted, text = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        node = raw
+        for key in keys[:-1]:
+            node[key] = dict(node.get(key) or {})
+            node = node[key]
+        node[keys[-1]] = _parse_scalar(text)
+    return raw
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    config = _build(Config, raw or {}, "")
+    validate(config)
+    return config
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    return config_from_dict(apply_overrides(raw, overrides or []))
+
+
+def validate(config: Config) -> None:
+    checks = [
+        (config.model.compute_dtype in ("bfloat16", "float32"), "model.compute_dtype must be bfloat16 or float32"),
+        (config.model.preset is not None or config.model.path is not None, "set model.preset or model.path"),
+        (config.train.steps >= 0, "train.steps must be >= 0"),
+        (config.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+        (config.train.grad_accum >= 1, "train.grad_accum must be >= 1"),
+        (config.data.seq_len >= 2, "data.seq_len must be >= 2"),
+        (config.executor.num_slots >= 2, "executor.num_slots must be >= 2 (one computing, one prefetching)"),
+        (config.executor.device in ("auto", "cuda", "cpu"), "executor.device must be auto, cuda or cpu"),
+        (config.optim.lr >= 0, "optim.lr must be >= 0"),
+        (config.optim.grad_clip >= 0, "optim.grad_clip must be >= 0"),
+        (0 <= config.optim.min_lr_ratio <= 1, "optim.min_lr_ratio must be within [0, 1]"),
+        (config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
+        (config.checkpoint.export_dtype in ("float32", "bfloat16"), "checkpoint.export_dtype must be float32 or bfloat16"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
