@@ -1,0 +1,499 @@
+"""The streaming executor: layers flow through K device slots, layer-major, forward then back.
+
+One optimizer step: every micro-batch passes through a layer while its weights sit in a slot;
+forward keeps only each layer's input, backward recomputes the layer under a local autograd
+graph, accumulates its weight gradient on the device across micro-batches, and sends it to the
+host once. Three streams (h2d prefetch, compute, d2h gradients) are ordered by events, and a
+slot is refilled only after the compute that read it has finished. On the CPU the streams are
+no-ops and copies are plain memcpys: the same scheduler, testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from megatrain_ray.models import llama
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, model_layouts
+
+# ---------------------------------------------------------------------------------------------
+# Streams and events that vanish on the CPU
+# ---------------------------------------------------------------------------------------------
+
+_event_ids = itertools.count()
+
+
+class CpuEvent:
+    """Stands in for a CUDA event: work on the CPU is done when it is issued."""
+
+    def __init__(self) -> None:
+        self.id = next(_event_ids)
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class Streams:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.compute = torch.cuda.current_stream(device)
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+        else:
+            self.compute = self.h2d = self.d2h = None
+
+    def event(self, timing: bool = False):
+        if self.cuda:
+            return torch.cuda.Event(enable_timing=timing)
+        return CpuEvent()
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def record(self, stream, timing: bool = False):
+        event = self.event(timing)
+        if self.cuda:
+            event.record(stream)
+        return event
+
+    def wait(self, stream, event) -> None:
+        if self.cuda:
+            stream.wait_event(event)
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the host copies of a layer come from and where its gradient goes
+# ---------------------------------------------------------------------------------------------
+
+
+class LayerSource(Protocol):
+    """The executor's only contact with the stores: host buffers and small messages."""
+
+    def weights(self, layer: int) -> torch.Tensor:
+        """Host tensor of the layer's current compute weights; waits for a pending update."""
+
+    def grad_buffer(self, layer: int) -> torch.Tensor:
+        """Host tensor the layer's gradient is copied into."""
+
+    def update(self, layer: int, hp, gradient_landed) -> None:
+        """Start the layer's optimizer step once `gradient_landed` (an event) has completed."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight slots and the prefetcher
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Slot:
+    id: int
+    buffer: torch.Tensor
+    layer: int | None = None
+    ready: object = None  # event: the copy into the buffer finished
+    free: object = None  # event: the last compute that read the buffer finished
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One streamed step of the schedule: a kind and the layers whose weights it binds."""
+
+    kind: str
+    layers: tuple[int, ...]
+
+
+def model_units(arch: ModelArch) -> list[Unit]:
+    layouts = model_layouts(arch)
+    units = [Unit(layouts[0].kind, (0,))]
+    units += [Unit(BLOCK, (l.index,)) for l in layouts if l.kind == BLOCK]
+    head = layouts[-1].index
+    units.append(Unit(HEAD, (head, 0) if arch.tie_word_embeddings else (head,)))
+    return units
+
+
+@dataclass
+class TransferStats:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_events: list = field(default_factory=list)  # (start, end) pairs on CUDA
+    d2h_events: list = field(default_factory=list)
+    h2d_seconds: float = 0.0  # measured directly on the CPU
+    d2h_seconds: float = 0.0
+    prefetch_wait_s: float = 0.0
+    copies: int = 0
+
+
+class Prefetcher:
+    """Keeps the next layers of the schedule copying into free slots while the current computes.
+
+    A slot is chosen Belady-style: the one whose resident layer is needed furthest in the future
+    (or never again this step); a layer already resident is reused without a copy, so the last
+    blocks of forward are not fetched again at the turn into backward.
+    """
+
+    def __init__(self, layouts, source: LayerSource, streams: Streams, dtype, num_slots: int, stats, trace=None):
+        self.layouts = layouts
+        self.source = source
+        self.streams = streams
+        self.dtype = dtype
+        self.stats = stats
+        self.trace = trace
+        self.pools: dict[int, list[Slot]] = {}
+        counts: dict[int, int] = {}
+        for layout in layouts:
+            counts[layout.numel] = counts.get(layout.numel, 0) + 1
+        ids = itertools.count()
+        for numel, count in counts.items():
+            self.pools[numel] = [
+                Slot(next(ids), torch.empty(numel, dtype=dtype, device=streams.device))
+                for _ in range(min(num_slots, count))
+            ]
+        self.schedule: list[int] = []
+        self.issued_upto = 0
+        self.resident: dict[int, Slot] = {}
+
+    def device_bytes(self) -> int:
+        return sum(s.buffer.numel() * s.buffer.element_size() for pool in self.pools.values() for s in pool)
+
+    def begin_step(self, schedule: list[int]) -> None:
+        """A new step: weights changed on the host, so nothing resident is current."""
+        self.schedule = schedule
+        self.issued_upto = 0
+        self.resident.clear()
+        for pool in self.pools.values():
+            for slot in pool:
+                slot.layer = None
+
+    def _next_use(self, layer: int, after: int) -> float:
+        for pos in range(after, len(self.schedule)):
+            if self.schedule[pos] == layer:
+                return pos
+        return math.inf
+
+    def _victim(self, layer: int, pos: int, now: int) -> Slot | None:
+        """A slot that may receive `layer` (needed at `pos`) without evicting anything needed sooner."""
+        best, best_use = None, -1.0
+        for slot in self.pools[self.layouts[layer].numel]:
+            use = math.inf if slot.layer is None else self._next_use(slot.layer, now)
+            if use > pos and use > best_use:
+                best, best_use = slot, use
+        return best
+
+    def _issue(self, now: int) -> None:
+        while self.issued_upto < len(self.schedule):
+            pos = self.issued_upto
+            layer = self.schedule[pos]
+            if layer not in self.resident:
+                slot = self._victim(layer, pos, now)
+                if slot is None:
+                    return  # every slot of this size is needed before `pos`: stop looking ahead
+                self._copy_in(slot, layer)
+            self.issued_upto += 1
+
+    def _copy_in(self, slot: Slot, layer: int) -> None:
+        if slot.layer is not None:
+            del self.resident[slot.layer]
+        t0 = time.perf_counter()
+        host = self.source.weights(layer)
+        t1 = time.perf_counter()
+        self.stats.prefetch_wait_s += t1 - t0
+        s = self.streams
+        with s.on(s.h2d):
+            if slot.free is not None:
+                s.wait(s.h2d, slot.free)  # never overwrite weights a pending compute still reads
+            start = s.record(s.h2d, timing=True)
+            slot.buffer.copy_(host, non_blocking=True)
+            slot.ready = s.record(s.h2d, timing=True)
+        if s.cuda:
+            self.stats.h2d_events.append((start, slot.ready))
+        else:
+            self.stats.h2d_seconds += time.perf_counter() - t1
+        self.stats.h2d_bytes += host.numel() * host.element_size()
+        self.stats.copies += 1
+        if self.trace is not None:
+            self.trace.append(("copy", slot.id, layer, getattr(slot.free, "id", None)))
+        slot.layer = layer
+        self.resident[layer] = slot
+
+    def acquire(self, pos: int) -> Slot:
+        """The slot holding schedule[pos], ready for the compute stream."""
+        self._issue(pos)
+        layer = self.schedule[pos]
+        if layer not in self.resident:
+            raise RuntimeError(f"layer {layer} was not prefetched: too few slots for the schedule")
+        slot = self.resident[layer]
+        self.streams.wait(self.streams.compute, slot.ready)
+        if self.trace is not None:
+            self.trace.append(("compute", slot.id, layer, None))
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        slot.free = self.streams.record(self.streams.compute)
+        if self.trace is not None:
+            self.trace.append(("free", slot.id, slot.layer, getattr(slot.free, "id", None)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients: accumulated on the device, sent to the host once per step
+# ---------------------------------------------------------------------------------------------
+
+
+class GradientSink:
+    def __init__(self, source: LayerSource, streams: Streams, dtype, stats, trace=None):
+        self.source = source
+        self.streams = streams
+        self.dtype = dtype
+        self.stats = stats
+        self.trace = trace
+        self.acc: dict[int, torch.Tensor] = {}
+        self.landed: dict[int, object] = {}
+        self.norm_sq = torch.zeros((), dtype=torch.float32, device=streams.device)
+
+    def begin_step(self) -> None:
+        self.acc.clear()
+        self.landed.clear()
+        self.norm_sq = torch.zeros((), dtype=torch.float32, device=self.streams.device)
+
+    def add(self, layer: int, grad: torch.Tensor) -> None:
+        if layer in self.acc:
+            self.acc[layer].add_(grad)
+        else:
+            self.acc[layer] = grad.to(torch.float32, copy=True)
+
+    def send(self, layer: int) -> None:
+        """The layer's gradient is complete: fold it into the norm and copy it out, once."""
+        acc = self.acc.pop(layer)
+        self.norm_sq += acc.pow(2).sum()
+        staged = acc.to(self.dtype)
+        s = self.streams
+        computed = s.record(s.compute)
+        host = self.source.grad_buffer(layer)
+        t0 = time.perf_counter()
+        with s.on(s.d2h):
+            s.wait(s.d2h, computed)
+            start = s.record(s.d2h, timing=True)
+            host.copy_(staged, non_blocking=True)
+            done = s.record(s.d2h, timing=True)
+        if s.cuda:
+            staged.record_stream(s.d2h)
+            self.stats.d2h_events.append((start, done))
+        else:
+            self.stats.d2h_seconds += time.perf_counter() - t0
+        self.stats.d2h_bytes += host.numel() * host.element_size()
+        self.landed[layer] = done
+        if self.trace is not None:
+            self.trace.append(("grad", None, layer, None))
+
+
+# ---------------------------------------------------------------------------------------------
+# The executor
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean token loss over the step
+    grad_norm: float  # before clipping
+    tokens: int
+    target_tokens: int
+    finite: bool
+    seconds: float
+    h2d_bytes: int
+    d2h_bytes: int
+    h2d_gbps: float  # achieved while copying
+    d2h_gbps: float
+    prefetch_wait_s: float
+    weight_copies: int
+    peak_device_bytes: int
+
+
+def _to_device(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _target_tokens(batch: dict) -> int:
+    labels = batch["labels"]
+    return int((torch.as_tensor(labels) != llama.IGNORE_INDEX).sum())
+
+
+def _leaf(buffer: torch.Tensor) -> torch.Tensor:
+    return buffer.detach().requires_grad_(True)
+
+
+class StreamingExecutor:
+    def __init__(
+        self,
+        arch: ModelArch,
+        source: LayerSource,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        num_slots: int = 3,
+        loss_chunk_tokens: int = 4096,
+        trace: list | None = None,
+    ):
+        self.arch = arch
+        self.source = source
+        self.device = device
+        self.dtype = compute_dtype
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.layouts: tuple[LayerLayout, ...] = model_layouts(arch)
+        self.units = model_units(arch)
+        self.streams = Streams(device)
+        self.stats = TransferStats()
+        self.trace = trace
+        self.prefetcher = Prefetcher(self.layouts, source, self.streams, compute_dtype, num_slots, self.stats, trace)
+        self.grads = GradientSink(source, self.streams, compute_dtype, self.stats, trace)
+
+    # -- schedule -------------------------------------------------------------------------------
+    def _schedule(self) -> tuple[list[Unit], list[int]]:
+        """Units in execution order and the flat order in which they need layers."""
+        order = self.units + list(reversed(self.units[:-1]))
+        return order, [layer for unit in order for layer in unit.layers]
+
+    def _views(self, slot_or_leaf: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
+        return self.layouts[layer].views(slot_or_leaf)
+
+    # -- one optimizer step --------------------------------------------------------------------
+    def train_step(self, micro_batches: list[dict], make_update: Callable[[float], object] | None) -> StepResult:
+        """Forward and backward over all micro-batches, then (unless skipped) the layer updates.
+
+        `make_update(grad_norm)` returns the AdamW hyper-parameters for this step, or None to
+        skip the update (a non-finite gradient, say).
+        """
+        t0 = time.perf_counter()
+        if self.streams.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.stats = self.prefetcher.stats = self.grads.stats = TransferStats()
+        order, layer_schedule = self._schedule()
+        self.prefetcher.begin_step(layer_schedule)
+        self.grads.begin_step()
+        target = sum(_target_tokens(mb) for mb in micro_batches)
+        scale = 1.0 / max(1, target)
+        mbs = [_to_device(mb, self.device) for mb in micro_batches]
+        ropes = [llama.rope_context(self.arch, mb["position_ids"], self.dtype) for mb in mbs]
+
+        cursor = itertools.count()
+        saved: list[list[torch.Tensor]] = []
+        x: list[torch.Tensor] = [mb["input_ids"] for mb in mbs]
+        for unit in self.units[:-1]:
+            slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
+            with torch.no_grad():
+                weights = self._views(slots[0].buffer, unit.layers[0])
+                saved.append(x)
+                x = [self._forward(unit, weights, xi, rope) for xi, rope in zip(x, ropes)]
+            for slot in slots:
+                self.prefetcher.release(slot)
+
+        head = self.units[-1]
+        slots = [self.prefetcher.acquire(next(cursor)) for _ in head.layers]
+        loss, dy = self._head_backward(head, slots, x, mbs, scale)
+        for slot in slots:
+            self.prefetcher.release(slot)
+        self.grads.send(head.layers[0])
+        del x
+
+        for unit in reversed(self.units[:-1]):
+            slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
+            dy = self._block_backward(unit, slots[0], saved.pop(), dy, ropes)
+            for slot in slots:
+                self.prefetcher.release(slot)
+            self.grads.send(unit.layers[0])
+
+        loss_value = float(loss)  # the one sync of the step
+        grad_norm = math.sqrt(float(self.grads.norm_sq))
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        hp = make_update(grad_norm) if (finite and make_update is not None) else None
+        if hp is not None:
+            for layout in self.layouts:  # forward order: the next step's first layers are ready first
+                self.source.update(layout.index, hp, self.grads.landed[layout.index])
+        return self._result(t0, loss_value, grad_norm, finite, mbs, target)
+
+    def _forward(self, unit: Unit, w: dict, x: torch.Tensor, rope: llama.Rope) -> torch.Tensor:
+        if unit.kind == EMBED:
+            return llama.embed_forward(w, x)
+        return llama.block_forward(self.arch, w, x, rope)
+
+    def _head_backward(self, unit: Unit, slots: list[Slot], xs, mbs, scale: float):
+        """Forward and backward of final norm + LM head together: no recompute for the last layer."""
+        leaves = [_leaf(slot.buffer) for slot in slots]
+        head_w = self._views(leaves[0], unit.layers[0])
+        embed_w = self._views(leaves[1], unit.layers[1]) if len(leaves) > 1 else None
+        weight = llama.lm_head_weight(self.arch, head_w, embed_w)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # already the mean
+        dxs = []
+        for x, mb in zip(xs, mbs):
+            x = _leaf(x)
+            hidden = llama.final_norm(self.arch, head_w, x)
+            loss = llama.chunked_cross_entropy(hidden, weight, mb["labels"], self.loss_chunk_tokens, scale)
+            grads = torch.autograd.grad(loss, [x, *leaves])
+            loss_sum += loss.detach()
+            dxs.append(grads[0])
+            for layer, g in zip(unit.layers, grads[1:]):
+                self.grads.add(layer, g)
+        return loss_sum, dxs
+
+    def _block_backward(self, unit: Unit, slot: Slot, inputs, dys, ropes):
+        """Recompute each micro-batch's forward under a local graph, then backward through it."""
+        dxs = []
+        layer = unit.layers[0]
+        for x, dy, rope in zip(inputs, dys, ropes):
+            leaf = _leaf(slot.buffer)
+            w = self._views(leaf, layer)
+            if unit.kind == EMBED:
+                y = llama.embed_forward(w, x)
+                (gw,) = torch.autograd.grad(y, [leaf], dy)
+                dxs.append(None)
+            else:
+                x = _leaf(x)
+                y = llama.block_forward(self.arch, w, x, rope)
+                dx, gw = torch.autograd.grad(y, [x, leaf], dy)
+                dxs.append(dx)
+            self.grads.add(layer, gw)
+            del y
+        return dxs
+
+    def _result(self, t0, loss, grad_norm, finite, mbs, target) -> StepResult:
+        st = self.stats
+        if self.streams.cuda:
+            self.streams.synchronize()
+            h2d_s = sum(a.elapsed_time(b) for a, b in st.h2d_events) / 1e3
+            d2h_s = sum(a.elapsed_time(b) for a, b in st.d2h_events) / 1e3
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            h2d_s, d2h_s, peak = st.h2d_seconds, st.d2h_seconds, 0
+        return StepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            tokens=sum(mb["input_ids"].numel() for mb in mbs),
+            target_tokens=target,
+            finite=finite,
+            seconds=time.perf_counter() - t0,
+            h2d_bytes=st.h2d_bytes,
+            d2h_bytes=st.d2h_bytes,
+            h2d_gbps=st.h2d_bytes / h2d_s / 1e9 if h2d_s > 0 else 0.0,
+            d2h_gbps=st.d2h_bytes / d2h_s / 1e9 if d2h_s > 0 else 0.0,
+            prefetch_wait_s=st.prefetch_wait_s,
+            weight_copies=st.copies,
+            peak_device_bytes=peak,
+        )

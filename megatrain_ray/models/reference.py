@@ -1,0 +1,77 @@
+"""The plain PyTorch reference: the whole model as one nn.Module with ordinary autograd.
+
+Tests train it with torch.optim.AdamW beside the streaming trainer, on the same weights and data;
+the baselines of `megatrain-ray bench` run it on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatrain_ray.models import llama
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.layout import BLOCK, EMBED, model_layouts
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class ReferenceModel(nn.Module):
+    def __init__(self, arch: ModelArch, layer_weights: list[torch.Tensor] | None = None, dtype=torch.float32):
+        super().__init__()
+        self.arch = arch
+        self.layouts = model_layouts(arch)
+        self.layers = nn.ModuleList()
+        for layout in self.layouts:
+            module = nn.Module()
+            for p in layout.params:
+                module.register_parameter(_key(p.name), nn.Parameter(torch.zeros(p.shape, dtype=dtype)))
+            self.layers.append(module)
+        if layer_weights is not None:
+            self.load_layer_weights(layer_weights)
+
+    def load_layer_weights(self, flats: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for layout, module, flat in zip(self.layouts, self.layers, flats):
+                for name, view in layout.views(flat).items():
+                    getattr(module, _key(name)).copy_(view)
+
+    def layer_weights(self) -> list[torch.Tensor]:
+        """Each layer's parameters flattened in layout order (fp32), to compare with the stores."""
+        return [
+            torch.cat([getattr(m, _key(p.name)).detach().float().reshape(-1) for p in layout.params])
+            for layout, m in zip(self.layouts, self.layers)
+        ]
+
+    def bound(self, index: int) -> dict[str, torch.Tensor]:
+        return {p.name: getattr(self.layers[index], _key(p.name)) for p in self.layouts[index].params}
+
+    def decay_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        decay, no_decay = [], []
+        for layout, module in zip(self.layouts, self.layers):
+            for p in layout.params:
+                (decay if p.decays else no_decay).append(getattr(module, _key(p.name)))
+        return decay, no_decay
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, compute_dtype=None) -> torch.Tensor:
+        """Logits [B, T, vocab]."""
+        arch = self.arch
+        x = llama.embed_forward(self.bound(0), input_ids)
+        rope = llama.rope_context(arch, position_ids, compute_dtype or x.dtype)
+        for layout in self.layouts:
+            if layout.kind == BLOCK:
+                x = llama.block_forward(arch, self.bound(layout.index), x, rope)
+        head = self.bound(len(self.layouts) - 1)
+        x = llama.final_norm(arch, head, x)
+        weight = llama.lm_head_weight(arch, head, self.bound(0) if self.layouts[0].kind == EMBED else None)
+        return F.linear(x, weight)
+
+    def loss_sum(self, batch: dict[str, torch.Tensor], compute_dtype=None) -> torch.Tensor:
+        logits = self(batch["input_ids"], batch["position_ids"], compute_dtype)
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+            ignore_index=llama.IGNORE_INDEX, reduction="sum",
+        )

@@ -1,0 +1,116 @@
+"""AdamW over a layer's flat fp32 buffers, the LR schedule and the clipping coefficient.
+
+The update is torch.optim.AdamW's, decoupled weight decay applied to matrices only; it runs in
+cache-sized chunks so each chunk of master weights is read once for the update and once, while
+still hot, for the cast into the compute copy the GPU streams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatrain_ray.config import OptimConfig
+
+CHUNK_ELEMENTS = 1 << 20
+
+
+def lr_factor(update: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warmup then cosine decay to min_ratio; `update` counts from 0 like LambdaLR."""
+    if warmup_steps > 0 and update < warmup_steps:
+        return (update + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (update - warmup_steps) / decay_steps)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def learning_rate(cfg: OptimConfig, update: int, total_steps: int) -> float:
+    return cfg.lr * lr_factor(update, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: shrink only when the norm exceeds max_norm."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+@dataclass(frozen=True)
+class AdamWStep:
+    """One update's hyper-parameters, sent to every store (a small message)."""
+
+    step: int  # 1-based update count, for bias correction
+    lr: float
+    grad_scale: float  # the clipping coefficient
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+def _has_fused_cpu_adamw() -> bool:
+    return hasattr(torch, "_fused_adamw_")
+
+
+def adamw_update(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    decay_ranges: list[tuple[int, int]],
+    hp: AdamWStep,
+    compute_copy: torch.Tensor | None = None,
+) -> None:
+    """Update `master` in place from `grad` (any float dtype) and refresh `compute_copy`."""
+    if hp.weight_decay:
+        for lo, hi in decay_ranges:
+            master[lo:hi].mul_(1.0 - hp.lr * hp.weight_decay)
+    n = master.numel()
+    for lo in range(0, n, CHUNK_ELEMENTS):
+        hi = min(n, lo + CHUNK_ELEMENTS)
+        g = grad[lo:hi].float()
+        if hp.grad_scale != 1.0:
+            g.mul_(hp.grad_scale)
+        _adam_chunk(master[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi], hp)
+        if compute_copy is not None:
+            compute_copy[lo:hi].copy_(master[lo:hi])
+
+
+def _adam_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hp: AdamWStep) -> None:
+    beta1, beta2 = hp.betas
+    if _has_fused_cpu_adamw():
+        step = torch.tensor(float(hp.step))
+        torch._fused_adamw_(
+            [p], [g], [m], [v], [], [step],
+            lr=hp.lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=hp.eps, amsgrad=False, maximize=False,
+        )
+        return
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias1 = 1 - beta1**hp.step
+    bias2 = 1 - beta2**hp.step
+    denom = (v.sqrt() / math.sqrt(bias2)).add_(hp.eps)
+    p.addcdiv_(m, denom, value=-hp.lr / bias1)
+
+
+class UpdateSchedule:
+    """Turns a step's gradient norm into that step's AdamW message; counts the updates done."""
+
+    def __init__(self, cfg: OptimConfig, total_steps: int, updates_done: int = 0):
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.updates_done = updates_done
+
+    def next(self, grad_norm: float) -> AdamWStep:
+        cfg = self.cfg
+        hp = AdamWStep(
+            step=self.updates_done + 1,
+            lr=learning_rate(cfg, self.updates_done, self.total_steps),
+            grad_scale=clip_coefficient(grad_norm, cfg.grad_clip),
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+        )
+        self.updates_done += 1
+        return hp

@@ -1,0 +1,159 @@
+"""Host-memory state of a contiguous range of layers, and their optimizer step.
+
+Per layer, four flat buffers: fp32 master weights, AdamW first and second moments (private to
+the store), and two buffers the executor touches: the compute copy (bf16, or fp32 for exact
+tests) it streams in and the gradient (same dtype) it writes back once per step. 12 + 2 x 2 =
+16 bytes per parameter with bf16 compute. The two shared buffers live in pinned memory in
+process, or in /dev/shm files that a GPU actor on the same node maps and registers with CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.layout import LayerLayout, model_layouts
+from megatrain_ray.optim import AdamWStep, adamw_update
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def bytes_per_param(compute_dtype: torch.dtype) -> int:
+    """Host bytes each parameter costs: master + two moments in fp32, compute copy + gradient."""
+    return 3 * 4 + 2 * torch.tensor([], dtype=compute_dtype).element_size()
+
+
+@dataclass
+class LayerState:
+    layout: LayerLayout
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    compute: torch.Tensor  # read by the executor
+    grad: torch.Tensor  # written by the executor
+    step: int = 0
+
+
+def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+def shm_tensor(path: Path, numel: int, dtype: torch.dtype, create: bool) -> torch.Tensor:
+    """A tensor backed by a shared-memory file: the store writes it, the GPU actor maps it."""
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    if create:
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+
+
+def init_layer_weights(layout: LayerLayout, flat: torch.Tensor, seed: int, std: float) -> None:
+    """Random init that depends only on (seed, layer), so any split across stores agrees."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + layout.index)
+    for p in layout.params:
+        view = flat[p.offset : p.offset + p.numel]
+        if p.name.endswith("norm.weight"):
+            view.fill_(1.0)
+        elif p.name.endswith(".bias"):
+            view.zero_()
+        else:
+            view.copy_(torch.randn(p.numel, generator=gen) * std)
+
+
+class ShardStore:
+    """Owns layers [first, last] of a model: their master weights, moments and optimizer step.
+
+    Plain Python so that it runs in process for tests and inside a Ray actor (runtime.py) alike.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        layers: list[int],
+        compute_dtype: torch.dtype,
+        shm_dir: str | None = None,
+        run_id: str = "local",
+    ):
+        self.arch = arch
+        self.compute_dtype = compute_dtype
+        self.shm_paths: dict[int, tuple[str, str]] = {}
+        self._shm_dir = Path(shm_dir) if shm_dir else None
+        self._run_id = run_id
+        layouts = model_layouts(arch)
+        self.layers: dict[int, LayerState] = {i: self._allocate(layouts[i]) for i in layers}
+
+    def _allocate(self, layout: LayerLayout) -> LayerState:
+        n = layout.numel
+        if self._shm_dir is not None:
+            base = self._shm_dir / f"megatrain-{self._run_id}-{os.getpid()}-layer{layout.index}"
+            compute_path, grad_path = Path(f"{base}.weights"), Path(f"{base}.grad")
+            compute = shm_tensor(compute_path, n, self.compute_dtype, create=True)
+            grad = shm_tensor(grad_path, n, self.compute_dtype, create=True)
+            self.shm_paths[layout.index] = (str(compute_path), str(grad_path))
+        else:
+            compute, grad = pinned_empty(n, self.compute_dtype), pinned_empty(n, self.compute_dtype)
+        return LayerState(
+            layout,
+            master=torch.empty(n, dtype=torch.float32),
+            exp_avg=torch.zeros(n, dtype=torch.float32),
+            exp_avg_sq=torch.zeros(n, dtype=torch.float32),
+            compute=compute,
+            grad=grad,
+        )
+
+    # ---- initial weights -------------------------------------------------------------------
+    def init_random(self, seed: int, std: float) -> None:
+        for state in self.layers.values():
+            init_layer_weights(state.layout, state.master, seed, std)
+            state.compute.copy_(state.master)
+
+    def set_master(self, index: int, flat: torch.Tensor) -> None:
+        state = self.layers[index]
+        state.master.copy_(flat)
+        state.compute.copy_(state.master)
+
+    def master(self, index: int) -> torch.Tensor:
+        return self.layers[index].master
+
+    def numel(self) -> int:
+        return sum(s.layout.numel for s in self.layers.values())
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step_layer(self, index: int, hp: AdamWStep) -> int:
+        """AdamW on one layer from the gradient the executor wrote; publishes new compute weights."""
+        state = self.layers[index]
+        adamw_update(
+            state.master, state.grad, state.exp_avg, state.exp_avg_sq,
+            state.layout.decay_ranges(), hp, compute_copy=state.compute,
+        )
+        state.step = hp.step
+        return index
+
+    # ---- cross-node transport: raw bytes, since numpy has no bfloat16 ------------------------
+    def compute_bytes(self, index: int) -> np.ndarray:
+        return tensor_bytes(self.layers[index].compute)
+
+    def step_layer_from_bytes(self, index: int, hp: AdamWStep, grad: np.ndarray) -> np.ndarray:
+        """For stores on other nodes: the gradient arrives as an object, new weights leave as one."""
+        self.layers[index].grad.copy_(bytes_tensor(grad, self.compute_dtype))
+        self.step_layer(index, hp)
+        return self.compute_bytes(index)
+
+    def close(self) -> None:
+        for compute_path, grad_path in self.shm_paths.values():
+            for path in (compute_path, grad_path):
+                Path(path).unlink(missing_ok=True)
+        self.shm_paths.clear()
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def bytes_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).view(dtype)

@@ -1,0 +1,102 @@
+"""The streaming trainer in one process: stores, executor and the source that joins them.
+
+Tests use it directly; the Ray GPU actor (runtime.py) hosts the same executor with sources that
+reach stores in other processes.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from megatrain_ray.config import Config
+from megatrain_ray.executor import StepResult, StreamingExecutor
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.layout import model_layouts
+from megatrain_ray.optim import AdamWStep, UpdateSchedule
+from megatrain_ray.store import DTYPES, ShardStore
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("executor.device is 'cuda' but no CUDA GPU is visible; set executor.device=cpu or auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def split_layers(num_layers: int, weights: list[float]) -> list[list[int]]:
+    """Contiguous ranges of layer indices, sized in proportion to `weights`."""
+    total = sum(weights)
+    bounds, acc = [0], 0.0
+    for w in weights[:-1]:
+        acc += w
+        bounds.append(round(num_layers * acc / total))
+    bounds.append(num_layers)
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(len(weights))]
+
+
+class LocalSource:
+    """Stores in this process; their optimizer steps run on one background thread, in order."""
+
+    def __init__(self, stores: list[ShardStore]):
+        self.owner = {layer: store for store in stores for layer in store.layers}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer")
+        self.pending: dict[int, Future] = {}
+
+    def weights(self, layer: int) -> torch.Tensor:
+        future = self.pending.pop(layer, None)
+        if future is not None:
+            future.result()
+        return self.owner[layer].layers[layer].compute
+
+    def grad_buffer(self, layer: int) -> torch.Tensor:
+        return self.owner[layer].layers[layer].grad
+
+    def update(self, layer: int, hp: AdamWStep, gradient_landed) -> None:
+        self.pending[layer] = self.pool.submit(self._step, layer, hp, gradient_landed)
+
+    def _step(self, layer: int, hp: AdamWStep, gradient_landed) -> None:
+        gradient_landed.synchronize()
+        self.owner[layer].step_layer(layer, hp)
+
+    def drain(self) -> None:
+        for layer in list(self.pending):
+            self.pending.pop(layer).result()
+
+    def close(self) -> None:
+        self.drain()
+        self.pool.shutdown()
+
+
+class LocalTrainer:
+    def __init__(self, config: Config, arch: ModelArch, num_stores: int = 1, trace: list | None = None):
+        self.config = config
+        self.arch = arch
+        dtype = DTYPES[config.model.compute_dtype]
+        layers = split_layers(len(model_layouts(arch)), [1.0] * num_stores)
+        self.stores = [ShardStore(arch, ids, dtype) for ids in layers]
+        for store in self.stores:
+            store.init_random(config.train.seed, config.model.init_std)
+        self.source = LocalSource(self.stores)
+        self.schedule = UpdateSchedule(config.optim, config.train.steps)
+        ex = config.executor
+        self.executor = StreamingExecutor(
+            arch, self.source, pick_device(ex.device), dtype, ex.num_slots, ex.loss_chunk_tokens, trace
+        )
+
+    def train_step(self, micro_batches: list[dict]) -> StepResult:
+        return self.executor.train_step(micro_batches, self.schedule.next)
+
+    def load_layer_weights(self, flats: list[torch.Tensor]) -> None:
+        self.source.drain()
+        for i, flat in enumerate(flats):
+            self.source.owner[i].set_master(i, flat)
+
+    def layer_weights(self) -> list[torch.Tensor]:
+        self.source.drain()
+        return [self.source.owner[i].master(i) for i in range(len(model_layouts(self.arch)))]
+
+    def close(self) -> None:
+        self.source.close()

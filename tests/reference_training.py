@@ -1,0 +1,62 @@
+"""Plain PyTorch training beside the streaming trainer: same weights, data, AdamW, clipping, schedule."""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain_ray.config import Config
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.reference import ReferenceModel
+from megatrain_ray.optim import lr_factor
+
+
+def random_micro_batches(arch: ModelArch, steps: int, grad_accum: int, batch: int, seq: int, seed: int):
+    """Token batches with shifted labels, a few ignored positions, positions from 0."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(grad_accum):
+            ids = torch.randint(0, arch.vocab_size, (batch, seq + 1), generator=gen)
+            labels = ids[:, 1:].clone()
+            labels[torch.rand(labels.shape, generator=gen) < 0.1] = -100
+            step.append({
+                "input_ids": ids[:, :-1].contiguous(),
+                "labels": labels,
+                "position_ids": torch.arange(seq).expand(batch, seq).contiguous(),
+            })
+        out.append(step)
+    return out
+
+
+def train_reference(config: Config, arch: ModelArch, init: list[torch.Tensor], steps_data, device="cpu",
+                    autocast_dtype=None):
+    """Returns (losses per step, final layer weights, the model)."""
+    model = ReferenceModel(arch, [w.clone() for w in init]).to(device)
+    o = config.optim
+    decay, no_decay = model.decay_groups()
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=o.betas, eps=o.eps,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: lr_factor(k, o.warmup_steps, config.train.steps, o.min_lr_ratio)
+    )
+    losses = []
+    for micro_batches in steps_data:
+        opt.zero_grad(set_to_none=True)
+        target = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+        total = 0.0
+        for mb in micro_batches:
+            mb = {k: v.to(device) for k, v in mb.items()}
+            with torch.autocast(device_type=torch.device(device).type, dtype=autocast_dtype,
+                                enabled=autocast_dtype is not None):
+                loss = model.loss_sum(mb, compute_dtype=autocast_dtype) / target
+            loss.backward()
+            total += float(loss.detach())
+        if o.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(total)
+    return losses, model.layer_weights(), model
