@@ -220,8 +220,10 @@ class Prefetcher:
         self.stats.prefetch_wait_s += t1 - t0
         s = self.streams
         with s.on(s.h2d):
+            waited = None
             if slot.free is not None:
                 s.wait(s.h2d, slot.free)  # never overwrite weights a pending compute still reads
+                waited = slot.free
             start = s.record(s.h2d, timing=True)
             slot.buffer.copy_(host, non_blocking=True)
             slot.ready = s.record(s.h2d, timing=True)
@@ -232,7 +234,7 @@ class Prefetcher:
         self.stats.h2d_bytes += host.numel() * host.element_size()
         self.stats.copies += 1
         if self.trace is not None:
-            self.trace.append(("copy", slot.id, layer, getattr(slot.free, "id", None)))
+            self.trace.append(("copy", slot.id, layer, getattr(waited, "id", None)))
         slot.layer = layer
         self.resident[layer] = slot
 

@@ -1,0 +1,314 @@
+"""Ray placement: a ShardStore actor per RAM node, the GPU actor, and the session that joins them.
+
+Stores go on every node offering the `megatrain_ram` resource (and on the GPU node unless told
+not to), each taking a contiguous range of layers in proportion to its free memory. The GPU actor
+reaches stores on its own node through shared memory and the others through Ray objects.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from megatrain_ray.config import Config, ConfigError, RuntimeConfig
+from megatrain_ray.executor import StepResult, StreamingExecutor
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.layout import model_layouts
+from megatrain_ray.optim import UpdateSchedule
+from megatrain_ray.sources import ObjectSource, RoutedSource, SharedMemorySource
+from megatrain_ray.store import DTYPES, ShardStore, bytes_per_param
+from megatrain_ray.trainer import pick_device
+
+GiB = 1024**3
+
+
+# ---------------------------------------------------------------------------------------------
+# Joining or starting Ray
+# ---------------------------------------------------------------------------------------------
+
+
+def connect(cfg: RuntimeConfig) -> None:
+    """Join cfg.address, RAY_ADDRESS or a running local cluster; else start an embedded one."""
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+    if cfg.address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=cfg.address, runtime_env=env, log_to_driver=True)
+        return
+    try:
+        ray.init(address="auto", runtime_env=env)
+        return
+    except (ConnectionError, RuntimeError):
+        pass
+    ray.init(
+        num_cpus=cfg.num_cpus or os.cpu_count(),
+        object_store_memory=cfg.object_store_memory,
+        include_dashboard=False,
+        runtime_env=env,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The cluster and the placement of layers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    ip: str
+    gpus: float
+    ram_node: bool
+    free_bytes: int
+
+
+def _available_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+@ray.remote(num_cpus=0)
+def _node_free_memory() -> int:
+    return _available_memory()
+
+
+def _on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+def discover_nodes(cfg: RuntimeConfig) -> list[NodeInfo]:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    free = ray.get([_node_free_memory.options(scheduling_strategy=_on_node(n["NodeID"])).remote() for n in alive])
+    return [
+        NodeInfo(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0),
+                 n["Resources"].get(cfg.ram_resource, 0.0) > 0, mem)
+        for n, mem in zip(alive, free)
+    ]
+
+
+def gpu_node(nodes: list[NodeInfo], want_cuda: bool) -> NodeInfo:
+    """The node that runs the executor: one with a GPU, else the driver's own node."""
+    if want_cuda:
+        with_gpu = [n for n in nodes if n.gpus >= 1]
+        if with_gpu:
+            return with_gpu[0]
+    here = ray.get_runtime_context().get_node_id()
+    return next(n for n in nodes if n.node_id == here)
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    node: NodeInfo
+    layers: tuple[int, ...]
+    host_bytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    gpu: NodeInfo
+    use_cuda: bool
+    stores: tuple[StorePlan, ...]
+    bytes_per_param: int
+
+    def describe(self, arch: ModelArch) -> str:
+        lines = [
+            f"model: {arch.model_type}, {arch.num_layers} blocks, {arch.num_params() / 1e9:.3f} B params, "
+            f"{self.bytes_per_param} host bytes/param (fp32 master + 2 AdamW moments + compute copy + gradient)",
+            f"executor on node {self.gpu.ip} ({self.gpu.node_id[:8]}), GPUs there: {self.gpu.gpus:g}",
+        ]
+        for s in self.stores:
+            lines.append(
+                f"store on {s.node.ip} ({s.node.node_id[:8]}{', RAM node' if s.node.ram_node else ''}): "
+                f"layers {s.layers[0]}-{s.layers[-1]} ({len(s.layers)}), {s.host_bytes / GiB:.2f} GiB "
+                f"of {s.node.free_bytes / GiB:.1f} GiB free"
+            )
+        return "\n".join(lines)
+
+
+def split_by_capacity(numels: list[int], capacities: list[float]) -> list[list[int]]:
+    """Contiguous layer ranges whose sizes follow the capacities; every store gets a layer when it can."""
+    total, cap_total = sum(numels), sum(capacities)
+    ranges, start, acc = [], 0, 0
+    for k, cap in enumerate(capacities):
+        if k == len(capacities) - 1:
+            end = len(numels)
+        else:
+            goal = total * sum(capacities[: k + 1]) / cap_total
+            end = start
+            while end < len(numels) - (len(capacities) - 1 - k) and (end == start or acc + numels[end] / 2 <= goal):
+                acc += numels[end]
+                end += 1
+        ranges.append(list(range(start, end)))
+        start = end
+    return ranges
+
+
+def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo]) -> Placement:
+    rt = config.runtime
+    dtype = DTYPES[config.model.compute_dtype]
+    cluster_has_gpu = any(n.gpus >= 1 for n in nodes)
+    if config.executor.device == "cuda" and not cluster_has_gpu:
+        raise ConfigError("executor.device is 'cuda' but no node of the Ray cluster offers a GPU; "
+                          "set executor.device=auto (or cpu) to run the CPU path")
+    use_cuda = cluster_has_gpu and config.executor.device != "cpu"
+    gpu = gpu_node(nodes, use_cuda)
+    holders = [n for n in nodes if n.ram_node and n.node_id != gpu.node_id]
+    if rt.store_on_gpu_node or not holders:
+        holders = [gpu] + holders
+    numels = [layout.numel for layout in model_layouts(arch)]
+    bpp = bytes_per_param(dtype)
+    need = sum(numels) * bpp
+    have = sum(n.free_bytes for n in holders)
+    if need > 0.9 * have:
+        raise ConfigError(
+            f"the model needs {need / GiB:.1f} GiB of host memory ({sum(numels) / 1e9:.2f} B params x {bpp} bytes) "
+            f"but the {len(holders)} store node(s) have {have / GiB:.1f} GiB free (90% usable): add RAM nodes "
+            f"(ray start --resources='{{\"{rt.ram_resource}\": 1}}'), or choose a smaller model"
+        )
+    ranges = split_by_capacity(numels, [float(n.free_bytes) for n in holders])
+    stores = tuple(
+        StorePlan(node, tuple(r), sum(numels[i] for i in r) * bpp) for node, r in zip(holders, ranges) if r
+    )
+    return Placement(gpu, use_cuda, stores, bpp)
+
+
+# ---------------------------------------------------------------------------------------------
+# The actors
+# ---------------------------------------------------------------------------------------------
+
+
+class ShardStoreActor(ShardStore):
+    """A ShardStore living in a Ray actor on its node; optimizer threads sized to that node."""
+
+    def __init__(self, *args, **kwargs):
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        super().__init__(*args, **kwargs)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def layer_ids(self) -> list[int]:
+        return list(self.layers)
+
+    def shared_paths(self) -> dict[int, tuple[str, str]]:
+        return dict(self.shm_paths)
+
+    def ready(self) -> bool:
+        return True
+
+
+class GpuWorker:
+    """Hosts the streaming executor; reaches each store through shared memory or Ray objects."""
+
+    def __init__(self, arch: ModelArch, config: Config, stores: list, store_nodes: list[str], updates_done: int = 0):
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        self.device = pick_device(config.executor.device)
+        dtype = DTYPES[config.model.compute_dtype]
+        here = ray.get_runtime_context().get_node_id()
+        layouts = model_layouts(arch)
+        layer_lists = ray.get([s.layer_ids.remote() for s in stores])
+        sources = []
+        for store, node, layers in zip(stores, store_nodes, layer_lists):
+            numels = {i: layouts[i].numel for i in layers}
+            if node == here:
+                paths = ray.get(store.shared_paths.remote())
+                sources.append(SharedMemorySource(store, paths, numels, dtype, register=self.device.type == "cuda"))
+            else:
+                sources.append(ObjectSource(store, numels, dtype))
+        self.source = RoutedSource(sources, layer_lists)
+        self.kinds = ["shm" if node == here else "object" for node in store_nodes]
+        self.schedule = UpdateSchedule(config.optim, config.train.steps, updates_done)
+        ex = config.executor
+        self.executor = StreamingExecutor(arch, self.source, self.device, dtype, ex.num_slots, ex.loss_chunk_tokens)
+
+    def train_step(self, micro_batches: list[dict]) -> StepResult:
+        return self.executor.train_step(micro_batches, self.schedule.next)
+
+    def transports(self) -> list[str]:
+        return self.kinds
+
+    def drain(self) -> int:
+        """Wait until every issued optimizer step has landed; returns the update count."""
+        self.source.drain()
+        return self.schedule.updates_done
+
+    def describe_device(self) -> str:
+        if self.device.type == "cuda":
+            return f"{torch.cuda.get_device_name(self.device)} ({torch.cuda.get_device_properties(self.device).total_memory / GiB:.0f} GiB)"
+        return f"cpu ({torch.get_num_threads()} threads)"
+
+    def close(self) -> None:
+        self.source.close()
+
+
+class Session:
+    """Stores and the GPU actor of one run, placed on the cluster Ray is connected to."""
+
+    def __init__(self, config: Config, arch: ModelArch, updates_done: int = 0, placement: Placement | None = None):
+        self.config = config
+        self.arch = arch
+        self.placement = placement or plan_placement(arch, config, discover_nodes(config.runtime))
+        dtype = DTYPES[config.model.compute_dtype]
+        run_id = uuid.uuid4().hex[:8]
+        self.stores = [
+            ray.remote(ShardStoreActor)
+            .options(num_cpus=0, scheduling_strategy=_on_node(plan.node.node_id), name=None)
+            .remote(arch, list(plan.layers), dtype, config.runtime.shm_dir, run_id)
+            for plan in self.placement.stores
+        ]
+        ray.get([s.ready.remote() for s in self.stores])
+        self.gpu_node = self.placement.gpu.node_id
+        options = {"num_cpus": 0, "scheduling_strategy": _on_node(self.gpu_node)}
+        if self.placement.use_cuda:
+            options["num_gpus"] = 1
+        self._gpu_options = options
+        self._updates_done = updates_done
+        self.gpu = None
+
+    def init_random(self) -> None:
+        m = self.config.model
+        ray.get([s.init_random.remote(self.config.train.seed, m.init_std) for s in self.stores])
+
+    def start_executor(self) -> None:
+        """After the stores hold their initial weights: the GPU actor reads them from here on."""
+        nodes = [p.node.node_id for p in self.placement.stores]
+        self.gpu = ray.remote(GpuWorker).options(**self._gpu_options).remote(
+            self.arch, self.config, self.stores, nodes, self._updates_done
+        )
+
+    def train_step(self, micro_batches: list[dict]) -> StepResult:
+        return ray.get(self.gpu.train_step.remote(micro_batches))
+
+    def drain(self) -> int:
+        return ray.get(self.gpu.drain.remote())
+
+    def layer_weights(self) -> list[torch.Tensor]:
+        self.drain()
+        out: dict[int, torch.Tensor] = {}
+        for store, plan in zip(self.stores, self.placement.stores):
+            for i in plan.layers:
+                out[i] = ray.get(store.master.remote(i))
+        return [out[i] for i in sorted(out)]
+
+    def close(self) -> None:
+        if self.gpu is not None:
+            try:
+                ray.get(self.gpu.close.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(self.gpu)
+        for store in self.stores:
+            try:
+                ray.get(store.close.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(store)
+

@@ -1,0 +1,81 @@
+"""The executor's ordering rules, read off its trace of copies, computes, releases and gradients."""
+
+from collections import Counter
+
+import pytest
+
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.models.arch import PRESETS
+from megatrain_ray.models.layout import model_layouts
+from megatrain_ray.trainer import LocalTrainer
+from reference_training import random_micro_batches
+
+ARCH = PRESETS["tiny-llama"].replace(num_layers=5)
+
+
+def run_traced(grad_accum: int, steps: int = 2, num_slots: int = 2, arch=ARCH):
+    config = config_from_dict({
+        "model": {"preset": "tiny-llama", "compute_dtype": "float32"},
+        "train": {"steps": steps, "grad_accum": grad_accum},
+        "executor": {"device": "cpu", "num_slots": num_slots},
+    })
+    trace = []
+    trainer = LocalTrainer(config, arch, trace=trace)
+    updates = Counter()
+    update = trainer.source.update
+
+    def counting_update(layer, hp, landed):
+        updates[(hp.step, layer)] += 1
+        update(layer, hp, landed)
+
+    trainer.source.update = counting_update
+    steps_trace = []
+    for micro_batches in random_micro_batches(arch, steps, grad_accum, batch=1, seq=8, seed=0):
+        trace.clear()
+        trainer.train_step(micro_batches)
+        steps_trace.append(list(trace))
+    trainer.close()
+    return steps_trace, updates
+
+
+@pytest.mark.parametrize("num_slots", [2, 3, 4])
+def test_a_slot_is_refilled_only_after_the_compute_that_read_it_released_it(num_slots):
+    traces, _ = run_traced(grad_accum=3, num_slots=num_slots, steps=3)
+    last_free: dict[int, int] = {}  # across steps: a new step's copy waits on the last step's release
+    reading: set[int] = set()  # slots acquired by a compute and not yet released
+    copies = 0
+    for trace in traces:
+        for op, slot, layer, event in trace:
+            if op == "compute":
+                reading.add(slot)
+            elif op == "free":
+                reading.discard(slot)
+                last_free[slot] = event
+            elif op == "copy":
+                copies += 1
+                assert slot not in reading, f"slot {slot} refilled with layer {layer} while a compute reads it"
+                assert event == last_free.get(slot), f"copy into slot {slot} did not wait for its last release"
+    assert copies > 3 * len(model_layouts(ARCH)), "slots were reused"
+
+
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_each_gradient_leaves_once_per_step_whatever_the_micro_batches(grad_accum):
+    traces, updates = run_traced(grad_accum=grad_accum)
+    layers = range(len(model_layouts(ARCH)))
+    for trace in traces:
+        sent = Counter(layer for op, _, layer, _ in trace if op == "grad")
+        assert sent == Counter(layers)
+    assert updates == Counter({(step, layer): 1 for step in (1, 2) for layer in layers})
+
+
+def test_weights_cross_to_the_device_at_most_twice_per_step_whatever_the_micro_batches():
+    copies = {}
+    for grad_accum in (1, 4):
+        traces, _ = run_traced(grad_accum=grad_accum, num_slots=3)
+        copies[grad_accum] = [Counter(layer for op, _, layer, _ in t if op == "copy") for t in traces]
+    assert copies[1] == copies[4]
+    per_layer = copies[1][0]
+    assert max(per_layer.values()) <= 2
+    # the head and the last block stay resident across the turn from forward into backward
+    last_block = ARCH.num_layers
+    assert per_layer[last_block] == 1 and per_layer[last_block + 1] == 1

@@ -1,0 +1,79 @@
+"""GPU checks of the streaming trainer (run on the GPU machine: pytest -m gpu)."""
+
+import pytest
+import torch
+
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.executor import Prefetcher
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.trainer import LocalTrainer
+from reference_training import random_micro_batches, train_reference
+
+pytestmark = pytest.mark.gpu
+
+SMALL = ModelArch("qwen2", 2048, 512, 1536, 4, 8, 2, 64, qkv_bias=True, rope_theta=1e6)
+
+
+def gpu_config(dtype: str, steps: int, grad_accum: int = 2, **optim):
+    return config_from_dict({
+        "model": {"preset": "tiny-llama", "compute_dtype": dtype},
+        "optim": {"lr": 1e-3, "warmup_steps": 2, "grad_clip": 1.0, **optim},
+        "train": {"steps": steps, "grad_accum": grad_accum},
+        "executor": {"device": "cuda", "loss_chunk_tokens": 1024},
+    })
+
+
+def test_bf16_loss_tracks_the_autocast_reference():
+    config = gpu_config("bfloat16", steps=20)
+    data = random_micro_batches(SMALL, 20, 2, batch=2, seq=256, seed=0)
+    trainer = LocalTrainer(config, SMALL)
+    init = [w.clone() for w in trainer.layer_weights()]
+    ours = [trainer.train_step(step).loss for step in data]
+    trainer.close()
+    ref, _, _ = train_reference(config, SMALL, init, data, device="cuda", autocast_dtype=torch.bfloat16)
+    print("ours", ours, "\nreference", ref)
+    assert ours[-1] < ours[0] - 0.1, "the loss must go down"
+    for a, b in zip(ours, ref):
+        assert a == pytest.approx(b, rel=0.02)
+
+
+def peak_bytes(num_layers: int) -> int:
+    arch = SMALL.replace(num_layers=num_layers, hidden_size=1024, intermediate_size=4096, num_heads=16, vocab_size=8192)
+    trainer = LocalTrainer(gpu_config("bfloat16", steps=2, grad_accum=1), arch)
+    data = random_micro_batches(arch, 2, 1, batch=1, seq=512, seed=0)
+    peaks = [trainer.train_step(step).peak_device_bytes for step in data]
+    trainer.close()
+    del trainer
+    torch.cuda.empty_cache()
+    return max(peaks)
+
+
+def test_device_memory_is_a_window_not_the_model():
+    p8, p32 = peak_bytes(8), peak_bytes(32)
+    print(f"peak GPU memory: 8 layers {p8 / 2**20:.1f} MiB, 32 layers {p32 / 2**20:.1f} MiB")
+    assert p32 <= 1.15 * p8
+
+
+class SlowComputePrefetcher(Prefetcher):
+    """Every compute starts with a long GPU sleep: a refill that did not wait would corrupt it."""
+
+    def acquire(self, pos):
+        slot = super().acquire(pos)
+        torch.cuda._sleep(2_000_000)
+        return slot
+
+
+def test_a_slow_compute_never_reads_a_refilled_slot():
+    def train(slow: bool):
+        config = gpu_config("float32", steps=2)
+        trainer = LocalTrainer(config, SMALL)
+        if slow:
+            trainer.executor.prefetcher.__class__ = SlowComputePrefetcher
+        for step in random_micro_batches(SMALL, 2, 2, batch=1, seq=128, seed=0):
+            trainer.train_step(step)
+        weights = [w.clone() for w in trainer.layer_weights()]
+        trainer.close()
+        return weights
+
+    for fast, slow in zip(train(False), train(True)):
+        assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-6)
