@@ -87,6 +87,7 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
     keep: int = 2
     dir: str | None = None  # default: <output_dir>/checkpoints
+    transport: str = "shared"  # shared: stores write to dir (shared storage); driver: stores send shards to the driver
     export_hf: bool = True
     export_dtype: str = "float32"
 
@@ -228,6 +229,7 @@ def validate(config: Config) -> None:
         (config.optim.grad_clip >= 0, "optim.grad_clip must be >= 0"),
         (0 <= config.optim.min_lr_ratio <= 1, "optim.min_lr_ratio must be within [0, 1]"),
         (config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
+        (config.checkpoint.transport in ("shared", "driver"), "checkpoint.transport must be shared or driver"),
         (config.checkpoint.export_dtype in ("float32", "bfloat16"), "checkpoint.export_dtype must be float32 or bfloat16"),
     ]
     for ok, message in checks:

@@ -142,6 +142,8 @@ class TransferStats:
     d2h_seconds: float = 0.0
     prefetch_wait_s: float = 0.0
     copies: int = 0
+    compute_events: list = field(default_factory=list)  # (start, end) of each unit's compute on CUDA
+    compute_seconds: float = 0.0  # measured directly on the CPU
 
 
 class Prefetcher:
@@ -325,18 +327,18 @@ class StepResult:
     d2h_bytes: int
     h2d_gbps: float  # achieved while copying
     d2h_gbps: float
-    prefetch_wait_s: float
+    prefetch_wait_s: float  # host blocked until a layer's optimizer update had landed
+    compute_s: float  # device busy computing; the rest of `seconds` is exposed waiting
     weight_copies: int
     peak_device_bytes: int
 
 
 def _to_device(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: torch.as_tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: torch.tensor(v).to(device, non_blocking=True) for k, v in batch.items()}  # batches are small
 
 
 def _target_tokens(batch: dict) -> int:
-    labels = batch["labels"]
-    return int((torch.as_tensor(labels) != llama.IGNORE_INDEX).sum())
+    return int((batch["labels"] != llama.IGNORE_INDEX).sum())
 
 
 def _leaf(buffer: torch.Tensor) -> torch.Tensor:
@@ -373,6 +375,18 @@ class StreamingExecutor:
         order = self.units + list(reversed(self.units[:-1]))
         return order, [layer for unit in order for layer in unit.layers]
 
+    @contextlib.contextmanager
+    def _computing(self):
+        """Time one unit's compute: on CUDA between events recorded after its slot waits."""
+        s = self.streams
+        start, t0 = s.record(s.compute, timing=True), time.perf_counter()
+        yield
+        end = s.record(s.compute, timing=True)
+        if s.cuda:
+            self.stats.compute_events.append((start, end))
+        else:
+            self.stats.compute_seconds += time.perf_counter() - t0
+
     def _views(self, slot_or_leaf: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         return self.layouts[layer].views(slot_or_leaf)
 
@@ -400,7 +414,7 @@ class StreamingExecutor:
         x: list[torch.Tensor] = [mb["input_ids"] for mb in mbs]
         for unit in self.units[:-1]:
             slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
-            with torch.no_grad():
+            with torch.no_grad(), self._computing():
                 weights = self._views(slots[0].buffer, unit.layers[0])
                 saved.append(x)
                 x = [self._forward(unit, weights, xi, rope) for xi, rope in zip(x, ropes)]
@@ -409,7 +423,8 @@ class StreamingExecutor:
 
         head = self.units[-1]
         slots = [self.prefetcher.acquire(next(cursor)) for _ in head.layers]
-        loss, dy = self._head_backward(head, slots, x, mbs, scale)
+        with self._computing():
+            loss, dy = self._head_backward(head, slots, x, mbs, scale)
         for slot in slots:
             self.prefetcher.release(slot)
         self.grads.send(head.layers[0])
@@ -417,7 +432,8 @@ class StreamingExecutor:
 
         for unit in reversed(self.units[:-1]):
             slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
-            dy = self._block_backward(unit, slots[0], saved.pop(), dy, ropes)
+            with self._computing():
+                dy = self._block_backward(unit, slots[0], saved.pop(), dy, ropes)
             for slot in slots:
                 self.prefetcher.release(slot)
             self.grads.send(unit.layers[0])
@@ -482,8 +498,9 @@ class StreamingExecutor:
             h2d_s = sum(a.elapsed_time(b) for a, b in st.h2d_events) / 1e3
             d2h_s = sum(a.elapsed_time(b) for a, b in st.d2h_events) / 1e3
             peak = torch.cuda.max_memory_allocated(self.device)
+            compute_s = sum(a.elapsed_time(b) for a, b in st.compute_events) / 1e3
         else:
-            h2d_s, d2h_s, peak = st.h2d_seconds, st.d2h_seconds, 0
+            h2d_s, d2h_s, peak, compute_s = st.h2d_seconds, st.d2h_seconds, 0, st.compute_seconds
         return StepResult(
             loss=loss,
             grad_norm=grad_norm,
@@ -496,6 +513,7 @@ class StreamingExecutor:
             h2d_gbps=st.h2d_bytes / h2d_s / 1e9 if h2d_s > 0 else 0.0,
             d2h_gbps=st.d2h_bytes / d2h_s / 1e9 if d2h_s > 0 else 0.0,
             prefetch_wait_s=st.prefetch_wait_s,
+            compute_s=compute_s,
             weight_copies=st.copies,
             peak_device_bytes=peak,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 from dataclasses import dataclass
 
 import ray
@@ -201,6 +202,13 @@ class ShardStoreActor(ShardStore):
     def shared_paths(self) -> dict[int, tuple[str, str]]:
         return dict(self.shm_paths)
 
+    def host_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.layers.values()
+            for t in (s.master, s.exp_avg, s.exp_avg_sq, s.compute, s.grad)
+        )
+
     def ready(self) -> bool:
         return True
 
@@ -231,6 +239,19 @@ class GpuWorker:
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         return self.executor.train_step(micro_batches, self.schedule.next)
+
+    def profile_step(self, micro_batches: list[dict], out_dir: str) -> StepResult:
+        """One step under torch.profiler: a trace for Perfetto and the top kernels as text."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            result = self.train_step(micro_batches)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(out_dir) / "trace.json"))
+        sort = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+        (Path(out_dir) / "top.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+        return result
 
     def transports(self) -> list[str]:
         return self.kinds

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatrain_ray import checkpoint
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.layout import LayerLayout, model_layouts
 from megatrain_ray.optim import AdamWStep, adamw_update
@@ -143,6 +144,36 @@ class ShardStore:
         self.layers[index].grad.copy_(bytes_tensor(grad, self.compute_dtype))
         self.step_layer(index, hp)
         return self.compute_bytes(index)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+        tensors, steps = {}, {}
+        for i, state in self.layers.items():
+            for key in checkpoint.STATE_KEYS:
+                tensors[checkpoint.tensor_name(i, key)] = getattr(state, key)
+            steps[i] = state.step
+        return tensors, steps
+
+    def save_shard(self, directory: str, name: str) -> dict:
+        """Write this store's layers into a (shared) checkpoint directory."""
+        tensors, steps = self.state_tensors()
+        return checkpoint.write_shard(Path(directory), name, tensors, steps)
+
+    def load_layers(self, files_by_layer: dict[int, str]) -> None:
+        for i, state in self.layers.items():
+            if i not in files_by_layer:
+                raise checkpoint.CheckpointError(f"the checkpoint has no state for layer {i}")
+            tensors, step = checkpoint.read_layer_state(files_by_layer[i], i)
+            for key in checkpoint.STATE_KEYS:
+                target = getattr(state, key)
+                if tensors[key].shape != target.shape:
+                    raise checkpoint.CheckpointError(
+                        f"layer {i} {key} has {tensors[key].numel()} elements in the checkpoint but the model "
+                        f"needs {target.numel()}: the checkpoint is from another model"
+                    )
+                target.copy_(tensors[key])
+            state.compute.copy_(state.master)
+            state.step = step
 
     def close(self) -> None:
         for compute_path, grad_path in self.shm_paths.values():

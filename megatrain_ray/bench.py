@@ -1,0 +1,168 @@
+"""`megatrain-ray bench`: throughput of the streaming trainer through the real Ray path.
+
+Model FLOPs are the usual count: 6 x (parameters doing matmuls) x tokens, plus causal attention
+6 x layers x seq_len x (heads x head_dim) per token (half the full 12, as the mask halves the
+work). Recomputation is not counted as model work, so MFU here is against useful FLOPs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.models.arch import ModelArch, resolve_arch
+
+MEASURED_BF16_PEAK_TFLOPS = 799.0  # 8192^3 bf16 matmul on the H100 machine (DESIGN.md)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2.5-1.5b", help="preset name or a Hugging Face config.json / model dir")
+    p.add_argument("--layers", type=int, default=None, help="override the number of decoder blocks")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--num-slots", type=int, default=3)
+    p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--loss-chunk-tokens", type=int, default=8192)
+    p.add_argument("--peak-tflops", type=float, default=MEASURED_BF16_PEAK_TFLOPS)
+    p.add_argument("--baseline", nargs="*", default=None, metavar="NAME",
+                   help="also run baselines (plain fsdp2_offload deepspeed_offload; none named = all)")
+    p.add_argument("--json", default=None, help="write all results to this JSON file")
+    p.add_argument("--profile", default=None, help="write a torch.profiler trace of one step to this directory")
+
+
+def matmul_params(arch: ModelArch) -> int:
+    """Parameters that take part in a matmul per token: all but the input embedding lookup."""
+    embed = arch.vocab_size * arch.hidden_size
+    return arch.num_params() - (0 if arch.tie_word_embeddings else embed)
+
+
+def model_flops_per_token(arch: ModelArch, seq_len: int) -> float:
+    attention = 6 * arch.num_layers * seq_len * arch.num_heads * arch.head_dim
+    return 6 * matmul_params(arch) + attention
+
+
+def random_micro_batches(arch: ModelArch, seq_len: int, micro_batch: int, grad_accum: int, seed: int):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(grad_accum):
+        ids = rng.integers(0, arch.vocab_size, size=(micro_batch, seq_len + 1), dtype=np.int64)
+        out.append({
+            "input_ids": ids[:, :-1].copy(),
+            "labels": ids[:, 1:].copy(),
+            "position_ids": np.broadcast_to(np.arange(seq_len, dtype=np.int64), (micro_batch, seq_len)).copy(),
+        })
+    return out
+
+
+def bench_config(args):
+    return config_from_dict({
+        "model": {"preset": "tiny-llama", "compute_dtype": args.compute_dtype},
+        "optim": {"lr": 1e-5, "warmup_steps": 0},
+        "train": {"steps": args.warmup + args.steps, "micro_batch_size": args.micro_batch,
+                  "grad_accum": args.grad_accum},
+        "executor": {"device": args.device, "num_slots": args.num_slots, "loss_chunk_tokens": args.loss_chunk_tokens},
+        "runtime": {"object_store_memory": 2 * 1024**3},
+        "data": {"seq_len": args.seq_len},
+    })
+
+
+def run_streaming(arch: ModelArch, args) -> dict:
+    import ray
+
+    from megatrain_ray.runtime import Session, connect
+
+    config = bench_config(args)
+    connect(config.runtime)
+    session = Session(config, arch)
+    print(session.placement.describe(arch), flush=True)
+    t0 = time.perf_counter()
+    session.init_random()
+    session.start_executor()
+    device = ray.get(session.gpu.describe_device.remote())
+    print(f"executor device: {device}; init {time.perf_counter() - t0:.1f} s", flush=True)
+    flops_tok = model_flops_per_token(arch, args.seq_len)
+    rows = []
+    try:
+        for step in range(args.warmup + args.steps):
+            batch = random_micro_batches(arch, args.seq_len, args.micro_batch, args.grad_accum, seed=step)
+            if args.profile and step == args.warmup:
+                r = ray.get(session.gpu.profile_step.remote(batch, args.profile))
+            else:
+                r = session.train_step(batch)
+            row = step_row(r, flops_tok, args.peak_tflops)
+            row["warmup"] = step < args.warmup
+            rows.append(row)
+            print(format_row(step, row), flush=True)
+        host = ray.get([s.host_bytes.remote() for s in session.stores])
+    finally:
+        session.close()
+    timed = [r for r in rows if not r["warmup"]] or rows
+    summary = {k: statistics.median(r[k] for r in timed) for k in timed[0] if isinstance(timed[0][k], (int, float))}
+    summary["host_state_bytes"] = sum(host)
+    return {"device": device, "steps": rows, "median": summary}
+
+
+def step_row(r, flops_per_token: float, peak_tflops: float) -> dict:
+    row = dataclasses.asdict(r)
+    tps = r.tokens / r.seconds
+    row["tokens_per_s"] = tps
+    row["model_tflops"] = tps * flops_per_token / 1e12
+    row["mfu"] = row["model_tflops"] / peak_tflops
+    row["exposed_wait_s"] = max(0.0, r.seconds - r.compute_s)
+    row["peak_gpu_gib"] = r.peak_device_bytes / 2**30
+    return row
+
+
+def format_row(step: int, row: dict) -> str:
+    return (f"step {step}{' (warm-up)' if row['warmup'] else ''}: {row['seconds']:.2f} s, "
+            f"{row['tokens_per_s']:.0f} tok/s, {row['model_tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), "
+            f"loss {row['loss']:.3f}, h2d {row['h2d_gbps']:.1f} GB/s, d2h {row['d2h_gbps']:.1f} GB/s, "
+            f"compute {row['compute_s']:.2f} s, exposed wait {row['exposed_wait_s']:.2f} s "
+            f"(optimizer not hidden {row['prefetch_wait_s']:.2f} s), peak GPU {row['peak_gpu_gib']:.1f} GiB")
+
+
+def main(args) -> int:
+    arch = resolve_arch(args.model)
+    if args.layers:
+        arch = arch.replace(num_layers=args.layers)
+    print(f"bench: {args.model} ({arch.num_params() / 1e9:.2f} B params), seq {args.seq_len}, micro-batch "
+          f"{args.micro_batch} x {args.grad_accum} = {args.seq_len * args.micro_batch * args.grad_accum} tokens/step; "
+          f"model FLOPs = 6 x {matmul_params(arch) / 1e9:.2f} B params x tokens + causal attention "
+          f"6 x layers x seq x heads x head_dim per token; MFU against {args.peak_tflops:.0f} TFLOP/s", flush=True)
+    results = {"args": vars(args), "streaming": run_streaming(arch, args)}
+    if args.baseline is not None:
+        from megatrain_ray.baselines import run_baselines
+
+        names = args.baseline or ["plain", "fsdp2_offload", "deepspeed_offload"]
+        results["baselines"] = [dataclasses.asdict(b) for b in run_baselines(
+            names, arch, args.seq_len, args.micro_batch, args.grad_accum, args.steps, args.warmup)]
+    print_table(results)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+def print_table(results: dict) -> None:
+    m = results["streaming"]["median"]
+    ours = m["tokens_per_s"]
+    print("\n| run | tokens/s | model TFLOP/s | MFU | h2d GB/s | peak GPU GiB | ours / it |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| megatrain-ray | {ours:.0f} | {m['model_tflops']:.0f} | {m['mfu']:.1%} | {m['h2d_gbps']:.1f} | "
+          f"{m['peak_gpu_gib']:.1f} | 1.00 |")
+    for b in results.get("baselines", []):
+        tps = b.get("tokens_per_s") or 0.0
+        ratio = f"{ours / tps:.2f}" if tps else "-"
+        peak = (b.get("peak_gpu_bytes") or 0) / 2**30
+        print(f"| {b['name']} ({b['status']}) | {tps:.0f} | | | | {peak:.1f} | {ratio} |")

@@ -1,0 +1,141 @@
+"""Checkpoints that are never half-valid: shards and metadata into a temporary directory,
+fsynced, renamed into place, and a manifest (with each file's hash) written last.
+
+Each store writes its own layers (master weights and AdamW moments) as safetensors; a store on a
+RAM node writes straight to the checkpoint path when that path is shared storage
+(`checkpoint.transport: shared`), or sends its tensors to the driver, which writes them
+(`checkpoint.transport: driver`). Loading picks each layer from whichever shard holds it, so a
+run may resume on a different split of layers across nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+MANIFEST = "MANIFEST.json"
+META = "meta.json"
+FORMAT_VERSION = 1
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+def tensor_name(layer: int, key: str) -> str:
+    return f"layers.{layer}.{key}"
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    fsync_path(path)
+
+
+def write_shard(directory: Path, name: str, tensors: dict[str, torch.Tensor], steps: dict[int, int]) -> dict:
+    """One store's layers into `directory/name`, fsynced; returns its manifest entry."""
+    path = directory / name
+    save_file(tensors, str(path), metadata={"layer_steps": json.dumps(steps)})
+    fsync_path(path)
+    return {"file": name, "sha256": file_digest(path), "bytes": path.stat().st_size, "layers": sorted(steps)}
+
+
+def new_staging_dir(root: Path, step: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".step-{step:08d}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit(staging: Path, root: Path, step: int, shards: list[dict], meta: dict, keep: int) -> Path:
+    """Metadata, then the manifest, then the rename: only a complete checkpoint gets a final name."""
+    write_json(staging / META, meta)
+    manifest = {"format": FORMAT_VERSION, "step": step, "shards": shards, "meta_sha256": file_digest(staging / META),
+                "written_at": time.time()}
+    write_json(staging / MANIFEST, manifest)
+    fsync_path(staging)
+    final = root / f"step-{step:08d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    fsync_path(root)
+    prune(root, keep)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints (a manifest present), oldest first."""
+    if not root.exists():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / MANIFEST).exists())
+
+
+def prune(root: Path, keep: int) -> None:
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".step-*.tmp-*"):
+        if time.time() - stale.stat().st_mtime > 3600:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def resolve(path_or_latest: str, root: Path) -> Path:
+    if path_or_latest == "latest":
+        found = list_checkpoints(root)
+        if not found:
+            raise CheckpointError(f"--resume latest: no complete checkpoint under {root}")
+        return found[-1]
+    path = Path(path_or_latest)
+    if not (path / MANIFEST).exists():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}); it may be half-written")
+    return path
+
+
+def read_manifest(path: Path, verify: bool = True) -> tuple[dict, dict]:
+    """(manifest, meta), after checking every file's hash against the manifest."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable manifest ({e})") from None
+    if verify:
+        expected = [(s["file"], s["sha256"]) for s in manifest["shards"]] + [(META, manifest["meta_sha256"])]
+        for name, digest in expected:
+            file = path / name
+            if not file.exists():
+                raise CheckpointError(f"checkpoint {path}: {name} is missing")
+            if file_digest(file) != digest:
+                raise CheckpointError(f"checkpoint {path}: {name} is corrupt (its hash does not match the manifest)")
+    meta = json.loads((path / META).read_text())
+    return manifest, meta
+
+
+def shard_files_by_layer(path: Path, manifest: dict) -> dict[int, str]:
+    return {layer: str(path / s["file"]) for s in manifest["shards"] for layer in s["layers"]}
+
+
+def read_layer_state(file: str, layer: int) -> tuple[dict[str, torch.Tensor], int]:
+    with safe_open(file, framework="pt") as f:
+        steps = json.loads(f.metadata()["layer_steps"])
+        return {key: f.get_tensor(tensor_name(layer, key)) for key in STATE_KEYS}, int(steps[str(layer)])

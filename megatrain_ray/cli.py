@@ -1,0 +1,89 @@
+"""megatrain-ray train | plan | bench | export."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatrain_ray.config import ConfigError, load_config
+
+
+def _train(args) -> int:
+    from megatrain_ray.driver import run_training
+
+    config = load_config(args.config, args.set)
+    summary = run_training(config, resume=args.resume)
+    print(f"done: final loss {summary['final_loss']}, checkpoint {summary['checkpoint']}, metrics {summary['metrics']}")
+    return 0
+
+
+def _plan(args) -> int:
+    from megatrain_ray.planner import print_plan
+
+    config = load_config(args.config, args.set)
+    return 0 if print_plan(config) else 1
+
+
+def _bench(args) -> int:
+    from megatrain_ray.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def _export(args) -> int:
+    from megatrain_ray.export import export_checkpoint
+
+    out = export_checkpoint(Path(args.checkpoint), Path(args.out_dir), args.dtype)
+    print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatrain-ray", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p):
+        p.add_argument("config", help="YAML config file")
+        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a setting (repeatable), e.g. --set train.steps=100")
+        return p
+
+    train = with_config(sub.add_parser("train", help="train a model"))
+    train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH|latest",
+                       help="continue from a checkpoint (default: the latest under the run's checkpoint dir)")
+    train.set_defaults(func=_train)
+
+    plan = with_config(sub.add_parser("plan", help="print where memory goes and whether the run fits"))
+    plan.set_defaults(func=_plan)
+
+    bench = sub.add_parser("bench", help="throughput benchmark, optionally beside baselines")
+    from megatrain_ray.bench import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(func=_bench)
+
+    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    export.add_argument("checkpoint")
+    export.add_argument("out_dir")
+    export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    export.set_defaults(func=_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"megatrain-ray: configuration error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if type(e).__name__ in ("CheckpointError", "DataError", "CheckpointMismatch", "PlanError"):
+            print(f"megatrain-ray: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
