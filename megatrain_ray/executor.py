@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from megatrain_ray.models import llama
@@ -264,7 +265,8 @@ class Prefetcher:
 
 
 class GradientSink:
-    def __init__(self, source: LayerSource, streams: Streams, dtype, stats, trace=None):
+    def __init__(self, layouts, source: LayerSource, streams: Streams, dtype, stats, trace=None):
+        self.layouts = layouts
         self.source = source
         self.streams = streams
         self.dtype = dtype
@@ -279,11 +281,14 @@ class GradientSink:
         self.landed.clear()
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=self.streams.device)
 
-    def add(self, layer: int, grad: torch.Tensor) -> None:
-        if layer in self.acc:
-            self.acc[layer].add_(grad)
-        else:
-            self.acc[layer] = grad.to(torch.float32, copy=True)
+    def add(self, layer: int, grads: dict[str, torch.Tensor]) -> None:
+        """Accumulate one micro-batch's per-parameter gradients into the layer's flat fp32 buffer."""
+        fresh = layer not in self.acc
+        if fresh:
+            self.acc[layer] = torch.empty(self.layouts[layer].numel, dtype=torch.float32, device=self.streams.device)
+        views = self.layouts[layer].views(self.acc[layer])
+        for name, g in grads.items():
+            views[name].copy_(g) if fresh else views[name].add_(g)
 
     def send(self, layer: int) -> None:
         """The layer's gradient is complete: fold it into the norm and copy it out, once."""
@@ -334,7 +339,12 @@ class StepResult:
 
 
 def _to_device(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: torch.tensor(v).to(device, non_blocking=True) for k, v in batch.items()}  # batches are small
+    """Ray hands numpy arrays over read-only; batches are small, so copy them."""
+    return {k: _tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _tensor(v) -> torch.Tensor:
+    return torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else torch.as_tensor(v)
 
 
 def _target_tokens(batch: dict) -> int:
@@ -367,7 +377,7 @@ class StreamingExecutor:
         self.stats = TransferStats()
         self.trace = trace
         self.prefetcher = Prefetcher(self.layouts, source, self.streams, compute_dtype, num_slots, self.stats, trace)
-        self.grads = GradientSink(source, self.streams, compute_dtype, self.stats, trace)
+        self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, trace)
 
     # -- schedule -------------------------------------------------------------------------------
     def _schedule(self) -> tuple[list[Unit], list[int]]:
@@ -394,8 +404,8 @@ class StreamingExecutor:
     def train_step(self, micro_batches: list[dict], make_update: Callable[[float], object] | None) -> StepResult:
         """Forward and backward over all micro-batches, then (unless skipped) the layer updates.
 
-        `make_update(grad_norm)` returns the AdamW hyper-parameters for this step, or None to
-        skip the update (a non-finite gradient, say).
+        `make_update(grad_norm)` returns the AdamW hyper-parameters for this step; a step whose
+        loss or gradient is not finite is skipped (the stores only restore their weights).
         """
         t0 = time.perf_counter()
         if self.streams.cuda:
@@ -441,8 +451,8 @@ class StreamingExecutor:
         loss_value = float(loss)  # the one sync of the step
         grad_norm = math.sqrt(float(self.grads.norm_sq))
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-        hp = make_update(grad_norm) if (finite and make_update is not None) else None
-        if hp is not None:
+        if make_update is not None:
+            hp = make_update(grad_norm) if finite else None  # None: skip, only restore the weights
             for layout in self.layouts:  # forward order: the next step's first layers are ready first
                 self.source.update(layout.index, hp, self.grads.landed[layout.index])
         return self._result(t0, loss_value, grad_norm, finite, mbs, target)
@@ -452,11 +462,15 @@ class StreamingExecutor:
             return llama.embed_forward(w, x)
         return llama.block_forward(self.arch, w, x, rope)
 
+    def _bind_leaves(self, slot: Slot, layer: int) -> dict[str, torch.Tensor]:
+        """Each parameter a separate autograd leaf viewing the slot: gradients come back per
+        parameter, with no full-layer zero-fill per view that a single flat leaf would cost."""
+        return {name: _leaf(view) for name, view in self._views(slot.buffer, layer).items()}
+
     def _head_backward(self, unit: Unit, slots: list[Slot], xs, mbs, scale: float):
         """Forward and backward of final norm + LM head together: no recompute for the last layer."""
-        leaves = [_leaf(slot.buffer) for slot in slots]
-        head_w = self._views(leaves[0], unit.layers[0])
-        embed_w = self._views(leaves[1], unit.layers[1]) if len(leaves) > 1 else None
+        bound = [self._bind_leaves(slot, layer) for slot, layer in zip(slots, unit.layers)]
+        head_w, embed_w = bound[0], (bound[1] if len(bound) > 1 else None)
         weight = llama.lm_head_weight(self.arch, head_w, embed_w)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # already the mean
         dxs = []
@@ -464,11 +478,12 @@ class StreamingExecutor:
             x = _leaf(x)
             hidden = llama.final_norm(self.arch, head_w, x)
             loss = llama.chunked_cross_entropy(hidden, weight, mb["labels"], self.loss_chunk_tokens, scale)
-            grads = torch.autograd.grad(loss, [x, *leaves])
+            dx, *grads = torch.autograd.grad(loss, [x] + [t for w in bound for t in w.values()])
             loss_sum += loss.detach()
-            dxs.append(grads[0])
-            for layer, g in zip(unit.layers, grads[1:]):
-                self.grads.add(layer, g)
+            dxs.append(dx)
+            per_param = iter(grads)
+            for layer, w in zip(unit.layers, bound):
+                self.grads.add(layer, {name: next(per_param) for name in w})
         return loss_sum, dxs
 
     def _block_backward(self, unit: Unit, slot: Slot, inputs, dys, ropes):
@@ -476,18 +491,17 @@ class StreamingExecutor:
         dxs = []
         layer = unit.layers[0]
         for x, dy, rope in zip(inputs, dys, ropes):
-            leaf = _leaf(slot.buffer)
-            w = self._views(leaf, layer)
+            w = self._bind_leaves(slot, layer)
             if unit.kind == EMBED:
                 y = llama.embed_forward(w, x)
-                (gw,) = torch.autograd.grad(y, [leaf], dy)
+                grads = torch.autograd.grad(y, list(w.values()), dy)
                 dxs.append(None)
             else:
                 x = _leaf(x)
                 y = llama.block_forward(self.arch, w, x, rope)
-                dx, gw = torch.autograd.grad(y, [x, leaf], dy)
+                dx, *grads = torch.autograd.grad(y, [x, *w.values()], dy)
                 dxs.append(dx)
-            self.grads.add(layer, gw)
+            self.grads.add(layer, dict(zip(w, grads)))
             del y
         return dxs
 

@@ -62,7 +62,10 @@ def adamw_update(
     hp: AdamWStep,
     compute_copy: torch.Tensor | None = None,
 ) -> None:
-    """Update `master` in place from `grad` (any float dtype) and refresh `compute_copy`."""
+    """Update `master` in place from `grad` (any float dtype) and refresh `compute_copy`.
+
+    `grad` may be `compute_copy` itself: each chunk of gradient is read before it is overwritten.
+    """
     if hp.weight_decay:
         for lo, hi in decay_ranges:
             master[lo:hi].mul_(1.0 - hp.lr * hp.weight_decay)

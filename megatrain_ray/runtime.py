@@ -122,7 +122,7 @@ class Placement:
     def describe(self, arch: ModelArch) -> str:
         lines = [
             f"model: {arch.model_type}, {arch.num_layers} blocks, {arch.num_params() / 1e9:.3f} B params, "
-            f"{self.bytes_per_param} host bytes/param (fp32 master + 2 AdamW moments + compute copy + gradient)",
+            f"{self.bytes_per_param} host bytes/param (fp32 master + 2 AdamW moments + compute copy, which the gradient reuses)",
             f"executor on node {self.gpu.ip} ({self.gpu.node_id[:8]}), GPUs there: {self.gpu.gpus:g}",
         ]
         for s in self.stores:
@@ -199,14 +199,18 @@ class ShardStoreActor(ShardStore):
     def layer_ids(self) -> list[int]:
         return list(self.layers)
 
-    def shared_paths(self) -> dict[int, tuple[str, str]]:
+    def shared_paths(self) -> dict[int, str]:
         return dict(self.shm_paths)
+
+    def take_optimizer_seconds(self) -> float:
+        seconds, self.optimizer_seconds = self.optimizer_seconds, 0.0
+        return seconds
 
     def host_bytes(self) -> int:
         return sum(
             t.numel() * t.element_size()
             for s in self.layers.values()
-            for t in (s.master, s.exp_avg, s.exp_avg_sq, s.compute, s.grad)
+            for t in (s.master, s.exp_avg, s.exp_avg_sq, s.compute)
         )
 
     def ready(self) -> bool:

@@ -30,18 +30,15 @@ def cuda_host_unregister(t: torch.Tensor) -> None:
 
 
 class SharedMemorySource:
-    def __init__(self, store, paths: dict[int, tuple[str, str]], numels: dict[int, int], dtype, register: bool):
+    def __init__(self, store, paths: dict[int, str], numels: dict[int, int], dtype, register: bool):
         self.store = store
         self.registered: list[torch.Tensor] = []
         self.w: dict[int, torch.Tensor] = {}
-        self.g: dict[int, torch.Tensor] = {}
-        for layer, (weights_path, grad_path) in paths.items():
-            self.w[layer] = shm_tensor(Path(weights_path), numels[layer], dtype, create=False)
-            self.g[layer] = shm_tensor(Path(grad_path), numels[layer], dtype, create=False)
+        for layer, path in paths.items():
+            self.w[layer] = shm_tensor(Path(path), numels[layer], dtype, create=False)
             if register:
-                for t in (self.w[layer], self.g[layer]):
-                    cuda_host_register(t)
-                    self.registered.append(t)
+                cuda_host_register(self.w[layer])
+                self.registered.append(self.w[layer])
         self.pending: dict[int, ray.ObjectRef] = {}
 
     def weights(self, layer: int) -> torch.Tensor:
@@ -51,7 +48,7 @@ class SharedMemorySource:
         return self.w[layer]
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
-        return self.g[layer]
+        return self.w[layer]  # the gradient lands where the weights were (see store.py)
 
     def update(self, layer: int, hp, gradient_landed) -> None:
         gradient_landed.synchronize()
@@ -72,7 +69,6 @@ class ObjectSource:
         self.store = store
         self.dtype = dtype
         self.w = {layer: pinned_empty(n, dtype) for layer, n in numels.items()}
-        self.g = {layer: pinned_empty(n, dtype) for layer, n in numels.items()}
         self.pending: dict[int, ray.ObjectRef] = {layer: store.compute_bytes.remote(layer) for layer in numels}
 
     def weights(self, layer: int) -> torch.Tensor:
@@ -82,11 +78,11 @@ class ObjectSource:
         return self.w[layer]
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
-        return self.g[layer]
+        return self.w[layer]  # a mirror of the store's buffer, used the same way
 
     def update(self, layer: int, hp, gradient_landed) -> None:
         gradient_landed.synchronize()
-        grad = ray.put(tensor_bytes(self.g[layer]))
+        grad = ray.put(tensor_bytes(self.w[layer]))
         ref = self.store.step_layer_from_bytes.remote(layer, hp, grad)
         ray.wait([ref], timeout=0, fetch_local=True)  # start pulling the new weights when ready
         self.pending[layer] = ref

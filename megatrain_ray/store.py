@@ -1,15 +1,19 @@
 """Host-memory state of a contiguous range of layers, and their optimizer step.
 
-Per layer, four flat buffers: fp32 master weights, AdamW first and second moments (private to
-the store), and two buffers the executor touches: the compute copy (bf16, or fp32 for exact
-tests) it streams in and the gradient (same dtype) it writes back once per step. 12 + 2 x 2 =
-16 bytes per parameter with bf16 compute. The two shared buffers live in pinned memory in
-process, or in /dev/shm files that a GPU actor on the same node maps and registers with CUDA.
+Per layer, four flat buffers: fp32 master weights and AdamW first and second moments (private
+to the store), and the one buffer the executor touches: the compute copy (bf16, or fp32 for exact
+tests). It also receives the layer's gradient: by the time a gradient leaves the device, that
+layer's weights have been read for the last time in the step, and the optimizer reads the
+gradient chunk by chunk before writing the new weights over it. So 12 + 2 = 14 bytes per
+parameter with bf16 compute, which is what lets a 7B model with fp32 AdamW fit in 128 GiB.
+The shared buffer lives in pinned memory in process, or in a /dev/shm file that a GPU actor on
+the same node maps and registers with CUDA.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +29,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def bytes_per_param(compute_dtype: torch.dtype) -> int:
-    """Host bytes each parameter costs: master + two moments in fp32, compute copy + gradient."""
-    return 3 * 4 + 2 * torch.tensor([], dtype=compute_dtype).element_size()
+    """Host bytes each parameter costs: master + two moments in fp32, the compute/gradient copy."""
+    return 3 * 4 + torch.tensor([], dtype=compute_dtype).element_size()
 
 
 @dataclass
@@ -35,8 +39,7 @@ class LayerState:
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    compute: torch.Tensor  # read by the executor
-    grad: torch.Tensor  # written by the executor
+    compute: torch.Tensor  # weights the executor reads, then the gradient it writes back
     step: int = 0
 
 
@@ -82,29 +85,27 @@ class ShardStore:
     ):
         self.arch = arch
         self.compute_dtype = compute_dtype
-        self.shm_paths: dict[int, tuple[str, str]] = {}
+        self.shm_paths: dict[int, str] = {}
         self._shm_dir = Path(shm_dir) if shm_dir else None
         self._run_id = run_id
         layouts = model_layouts(arch)
         self.layers: dict[int, LayerState] = {i: self._allocate(layouts[i]) for i in layers}
+        self.optimizer_seconds = 0.0  # summed over steps, for the benchmark's time split
 
     def _allocate(self, layout: LayerLayout) -> LayerState:
         n = layout.numel
         if self._shm_dir is not None:
-            base = self._shm_dir / f"megatrain-{self._run_id}-{os.getpid()}-layer{layout.index}"
-            compute_path, grad_path = Path(f"{base}.weights"), Path(f"{base}.grad")
-            compute = shm_tensor(compute_path, n, self.compute_dtype, create=True)
-            grad = shm_tensor(grad_path, n, self.compute_dtype, create=True)
-            self.shm_paths[layout.index] = (str(compute_path), str(grad_path))
+            path = self._shm_dir / f"megatrain-{self._run_id}-{os.getpid()}-layer{layout.index}"
+            compute = shm_tensor(path, n, self.compute_dtype, create=True)
+            self.shm_paths[layout.index] = str(path)
         else:
-            compute, grad = pinned_empty(n, self.compute_dtype), pinned_empty(n, self.compute_dtype)
+            compute = pinned_empty(n, self.compute_dtype)
         return LayerState(
             layout,
             master=torch.empty(n, dtype=torch.float32),
             exp_avg=torch.zeros(n, dtype=torch.float32),
             exp_avg_sq=torch.zeros(n, dtype=torch.float32),
             compute=compute,
-            grad=grad,
         )
 
     # ---- initial weights -------------------------------------------------------------------
@@ -125,23 +126,31 @@ class ShardStore:
         return sum(s.layout.numel for s in self.layers.values())
 
     # ---- the step ----------------------------------------------------------------------------
-    def step_layer(self, index: int, hp: AdamWStep) -> int:
-        """AdamW on one layer from the gradient the executor wrote; publishes new compute weights."""
+    def step_layer(self, index: int, hp: AdamWStep | None) -> int:
+        """AdamW on one layer from the gradient the executor wrote; publishes new compute weights.
+
+        hp None skips the update (a non-finite step) and only puts the weights back.
+        """
+        t0 = time.perf_counter()
         state = self.layers[index]
+        if hp is None:
+            state.compute.copy_(state.master)
+            return index
         adamw_update(
-            state.master, state.grad, state.exp_avg, state.exp_avg_sq,
+            state.master, state.compute, state.exp_avg, state.exp_avg_sq,
             state.layout.decay_ranges(), hp, compute_copy=state.compute,
         )
         state.step = hp.step
+        self.optimizer_seconds += time.perf_counter() - t0
         return index
 
     # ---- cross-node transport: raw bytes, since numpy has no bfloat16 ------------------------
     def compute_bytes(self, index: int) -> np.ndarray:
         return tensor_bytes(self.layers[index].compute)
 
-    def step_layer_from_bytes(self, index: int, hp: AdamWStep, grad: np.ndarray) -> np.ndarray:
+    def step_layer_from_bytes(self, index: int, hp: AdamWStep | None, grad: np.ndarray) -> np.ndarray:
         """For stores on other nodes: the gradient arrives as an object, new weights leave as one."""
-        self.layers[index].grad.copy_(bytes_tensor(grad, self.compute_dtype))
+        self.layers[index].compute.copy_(bytes_tensor(grad, self.compute_dtype))
         self.step_layer(index, hp)
         return self.compute_bytes(index)
 
@@ -176,9 +185,8 @@ class ShardStore:
             state.step = step
 
     def close(self) -> None:
-        for compute_path, grad_path in self.shm_paths.values():
-            for path in (compute_path, grad_path):
-                Path(path).unlink(missing_ok=True)
+        for path in self.shm_paths.values():
+            Path(path).unlink(missing_ok=True)
         self.shm_paths.clear()
 
 

@@ -52,7 +52,7 @@ class LocalSource:
         return self.owner[layer].layers[layer].compute
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
-        return self.owner[layer].layers[layer].grad
+        return self.owner[layer].layers[layer].compute  # see store.py: the gradient lands there
 
     def update(self, layer: int, hp: AdamWStep, gradient_landed) -> None:
         self.pending[layer] = self.pool.submit(self._step, layer, hp, gradient_landed)

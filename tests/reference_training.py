@@ -10,14 +10,22 @@ from megatrain_ray.models.reference import ReferenceModel
 from megatrain_ray.optim import lr_factor
 
 
-def random_micro_batches(arch: ModelArch, steps: int, grad_accum: int, batch: int, seq: int, seed: int):
-    """Token batches with shifted labels, a few ignored positions, positions from 0."""
+def random_micro_batches(arch: ModelArch, steps: int, grad_accum: int, batch: int, seq: int, seed: int,
+                         distinct: int | None = None):
+    """Token batches with shifted labels, a few ignored positions, positions from 0.
+
+    With `distinct`, rows are drawn from that many fixed sequences: data a model can learn.
+    """
     gen = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, arch.vocab_size, (distinct, seq + 1), generator=gen) if distinct else None
     out = []
     for _ in range(steps):
         step = []
         for _ in range(grad_accum):
-            ids = torch.randint(0, arch.vocab_size, (batch, seq + 1), generator=gen)
+            if pool is None:
+                ids = torch.randint(0, arch.vocab_size, (batch, seq + 1), generator=gen)
+            else:
+                ids = pool[torch.randint(0, distinct, (batch,), generator=gen)]
             labels = ids[:, 1:].clone()
             labels[torch.rand(labels.shape, generator=gen) < 0.1] = -100
             step.append({

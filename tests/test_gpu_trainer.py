@@ -25,14 +25,14 @@ def gpu_config(dtype: str, steps: int, grad_accum: int = 2, **optim):
 
 def test_bf16_loss_tracks_the_autocast_reference():
     config = gpu_config("bfloat16", steps=20)
-    data = random_micro_batches(SMALL, 20, 2, batch=2, seq=256, seed=0)
+    data = random_micro_batches(SMALL, 20, 2, batch=2, seq=256, seed=0, distinct=4)
     trainer = LocalTrainer(config, SMALL)
     init = [w.clone() for w in trainer.layer_weights()]
     ours = [trainer.train_step(step).loss for step in data]
     trainer.close()
     ref, _, _ = train_reference(config, SMALL, init, data, device="cuda", autocast_dtype=torch.bfloat16)
     print("ours", ours, "\nreference", ref)
-    assert ours[-1] < ours[0] - 0.1, "the loss must go down"
+    assert ours[-1] < ours[0] - 1.0, "the loss must go down"
     for a, b in zip(ours, ref):
         assert a == pytest.approx(b, rel=0.02)
 
