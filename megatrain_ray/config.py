@@ -41,6 +41,10 @@ class DataConfig:
     truncate: bool = True
     shuffle: bool = True
     add_eos: bool = True
+    eos_token_id: int | None = None  # overrides the EOS found in the tokenizer ("</s>", "<|endoftext|>", ...)
+    shuffle_buffer: int = 1024  # documents held for the streaming shuffle (bounds memory)
+    read_batch_rows: int = 256  # rows read (and tokenized) at a time from a file
+    synthetic_docs: int = 4096  # documents per epoch of the synthetic source
 
 
 @dataclass(frozen=True)
