@@ -365,10 +365,11 @@ def sft_documents(batch: RowBatch, fmt: str, encoder: TextEncoder, vocab_size: i
 
 
 def synthetic_documents(cfg: DataConfig, vocab_size: int, seed: int, epoch: int) -> Iterator[Document]:
-    """Counting sequences and repeated short patterns over a small alphabet: a tiny model learns them
-    in a few steps (unigrams at once, bigrams and copying soon after). Lengths vary so packing matters."""
+    """Counting sequences (step 1 or 2) and repeated short patterns (period 2-8) over the first 64 token
+    ids: a tiny model learns them in a few steps (unigrams at once, bigrams and copying soon after).
+    Lengths vary so that packing matters. Without data.shuffle every epoch holds the same documents."""
     rng = np.random.default_rng([seed, epoch if cfg.shuffle else 0, 2])
-    alphabet = min(vocab_size, 256)
+    alphabet = min(vocab_size, 64)
     low = max(2, cfg.seq_len // 4)
     for i in range(cfg.synthetic_docs):
         n = int(rng.integers(low, cfg.seq_len + 1))

@@ -386,3 +386,22 @@ def test_data_position_round_trip_and_validation():
     assert DataPosition.from_dict(json.loads(json.dumps(p.to_dict()))) == p
     with pytest.raises(DataError):
         DataPosition.from_dict({"epoch": -1, "index": 0})
+
+
+def test_json_array_gzip_jsonl_and_int32_columns(tmp_path, tokenizer_path):
+    import gzip
+
+    (tmp_path / "alpaca.json").write_text(json.dumps([{"instruction": "hello", "input": "", "output": "yes"}]))
+    with gzip.open(tmp_path / "chat.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"instruction": "hello", "output": "yes"}) + "\n")
+    rows = []
+    for name in ("alpaca.json", "chat.jsonl.gz"):
+        cfg = DataConfig(source=str(tmp_path / name), tokenizer=tokenizer_path, seq_len=12, pack=False)
+        rows.append(flat_rows(take(build_dataset(cfg, len(WORDS), seed=0), 1))[0])
+    assert rows[0]["input_ids"].tolist() == rows[1]["input_ids"].tolist()
+    assert trained_tokens(rows[0]) == ids("yes </s>")
+    table = pa.table({"input_ids": pa.array([[1, 2, 3]], pa.list_(pa.int32())),
+                      "loss_mask": pa.array([[False, True, True]], pa.list_(pa.bool_()))})
+    pq.write_table(table, tmp_path / "i32.parquet")
+    row = flat_rows(take(build_dataset(DataConfig(source=str(tmp_path / "i32.parquet"), seq_len=4), 10, seed=0), 1))[0]
+    assert row["input_ids"].tolist() == [1, 2, 3, 0] and row["labels"].tolist() == [2, 3, -100, -100]
