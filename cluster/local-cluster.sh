@@ -1,0 +1,293 @@
+#!/usr/bin/env bash
+# A Ray cluster of one head plus N "RAM nodes" (raylets offering the custom resource
+# megatrain_ram) on THIS machine, to try the multi-node path of megatrain-ray without a cluster.
+# Everything listens on 127.0.0.1 only; every port is picked free at start, so it does not
+# collide with another Ray instance on the machine (nor with the default 6379/8265/10001).
+#
+#   cluster/local-cluster.sh start [N] [--num-cpus C] [--ram-node-cpus C] [--num-gpus G]
+#                                      [--memory-per-node BYTES] [--object-store-memory BYTES]
+#   cluster/local-cluster.sh status
+#   cluster/local-cluster.sh stop [--keep-logs]
+#
+#   N                       RAM nodes besides the head (default 2)
+#   --num-cpus C            CPUs the head offers (default: all cores)
+#   --ram-node-cpus C       CPUs each RAM node offers (default 1: a store actor needs one)
+#   --num-gpus G            GPUs the head offers (default: what Ray detects); RAM nodes get 0,
+#                           so the GPU actor always lands on the head
+#   --memory-per-node BYTES Ray's logical `memory` resource of each node (default: Ray's own)
+#   --object-store-memory BYTES
+#                           plasma store size of each node (default: 30% of free /dev/shm split
+#                           over the nodes, at most 2 GiB each, at least 100 MB)
+#
+# Environment: MEGATRAIN_CLUSTER_DIR (state, logs, Ray temp dirs; default /tmp/megatrain-cluster),
+# RAY (the ray executable; default .venv/bin/ray of this checkout, else `ray` on PATH).
+#
+# Each node runs as `ray start --block` in a session of its own; `stop` ends exactly those
+# process groups (never `ray stop`, which would also stop any other Ray on the machine).
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/.." && pwd)
+state=${MEGATRAIN_CLUSTER_DIR:-/tmp/megatrain-cluster}
+if [[ -n ${RAY:-} ]]; then
+  ray_bin=$RAY
+elif [[ -x $repo/.venv/bin/ray ]]; then
+  ray_bin=$repo/.venv/bin/ray
+else
+  ray_bin=$(command -v ray || true)
+fi
+[[ -n $ray_bin && -x $ray_bin ]] || { echo "error: no ray executable (set RAY=/path/to/ray)" >&2; exit 1; }
+py_bin=$(dirname "$ray_bin")/python
+# Ray job entrypoints (`ray job submit -- megatrain-ray train ...`) run with the nodes' PATH: put
+# the environment that holds ray (and megatrain-ray) first.
+export PATH="$(cd "$(dirname "$ray_bin")" && pwd):$PATH"
+[[ -x $py_bin ]] || py_bin=$(command -v python3)
+export RAY_USAGE_STATS_ENABLED=0
+# Ray >= 2.5x turns token authentication on for `ray start --head` when ~/.ray/auth_token exists,
+# but not for the nodes that join, which then cannot reach the GCS. Make the mode explicit and the
+# same everywhere: off by default (everything here is on one machine), or export RAY_AUTH_MODE=token
+# (with the token in ~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH) to keep it on; the
+# drivers then need the same variables.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+# `stop` sends SIGTERM; a node would then "drain" for up to 30 s. Nothing here needs that.
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
+
+die() { echo "error: $*" >&2; exit 1; }
+log() { echo "[local-cluster] $*"; }
+
+# free_ports K: K distinct free TCP ports on 127.0.0.1, one per line (all held while choosing).
+free_ports() {
+  "$py_bin" - "$1" <<'EOF'
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print("\n".join(str(s.getsockname()[1]) for s in socks))
+for s in socks:
+    s.close()
+EOF
+}
+
+pgid_alive() { kill -0 -- "-$1" 2>/dev/null; }
+
+# Pids of processes (ours) whose command line names our state directory: stragglers that left
+# their node's process group (Ray workers, agents).
+stray_pids() {
+  local p
+  for p in /proc/[0-9]*; do
+    p=${p#/proc/}
+    [[ $p == "$$" || $p == "$BASHPID" ]] && continue
+    if tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -qF -- "$state/"; then
+      echo "$p"
+    fi
+  done
+}
+
+running() {
+  [[ -f $state/cluster.env && -f $state/n0.pgid ]] && pgid_alive "$(cat "$state/n0.pgid")"
+}
+
+# count_ram_nodes GCS_ADDRESS: "ALIVE_NODES RAM_NODES" as Ray's GCS sees them.
+count_nodes() {
+  RAY_ADDRESS=$1 "$py_bin" - <<'EOF' 2>/dev/null
+import logging, os, ray
+ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.ERROR, log_to_driver=False)
+alive = [n for n in ray.nodes() if n["Alive"]]
+print(len(alive), sum(1 for n in alive if n["Resources"].get("megatrain_ram", 0) > 0))
+ray.shutdown()
+EOF
+}
+
+stop_cluster() {
+  local keep_logs=${1:-0} f pgid i
+  [[ -d $state ]] || { log "not running (no $state)"; return 0; }
+  # RAM nodes first, the head last.
+  for f in $(ls -r "$state"/n*.pgid 2>/dev/null); do
+    pgid=$(cat "$f")
+    if pgid_alive "$pgid"; then
+      log "stopping $(basename "$f" .pgid) (process group $pgid)"
+      kill -TERM -- "-$pgid" 2>/dev/null || true
+    fi
+  done
+  for f in "$state"/n*.pgid; do
+    [[ -f $f ]] || continue
+    pgid=$(cat "$f")
+    for i in $(seq 1 200); do pgid_alive "$pgid" || break; sleep 0.2; done
+    if pgid_alive "$pgid"; then
+      log "process group $pgid still alive after 40 s: SIGKILL"
+      kill -KILL -- "-$pgid" 2>/dev/null || true
+    fi
+    rm -f "$f"
+  done
+  local strays
+  strays=$(stray_pids)
+  if [[ -n $strays ]]; then
+    log "ending stray processes: $(echo $strays)"
+    for i in $strays; do kill -TERM "$i" 2>/dev/null || true; done
+    sleep 2
+    for i in $(stray_pids); do kill -KILL "$i" 2>/dev/null || true; done
+  fi
+  rm -f "$state/cluster.env"
+  if [[ $keep_logs == 1 ]]; then
+    log "stopped; logs kept in $state"
+  else
+    rm -rf "$state"
+    log "stopped"
+  fi
+}
+
+start_cluster() {
+  local n=2 head_cpus ram_cpus=1 gpus="" mem="" osm=""
+  head_cpus=$(nproc)
+  while [[ $# -gt 0 ]]; do
+    case $1 in
+      --num-cpus) head_cpus=$2; shift 2 ;;
+      --num-cpus=*) head_cpus=${1#*=}; shift ;;
+      --ram-node-cpus) ram_cpus=$2; shift 2 ;;
+      --ram-node-cpus=*) ram_cpus=${1#*=}; shift ;;
+      --num-gpus) gpus=$2; shift 2 ;;
+      --num-gpus=*) gpus=${1#*=}; shift ;;
+      --memory-per-node) mem=$2; shift 2 ;;
+      --memory-per-node=*) mem=${1#*=}; shift ;;
+      --object-store-memory) osm=$2; shift 2 ;;
+      --object-store-memory=*) osm=${1#*=}; shift ;;
+      -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}"; exit 0 ;;
+      [0-9]*) n=$1; shift ;;
+      *) die "unknown argument: $1" ;;
+    esac
+  done
+  [[ $n =~ ^[0-9]+$ ]] || die "N must be a number, got $n"
+  for v in "$head_cpus" "$ram_cpus"; do [[ $v =~ ^[0-9]+$ ]] || die "CPU counts must be integers"; done
+  [[ -z $mem || $mem =~ ^[0-9]+$ ]] || die "--memory-per-node takes bytes"
+  [[ -z $osm || $osm =~ ^[0-9]+$ ]] || die "--object-store-memory takes bytes"
+
+  if running; then
+    die "a local cluster is already running (RAY_ADDRESS=$(grep ^RAY_ADDRESS= "$state/cluster.env" | cut -d= -f2)); run '$0 stop' first"
+  fi
+  [[ -d $state ]] && stop_cluster 0 >/dev/null
+  mkdir -p "$state"
+
+  if [[ -z $osm ]]; then
+    osm=$("$py_bin" -c "
+import os
+s = os.statvfs('/dev/shm'); free = s.f_bavail * s.f_frsize
+print(int(max(100_000_000, min(2 << 30, 0.3 * free / ($n + 1)))))")
+  fi
+
+  # Ports: head GCS, dashboard, client server, then per node: node manager, object manager,
+  # dashboard agent http + grpc, runtime-env agent, metrics.
+  local ports
+  mapfile -t ports < <(free_ports $((3 + 6 * (n + 1))))
+  local gcs_port=${ports[0]} dash_port=${ports[1]} client_port=${ports[2]}
+  local address=127.0.0.1:$gcs_port
+
+  trap 'echo "[local-cluster] start failed; cleaning up" >&2; stop_cluster 1 >&2; exit 1' ERR
+
+  local i k args
+  for i in $(seq 0 "$n"); do
+    k=$((3 + 6 * i))
+    args=(start --block --disable-usage-stats
+          --node-ip-address=127.0.0.1
+          --temp-dir="$state/n$i"
+          --node-manager-port="${ports[k]}" --object-manager-port="${ports[k + 1]}"
+          --dashboard-agent-listen-port="${ports[k + 2]}" --dashboard-agent-grpc-port="${ports[k + 3]}"
+          --runtime-env-agent-port="${ports[k + 4]}" --metrics-export-port="${ports[k + 5]}"
+          --object-store-memory="$osm")
+    [[ -n $mem ]] && args+=(--memory="$mem")
+    if [[ $i == 0 ]]; then
+      args+=(--head --port="$gcs_port" --num-cpus="$head_cpus"
+             --include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-port="$dash_port"
+             --ray-client-server-port="$client_port")
+      [[ -n $gpus ]] && args+=(--num-gpus="$gpus")
+      log "head: $address, $head_cpus CPUs, object store $osm bytes"
+    else
+      args+=(--address="$address" --num-cpus="$ram_cpus" --num-gpus=0
+             --resources='{"megatrain_ram": 1}')
+      log "RAM node $i: $ram_cpus CPU, megatrain_ram=1"
+    fi
+    setsid "$ray_bin" "${args[@]}" >"$state/n$i.log" 2>&1 </dev/null &
+    local pid=$!
+    echo "$pid" >"$state/n$i.pgid"
+    # Wait for this node's `ray start` to report it is up before adding the next one.
+    local t
+    for t in $(seq 1 300); do
+      grep -q -- "--block" "$state/n$i.log" 2>/dev/null && break
+      if ! kill -0 "$pid" 2>/dev/null; then
+        echo "---- $state/n$i.log" >&2; tail -40 "$state/n$i.log" >&2
+        false
+      fi
+      sleep 0.2
+    done
+    if ! grep -q -- "--block" "$state/n$i.log"; then
+      echo "---- $state/n$i.log" >&2; tail -40 "$state/n$i.log" >&2
+      log "node $i did not come up within 60 s"
+      false
+    fi
+  done
+
+  # Every node registered with the GCS?
+  local counts=""
+  for t in $(seq 1 60); do
+    counts=$(count_nodes "$address" || true)
+    [[ $counts == "$((n + 1)) $n" ]] && break
+    sleep 1
+  done
+  if [[ $counts != "$((n + 1)) $n" ]]; then
+    log "expected $((n + 1)) nodes ($n RAM nodes), Ray reports '${counts:-nothing}'"
+    false
+  fi
+  # `ray status` (the autoscaler's view) lags the GCS by a few seconds: wait for it too, so that
+  # what `status` prints right after `start` is complete.
+  if [[ $n -gt 0 ]]; then
+    for t in $(seq 1 30); do
+      "$ray_bin" status --address "$address" 2>/dev/null | grep -q "/$n.0 megatrain_ram" && break
+      sleep 1
+    done
+  fi
+  trap - ERR
+
+  cat >"$state/cluster.env" <<EOF
+RAY_ADDRESS=$address
+RAY_DASHBOARD=http://127.0.0.1:$dash_port
+RAM_NODES=$n
+EOF
+  cat <<EOF
+
+Local Ray cluster up: head + $n RAM nodes (all on 127.0.0.1). Logs: $state/n*.log, $state/n*/session_latest/logs
+
+  # drive it from this machine:
+  export RAY_ADDRESS=$address
+  megatrain-ray train examples/tiny.yaml
+
+  # or as a Ray job (the dashboard's job API):
+  ray job submit --address http://127.0.0.1:$dash_port --working-dir . -- megatrain-ray train examples/tiny.yaml
+
+  dashboard: http://127.0.0.1:$dash_port
+  stop:      $0 stop
+EOF
+}
+
+status_cluster() {
+  if ! running; then
+    log "not running"
+    return 1
+  fi
+  cat "$state/cluster.env"
+  local address
+  address=$(grep ^RAY_ADDRESS= "$state/cluster.env" | cut -d= -f2)
+  "$ray_bin" status --address "$address"
+}
+
+cmd=${1:-}
+[[ $# -gt 0 ]] && shift
+case $cmd in
+  start) start_cluster "$@" ;;
+  stop)
+    keep=0
+    [[ ${1:-} == --keep-logs ]] && keep=1
+    stop_cluster "$keep" ;;
+  status) status_cluster ;;
+  *) sed -n '2,25p' "${BASH_SOURCE[0]}"; exit 2 ;;
+esac
