@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run baselines (plain fsdp2_offload deepspeed_offload; none named = all)")
     p.add_argument("--json", default=None, help="write all results to this JSON file")
     p.add_argument("--profile", default=None, help="write a torch.profiler trace of one step to this directory")
+    p.add_argument("--parts", action="store_true",
+                   help="instead of training: time one decoder layer's fwd+bwd on the device (eager and compiled) "
+                        "and the host AdamW on one layer, the two ceilings the step is built from")
 
 
 def matmul_params(arch: ModelArch) -> int:
@@ -80,7 +83,7 @@ def bench_config(args):
 def run_streaming(arch: ModelArch, args) -> dict:
     import ray
 
-    from megatrain_ray.runtime import Session, connect
+    from megatrain_ray.runtime import Session, available_memory, connect
 
     config = bench_config(args)
     connect(config.runtime)
@@ -106,12 +109,14 @@ def run_streaming(arch: ModelArch, args) -> dict:
                 ray.get([s.take_optimizer_seconds.remote() for s in session.stores])
                 t_timed = time.perf_counter()
             row["warmup"] = step < args.warmup
+            row["driver_node_available_gib"] = available_memory() / 2**30  # no actor call: it would wait for the optimizer
             rows.append(row)
             print(format_row(step, row), flush=True)
         session.drain()  # the last step's updates belong to the timed work
         wall = time.perf_counter() - t_timed
         optimizer_s = sum(ray.get([s.take_optimizer_seconds.remote() for s in session.stores]))
         host = ray.get([s.host_bytes.remote() for s in session.stores])
+        memory = ray.get([s.memory_status.remote() for s in session.stores])
     finally:
         session.close()
     timed = [r for r in rows if not r["warmup"]]
@@ -123,6 +128,7 @@ def run_streaming(arch: ModelArch, args) -> dict:
     summary["mfu"] = summary["model_tflops"] / args.peak_tflops
     summary["optimizer_s_per_step"] = optimizer_s / len(timed)
     summary["host_state_bytes"] = sum(host)
+    summary["store_memory"] = memory
     print(f"timed: {len(timed)} steps, {tokens} tokens in {wall:.2f} s; host optimizer {optimizer_s / len(timed):.2f} s "
           f"per step (overlapped with the next forward where it can be)", flush=True)
     return {"device": device, "steps": rows, "median": summary}
@@ -144,7 +150,8 @@ def format_row(step: int, row: dict) -> str:
             f"{row['tokens_per_s']:.0f} tok/s, {row['model_tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), "
             f"loss {row['loss']:.3f}, h2d {row['h2d_gbps']:.1f} GB/s, d2h {row['d2h_gbps']:.1f} GB/s, "
             f"compute {row['compute_s']:.2f} s, exposed wait {row['exposed_wait_s']:.2f} s "
-            f"(of it waiting for the host optimizer {row['prefetch_wait_s']:.2f} s), peak GPU {row['peak_gpu_gib']:.1f} GiB")
+            f"(of it waiting for the host optimizer {row['prefetch_wait_s']:.2f} s), peak GPU {row['peak_gpu_gib']:.1f} GiB, "
+            f"host available {row['driver_node_available_gib']:.1f} GiB")
 
 
 def main(args) -> int:
@@ -157,6 +164,9 @@ def main(args) -> int:
           f"{args.micro_batch} x {args.grad_accum} = {args.seq_len * args.micro_batch * args.grad_accum} tokens/step; "
           f"model FLOPs = 6 x {matmul_params(arch) / 1e9:.2f} B params x tokens + causal attention "
           f"6 x layers x seq x heads x head_dim per token; MFU against {args.peak_tflops:.0f} TFLOP/s", flush=True)
+    if args.parts:
+        print(json.dumps(bench_parts(arch, args), indent=2))
+        return 0
     results = {"args": vars(args), "streaming": run_streaming(arch, args)}
     if args.baseline is not None:
         from megatrain_ray.baselines import run_baselines
@@ -183,3 +193,59 @@ def print_table(results: dict) -> None:
         ratio = f"{ours / tps:.2f}" if tps else "-"
         peak = (b.get("peak_gpu_bytes") or 0) / 2**30
         print(f"| {b['name']} ({b['status']}) | {tps:.0f} | | | | {peak:.1f} | {ratio} |")
+
+
+def _median_seconds(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_parts(arch: ModelArch, args) -> dict:
+    """Per-layer compute ceiling (forward + backward, no recompute) and the host optimizer rate."""
+    import torch
+
+    from megatrain_ray.models import llama
+    from megatrain_ray.models.layout import model_layouts
+    from megatrain_ray.optim import AdamWStep, adamw_update
+
+    device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dtype = torch.bfloat16 if args.compute_dtype == "bfloat16" else torch.float32
+    layout = model_layouts(arch)[1]
+    flat = (torch.randn(layout.numel, device=device) * 0.02).to(dtype)
+    weights = {k: v.requires_grad_() for k, v in {n: t.detach().clone() for n, t in layout.views(flat).items()}.items()}
+    b, t = args.micro_batch, args.seq_len
+    x = torch.randn(b, t, arch.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    pos = torch.arange(t, device=device).expand(b, t)
+    rope = llama.rope_context(arch, pos, dtype)
+    dy = torch.randn_like(x)
+    layer_flops = 6 * layout.numel * b * t + 6 * t * arch.num_heads * arch.head_dim * b * t  # fwd + bwd
+
+    def fwd_bwd(fn):
+        def run():
+            y = fn(arch, weights, x, rope)
+            torch.autograd.grad(y, [x, *weights.values()], dy)
+        return run
+
+    out = {"device": str(device), "layer_params": layout.numel, "tokens": b * t}
+    eager = _median_seconds(fwd_bwd(llama.block_forward), 5, sync)
+    out["layer_fwd_bwd_eager_tflops"] = layer_flops / eager / 1e12
+    if device.type == "cuda":
+        compiled = torch.compile(llama.block_forward, dynamic=False)
+        secs = _median_seconds(fwd_bwd(compiled), 5, sync)
+        out["layer_fwd_bwd_compiled_tflops"] = layer_flops / secs / 1e12
+    n = layout.numel
+    master, m, v = torch.randn(n) * 0.02, torch.zeros(n), torch.zeros(n)
+    compute = master.to(dtype)
+    hp = AdamWStep(1, 1e-4, 0.5, (0.9, 0.95), 1e-8, 0.1)
+    secs = _median_seconds(lambda: adamw_update(master, compute, m, v, layout.segments(), hp, compute), 3, lambda: None)
+    out["host_adamw_gparams_per_s"] = n / secs / 1e9
+    out["host_threads"] = torch.get_num_threads()
+    return out

@@ -74,6 +74,7 @@ class ExecutorConfig:
     device: str = "auto"  # auto | cuda | cpu
     num_slots: int = 3  # weight slots per layer size on the device (prefetch depth + 1)
     loss_chunk_tokens: int = 4096  # tokens per chunk of the LM-head loss
+    compile: bool = True  # torch.compile the decoder block on CUDA (fuses norms, RoPE, SwiGLU: ~20% faster)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class RuntimeConfig:
     store_on_gpu_node: bool = True
     ram_resource: str = "megatrain_ram"
     shm_dir: str = "/dev/shm"
+    optimizer_threads: int | None = None  # per store; default: the node's cores less two (the GPU actor needs some)
 
 
 @dataclass(frozen=True)

@@ -365,6 +365,7 @@ class StreamingExecutor:
         num_slots: int = 3,
         loss_chunk_tokens: int = 4096,
         trace: list | None = None,
+        compile_blocks: bool = False,
     ):
         self.arch = arch
         self.source = source
@@ -377,6 +378,9 @@ class StreamingExecutor:
         self.stats = TransferStats()
         self.trace = trace
         self.prefetcher = Prefetcher(self.layouts, source, self.streams, compute_dtype, num_slots, self.stats, trace)
+        self.block = llama.block_forward
+        if compile_blocks and self.streams.cuda:
+            self.block = torch.compile(llama.block_forward, dynamic=False)
         self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, trace)
 
     # -- schedule -------------------------------------------------------------------------------
@@ -460,7 +464,7 @@ class StreamingExecutor:
     def _forward(self, unit: Unit, w: dict, x: torch.Tensor, rope: llama.Rope) -> torch.Tensor:
         if unit.kind == EMBED:
             return llama.embed_forward(w, x)
-        return llama.block_forward(self.arch, w, x, rope)
+        return self.block(self.arch, w, x, rope)
 
     def _bind_leaves(self, slot: Slot, layer: int) -> dict[str, torch.Tensor]:
         """Each parameter a separate autograd leaf viewing the slot: gradients come back per
@@ -498,7 +502,7 @@ class StreamingExecutor:
                 dxs.append(None)
             else:
                 x = _leaf(x)
-                y = llama.block_forward(self.arch, w, x, rope)
+                y = self.block(self.arch, w, x, rope)
                 dx, *grads = torch.autograd.grad(y, [x, *w.values()], dy)
                 dxs.append(dx)
             self.grads.add(layer, dict(zip(w, grads)))

@@ -58,37 +58,38 @@ def adamw_update(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    decay_ranges: list[tuple[int, int]],
+    segments: list[tuple[int, int, bool]],
     hp: AdamWStep,
     compute_copy: torch.Tensor | None = None,
 ) -> None:
     """Update `master` in place from `grad` (any float dtype) and refresh `compute_copy`.
 
-    `grad` may be `compute_copy` itself: each chunk of gradient is read before it is overwritten.
+    `segments` are (start, end, decays) ranges of the flat buffer, one per parameter, so that
+    weight decay rides inside the fused kernel instead of costing a pass of its own. `grad` may
+    be `compute_copy` itself: each chunk of gradient is read before it is overwritten.
     """
-    if hp.weight_decay:
-        for lo, hi in decay_ranges:
-            master[lo:hi].mul_(1.0 - hp.lr * hp.weight_decay)
-    n = master.numel()
-    scratch = torch.empty(min(n, CHUNK_ELEMENTS), dtype=torch.float32) if grad.dtype != torch.float32 else None
-    for lo in range(0, n, CHUNK_ELEMENTS):
-        hi = min(n, lo + CHUNK_ELEMENTS)
-        g = grad[lo:hi] if scratch is None else scratch[: hi - lo].copy_(grad[lo:hi])
-        _adam_chunk(master[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi], hp)
-        if compute_copy is not None:
-            compute_copy[lo:hi].copy_(master[lo:hi])
+    scratch = torch.empty(min(master.numel(), CHUNK_ELEMENTS), dtype=torch.float32) if grad.dtype != torch.float32 else None
+    for start, end, decays in segments:
+        wd = hp.weight_decay if decays else 0.0
+        for lo in range(start, end, CHUNK_ELEMENTS):
+            hi = min(end, lo + CHUNK_ELEMENTS)
+            g = grad[lo:hi] if scratch is None else scratch[: hi - lo].copy_(grad[lo:hi])
+            _adam_chunk(master[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi], hp, wd)
+            if compute_copy is not None:
+                compute_copy[lo:hi].copy_(master[lo:hi])
 
 
-def _adam_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hp: AdamWStep) -> None:
+def _adam_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hp: AdamWStep, wd: float) -> None:
     """The clipping factor rides along as the fused kernel's grad_scale (it divides by it)."""
     beta1, beta2 = hp.betas
     if _has_fused_cpu_adamw():
         torch._fused_adamw_(
             [p], [g], [m], [v], [], [torch.tensor(float(hp.step))],
-            lr=hp.lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=hp.eps, amsgrad=False, maximize=False,
+            lr=hp.lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=hp.eps, amsgrad=False, maximize=False,
             grad_scale=torch.tensor(1.0 / hp.grad_scale) if hp.grad_scale != 1.0 else None,
         )
         return
+    p.mul_(1.0 - hp.lr * wd)
     g = g * hp.grad_scale
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)

@@ -68,7 +68,7 @@ class NodeInfo:
     free_bytes: int
 
 
-def _available_memory() -> int:
+def available_memory() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
@@ -76,9 +76,25 @@ def _available_memory() -> int:
     raise RuntimeError("MemAvailable not found in /proc/meminfo")
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _major_faults() -> int:
+    with open("/proc/vmstat") as f:
+        for line in f:
+            if line.startswith("pgmajfault "):
+                return int(line.split()[1])
+    return 0
+
+
 @ray.remote(num_cpus=0)
 def _node_free_memory() -> int:
-    return _available_memory()
+    return available_memory()
 
 
 def _on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
@@ -189,8 +205,8 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo]) -> Pl
 class ShardStoreActor(ShardStore):
     """A ShardStore living in a Ray actor on its node; optimizer threads sized to that node."""
 
-    def __init__(self, *args, **kwargs):
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    def __init__(self, *args, threads: int | None = None, **kwargs):
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - 2))
         super().__init__(*args, **kwargs)
 
     def node_id(self) -> str:
@@ -205,6 +221,10 @@ class ShardStoreActor(ShardStore):
     def take_optimizer_seconds(self) -> float:
         seconds, self.optimizer_seconds = self.optimizer_seconds, 0.0
         return seconds
+
+    def memory_status(self) -> dict:
+        """This process's resident memory and the node's, to spot a host that runs out."""
+        return {"rss_bytes": _resident_bytes(), "node_available_bytes": available_memory(), "major_faults": _major_faults()}
 
     def host_bytes(self) -> int:
         return sum(
@@ -239,7 +259,9 @@ class GpuWorker:
         self.kinds = ["shm" if node == here else "object" for node in store_nodes]
         self.schedule = UpdateSchedule(config.optim, config.train.steps, updates_done)
         ex = config.executor
-        self.executor = StreamingExecutor(arch, self.source, self.device, dtype, ex.num_slots, ex.loss_chunk_tokens)
+        self.executor = StreamingExecutor(
+            arch, self.source, self.device, dtype, ex.num_slots, ex.loss_chunk_tokens, compile_blocks=ex.compile
+        )
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         return self.executor.train_step(micro_batches, self.schedule.next)
@@ -286,7 +308,8 @@ class Session:
         self.stores = [
             ray.remote(ShardStoreActor)
             .options(num_cpus=0, scheduling_strategy=_on_node(plan.node.node_id), name=None)
-            .remote(arch, list(plan.layers), dtype, config.runtime.shm_dir, run_id)
+            .remote(arch, list(plan.layers), dtype, config.runtime.shm_dir, run_id,
+                    threads=config.runtime.optimizer_threads)
             for plan in self.placement.stores
         ]
         ray.get([s.ready.remote() for s in self.stores])

@@ -138,7 +138,7 @@ class ShardStore:
             return index
         adamw_update(
             state.master, state.compute, state.exp_avg, state.exp_avg_sq,
-            state.layout.decay_ranges(), hp, compute_copy=state.compute,
+            state.layout.segments(), hp, compute_copy=state.compute,
         )
         state.step = hp.step
         self.optimizer_seconds += time.perf_counter() - t0

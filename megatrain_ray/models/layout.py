@@ -54,8 +54,9 @@ class LayerLayout:
         """Bind a flat buffer to named tensors: views, never copies."""
         return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.params}
 
-    def decay_ranges(self) -> list[tuple[int, int]]:
-        return [(p.offset, p.offset + p.numel) for p in self.params if p.decays]
+    def segments(self) -> list[tuple[int, int, bool]]:
+        """(start, end, decays) of each parameter, for the optimizer's weight decay."""
+        return [(p.offset, p.offset + p.numel, p.decays) for p in self.params]
 
 
 def _layout(index: int, kind: str, prefix: str, shapes: list[tuple[str, tuple[int, ...]]]) -> LayerLayout:
