@@ -75,6 +75,7 @@ class ExecutorConfig:
     num_slots: int = 3  # weight slots per layer size on the device (prefetch depth + 1)
     loss_chunk_tokens: int = 4096  # tokens per chunk of the LM-head loss
     compile: bool = True  # torch.compile the decoder block on CUDA (fuses norms, RoPE, SwiGLU: ~20% faster)
+    mlp_chunk_tokens: int = 16384  # longer micro-batches run the MLP in checkpointed chunks of this many tokens; 0 = never
 
 
 @dataclass(frozen=True)

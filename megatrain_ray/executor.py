@@ -366,6 +366,7 @@ class StreamingExecutor:
         loss_chunk_tokens: int = 4096,
         trace: list | None = None,
         compile_blocks: bool = False,
+        mlp_chunk_tokens: int = 0,
     ):
         self.arch = arch
         self.source = source
@@ -378,9 +379,10 @@ class StreamingExecutor:
         self.stats = TransferStats()
         self.trace = trace
         self.prefetcher = Prefetcher(self.layouts, source, self.streams, compute_dtype, num_slots, self.stats, trace)
-        self.block = llama.block_forward
+        self.mlp_chunk = mlp_chunk_tokens
+        self.compiled_block = None
         if compile_blocks and self.streams.cuda:
-            self.block = torch.compile(llama.block_forward, dynamic=False)
+            self.compiled_block = torch.compile(llama.block_forward, dynamic=False)
         self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, trace)
 
     # -- schedule -------------------------------------------------------------------------------
@@ -464,12 +466,20 @@ class StreamingExecutor:
     def _forward(self, unit: Unit, w: dict, x: torch.Tensor, rope: llama.Rope) -> torch.Tensor:
         if unit.kind == EMBED:
             return llama.embed_forward(w, x)
-        return self.block(self.arch, w, x, rope)
+        return self._block(w, x, rope)
 
     def _bind_leaves(self, slot: Slot, layer: int) -> dict[str, torch.Tensor]:
         """Each parameter a separate autograd leaf viewing the slot: gradients come back per
         parameter, with no full-layer zero-fill per view that a single flat leaf would cost."""
         return {name: _leaf(view) for name, view in self._views(slot.buffer, layer).items()}
+
+    def _block(self, w: dict, x: torch.Tensor, rope: llama.Rope) -> torch.Tensor:
+        """Compiled when the micro-batch is short enough to need no MLP chunking."""
+        if 0 < self.mlp_chunk < x.shape[0] * x.shape[1]:
+            return llama.block_forward(self.arch, w, x, rope, self.mlp_chunk)
+        if self.compiled_block is not None:
+            return self.compiled_block(self.arch, w, x, rope)
+        return llama.block_forward(self.arch, w, x, rope)
 
     def _head_backward(self, unit: Unit, slots: list[Slot], xs, mbs, scale: float):
         """Forward and backward of final norm + LM head together: no recompute for the last layer."""
@@ -502,7 +512,7 @@ class StreamingExecutor:
                 dxs.append(None)
             else:
                 x = _leaf(x)
-                y = self.block(self.arch, w, x, rope)
+                y = self._block(w, x, rope)
                 dx, *grads = torch.autograd.grad(y, [x, *w.values()], dy)
                 dxs.append(dx)
             self.grads.add(layer, dict(zip(w, grads)))

@@ -21,6 +21,7 @@ from megatrain_ray.executor import StepResult, StreamingExecutor
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.layout import model_layouts
 from megatrain_ray.optim import UpdateSchedule
+from megatrain_ray.planner import check_gpu_fit
 from megatrain_ray.sources import ObjectSource, RoutedSource, SharedMemorySource
 from megatrain_ray.store import DTYPES, ShardStore, bytes_per_param
 from megatrain_ray.trainer import pick_device
@@ -109,6 +110,15 @@ def discover_nodes(cfg: RuntimeConfig) -> list[NodeInfo]:
                  n["Resources"].get(cfg.ram_resource, 0.0) > 0, mem)
         for n, mem in zip(alive, free)
     ]
+
+
+@ray.remote(num_cpus=0, num_gpus=1)
+def _gpu_free_bytes() -> int:
+    return torch.cuda.mem_get_info()[0]
+
+
+def gpu_free_bytes(placement: "Placement") -> int:
+    return ray.get(_gpu_free_bytes.options(scheduling_strategy=_on_node(placement.gpu.node_id)).remote())
 
 
 def gpu_node(nodes: list[NodeInfo], want_cuda: bool) -> NodeInfo:
@@ -243,6 +253,8 @@ class GpuWorker:
     def __init__(self, arch: ModelArch, config: Config, stores: list, store_nodes: list[str], updates_done: int = 0):
         torch.set_num_threads(max(1, os.cpu_count() or 1))
         self.device = pick_device(config.executor.device)
+        if self.device.type == "cuda":  # refuse before allocating anything on the GPU
+            check_gpu_fit(arch, config, torch.cuda.mem_get_info(self.device)[0], torch.cuda.get_device_name(self.device))
         dtype = DTYPES[config.model.compute_dtype]
         here = ray.get_runtime_context().get_node_id()
         layouts = model_layouts(arch)
@@ -260,7 +272,8 @@ class GpuWorker:
         self.schedule = UpdateSchedule(config.optim, config.train.steps, updates_done)
         ex = config.executor
         self.executor = StreamingExecutor(
-            arch, self.source, self.device, dtype, ex.num_slots, ex.loss_chunk_tokens, compile_blocks=ex.compile
+            arch, self.source, self.device, dtype, ex.num_slots, ex.loss_chunk_tokens,
+            compile_blocks=ex.compile, mlp_chunk_tokens=ex.mlp_chunk_tokens,
         )
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:

@@ -83,7 +83,8 @@ class LocalTrainer:
         self.schedule = UpdateSchedule(config.optim, config.train.steps)
         ex = config.executor
         self.executor = StreamingExecutor(
-            arch, self.source, pick_device(ex.device), dtype, ex.num_slots, ex.loss_chunk_tokens, trace, ex.compile
+            arch, self.source, pick_device(ex.device), dtype, ex.num_slots, ex.loss_chunk_tokens, trace, ex.compile,
+            ex.mlp_chunk_tokens,
         )
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:

@@ -113,9 +113,26 @@ def embed_forward(w: Weights, input_ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(input_ids, w["embed_tokens.weight"])
 
 
-def block_forward(arch: ModelArch, w: Weights, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+def block_forward(arch: ModelArch, w: Weights, x: torch.Tensor, rope: Rope, mlp_chunk: int = 0) -> torch.Tensor:
     x = x + attention(arch, w, rms_norm(x, w["input_layernorm.weight"], arch.rms_norm_eps), rope)
-    return x + mlp(w, rms_norm(x, w["post_attention_layernorm.weight"], arch.rms_norm_eps))
+    h = rms_norm(x, w["post_attention_layernorm.weight"], arch.rms_norm_eps)
+    if 0 < mlp_chunk < h.shape[0] * h.shape[1]:
+        return x + chunked_mlp(w, h, mlp_chunk)
+    return x + mlp(w, h)
+
+
+def chunked_mlp(w: Weights, h: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """The MLP over chunks of tokens, each under a checkpoint: for long sequences, the
+    [tokens x intermediate] tensors exist for one chunk at a time, in forward and in backward."""
+    flat = h.reshape(-1, h.shape[-1])
+    outs = []
+    for start in range(0, flat.shape[0], chunk_tokens):
+        piece = flat[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            outs.append(torch.utils.checkpoint.checkpoint(mlp, w, piece, use_reentrant=False))
+        else:
+            outs.append(mlp(w, piece))
+    return torch.cat(outs).view(h.shape)
 
 
 def final_norm(arch: ModelArch, w: Weights, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""What a run needs, where it lives, and whether it fits: before anything is allocated.
+
+GPU memory by use (weight slots, gradient buffers, boundary activations, one layer's working set,
+the loss chunk), host memory per node (from the placement), and a step-time prediction from the
+measured rates of the GPU machine. `megatrain-ray plan` prints it; the GPU actor checks it
+before it allocates its slots and refuses, with what to change, a run that will not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatrain_ray.config import Config, ConfigError
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.layout import model_layouts
+
+GiB = 1024**3
+
+# Rates measured on the H100 machine (DESIGN.md, `megatrain-ray bench --parts`).
+LAYER_TFLOPS = 620e12  # one decoder layer's fwd+bwd, compiled
+H2D_BYTES_PER_S = 50e9  # pinned / registered host memory
+HOST_ADAMW_PARAMS_PER_S = 2.9e9  # fused AdamW inside the pipeline, 14 threads
+# bytes per element of a loss chunk's [tokens x vocab] tensors at their peak (bf16 logits, fp32
+# log-softmax and its gradient, not all alive at once), fitted to measured peaks
+LOSS_BYTES_PER_LOGIT = 6
+# a decoder layer's saved tensors during its recompute + backward, per token: the norms' fp32
+# copies, q/k/v/attention output, the MLP's gate/up/act/product (fitted, in compute-dtype units)
+WORKING_SET_PER_TOKEN = (16, 4)  # x hidden_size, x intermediate_size (or the MLP chunk)
+ALLOCATOR_SLACK = 0.08  # the caching allocator's rounding and fragmentation, measured 5-15%
+
+
+class PlanError(ValueError):
+    """A run that will not fit; the message says what to change."""
+
+
+@dataclass
+class GpuPlan:
+    by_use: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_use.values())
+
+
+def dtype_bytes(config: Config) -> int:
+    return 2 if config.model.compute_dtype == "bfloat16" else 4
+
+
+def mlp_chunk_tokens(arch: ModelArch, tokens: int, config: Config) -> int:
+    chunk = config.executor.mlp_chunk_tokens
+    return tokens if chunk <= 0 else min(tokens, chunk)
+
+
+def gpu_plan(arch: ModelArch, config: Config) -> GpuPlan:
+    """Peak GPU bytes by use for one optimizer step of this config."""
+    layouts = model_layouts(arch)
+    d = dtype_bytes(config)
+    t = config.train
+    mb_tokens = t.micro_batch_size * config.data.seq_len
+    h = arch.hidden_size
+    plan = GpuPlan()
+    counts: dict[int, int] = {}
+    for layout in layouts:
+        counts[layout.numel] = counts.get(layout.numel, 0) + 1
+    plan.by_use["weight slots"] = sum(min(config.executor.num_slots, c) * n * d for n, c in counts.items())
+    largest = max(layout.numel for layout in layouts)
+    plan.by_use["gradient (fp32 accumulator, its bf16 copy out, autograd's)"] = largest * (4 + 2 * d)
+    if arch.tie_word_embeddings:
+        plan.by_use["tied embedding gradient held through backward"] = layouts[0].numel * 4
+    plan.by_use["boundary activations (input of every layer, every micro-batch)"] = (
+        (len(layouts) - 1) * t.grad_accum * mb_tokens * h * d
+    )
+    plan.by_use["boundary gradients in flight"] = 2 * t.grad_accum * mb_tokens * h * d
+    per_h, per_i = WORKING_SET_PER_TOKEN
+    mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
+    plan.by_use["one layer's working set"] = (mb_tokens * per_h * h + mlp_tokens * per_i * arch.intermediate_size) * d
+    chunk = min(config.executor.loss_chunk_tokens, mb_tokens)
+    plan.by_use["loss chunk"] = chunk * arch.vocab_size * LOSS_BYTES_PER_LOGIT
+    plan.by_use["RoPE tables"] = 2 * t.grad_accum * mb_tokens * arch.head_dim * d
+    plan.by_use["allocator slack"] = int(ALLOCATOR_SLACK * plan.total)
+    return plan
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    compute_s: float
+    h2d_s: float
+    optimizer_s: float
+    optimizer_exposed_s: float
+    step_s: float
+    bound: str
+
+
+def predict_step(arch: ModelArch, config: Config) -> StepPrediction:
+    """Step time from the measured rates: compute with recompute (8 FLOP/param/token), weights
+    in twice, the host optimizer overlapping only the next step's forward."""
+    t = config.train
+    tokens = t.micro_batch_size * t.grad_accum * config.data.seq_len
+    params = arch.num_params()
+    attention = 8 * arch.num_layers * config.data.seq_len * arch.num_heads * arch.head_dim * tokens
+    compute = (8 * params * tokens + attention) / LAYER_TFLOPS
+    h2d = 2 * params * dtype_bytes(config) / H2D_BYTES_PER_S
+    optimizer = params / HOST_ADAMW_PARAMS_PER_S
+    exposed = max(0.0, optimizer - compute / 4)
+    step = max(compute, h2d) + exposed
+    bound = "host optimizer" if exposed > 0.1 * step else ("PCIe" if h2d > compute else "compute")
+    return StepPrediction(compute, h2d, optimizer, exposed, step, bound)
+
+
+def check_gpu_fit(arch: ModelArch, config: Config, free_bytes: int, where: str) -> GpuPlan:
+    plan = gpu_plan(arch, config)
+    if plan.total > free_bytes:
+        acts = plan.by_use["boundary activations (input of every layer, every micro-batch)"]
+        raise PlanError(
+            f"the step needs about {plan.total / GiB:.1f} GiB of GPU memory but {where} has "
+            f"{free_bytes / GiB:.1f} GiB free ({format_gpu_plan(plan, inline=True)}). Fewer tokens per micro-batch "
+            f"(train.micro_batch_size, data.seq_len) or fewer micro-batches per step (train.grad_accum: the boundary "
+            f"activations are {acts / GiB:.1f} GiB), a smaller executor.loss_chunk_tokens, or "
+            f"executor.mlp_chunk_tokens for long sequences"
+        )
+    return plan
+
+
+def size(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB else f"{b / 2**20:.1f} MiB"
+
+
+def format_gpu_plan(plan: GpuPlan, inline: bool = False) -> str:
+    parts = [f"{use}: {size(b)}" for use, b in plan.by_use.items() if b]
+    return "; ".join(parts) if inline else "\n".join("  " + p for p in parts)
+
+
+def describe(arch: ModelArch, config: Config, placement=None, gpu_free: int | None = None) -> str:
+    plan = gpu_plan(arch, config)
+    p = predict_step(arch, config)
+    t = config.train
+    tokens = t.micro_batch_size * t.grad_accum * config.data.seq_len
+    lines = []
+    if placement is not None:
+        lines.append(placement.describe(arch))
+    lines += [
+        f"device memory, predicted peak {size(plan.total)}"
+        + (f" of {size(gpu_free)} free" if gpu_free is not None else "") + ":",
+        format_gpu_plan(plan),
+        "every layer recomputes its forward in backward; weights are fetched twice per step "
+        f"(the last {config.executor.num_slots - 1} blocks stay resident across the turn)",
+        f"predicted step on the H100 machine's measured rates ({tokens} tokens): compute {p.compute_s:.2f} s, host->GPU {p.h2d_s:.2f} s (overlapped), "
+        f"host optimizer {p.optimizer_s:.2f} s of which {p.optimizer_exposed_s:.2f} s not hidden -> "
+        f"{p.step_s:.2f} s/step, {tokens / p.step_s:.0f} tokens/s, bound by {p.bound}",
+    ]
+    if p.bound == "host optimizer":
+        lines.append("  to hide the optimizer: more tokens per step (train.grad_accum), or RAM nodes (each adds its cores)")
+    return "\n".join(lines)
+
+
+def print_plan(config: Config) -> bool:
+    """`megatrain-ray plan`: read the cluster and the model, print the plan; True when it fits."""
+    import ray
+
+    from megatrain_ray.driver import model_arch
+    from megatrain_ray.runtime import connect, discover_nodes, gpu_free_bytes, plan_placement
+
+    arch = model_arch(config)
+    connect(config.runtime)
+    try:
+        placement = plan_placement(arch, config, discover_nodes(config.runtime))
+    except ConfigError as e:
+        print(f"does not fit in host memory: {e}")
+        return False
+    free = gpu_free_bytes(placement) if placement.use_cuda else None
+    print(describe(arch, config, placement, free))
+    if free is not None:
+        try:
+            check_gpu_fit(arch, config, free, "the GPU")
+        except PlanError as e:
+            print(f"does not fit on the GPU: {e}")
+            return False
+    print("fits")
+    ray.shutdown()
+    return True

@@ -1,0 +1,89 @@
+"""The planner's predictions against what the stores and the GPU really take."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.planner import PlanError, check_gpu_fit, gpu_plan, predict_step
+from megatrain_ray.runtime import _resident_bytes
+from megatrain_ray.store import DTYPES, ShardStore, bytes_per_param
+
+ARCH = ModelArch("llama", 16000, 256, 768, 4, 4, 2, 64)  # about 13M parameters
+
+
+def config(**executor):
+    return config_from_dict({
+        "model": {"preset": "tiny-llama"},
+        "data": {"seq_len": 1024},
+        "train": {"micro_batch_size": 2, "grad_accum": 4},
+        "executor": executor,
+    })
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_host_memory_of_a_store_is_what_the_plan_says(dtype):
+    before = _resident_bytes()
+    store = ShardStore(ARCH, list(range(ARCH.num_layers + 2)), DTYPES[dtype])
+    store.init_random(seed=0, std=0.02)
+    grown = _resident_bytes() - before
+    predicted = ARCH.num_params() * bytes_per_param(DTYPES[dtype])
+    store.close()
+    assert predicted == pytest.approx(grown, rel=0.15), f"predicted {predicted}, grew {grown}"
+
+
+def test_a_step_too_large_for_the_gpu_is_refused_with_what_to_change():
+    plan = gpu_plan(ARCH, config())
+    with pytest.raises(PlanError, match="train.grad_accum"):
+        check_gpu_fit(ARCH, config(), int(plan.total * 0.9), "a test GPU")
+    assert check_gpu_fit(ARCH, config(), int(plan.total * 1.1), "a test GPU").total == plan.total
+
+
+def test_activations_grow_with_micro_batches_and_mlp_chunks_bound_the_working_set():
+    small, large = gpu_plan(ARCH, config()), gpu_plan(ARCH, config().replace(
+        train=config().train.__class__(micro_batch_size=2, grad_accum=8)))
+    key = "boundary activations (input of every layer, every micro-batch)"
+    assert large.by_use[key] == 2 * small.by_use[key]
+    unchunked = gpu_plan(ARCH, config(mlp_chunk_tokens=0)).by_use["one layer's working set"]
+    chunked = gpu_plan(ARCH, config(mlp_chunk_tokens=256)).by_use["one layer's working set"]
+    assert chunked < unchunked
+
+
+def test_prediction_names_what_bounds_the_step():
+    p = predict_step(ARCH, config())
+    assert p.step_s >= max(p.compute_s, p.h2d_s) and p.bound in ("compute", "PCIe", "host optimizer")
+
+
+def test_plan_command_prints_the_plan(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "megatrain_ray.cli", "plan", "examples/tiny.yaml"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "host bytes/param" in out.stdout and "device memory, predicted peak" in out.stdout
+    assert out.stdout.strip().endswith("fits")
+
+
+@pytest.mark.gpu
+def test_gpu_peak_is_within_15_percent_of_the_plan():
+    from megatrain_ray.trainer import LocalTrainer
+    from reference_training import random_micro_batches
+
+    arch = ModelArch("qwen2", 8192, 1024, 4096, 8, 16, 2, 64, qkv_bias=True)
+    for seq, accum in [(512, 1), (2048, 4)]:
+        cfg = config_from_dict({
+            "model": {"preset": "tiny-llama", "compute_dtype": "bfloat16"},
+            "data": {"seq_len": seq}, "train": {"micro_batch_size": 1, "grad_accum": accum, "steps": 2},
+            "executor": {"device": "cuda", "loss_chunk_tokens": 1024},
+        })
+        trainer = LocalTrainer(cfg, arch)
+        peak = max(trainer.train_step(s).peak_device_bytes
+                   for s in random_micro_batches(arch, 2, accum, batch=1, seq=seq, seed=0))
+        trainer.close()
+        predicted = gpu_plan(arch, cfg).total
+        print(f"seq {seq} x {accum}: predicted {predicted / 2**20:.0f} MiB, measured {peak / 2**20:.0f} MiB")
+        assert predicted == pytest.approx(peak, rel=0.15)
+        torch.cuda.empty_cache()
