@@ -75,6 +75,7 @@ class ExecutorConfig:
     num_slots: int = 3  # weight slots per layer size on the device (prefetch depth + 1)
     loss_chunk_tokens: int = 4096  # tokens per chunk of the LM-head loss
     compile: bool = True  # torch.compile the decoder block on CUDA (fuses norms, RoPE, SwiGLU: ~20% faster)
+    offload_activations: str = "auto"  # auto | on | off: park boundary activations in host memory (long contexts)
     mlp_chunk_tokens: int = 16384  # longer micro-batches run the MLP in checkpointed chunks of this many tokens; 0 = never
 
 
@@ -232,6 +233,7 @@ def validate(config: Config) -> None:
         (config.data.seq_len >= 2, "data.seq_len must be >= 2"),
         (config.executor.num_slots >= 2, "executor.num_slots must be >= 2 (one computing, one prefetching)"),
         (config.executor.device in ("auto", "cuda", "cpu"), "executor.device must be auto, cuda or cpu"),
+        (config.executor.offload_activations in ("auto", "on", "off"), "executor.offload_activations must be auto, on or off"),
         (config.optim.lr >= 0, "optim.lr must be >= 0"),
         (config.optim.grad_clip >= 0, "optim.grad_clip must be >= 0"),
         (0 <= config.optim.min_lr_ratio <= 1, "optim.min_lr_ratio must be within [0, 1]"),

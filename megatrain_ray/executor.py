@@ -316,6 +316,64 @@ class GradientSink:
 
 
 # ---------------------------------------------------------------------------------------------
+# Boundary activations: on the device, or parked in host memory for long contexts
+# ---------------------------------------------------------------------------------------------
+
+
+class ActivationStash:
+    """Each layer's input for every micro-batch, kept for its recompute in backward.
+
+    With `offload`, inputs leave for pinned host memory on the d2h stream as soon as the layer
+    has read them, and come back one layer ahead of their backward on the h2d stream, so the
+    device holds about two layers' boundary activations instead of all of them.
+    """
+
+    def __init__(self, streams: Streams, offload: bool):
+        self.streams = streams
+        self.offload = offload and streams.cuda
+        self.items: list[tuple[str, list[torch.Tensor], object]] = []
+        self.back: dict[int, tuple[list[torch.Tensor], object]] = {}
+
+    def push(self, xs: list[torch.Tensor]) -> None:
+        if not self.offload or not xs[0].is_floating_point():
+            self.items.append(("device", xs, None))
+            return
+        s = self.streams
+        computed = s.record(s.compute)
+        with s.on(s.d2h):
+            s.wait(s.d2h, computed)
+            hosts = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True) for x in xs]
+            parked = s.record(s.d2h)
+        for x in xs:
+            x.record_stream(s.d2h)
+        self.items.append(("host", hosts, parked))
+
+    def prefetch(self, index: int) -> None:
+        if index < 0 or index in self.back or self.items[index][0] == "device":
+            return
+        _, hosts, parked = self.items[index]
+        s = self.streams
+        with s.on(s.h2d):
+            s.wait(s.h2d, parked)
+            devs = [h.to(s.device, non_blocking=True) for h in hosts]
+            ready = s.record(s.h2d)
+        for d in devs:
+            d.record_stream(s.compute)
+        self.back[index] = (devs, ready)
+
+    def pop(self) -> list[torch.Tensor]:
+        index = len(self.items) - 1
+        kind, xs, _ = self.items[index]
+        if kind == "host":
+            self.prefetch(index)
+            xs, ready = self.back.pop(index)
+            self.streams.wait(self.streams.compute, ready)
+        self.items.pop()
+        self.prefetch(index - 1)  # the next layer's input travels while this one computes
+        return xs
+
+
+# ---------------------------------------------------------------------------------------------
 # The executor
 # ---------------------------------------------------------------------------------------------
 
@@ -367,6 +425,7 @@ class StreamingExecutor:
         trace: list | None = None,
         compile_blocks: bool = False,
         mlp_chunk_tokens: int = 0,
+        offload_activations: bool = False,
     ):
         self.arch = arch
         self.source = source
@@ -380,6 +439,7 @@ class StreamingExecutor:
         self.trace = trace
         self.prefetcher = Prefetcher(self.layouts, source, self.streams, compute_dtype, num_slots, self.stats, trace)
         self.mlp_chunk = mlp_chunk_tokens
+        self.offload_activations = offload_activations
         self.compiled_block = None
         if compile_blocks and self.streams.cuda:
             self.compiled_block = torch.compile(llama.block_forward, dynamic=False)
@@ -426,14 +486,14 @@ class StreamingExecutor:
         ropes = [llama.rope_context(self.arch, mb["position_ids"], self.dtype) for mb in mbs]
 
         cursor = itertools.count()
-        saved: list[list[torch.Tensor]] = []
+        saved = ActivationStash(self.streams, self.offload_activations)
         x: list[torch.Tensor] = [mb["input_ids"] for mb in mbs]
         for unit in self.units[:-1]:
             slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
             with torch.no_grad(), self._computing():
                 weights = self._views(slots[0].buffer, unit.layers[0])
-                saved.append(x)
-                x = [self._forward(unit, weights, xi, rope) for xi, rope in zip(x, ropes)]
+                inputs, x = x, [self._forward(unit, weights, xi, rope) for xi, rope in zip(x, ropes)]
+                saved.push(inputs)
             for slot in slots:
                 self.prefetcher.release(slot)
 

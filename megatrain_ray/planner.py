@@ -29,6 +29,9 @@ WORKING_SET_PER_TOKEN = (16, 4)  # x hidden_size, x intermediate_size (or the ML
 ALLOCATOR_SLACK = 0.08  # the caching allocator's rounding and fragmentation, measured 5-15%
 
 
+BOUNDARY = "boundary activations (input of every layer, every micro-batch)"
+
+
 class PlanError(ValueError):
     """A run that will not fit; the message says what to change."""
 
@@ -51,8 +54,8 @@ def mlp_chunk_tokens(arch: ModelArch, tokens: int, config: Config) -> int:
     return tokens if chunk <= 0 else min(tokens, chunk)
 
 
-def gpu_plan(arch: ModelArch, config: Config) -> GpuPlan:
-    """Peak GPU bytes by use for one optimizer step of this config."""
+def gpu_plan(arch: ModelArch, config: Config, offload: bool = False) -> GpuPlan:
+    """Peak GPU bytes by use for one optimizer step of this config (activations offloaded or not)."""
     layouts = model_layouts(arch)
     d = dtype_bytes(config)
     t = config.train
@@ -67,9 +70,8 @@ def gpu_plan(arch: ModelArch, config: Config) -> GpuPlan:
     plan.by_use["gradient (fp32 accumulator, its bf16 copy out, autograd's)"] = largest * (4 + 2 * d)
     if arch.tie_word_embeddings:
         plan.by_use["tied embedding gradient held through backward"] = layouts[0].numel * 4
-    plan.by_use["boundary activations (input of every layer, every micro-batch)"] = (
-        (len(layouts) - 1) * t.grad_accum * mb_tokens * h * d
-    )
+    held_layers = 2 if offload else len(layouts) - 1  # offloaded: the one in use and the one coming back
+    plan.by_use[BOUNDARY] = held_layers * t.grad_accum * mb_tokens * h * d
     plan.by_use["boundary gradients in flight"] = 2 * t.grad_accum * mb_tokens * h * d
     per_h, per_i = WORKING_SET_PER_TOKEN
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
@@ -107,16 +109,25 @@ def predict_step(arch: ModelArch, config: Config) -> StepPrediction:
     return StepPrediction(compute, h2d, optimizer, exposed, step, bound)
 
 
+def choose_offload(arch: ModelArch, config: Config, free_bytes: int) -> bool:
+    """executor.offload_activations: on, off, or (auto) only when the step does not fit otherwise."""
+    mode = config.executor.offload_activations
+    if mode != "auto":
+        return mode == "on"
+    return gpu_plan(arch, config).total > free_bytes
+
+
 def check_gpu_fit(arch: ModelArch, config: Config, free_bytes: int, where: str) -> GpuPlan:
-    plan = gpu_plan(arch, config)
+    offload = choose_offload(arch, config, free_bytes)
+    plan = gpu_plan(arch, config, offload)
     if plan.total > free_bytes:
-        acts = plan.by_use["boundary activations (input of every layer, every micro-batch)"]
+        acts = plan.by_use[BOUNDARY]
         raise PlanError(
             f"the step needs about {plan.total / GiB:.1f} GiB of GPU memory but {where} has "
             f"{free_bytes / GiB:.1f} GiB free ({format_gpu_plan(plan, inline=True)}). Fewer tokens per micro-batch "
             f"(train.micro_batch_size, data.seq_len) or fewer micro-batches per step (train.grad_accum: the boundary "
-            f"activations are {acts / GiB:.1f} GiB), a smaller executor.loss_chunk_tokens, or "
-            f"executor.mlp_chunk_tokens for long sequences"
+            f"activations are {acts / GiB:.1f} GiB{', offloaded to host memory already' if offload else ''}), a smaller "
+            f"executor.loss_chunk_tokens, or executor.mlp_chunk_tokens for long sequences"
         )
     return plan
 
@@ -131,7 +142,8 @@ def format_gpu_plan(plan: GpuPlan, inline: bool = False) -> str:
 
 
 def describe(arch: ModelArch, config: Config, placement=None, gpu_free: int | None = None) -> str:
-    plan = gpu_plan(arch, config)
+    offload = choose_offload(arch, config, gpu_free) if gpu_free is not None else config.executor.offload_activations == "on"
+    plan = gpu_plan(arch, config, offload)
     p = predict_step(arch, config)
     t = config.train
     tokens = t.micro_batch_size * t.grad_accum * config.data.seq_len
@@ -142,6 +154,7 @@ def describe(arch: ModelArch, config: Config, placement=None, gpu_free: int | No
         f"device memory, predicted peak {size(plan.total)}"
         + (f" of {size(gpu_free)} free" if gpu_free is not None else "") + ":",
         format_gpu_plan(plan),
+        f"boundary activations {'offloaded to host memory (pinned, overlapped)' if offload else 'kept on the device'}",
         "every layer recomputes its forward in backward; weights are fetched twice per step "
         f"(the last {config.executor.num_slots - 1} blocks stay resident across the turn)",
         f"predicted step on the H100 machine's measured rates ({tokens} tokens): compute {p.compute_s:.2f} s, host->GPU {p.h2d_s:.2f} s (overlapped), "

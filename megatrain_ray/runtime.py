@@ -21,7 +21,7 @@ from megatrain_ray.executor import StepResult, StreamingExecutor
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.layout import model_layouts
 from megatrain_ray.optim import UpdateSchedule
-from megatrain_ray.planner import check_gpu_fit
+from megatrain_ray.planner import check_gpu_fit, choose_offload
 from megatrain_ray.sources import ObjectSource, RoutedSource, SharedMemorySource
 from megatrain_ray.store import DTYPES, ShardStore, bytes_per_param
 from megatrain_ray.trainer import pick_device
@@ -253,8 +253,11 @@ class GpuWorker:
     def __init__(self, arch: ModelArch, config: Config, stores: list, store_nodes: list[str], updates_done: int = 0):
         torch.set_num_threads(max(1, os.cpu_count() or 1))
         self.device = pick_device(config.executor.device)
+        offload = False
         if self.device.type == "cuda":  # refuse before allocating anything on the GPU
-            check_gpu_fit(arch, config, torch.cuda.mem_get_info(self.device)[0], torch.cuda.get_device_name(self.device))
+            free = torch.cuda.mem_get_info(self.device)[0]
+            check_gpu_fit(arch, config, free, torch.cuda.get_device_name(self.device))
+            offload = choose_offload(arch, config, free)
         dtype = DTYPES[config.model.compute_dtype]
         here = ray.get_runtime_context().get_node_id()
         layouts = model_layouts(arch)
@@ -273,7 +276,7 @@ class GpuWorker:
         ex = config.executor
         self.executor = StreamingExecutor(
             arch, self.source, self.device, dtype, ex.num_slots, ex.loss_chunk_tokens,
-            compile_blocks=ex.compile, mlp_chunk_tokens=ex.mlp_chunk_tokens,
+            compile_blocks=ex.compile, mlp_chunk_tokens=ex.mlp_chunk_tokens, offload_activations=offload,
         )
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:

@@ -84,7 +84,7 @@ class LocalTrainer:
         ex = config.executor
         self.executor = StreamingExecutor(
             arch, self.source, pick_device(ex.device), dtype, ex.num_slots, ex.loss_chunk_tokens, trace, ex.compile,
-            ex.mlp_chunk_tokens,
+            ex.mlp_chunk_tokens, offload_activations=ex.offload_activations == "on",
         )
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:

@@ -77,3 +77,19 @@ def test_a_slow_compute_never_reads_a_refilled_slot():
 
     for fast, slow in zip(train(False), train(True)):
         assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-6)
+
+
+def test_offloaded_activations_train_like_kept_ones():
+    def train(offload: str):
+        config = gpu_config("float32", steps=2).replace(
+            executor=gpu_config("float32", steps=2).executor.__class__(device="cuda", offload_activations=offload))
+        trainer = LocalTrainer(config, SMALL)
+        losses = [trainer.train_step(s).loss for s in random_micro_batches(SMALL, 2, 3, batch=1, seq=128, seed=0)]
+        weights = [w.clone() for w in trainer.layer_weights()]
+        trainer.close()
+        return losses, weights
+
+    (kept_losses, kept), (off_losses, off) = train("off"), train("on")
+    assert kept_losses == pytest.approx(off_losses, rel=1e-5)
+    for a, b in zip(kept, off):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
