@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="timed steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (0: the first step, compilation included, is timed)")
     p.add_argument("--num-slots", type=int, default=3)
     p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -96,6 +96,7 @@ def run_streaming(arch: ModelArch, args) -> dict:
     print(f"executor device: {device}; init {time.perf_counter() - t0:.1f} s", flush=True)
     flops_tok = model_flops_per_token(arch, args.seq_len)
     rows = []
+    t_timed = time.perf_counter()
     try:
         for step in range(args.warmup + args.steps):
             batch = random_micro_batches(arch, args.seq_len, args.micro_batch, args.grad_accum, seed=step)
@@ -155,8 +156,8 @@ def format_row(step: int, row: dict) -> str:
 
 
 def main(args) -> int:
-    if args.warmup < 1 or args.steps < 1:
-        raise ValueError("bench needs --warmup >= 1 and --steps >= 1")
+    if args.warmup < 0 or args.steps < 1:
+        raise ValueError("bench needs --warmup >= 0 and --steps >= 1")
     arch = resolve_arch(args.model)
     if args.layers:
         arch = arch.replace(num_layers=args.layers)
