@@ -10,15 +10,18 @@ run may resume on a different split of layers across nodes.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
+import random
 import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -78,12 +81,38 @@ def commit(staging: Path, root: Path, step: int, shards: list[dict], meta: dict,
     write_json(staging / MANIFEST, manifest)
     fsync_path(staging)
     final = root / f"step-{step:08d}"
-    if final.exists():
-        shutil.rmtree(final)
+    aside = None
+    if final.exists():  # the same step again: keep the old one whole until the new one has its name
+        aside = root / f".step-{step:08d}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, aside)
     os.rename(staging, final)
     fsync_path(root)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     prune(root, keep)
     return final
+
+
+def capture_rng_state() -> dict:
+    """The driver's Python, NumPy and torch generators, as JSON: nothing draws from them today, but a
+    resumed run that someday does must continue the same streams."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+
+
+def restore_rng_state(state: dict | None) -> None:
+    if not state:
+        return
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -108,6 +137,8 @@ def resolve(path_or_latest: str, root: Path) -> Path:
             raise CheckpointError(f"--resume latest: no complete checkpoint under {root}")
         return found[-1]
     path = Path(path_or_latest)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {path}: no such checkpoint directory")
     if not (path / MANIFEST).exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}); it may be half-written")
     return path
@@ -119,6 +150,8 @@ def read_manifest(path: Path, verify: bool = True) -> tuple[dict, dict]:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: unreadable manifest ({e})") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r}; this version reads {FORMAT_VERSION}")
     if verify:
         expected = [(s["file"], s["sha256"]) for s in manifest["shards"]] + [(META, manifest["meta_sha256"])]
         for name, digest in expected:
@@ -127,7 +160,10 @@ def read_manifest(path: Path, verify: bool = True) -> tuple[dict, dict]:
                 raise CheckpointError(f"checkpoint {path}: {name} is missing")
             if file_digest(file) != digest:
                 raise CheckpointError(f"checkpoint {path}: {name} is corrupt (its hash does not match the manifest)")
-    meta = json.loads((path / META).read_text())
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable {META} ({e})") from None
     return manifest, meta
 
 

@@ -13,7 +13,7 @@ def _train(args) -> int:
     from megatrain_ray.driver import run_training
 
     config = load_config(args.config, args.set)
-    summary = run_training(config, resume=args.resume)
+    summary = run_training(config, resume=args.resume, auto_resume=args.auto_resume)
     print(f"done: final loss {summary['final_loss']}, checkpoint {summary['checkpoint']}, metrics {summary['metrics']}")
     return 0
 
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = with_config(sub.add_parser("train", help="train a model"))
     train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH|latest",
                        help="continue from a checkpoint (default: the latest under the run's checkpoint dir)")
+    train.add_argument("--auto-resume", action=argparse.BooleanOptionalAction, default=None,
+                       help="when a node is lost, wait for the cluster to have room and continue from the last "
+                            "checkpoint (default: train.auto_resume, else on under `ray job submit`)")
     train.set_defaults(func=_train)
 
     plan = with_config(sub.add_parser("plan", help="print where memory goes and whether the run fits"))
@@ -71,18 +74,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def input_errors() -> tuple[type[Exception], ...]:
+    """Mistakes in what the user gave us (config, data, checkpoint, a plan that cannot fit): exit 2."""
+    from megatrain_ray.checkpoint import CheckpointError
+    from megatrain_ray.data import DataError
+    from megatrain_ray.planner import PlanError
+
+    return CheckpointError, DataError, PlanError
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 on success, 2 for bad input, 3 for a run that stopped (a lost node, a diverging loss):
+    each with one paragraph on stderr, never a traceback."""
+    from megatrain_ray.driver import RunStopped
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"megatrain-ray: configuration error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        if type(e).__name__ in ("CheckpointError", "DataError", "CheckpointMismatch", "PlanError"):
-            print(f"megatrain-ray: {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
-        raise
+    except input_errors() as e:
+        print(f"megatrain-ray: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except RunStopped as e:
+        print(f"megatrain-ray: {type(e).__name__}: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

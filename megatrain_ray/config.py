@@ -67,6 +67,10 @@ class TrainConfig:
     log_every: int = 1
     output_dir: str = "runs/default"
     max_bad_steps: int = 3  # non-finite loss or gradients in a row before the run stops
+    auto_resume: bool | None = None  # after a lost node: wait for room, restore the last checkpoint; None = on under `ray job submit`
+    resume_wait_s: float = 600.0  # how long auto-resume waits for the cluster to have room again
+    max_restarts: int = 3  # auto-resumes per run before giving up
+    step_timeout_s: float = 1800.0  # a step (or checkpoint) that takes longer stops the run; 0 = no limit
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,8 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _nearest(name: str, options: list[str]) -> str:
+def nearest_hint(name: str, options: list[str]) -> str:
+    """"; did you mean 'x'?" for a misspelled key, else the list of valid keys."""
     match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(options)}"
 
@@ -175,7 +180,7 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     for key, value in values.items():
         path = f"{where}.{key}" if where else key
         if key not in names:
-            raise ConfigError(f"unknown config key {path!r}{_nearest(key, names)}")
+            raise ConfigError(f"unknown config key {path!r}{nearest_hint(key, names)}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value or {}, path)
@@ -230,6 +235,12 @@ def validate(config: Config) -> None:
         (config.train.steps >= 0, "train.steps must be >= 0"),
         (config.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
         (config.train.grad_accum >= 1, "train.grad_accum must be >= 1"),
+        (config.train.max_bad_steps >= 1, "train.max_bad_steps must be >= 1"),
+        (config.train.resume_wait_s >= 0, "train.resume_wait_s must be >= 0"),
+        (config.train.max_restarts >= 0, "train.max_restarts must be >= 0"),
+        (config.train.step_timeout_s >= 0, "train.step_timeout_s must be >= 0 (0: no limit)"),
+        (config.train.log_every >= 1, "train.log_every must be >= 1"),
+        (config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)"),
         (config.data.seq_len >= 2, "data.seq_len must be >= 2"),
         (config.executor.num_slots >= 2, "executor.num_slots must be >= 2 (one computing, one prefetching)"),
         (config.executor.device in ("auto", "cuda", "cpu"), "executor.device must be auto, cuda or cpu"),

@@ -1,0 +1,172 @@
+"""Exact resume through the driver: 10 steps in one go equal 5 + resume + 5, bit for bit, and a
+checkpoint write killed half way leaves the previous checkpoint whole."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from megatrain_ray import checkpoint as ckpt
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.data import DataPosition, build_dataset
+from megatrain_ray.driver import run_training
+
+MiB = 1024**2
+
+
+def tiny_raw(out: Path, steps: int = 10, **sections) -> dict:
+    """A small YAML-equivalent config: fp32 on the CPU so that equal means bit-equal."""
+    raw = {
+        "model": {"preset": "tiny-llama", "compute_dtype": "float32", "init_std": 0.2},
+        "data": {"source": "synthetic", "seq_len": 16, "synthetic_docs": 64},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "train": {"steps": steps, "micro_batch_size": 2, "grad_accum": 2, "output_dir": str(out)},
+        "checkpoint": {"every": 5, "keep": 5, "export_hf": False},
+        "executor": {"device": "cpu", "compile": False},
+    }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return raw
+
+
+def tensors_of(checkpoint: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def meta_of(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / ckpt.META).read_text())
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def test_ten_steps_equal_five_then_resume_five(local_ray, tmp_path):
+    whole = run_training(config_from_dict(tiny_raw(tmp_path / "whole")))
+    # The interrupted run: the same config stopped after step 5 (its own final checkpoint), then a resume.
+    run_training(config_from_dict(tiny_raw(tmp_path / "split")), until_step=5)
+    first = ckpt.list_checkpoints(tmp_path / "split" / "checkpoints")[-1]
+    assert first.name == "step-00000005"
+    resumed = run_training(config_from_dict(tiny_raw(tmp_path / "split")), resume="latest")
+
+    a, b = Path(whole["checkpoint"]), Path(resumed["checkpoint"])
+    assert a.name == b.name == "step-00000010"
+    ta, tb = tensors_of(a), tensors_of(b)
+    assert ta.keys() == tb.keys() and any(k.endswith("exp_avg_sq") for k in ta)
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+    ma, mb = meta_of(a), meta_of(b)
+    for key in ("step", "updates_done", "data_position", "rng"):
+        assert ma[key] == mb[key], key
+    assert whole["final_loss"] == resumed["final_loss"]
+
+    def losses(run):
+        records = map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in records]
+
+    assert losses("split") == losses("whole")
+
+    # The next batch after the resumed run is the one the uninterrupted run would take.
+    config = config_from_dict(tiny_raw(tmp_path / "whole"))
+    dataset = build_dataset(config.data, 256, config.train.seed)
+    next_a, _ = next(dataset.batches(2, 2, DataPosition.from_dict(ma["data_position"])))
+    next_b, _ = next(dataset.batches(2, 2, DataPosition.from_dict(mb["data_position"])))
+    for x, y in zip(next_a, next_b):
+        assert all((x[k] == y[k]).all() for k in x)
+
+
+def test_rng_state_round_trips_through_json():
+    torch.manual_seed(1)
+    state = json.loads(json.dumps(ckpt.capture_rng_state()))
+    expected = (torch.rand(3), __import__("numpy").random.rand(2).tolist(), __import__("random").random())
+    ckpt.restore_rng_state(state)
+    assert torch.equal(torch.rand(3), expected[0])
+    assert __import__("numpy").random.rand(2).tolist() == expected[1]
+    assert __import__("random").random() == expected[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# A crash while a checkpoint is written
+# ---------------------------------------------------------------------------------------------
+
+WRITER = textwrap.dedent('''
+    """Writes a complete checkpoint at step 1, then starts step 2 and stalls inside `stage`,
+    announcing it on stdout, so that the test can SIGKILL it there."""
+    import sys, time
+    from pathlib import Path
+    import torch
+    from megatrain_ray import checkpoint as ckpt
+
+    root, stage = Path(sys.argv[1]), sys.argv[2]
+    def save(step, stall):
+        staging = ckpt.new_staging_dir(root, step)
+        tensors = {ckpt.tensor_name(0, k): torch.full((1 << 16,), float(step)) for k in ckpt.STATE_KEYS}
+        if stall == "shard":  # half a shard on disk, then the kill
+            (staging / "shard-000.safetensors").write_bytes(b"\\0" * 4096)
+            print("STALLED", flush=True); time.sleep(600)
+        shards = [ckpt.write_shard(staging, "shard-000.safetensors", tensors, {0: step})]
+        if stall == "manifest":  # shards and meta written, the manifest not yet
+            ckpt.write_json(staging / ckpt.META, {"step": step})
+            print("STALLED", flush=True); time.sleep(600)
+        if stall == "rename":  # complete in the staging directory, not yet renamed into place
+            real_rename = ckpt.os.rename
+            def stall_rename(a, b):
+                print("STALLED", flush=True); time.sleep(600)
+            ckpt.os.rename = stall_rename
+        ckpt.commit(staging, root, step, shards, {"step": step}, keep=2)
+    save(1, None)
+    save(2, stage)
+''')
+
+
+@pytest.mark.parametrize("stage", ["shard", "manifest", "rename"])
+def test_kill_during_checkpoint_write_keeps_previous(tmp_path, stage):
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    root = tmp_path / "checkpoints"
+    proc = subprocess.Popen([sys.executable, str(script), str(root), stage], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).parents[1])
+    try:
+        assert proc.stdout.readline().strip() == "STALLED"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-00000001"]
+    latest = ckpt.resolve("latest", root)
+    manifest, meta = ckpt.read_manifest(latest)  # hashes verified
+    assert meta["step"] == 1
+    files = ckpt.shard_files_by_layer(latest, manifest)
+    state, step = ckpt.read_layer_state(files[0], 0)
+    assert step == 1 and torch.equal(state["master"], torch.full((1 << 16,), 1.0))
+    assert any(p.name.startswith(".step-00000002.tmp-") for p in root.iterdir())  # the torso, ignored
+
+
+def test_rewriting_the_same_step_keeps_a_complete_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    for value in (1.0, 2.0):
+        staging = ckpt.new_staging_dir(root, 7)
+        tensors = {ckpt.tensor_name(0, k): torch.full((4,), value) for k in ckpt.STATE_KEYS}
+        shards = [ckpt.write_shard(staging, "shard-000.safetensors", tensors, {0: 7})]
+        ckpt.commit(staging, root, 7, shards, {"step": 7}, keep=2)
+    latest = ckpt.resolve("latest", root)
+    manifest, _ = ckpt.read_manifest(latest)
+    state, _ = ckpt.read_layer_state(ckpt.shard_files_by_layer(latest, manifest)[0], 0)
+    assert torch.equal(state["master"], torch.full((4,), 2.0))
+    assert [p.name for p in root.iterdir()] == ["step-00000007"]
