@@ -1,0 +1,113 @@
+"""The bench baselines: same model and data as the streaming trainer, and failures as results."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megatrain_ray import baselines
+from megatrain_ray.baselines import (
+    BaselineModel,
+    BaselineResult,
+    init_weights,
+    run_baselines,
+    run_fsdp2_offload,
+    run_plain,
+    synthetic_micro_batches,
+)
+from megatrain_ray.bench import random_micro_batches
+from megatrain_ray.models.arch import PRESETS
+from megatrain_ray.models.reference import ReferenceModel, _key
+
+TINY = PRESETS["tiny-llama"]
+
+
+def test_synthetic_data_is_the_streaming_bench_data():
+    ours = synthetic_micro_batches(TINY, 16, 2, 3, seed=5)
+    theirs = random_micro_batches(TINY, 16, 2, 3, seed=5)
+    assert len(ours) == 3
+    for a, b in zip(ours, theirs):
+        for k in ("input_ids", "labels", "position_ids"):
+            assert a[k].dtype == torch.int64 and a[k].device.type == "cpu"
+            np.testing.assert_array_equal(a[k].numpy(), b[k])
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_baseline_model_is_the_reference_model(preset):
+    """Same loss and gradients as ReferenceModel on the same weights (checkpointing included)."""
+    arch = PRESETS[preset]
+    model = BaselineModel(arch, checkpoint_blocks=True, compute_dtype=torch.float32)
+    init_weights(model, seed=0, init_device=torch.device("cpu"))
+    ref = ReferenceModel(arch)
+    ours = dict(model.named_parameters())
+    with torch.no_grad():
+        for layout, module in zip(ref.layouts, ref.layers):
+            prefix = f"blocks.{layout.index - 1}." if layout.kind == "block" else ""
+            for p in layout.params:
+                getattr(module, _key(p.name)).copy_(ours[prefix + _key(p.name)])
+    batch = synthetic_micro_batches(arch, 32, 2, 1, seed=0)[0]
+    a, b = model(batch), ref.loss_sum(batch)
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(a, b)
+    assert 4.0 < float(a.detach()) / batch["labels"].numel() < 7.0  # about ln(256): init std is applied
+    torch.testing.assert_close(model.blocks[1].mlp__down_proj__weight.grad, ref.layers[2].mlp__down_proj__weight.grad)
+
+
+def test_plain_runs_on_cpu():
+    r = run_plain(TINY, 16, 1, 2, steps=2, warmup=1, device="cpu")
+    assert r.status == "ok", r.error
+    assert r.tokens_per_s > 0 and len(r.step_seconds) == 2 and len(r.losses) == 3
+    assert all(np.isfinite(r.losses))
+
+
+def test_fsdp2_wiring_on_cpu_over_gloo():
+    """The FSDP2 hooks gather what the blocks read: same losses as plain (no offload on CPU)."""
+    fsdp = run_fsdp2_offload(TINY, 32, 2, 2, steps=1, warmup=1, device="cpu", offload=False)
+    plain = run_plain(TINY, 32, 2, 2, steps=1, warmup=1, device="cpu")
+    assert fsdp.status == "ok", fsdp.error
+    np.testing.assert_allclose(fsdp.losses, plain.losses, rtol=2e-2)
+
+
+def test_cli_prints_one_json_line(capfd):
+    baselines.main(["--name", "plain", "--model", "tiny-llama", "--seq-len", "16", "--micro-batch", "1",
+                    "--grad-accum", "2", "--steps", "1", "--warmup", "0", "--device", "cpu"])
+    out = capfd.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    result = BaselineResult(**json.loads(out[0]))
+    assert result.status == "ok" and result.tokens_per_s > 0
+
+
+def test_runner_returns_results_not_exceptions():
+    """Each baseline in its own process; deepspeed without a GPU (or not installed) is a status."""
+    plain, ds, unknown = run_baselines(["plain", "deepspeed_offload", "nope"], TINY, 16, 1, 1, steps=1, warmup=0,
+                                       device="cpu", timeout_s=120)
+    assert plain.name == "plain" and plain.status == "ok", plain.error
+    assert plain.tokens_per_s > 0
+    assert ds.name == "deepspeed_offload" and ds.status.startswith("unavailable"), ds
+    assert unknown.status.startswith("unavailable")
+
+
+@pytest.mark.gpu
+def test_gpu_baselines_small():
+    """plain and FSDP2-offload on the GPU, a two-block Qwen2.5-1.5B shape: both train, and their
+    first losses (same weights, same data, bf16 compute) agree."""
+    arch = PRESETS["qwen2.5-1.5b"].replace(num_layers=2)
+    plain, fsdp = run_baselines(["plain", "fsdp2_offload"], arch, 256, 1, 2, steps=2, warmup=1, device="cuda",
+                                timeout_s=600)
+    for r in (plain, fsdp):
+        assert r.status == "ok", (r.name, r.error)
+        assert r.tokens_per_s > 0 and len(r.step_seconds) == 2 and r.peak_gpu_bytes > 0
+    assert abs(plain.losses[0] - fsdp.losses[0]) < 0.05
+    # Offload keeps the fp32 master and AdamW state off the GPU.
+    assert fsdp.peak_gpu_bytes < plain.peak_gpu_bytes
+
+
+@pytest.mark.gpu
+def test_gpu_deepspeed_small():
+    pytest.importorskip("deepspeed")
+    arch = PRESETS["qwen2.5-1.5b"].replace(num_layers=2)
+    (ds,) = run_baselines(["deepspeed_offload"], arch, 256, 1, 2, steps=2, warmup=1, device="cuda", timeout_s=900)
+    assert ds.status == "ok", ds.error
+    assert ds.tokens_per_s > 0 and ds.peak_gpu_bytes > 0
