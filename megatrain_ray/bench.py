@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--loss-chunk-tokens", type=int, default=8192)
+    p.add_argument("--offload-activations", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--peak-tflops", type=float, default=MEASURED_BF16_PEAK_TFLOPS)
     p.add_argument("--baseline", nargs="*", default=None, metavar="NAME",
                    help="also run baselines (plain fsdp2_offload deepspeed_offload; none named = all)")
@@ -74,7 +75,8 @@ def bench_config(args):
         "optim": {"lr": 1e-5, "warmup_steps": 0},
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": args.micro_batch,
                   "grad_accum": args.grad_accum},
-        "executor": {"device": args.device, "num_slots": args.num_slots, "loss_chunk_tokens": args.loss_chunk_tokens},
+        "executor": {"device": args.device, "num_slots": args.num_slots, "loss_chunk_tokens": args.loss_chunk_tokens,
+                     "offload_activations": args.offload_activations},
         "runtime": {"object_store_memory": 2 * 1024**3},
         "data": {"seq_len": args.seq_len},
     })
