@@ -1,0 +1,148 @@
+"""Bad input through the CLI: one clear paragraph on stderr and exit status 2, before any heavy
+work, never a traceback."""
+
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import yaml
+
+from megatrain_ray import checkpoint as ckpt
+from megatrain_ray.cli import main
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.driver import checkpoint_meta, model_arch
+from megatrain_ray.models.layout import model_layouts
+from megatrain_ray.store import ShardStore
+from test_checkpoint_resume import tiny_raw
+
+MiB = 1024**2
+
+
+def write_config(tmp_path: Path, **sections) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tiny_raw(tmp_path / "out", **sections)))
+    return path
+
+
+def train(capsys, *argv) -> tuple[int, str]:
+    code = main(["train", *map(str, argv)])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return code, err
+
+
+def write_checkpoint(config_path: Path, step: int = 1) -> Path:
+    """A real checkpoint of the config's model, written in process (no cluster needed)."""
+    from megatrain_ray.config import load_config
+
+    config = load_config(config_path)
+    arch = model_arch(config)
+    store = ShardStore(arch, list(range(len(model_layouts(arch)))), torch.float32)
+    store.init_random(0, 0.02)
+    root = Path(config.train.output_dir) / "checkpoints"
+    staging = ckpt.new_staging_dir(root, step)
+    tensors, steps = store.state_tensors()
+    shards = [ckpt.write_shard(staging, "shard-000.safetensors", tensors, steps)]
+    return ckpt.commit(staging, root, step, shards, checkpoint_meta(config, arch, step, step, None), keep=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config mistakes: refused before Ray starts
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.stpes=3", "unknown config key 'train.stpes'; did you mean 'steps'?"),
+    ("trian.steps=3", "unknown config key 'trian'; did you mean 'train'?"),
+    ("train.steps=many", "train.steps must be an integer, got 'many'"),
+    ("optim.lr=fast", "optim.lr must be a number, got 'fast'"),
+    ("data.pack=maybe", "data.pack must be true or false"),
+    ("optim.betas=0.9", "optim.betas must be a list of 2 values"),
+    ("train.grad_accum=0", "train.grad_accum must be >= 1"),
+    ("executor.device=tpu", "executor.device must be auto, cuda or cpu"),
+    ("model.overrides.num_layer=3", "unknown key model.overrides.num_layer; did you mean 'num_layers'?"),
+    ("model.overrides.num_heads=3", "num_heads (3) must be a multiple of num_kv_heads"),
+    ("model.preset=tiny-lama", "unknown model preset 'tiny-lama'"),
+])
+def test_config_mistakes_are_one_line_errors(tmp_path, capsys, override, expected):
+    code, err = train(capsys, write_config(tmp_path), "--set", override)
+    assert code == 2 and expected in err, err
+    assert err.startswith("megatrain-ray: configuration error:"), err
+
+
+def test_missing_or_broken_config_file(tmp_path, capsys):
+    code, err = train(capsys, tmp_path / "nope.yaml")
+    assert code == 2 and "does not exist" in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: [steps: 3\n")
+    code, err = train(capsys, broken)
+    assert code == 2 and "is not valid YAML" in err
+
+
+def test_missing_data_file(tmp_path, capsys):
+    code, err = train(capsys, write_config(tmp_path, data={"source": str(tmp_path / "none.parquet")}))
+    assert code == 2 and "DataError" in err and "none.parquet" in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints that cannot be resumed
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resume_without_any_checkpoint(tmp_path, capsys):
+    code, err = train(capsys, write_config(tmp_path), "--resume")
+    assert code == 2 and "no complete checkpoint under" in err, err
+    code, err = train(capsys, write_config(tmp_path), "--resume", tmp_path / "elsewhere")
+    assert code == 2 and "no such checkpoint directory" in err, err
+
+
+def test_resume_a_checkpoint_of_another_model(tmp_path, capsys):
+    config = write_config(tmp_path)
+    path = write_checkpoint(config)
+    code, err = train(capsys, config, "--resume", path, "--set", "model.overrides.num_layers=3")
+    assert code == 2 and "is from another model: num_layers is 2 there but 3 here" in err, err
+
+
+def test_resume_a_corrupt_shard(tmp_path, capsys):
+    config = write_config(tmp_path)
+    path = write_checkpoint(config)
+    shard = path / "shard-000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF  # one flipped byte deep in a tensor
+    shard.write_bytes(bytes(data))
+    code, err = train(capsys, config, "--resume", "latest")
+    assert code == 2 and "shard-000.safetensors is corrupt" in err, err
+
+
+def test_resume_a_half_written_checkpoint(tmp_path, capsys):
+    config = write_config(tmp_path)
+    path = write_checkpoint(config)
+    (path / ckpt.MANIFEST).unlink()
+    code, err = train(capsys, config, "--resume", path)
+    assert code == 2 and "not a complete checkpoint" in err and "half-written" in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs the cluster cannot hold: refused by the placement plan, before any actor exists
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def test_model_too_big_for_host_memory(local_ray, tmp_path, capsys):
+    config = write_config(tmp_path, model={"preset": "qwen2.5-14b"})
+    code, err = train(capsys, config)
+    assert code == 2 and "the model needs" in err and "GiB of host memory" in err and "add RAM nodes" in err, err
+    assert not any(a["State"] == "ALIVE" for a in ray._private.state.actors().values())  # nothing was started
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a cluster without GPUs")
+def test_cuda_demanded_on_a_cluster_without_gpus(local_ray, tmp_path, capsys):
+    code, err = train(capsys, write_config(tmp_path), "--set", "executor.device=cuda")
+    assert code == 2 and "no node of the Ray cluster offers a GPU" in err, err
