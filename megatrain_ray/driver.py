@@ -275,11 +275,12 @@ def restore(session: Session, path: Path, watch: Watchdog | None = None) -> dict
     return meta
 
 
-def initial_weights(session: Session, config: Config) -> None:
+def initial_weights(session: Session, config: Config, watch: Watchdog | None = None) -> None:
     if config.model.path:
-        ray.get([store.load_hf.remote(config.model.path) for store in session.stores])
+        refs = [store.load_hf.remote(config.model.path) for store in session.stores]
     else:
-        session.init_random()
+        refs = [s.init_random.remote(config.train.seed, config.model.init_std) for s in session.stores]
+    watch.get(refs, "initialising the weights") if watch else ray.get(refs)
 
 
 def export_final(session: Session, config: Config, out_dir: Path) -> None:
@@ -411,7 +412,7 @@ def train_session(config: Config, arch: ModelArch, progress: Progress, out: Path
             meta = restore(session, progress.checkpoint, watch)
             print(f"resumed from {progress.checkpoint} at step {meta['step']}", flush=True)
         else:
-            initial_weights(session, config)
+            initial_weights(session, config, watch)
         session.start_executor()
         print(f"executor device: {watch.get(session.gpu.describe_device.remote(), 'starting the executor')}", flush=True)
         return _loop(session, config, meta, watch, progress, out, until_step)
