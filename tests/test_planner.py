@@ -8,7 +8,7 @@ import torch
 
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.planner import PlanError, check_gpu_fit, gpu_plan, predict_step
+from megatrain_ray.planner import PlanError, check_gpu_fit, choose_offload, gpu_plan, predict_step
 from megatrain_ray.store import DTYPES, bytes_per_param
 
 ARCH = ModelArch("llama", 16000, 256, 768, 4, 4, 2, 64)  # about 13M parameters
@@ -49,10 +49,19 @@ def test_host_memory_of_a_store_is_what_the_plan_says(dtype):
 
 
 def test_a_step_too_large_for_the_gpu_is_refused_with_what_to_change():
-    plan = gpu_plan(ARCH, config())
+    kept = config(offload_activations="off")
+    plan = gpu_plan(ARCH, kept)
     with pytest.raises(PlanError, match="train.grad_accum"):
-        check_gpu_fit(ARCH, config(), int(plan.total * 0.9), "a test GPU")
-    assert check_gpu_fit(ARCH, config(), int(plan.total * 1.1), "a test GPU").total == plan.total
+        check_gpu_fit(ARCH, kept, int(plan.total * 0.9), "a test GPU")
+    assert check_gpu_fit(ARCH, kept, int(plan.total * 1.1), "a test GPU").total == plan.total
+
+
+def test_auto_offloads_activations_only_when_the_step_comes_close_to_the_free_memory():
+    plan = gpu_plan(ARCH, config())
+    assert not choose_offload(ARCH, config(), plan.total * 2)
+    assert choose_offload(ARCH, config(), int(plan.total * 1.1))
+    offloaded = check_gpu_fit(ARCH, config(), int(plan.total * 1.1), "a test GPU")
+    assert offloaded.total < plan.total
 
 
 def test_activations_grow_with_micro_batches_and_mlp_chunks_bound_the_working_set():
