@@ -83,7 +83,8 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         )
     elif rope_type not in ("default", None):
         raise ValueError(f"rope scaling type {rope_type!r} is not supported (default or llama3)")
-    rope_theta = config.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    # transformers 5.x keeps rope_theta inside rope_parameters; a key present as null means unset.
+    rope_theta = config.get("rope_theta") or scaling.get("rope_theta") or 10000.0
     qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
     return ModelArch(
         model_type=model_type,

@@ -1,0 +1,351 @@
+"""Hugging Face model directories in and out of the per-layer flat buffers.
+
+Import reads safetensors one tensor at a time straight into each layer's flat fp32 buffer, after
+checking every file's header against the layout, so a wrong checkpoint fails before any buffer is
+touched and host memory never holds more than one extra tensor. Export writes shards layer by
+layer into a temporary directory that is renamed into place only once complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import struct
+import uuid
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from safetensors import safe_open
+
+from megatrain_ray.models.arch import ModelArch, arch_from_hf_config, arch_to_hf_config
+from megatrain_ray.models.layout import ParamSlot, hf_names, model_layouts
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TIED_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+CONFIG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+COMPARE_CHUNK_BYTES = 16 * 1024**2
+
+
+class CheckpointMismatch(ValueError):
+    """A Hugging Face checkpoint that does not fit the model; the message names the first bad tensor and file."""
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model directory, in the order transformers would pick them."""
+    single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
+    if single.exists():
+        return [single]
+    if not index.exists():
+        raise FileNotFoundError(
+            f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir} (only safetensors checkpoints are supported)"
+        )
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointMismatch(f"cannot read the weight_map of {index}: {err}") from err
+    files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    for file in files:
+        if not file.exists():
+            first = min(name for name, f in weight_map.items() if model_dir / f == file)
+            raise CheckpointMismatch(f"{first}: {index} places it in {file.name}, which does not exist")
+    return files
+
+
+def check_config(model_dir: Path, arch: ModelArch) -> None:
+    """The directory's config.json must describe the model we are about to fill."""
+    path = model_dir / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    found = arch_from_hf_config(json.loads(path.read_text()))
+    diffs = [
+        f"{f.name}: expected {getattr(arch, f.name)!r}, found {getattr(found, f.name)!r}"
+        for f in dataclasses.fields(arch)
+        if getattr(arch, f.name) != getattr(found, f.name)
+    ]
+    if diffs:
+        raise CheckpointMismatch(f"{path} describes a different model: " + "; ".join(diffs))
+
+
+def read_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) from a file's header, without reading tensor data."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            header = {}
+            for name in f.keys():
+                piece = f.get_slice(name)
+                header[name] = (tuple(piece.get_shape()), piece.get_dtype())
+            return header
+    except Exception as err:  # safetensors raises its own error type for truncated or corrupt files
+        raise CheckpointMismatch(f"cannot read {file}: {err} (truncated or corrupt safetensors file?)") from err
+
+
+def is_ignored(name: str) -> bool:
+    """Buffers some old checkpoints carry that are recomputed, not learned."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def plan_reads(files: list[Path], arch: ModelArch) -> tuple[list[tuple[str, Path, int, ParamSlot]], Path | None]:
+    """Check every header against the layout; returns what to copy where, and the file of a tied lm_head."""
+    expected = hf_names(arch)
+    where: dict[str, Path] = {}
+    reads, tied_head_file = [], None
+    for file in files:
+        for name, (shape, dtype) in sorted(read_header(file).items()):
+            if is_ignored(name):
+                continue
+            if name in where:
+                raise CheckpointMismatch(f"{name}: present twice, in {where[name]} and in {file}")
+            where[name] = file
+            if name == TIED_HEAD and arch.tie_word_embeddings:
+                tied_head_file = file
+                check_shape(name, (arch.vocab_size, arch.hidden_size), shape, file)
+                continue
+            if name not in expected:
+                raise CheckpointMismatch(f"{name}: unexpected tensor (expected none, found shape {shape}) in {file}")
+            layer, slot = expected[name]
+            check_shape(name, slot.shape, shape, file)
+            if dtype not in FLOAT_DTYPES:
+                raise CheckpointMismatch(f"{name}: dtype {dtype} is not a float type, in {file}")
+            reads.append((name, file, layer, slot))
+    for name, (_, slot) in expected.items():
+        if name not in where:
+            files_text = ", ".join(str(f) for f in files)
+            raise CheckpointMismatch(f"{name}: missing (expected shape {slot.shape}, found none) in {files_text}")
+    return reads, tied_head_file
+
+
+def check_shape(name: str, expected: tuple[int, ...], found: tuple[int, ...], file: Path) -> None:
+    if tuple(expected) != tuple(found):
+        raise CheckpointMismatch(f"{name}: expected shape {tuple(expected)}, found {tuple(found)} in {file}")
+
+
+def read_tensor(file: Path, name: str) -> torch.Tensor:
+    """One tensor; the file is opened per tensor because closing it unmaps it, so at most one
+    tensor's pages stay resident instead of the whole shard's."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(name)
+    except Exception as err:
+        raise CheckpointMismatch(f"{name}: cannot read it from {file}: {err}") from err
+
+
+def read_rows(file: Path, name: str, start: int, stop: int) -> torch.Tensor:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_slice(name)[start:stop]
+    except Exception as err:
+        raise CheckpointMismatch(f"{name}: cannot read it from {file}: {err}") from err
+
+
+def check_tied_head(arch: ModelArch, head_file: Path, embed_file: Path) -> None:
+    """A tied model may still store lm_head.weight; accept it only if it is the embedding, compared in
+    row chunks so that memory stays bounded."""
+    rows = max(1, COMPARE_CHUNK_BYTES // (4 * arch.hidden_size))
+    for start in range(0, arch.vocab_size, rows):
+        stop = min(start + rows, arch.vocab_size)
+        head = read_rows(head_file, TIED_HEAD, start, stop)
+        embed = read_rows(embed_file, EMBED, start, stop)
+        if not torch.equal(head.float(), embed.float()):
+            raise CheckpointMismatch(
+                f"{TIED_HEAD}: config ties it to {EMBED} but the stored tensor differs (rows {start}..{stop}), "
+                f"in {head_file}"
+            )
+
+
+def load_hf_weights(
+    model_dir: str | Path,
+    arch: ModelArch,
+    layer_buffer: Callable[[int], torch.Tensor],
+    layers: Iterable[int] | None = None,
+) -> None:
+    """Fill each layer's flat fp32 buffer from a Hugging Face safetensors model directory.
+
+    The whole checkpoint is validated (config, names, shapes) before anything is copied. `layers`
+    restricts the copy to the layers a caller owns (a store holding part of the model); every
+    tensor is still checked.
+    """
+    model_dir = Path(model_dir)
+    check_config(model_dir, arch)
+    files = weight_files(model_dir)
+    reads, tied_head_file = plan_reads(files, arch)
+    if tied_head_file is not None:
+        embed_file = next(file for name, file, _, _ in reads if name == EMBED)
+        check_tied_head(arch, tied_head_file, embed_file)
+    wanted = None if layers is None else set(layers)
+    buffers: dict[int, torch.Tensor] = {}
+    for name, file, layer, slot in reads:
+        if wanted is not None and layer not in wanted:
+            continue
+        if layer not in buffers:
+            buffers[layer] = checked_buffer(layer_buffer(layer), layer, arch)
+        target = buffers[layer][slot.offset : slot.offset + slot.numel].view(slot.shape)
+        tensor = read_tensor(file, name)
+        target.copy_(tensor)
+        del tensor
+
+
+def checked_buffer(buf: torch.Tensor, layer: int, arch: ModelArch) -> torch.Tensor:
+    numel = model_layouts(arch)[layer].numel
+    if buf.dim() != 1 or buf.numel() != numel:
+        raise ValueError(f"layer {layer} buffer has shape {tuple(buf.shape)}, expected ({numel},)")
+    return buf
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """The safetensors format written tensor by tensor from the given memory: no second copy of a
+    shard, and views that share one flat buffer are fine (safetensors' own writer refuses them)."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for tensor in tensors.values():
+            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class ShardWriter:
+    """Collects tensors until the next one would overflow a shard, then writes the shard."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int):
+        self.directory, self.max_shard_bytes = directory, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self.pending[name] = tensor
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.directory / f"shard-{len(self.shards):05d}.tmp"
+        write_safetensors(path, self.pending)
+        self.shards.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+
+def layer_tensors_in(dtype: torch.dtype, arch: ModelArch, layer: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """HF name -> tensor of one layer in the export dtype (views when no conversion is needed)."""
+    layouts = model_layouts(arch)
+    if not 0 <= layer < len(layouts):
+        raise ValueError(f"layer index {layer} out of range 0..{len(layouts) - 1}")
+    layout = layouts[layer]
+    flat = flat.detach().reshape(-1).cpu()
+    if flat.numel() != layout.numel:
+        raise ValueError(f"layer {layer} has {flat.numel()} values, expected {layout.numel}")
+    return {layout.hf_name(name): t.to(dtype) for name, t in layout.views(flat).items()}
+
+
+def name_shards(writer: ShardWriter) -> dict[str, str]:
+    """Give the shards their final transformers names; returns the weight map."""
+    count = len(writer.shards)
+    weight_map = {}
+    for i, (path, names) in enumerate(writer.shards):
+        final = SINGLE_FILE if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        path.rename(path.parent / final)
+        weight_map.update({name: final for name in names})
+    return weight_map
+
+
+def write_json(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_replaceable(out_dir: Path) -> None:
+    """Only an empty directory or an earlier export (it has a config.json) may be replaced."""
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "config.json").exists())):
+        raise FileExistsError(f"{out_dir} exists and is not an earlier model export; refusing to replace it")
+
+
+def publish(staging: Path, out_dir: Path) -> None:
+    """Rename the finished export into place; an existing one is swapped out, then removed."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+        out_dir.rename(old)
+    staging.rename(out_dir)
+    fd = os.open(out_dir.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_hf(
+    out_dir: str | Path,
+    arch: ModelArch,
+    layer_tensors: Iterable[tuple[int, torch.Tensor]],
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> Path:
+    """Write a directory that transformers' from_pretrained loads: config.json and safetensors shards.
+
+    `layer_tensors` yields (layer index, flat fp32 buffer) once per layer, in any order; host memory
+    stays bounded by one shard plus one layer. Nothing appears at `out_dir` unless all succeeded.
+    """
+    if dtype not in SAFETENSORS_DTYPES:
+        raise ValueError(f"export dtype {dtype} is not supported; use one of {list(CONFIG_DTYPES.values())}")
+    out_dir = Path(out_dir)
+    check_replaceable(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        writer = ShardWriter(staging, max_shard_bytes)
+        seen: set[int] = set()
+        for layer, flat in layer_tensors:
+            if layer in seen:
+                raise ValueError(f"layer {layer} given twice")
+            seen.add(layer)
+            for name, tensor in layer_tensors_in(dtype, arch, layer, flat).items():
+                writer.add(name, tensor)
+        missing = sorted(set(range(len(model_layouts(arch)))) - seen)
+        if missing:
+            raise ValueError(f"layers {missing} were never given")
+        writer.flush()
+        weight_map = name_shards(writer)
+        if len(writer.shards) > 1:
+            index = {"metadata": {"total_size": writer.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            write_json(staging / INDEX_FILE, index)
+        write_json(staging / "config.json", arch_to_hf_config(arch, torch_dtype=CONFIG_DTYPES[dtype]))
+        publish(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
