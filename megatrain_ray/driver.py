@@ -232,7 +232,13 @@ def save_checkpoint(session: Session, config: Config, step: int, data_position: 
     names = [f"shard-{k:03d}.safetensors" for k in range(len(session.stores))]
     what = f"writing the checkpoint of step {step}"
     if config.checkpoint.transport == "shared":
-        shards = get([s.save_shard.remote(str(staging), n) for s, n in zip(session.stores, names)], what)
+        try:
+            shards = get([s.save_shard.remote(str(staging), n) for s, n in zip(session.stores, names)], what)
+        except ray.exceptions.RayTaskError as e:
+            raise ckpt.CheckpointError(f"a store could not write its shard into {staging} ({e.cause!r}); with "
+                                       f"checkpoint.transport=shared the checkpoint dir must be storage every node "
+                                       f"sees, else set checkpoint.transport=driver") from None
+        check_shards_visible(staging, shards)
     else:
         shards = []
         for store, name in zip(session.stores, names):
@@ -240,6 +246,17 @@ def save_checkpoint(session: Session, config: Config, step: int, data_position: 
             shards.append(ckpt.write_shard(staging, name, tensors, steps))
     meta = checkpoint_meta(config, session.arch, step, updates_done, data_position)
     return ckpt.commit(staging, root, step, shards, meta, config.checkpoint.keep)
+
+
+def check_shards_visible(staging: Path, shards: list[dict]) -> None:
+    """With transport=shared a RAM node writes on its own disk: make sure the driver sees the same files."""
+    for shard in shards:
+        file = staging / shard["file"]
+        if not file.exists() or file.stat().st_size != shard["bytes"]:
+            raise ckpt.CheckpointError(
+                f"{file} was written by a store but the driver does not see it: checkpoint.transport=shared "
+                f"needs a checkpoint dir on storage every node shares; set checkpoint.transport=driver otherwise"
+            )
 
 
 def check_compatible(meta: dict, arch: ModelArch, path: Path, manifest: dict | None = None) -> None:

@@ -102,7 +102,7 @@ def test_lost_ram_node_stops_the_run_naming_node_and_checkpoint(cluster, tmp_pat
     cluster.wait_for_nodes()
 
 
-def test_auto_resume_after_lost_node_equals_uninterrupted_run(cluster, tmp_path):
+def test_auto_resume_after_lost_node_equals_uninterrupted_run(cluster, tmp_path, capsys):
     expected = run_training(fault_config(tmp_path / "whole", auto_resume=False))
 
     run = Background(fault_config(tmp_path / "run", auto_resume=True))
@@ -112,6 +112,8 @@ def test_auto_resume_after_lost_node_equals_uninterrupted_run(cluster, tmp_path)
     run.join(timeout=90)
 
     assert run.error is None, repr(run.error)
+    out = capsys.readouterr().out
+    assert "auto-resume 1/3" in out and "resumed from" in out, out[-3000:]
     a, b = Path(expected["checkpoint"]), Path(run.result["checkpoint"])
     assert a.name == b.name == f"step-{STEPS:08d}"
     ta, tb = tensors_of(a), tensors_of(b)
