@@ -114,6 +114,14 @@ class ShardStore:
             init_layer_weights(state.layout, state.master, seed, std)
             state.compute.copy_(state.master)
 
+    def load_hf(self, model_dir: str) -> None:
+        """This store's layers from a Hugging Face directory, tensor by tensor (every tensor checked)."""
+        from megatrain_ray.hf import load_hf_weights
+
+        load_hf_weights(model_dir, self.arch, lambda i: self.layers[i].master, layers=list(self.layers))
+        for state in self.layers.values():
+            state.compute.copy_(state.master)
+
     def set_master(self, index: int, flat: torch.Tensor) -> None:
         state = self.layers[index]
         state.master.copy_(flat)
