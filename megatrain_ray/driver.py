@@ -420,7 +420,10 @@ def train_session(config: Config, arch: ModelArch, progress: Progress, out: Path
     meta = None
     if progress.checkpoint is not None:
         _, meta = ckpt.read_manifest(progress.checkpoint)
-    session = Session(config, arch, updates_done=meta["updates_done"] if meta else 0, placement=progress.placement)
+    try:
+        session = Session(config, arch, updates_done=meta["updates_done"] if meta else 0, placement=progress.placement)
+    except FAULTS as e:  # a node left between the plan and the actors' start
+        raise ClusterFault(f"placing the run's actors failed: {str(e).strip().splitlines()[0]}") from None
     progress.placement = None
     print(session.placement.describe(arch), flush=True)
     watch = Watchdog(session, config)
