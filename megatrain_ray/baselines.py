@@ -253,6 +253,24 @@ def _is_oom(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "out of memory" in str(e).lower() and "cuda" in str(e).lower())
 
 
+def _accumulate_clip_step(model, optimizer, dev: torch.device, autocast: bool):
+    """One optimizer step of an ordinary PyTorch loop: accumulate, clip, AdamW."""
+
+    def step(micro_batches, targets: int) -> float:
+        total = torch.zeros((), device=dev)
+        for mb in micro_batches:
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(to_device(mb, dev))
+            (loss / targets).backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return _loss_scalar(total, targets)
+
+    return step
+
+
 def _loss_scalar(total: torch.Tensor | float, targets: int) -> float:
     return float(total) / max(targets, 1)
 
@@ -274,18 +292,7 @@ def run_plain(arch: ModelArch, seq_len: int, micro_batch: int, grad_accum: int, 
         optimizer = torch.optim.AdamW(model.param_groups(WEIGHT_DECAY), lr=lr, betas=BETAS, eps=EPS,
                                       fused=dev.type == "cuda")
 
-        def step(micro_batches, targets: int) -> float:
-            total = torch.zeros((), device=dev)
-            for mb in micro_batches:
-                with torch.autocast(dev.type, dtype=torch.bfloat16):
-                    loss = model(to_device(mb, dev))
-                (loss / targets).backward()
-                total += loss.detach()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return _loss_scalar(total, targets)
-
+        step = _accumulate_clip_step(model, optimizer, dev, autocast=True)
         return _timed_steps("plain", step, arch, seq_len, micro_batch, grad_accum, steps, warmup, dev)
 
     return _guarded("plain", dev, run)
@@ -353,17 +360,7 @@ def run_fsdp2_offload(arch: ModelArch, seq_len: int, micro_batch: int, grad_accu
             fully_shard(model, **kwargs)
             optimizer = torch.optim.AdamW(model.param_groups(WEIGHT_DECAY), lr=lr, betas=BETAS, eps=EPS)
 
-            def step(micro_batches, targets: int) -> float:
-                total = torch.zeros((), device=dev)
-                for mb in micro_batches:
-                    loss = model(to_device(mb, dev))
-                    (loss / targets).backward()
-                    total += loss.detach()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                return _loss_scalar(total, targets)
-
+            step = _accumulate_clip_step(model, optimizer, dev, autocast=False)  # FSDP2 casts itself
             try:
                 return _timed_steps("fsdp2_offload", step, arch, seq_len, micro_batch, grad_accum, steps, warmup, dev)
             finally:
