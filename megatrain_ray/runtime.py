@@ -24,7 +24,7 @@ from megatrain_ray.optim import UpdateSchedule
 from megatrain_ray.planner import check_gpu_fit, choose_offload
 from megatrain_ray.sources import ObjectSource, RoutedSource, SharedMemorySource
 from megatrain_ray.store import DTYPES, ShardStore, bytes_per_param
-from megatrain_ray.trainer import pick_device
+from megatrain_ray.trainer import pick_device, split_by_capacity
 
 GiB = 1024**3
 
@@ -158,24 +158,6 @@ class Placement:
                 f"of {s.node.free_bytes / GiB:.1f} GiB free"
             )
         return "\n".join(lines)
-
-
-def split_by_capacity(numels: list[int], capacities: list[float]) -> list[list[int]]:
-    """Contiguous layer ranges whose sizes follow the capacities; every store gets a layer when it can."""
-    total, cap_total = sum(numels), sum(capacities)
-    ranges, start, acc = [], 0, 0
-    for k, cap in enumerate(capacities):
-        if k == len(capacities) - 1:
-            end = len(numels)
-        else:
-            goal = total * sum(capacities[: k + 1]) / cap_total
-            end = start
-            while end < len(numels) - (len(capacities) - 1 - k) and (end == start or acc + numels[end] / 2 <= goal):
-                acc += numels[end]
-                end += 1
-        ranges.append(list(range(start, end)))
-        start = end
-    return ranges
 
 
 def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo]) -> Placement:

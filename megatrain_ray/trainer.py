@@ -26,15 +26,22 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def split_layers(num_layers: int, weights: list[float]) -> list[list[int]]:
-    """Contiguous ranges of layer indices, sized in proportion to `weights`."""
-    total = sum(weights)
-    bounds, acc = [0], 0.0
-    for w in weights[:-1]:
-        acc += w
-        bounds.append(round(num_layers * acc / total))
-    bounds.append(num_layers)
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(len(weights))]
+def split_by_capacity(numels: list[int], capacities: list[float]) -> list[list[int]]:
+    """Contiguous layer ranges whose sizes follow the capacities; every store gets a layer when it can."""
+    total, cap_total = sum(numels), sum(capacities)
+    ranges, start, acc = [], 0, 0
+    for k, cap in enumerate(capacities):
+        if k == len(capacities) - 1:
+            end = len(numels)
+        else:
+            goal = total * sum(capacities[: k + 1]) / cap_total
+            end = start
+            while end < len(numels) - (len(capacities) - 1 - k) and (end == start or acc + numels[end] / 2 <= goal):
+                acc += numels[end]
+                end += 1
+        ranges.append(list(range(start, end)))
+        start = end
+    return ranges
 
 
 class LocalSource:
@@ -75,7 +82,7 @@ class LocalTrainer:
         self.config = config
         self.arch = arch
         dtype = DTYPES[config.model.compute_dtype]
-        layers = split_layers(len(model_layouts(arch)), [1.0] * num_stores)
+        layers = split_by_capacity([layout.numel for layout in model_layouts(arch)], [1.0] * num_stores)
         self.stores = [ShardStore(arch, ids, dtype) for ids in layers]
         for store in self.stores:
             store.init_random(config.train.seed, config.model.init_std)
