@@ -1,0 +1,115 @@
+"""Make the inputs of examples/finetune-sft.yaml: a tiny random Hugging Face model, its tokenizer
+and an SFT data set, so that the fine-tuning path runs on a laptop with no download.
+
+    python examples/make_tiny_hf_model.py runs/tiny-hf
+
+writes
+    runs/tiny-hf/model/     config.json + model.safetensors (a random Qwen2ForCausalLM, hidden 64,
+                            2 layers, vocab 256), tokenizer.json and tokenizer_config.json
+    runs/tiny-hf/sft.jsonl  alpaca rows {"instruction", "input", "output"}
+
+The tokenizer is a word-level one (the `tokenizers` library) over the few words the data uses,
+with "<|endoftext|>" as EOS; its vocabulary is smaller than the model's. The tasks (reverse,
+repeat, sort, copy a list of colour/animal/number words) are ones a tiny model starts to learn
+within a few dozen steps. Needs `transformers` (pip install -e ".[test]").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+SPECIAL = ["<|endoftext|>", "<unk>", "<pad>"]
+TEMPLATE_WORDS = ["###", "User", "Assistant", "System", ":", ","]
+TASKS = ["reverse", "repeat", "sort", "copy", "first", "last"]
+WORDS = [
+    "red", "green", "blue", "yellow", "black", "white", "orange", "purple",
+    "cat", "dog", "bird", "fish", "horse", "mouse", "lion", "bear",
+    "one", "two", "three", "four", "five", "six", "seven", "eight",
+]
+FILLER = ["please", "the", "words", "list", "these", "this", "of", "and", "answer", "with"]
+MODEL = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False,
+)
+
+
+def vocabulary() -> dict[str, int]:
+    tokens = SPECIAL + TEMPLATE_WORDS + TASKS + WORDS + FILLER
+    assert len(tokens) == len(set(tokens))
+    return {token: i for i, token in enumerate(tokens)}
+
+
+def write_tokenizer(directory: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = vocabulary()
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens(SPECIAL)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    # So that transformers' AutoTokenizer loads it too (PreTrainedTokenizerFast over tokenizer.json).
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "unk_token": "<unk>",
+        "pad_token": "<pad>", "model_max_length": MODEL["max_position_embeddings"],
+    }, indent=2) + "\n")
+    return vocab
+
+
+def answer(task: str, words: list[str]) -> list[str]:
+    return {
+        "reverse": words[::-1],
+        "repeat": words + words,
+        "sort": sorted(words),
+        "copy": words,
+        "first": words[:1],
+        "last": words[-1:],
+    }[task]
+
+
+def sft_rows(count: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        task = TASKS[i % len(TASKS)]
+        words = rng.sample(WORDS, rng.randint(2, 5))
+        instruction = f"{task} {rng.choice(['these words', 'the list', 'this list of words', 'the words'])}"
+        rows.append({"instruction": instruction, "input": " ".join(words), "output": " ".join(answer(task, words))})
+    return rows
+
+
+def write_model(directory: Path, seed: int, vocab_size: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**MODEL, eos_token_id=0, pad_token_id=2, bos_token_id=None)
+    assert vocab_size <= config.vocab_size, "the tokenizer's ids must fit the model's vocabulary"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", default="runs/tiny-hf", help="directory to write (default runs/tiny-hf)")
+    parser.add_argument("--rows", type=int, default=48, help="SFT rows (default 48)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(model_dir)
+    write_model(model_dir, args.seed, len(vocab))
+    with open(out / "sft.jsonl", "w") as f:
+        for row in sft_rows(args.rows, args.seed):
+            f.write(json.dumps(row) + "\n")
+    print(f"model + tokenizer: {model_dir}\nSFT data ({args.rows} rows): {out / 'sft.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()
