@@ -174,6 +174,7 @@ class Prefetcher:
             ]
         self.schedule: list[int] = []
         self.issued_upto = 0
+        self.now = 0  # the schedule position after the compute most recently acquired
         self.resident: dict[int, Slot] = {}
 
     def device_bytes(self) -> int:
@@ -183,6 +184,7 @@ class Prefetcher:
         """A new step: weights changed on the host, so nothing resident is current."""
         self.schedule = schedule
         self.issued_upto = 0
+        self.now = 0
         self.resident.clear()
         for pool in self.pools.values():
             for slot in pool:
@@ -203,8 +205,11 @@ class Prefetcher:
                 best, best_use = slot, use
         return best
 
-    def _issue(self, now: int) -> None:
-        while self.issued_upto < len(self.schedule):
+    def _issue(self, now: int, upto: int | None = None) -> None:
+        """Copy in the layers of schedule positions from `issued_upto` on, as far as slots allow
+        (or only up to `upto`); each copy first waits for that layer's optimizer update."""
+        last = len(self.schedule) - 1 if upto is None else min(upto, len(self.schedule) - 1)
+        while self.issued_upto <= last:
             pos = self.issued_upto
             layer = self.schedule[pos]
             if layer not in self.resident:
@@ -242,8 +247,14 @@ class Prefetcher:
         self.resident[layer] = slot
 
     def acquire(self, pos: int) -> Slot:
-        """The slot holding schedule[pos], ready for the compute stream."""
-        self._issue(pos)
+        """The slot holding schedule[pos], ready for the compute stream.
+
+        Only schedule[pos] itself is copied in here if it is missing; the copies further ahead
+        are issued in `release`, after this compute is queued, so the device never idles while
+        the host waits for a later layer's optimizer update.
+        """
+        self._issue(pos, upto=pos)
+        self.now = pos + 1
         layer = self.schedule[pos]
         if layer not in self.resident:
             raise RuntimeError(f"layer {layer} was not prefetched: too few slots for the schedule")
@@ -254,9 +265,11 @@ class Prefetcher:
         return slot
 
     def release(self, slot: Slot) -> None:
+        """The compute that reads the slot is queued: mark when it ends, then look ahead."""
         slot.free = self.streams.record(self.streams.compute)
         if self.trace is not None:
             self.trace.append(("free", slot.id, slot.layer, getattr(slot.free, "id", None)))
+        self._issue(self.now)
 
 
 # ---------------------------------------------------------------------------------------------

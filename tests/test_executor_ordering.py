@@ -79,3 +79,23 @@ def test_weights_cross_to_the_device_at_most_twice_per_step_whatever_the_micro_b
     # the head and the last block stay resident across the turn from forward into backward
     last_block = ARCH.num_layers
     assert per_layer[last_block] == 1 and per_layer[last_block + 1] == 1
+
+
+def test_a_layer_computes_before_the_host_waits_for_the_layers_after_it():
+    """A copy ahead (which first waits for that layer's optimizer update) is issued only after the
+    current compute is queued and released; the one exception is a copy of the very layer about to
+    compute. So the device never idles while the host waits on a later layer."""
+    traces, _ = run_traced(grad_accum=2, num_slots=3)
+    for trace in traces:
+        released_since_compute = False
+        for i, (op, _, layer, _) in enumerate(trace):
+            if op == "compute":
+                released_since_compute = False
+            elif op == "free":
+                released_since_compute = True
+            elif op == "copy":
+                nxt = trace[i + 1]
+                needed_now = nxt[0] == "compute" and nxt[2] == layer
+                assert needed_now or released_since_compute, f"layer {layer} copied ahead before a compute was queued"
+        first_compute = next(i for i, t in enumerate(trace) if t[0] == "compute")
+        assert [t[2] for t in trace[:first_compute] if t[0] == "copy"] == [0]
