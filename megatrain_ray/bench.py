@@ -12,6 +12,7 @@ import dataclasses
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +26,10 @@ MEASURED_BF16_PEAK_TFLOPS = 799.0  # 8192^3 bf16 matmul on the H100 machine (DES
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2.5-1.5b", help="preset name or a Hugging Face config.json / model dir")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder blocks")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--seq-len", type=int, nargs="+", default=[4096],
+                   help="one or more: several run one after another on the same host state (a sweep)")
+    p.add_argument("--micro-batch", type=int, nargs="+", default=[1], help="one, or one per --seq-len")
+    p.add_argument("--grad-accum", type=int, nargs="+", default=[4], help="one, or one per --seq-len")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (0: the first step, compilation included, is timed)")
     p.add_argument("--num-slots", type=int, default=3)
@@ -69,59 +71,104 @@ def random_micro_batches(arch: ModelArch, seq_len: int, micro_batch: int, grad_a
     return out
 
 
-def bench_config(args):
+@dataclass(frozen=True)
+class Shape:
+    """One step's shape: micro_batch sequences of seq_len tokens, grad_accum times."""
+
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.micro_batch * self.grad_accum
+
+    def __str__(self) -> str:
+        return f"seq {self.seq_len}, micro-batch {self.micro_batch} x {self.grad_accum} = {self.tokens} tokens/step"
+
+
+def shapes_from(args) -> list[Shape]:
+    """Pair the lists position by position; a list of one applies to every position."""
+    lists = [args.seq_len, args.micro_batch, args.grad_accum]
+    n = max(len(v) for v in lists)
+    if any(len(v) not in (1, n) for v in lists):
+        raise ValueError("--seq-len, --micro-batch and --grad-accum take one value each, or the same number of values")
+    shapes = [Shape(*(v[i] if len(v) > 1 else v[0] for v in lists)) for i in range(n)]
+    if any(min(s.seq_len, s.micro_batch, s.grad_accum) < 1 for s in shapes):
+        raise ValueError("bench needs positive --seq-len, --micro-batch and --grad-accum")
+    return shapes
+
+
+def bench_config(args, shape: Shape):
     return config_from_dict({
         "model": {"preset": "tiny-llama", "compute_dtype": args.compute_dtype},
         "optim": {"lr": 1e-5, "warmup_steps": 0},
-        "train": {"steps": args.warmup + args.steps, "micro_batch_size": args.micro_batch,
-                  "grad_accum": args.grad_accum},
+        "train": {"steps": args.warmup + args.steps, "micro_batch_size": shape.micro_batch,
+                  "grad_accum": shape.grad_accum},
         "executor": {"device": args.device, "num_slots": args.num_slots, "loss_chunk_tokens": args.loss_chunk_tokens,
                      "offload_activations": args.offload_activations},
         "runtime": {"object_store_memory": 2 * 1024**3},
-        "data": {"seq_len": args.seq_len},
+        "data": {"seq_len": shape.seq_len},
     })
 
 
-def run_streaming(arch: ModelArch, args) -> dict:
+def run_streaming(arch: ModelArch, args, shapes: list[Shape]) -> list[dict]:
+    """Every shape on one set of stores: the host state is built (and registered) once."""
     import ray
 
-    from megatrain_ray.runtime import Session, available_memory, connect
+    from megatrain_ray.runtime import Session, connect
 
-    config = bench_config(args)
+    config = bench_config(args, shapes[0])
     connect(config.runtime)
     session = Session(config, arch)
     print(session.placement.describe(arch), flush=True)
-    t0 = time.perf_counter()
-    session.init_random()
-    session.start_executor()
-    device = ray.get(session.gpu.describe_device.remote())
-    print(f"executor device: {device}; init {time.perf_counter() - t0:.1f} s", flush=True)
-    flops_tok = model_flops_per_token(arch, args.seq_len)
-    rows = []
-    t_timed = time.perf_counter()
     try:
-        for step in range(args.warmup + args.steps):
-            batch = random_micro_batches(arch, args.seq_len, args.micro_batch, args.grad_accum, seed=step)
-            if args.profile and step == args.warmup:
-                r = ray.get(session.gpu.profile_step.remote(batch, args.profile))
-            else:
-                r = session.train_step(batch)
-            row = step_row(r, flops_tok, args.peak_tflops)
-            if step == args.warmup - 1:
-                session.drain()  # timed steps start with no optimizer work of warm-up pending
-                ray.get([s.take_optimizer_seconds.remote() for s in session.stores])
-                t_timed = time.perf_counter()
-            row["warmup"] = step < args.warmup
-            row["driver_node_available_gib"] = available_memory() / 2**30  # no actor call: it would wait for the optimizer
-            rows.append(row)
-            print(format_row(step, row), flush=True)
-        session.drain()  # the last step's updates belong to the timed work
-        wall = time.perf_counter() - t_timed
-        optimizer_s = sum(ray.get([s.take_optimizer_seconds.remote() for s in session.stores]))
-        host = ray.get([s.host_bytes.remote() for s in session.stores])
-        memory = ray.get([s.memory_status.remote() for s in session.stores])
+        t0 = time.perf_counter()
+        session.init_random()
+        session.start_executor()
+        device = ray.get(session.gpu.describe_device.remote())
+        print(f"executor device: {device}; init {time.perf_counter() - t0:.1f} s", flush=True)
+        results = []
+        for i, shape in enumerate(shapes):
+            if i > 0:
+                ray.get(session.gpu.reconfigure.remote(bench_config(args, shape)))
+            print(f"-- {shape}", flush=True)
+            results.append({"shape": dataclasses.asdict(shape), "device": device, **time_shape(session, arch, args, shape)})
+        return results
     finally:
         session.close()
+
+
+def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
+    import ray
+
+    from megatrain_ray.runtime import available_memory
+
+    flops_tok = model_flops_per_token(arch, shape.seq_len)
+    rows = []
+    session.drain()
+    ray.get([s.take_optimizer_seconds.remote() for s in session.stores])
+    t_timed = time.perf_counter()
+    for step in range(args.warmup + args.steps):
+        batch = random_micro_batches(arch, shape.seq_len, shape.micro_batch, shape.grad_accum, seed=step)
+        if args.profile and step == args.warmup:
+            r = ray.get(session.gpu.profile_step.remote(batch, f"{args.profile}/seq{shape.seq_len}-mb{shape.micro_batch}"))
+        else:
+            r = session.train_step(batch)
+        row = step_row(r, flops_tok, args.peak_tflops)
+        if step == args.warmup - 1:
+            session.drain()  # timed steps start with no optimizer work of warm-up pending
+            ray.get([s.take_optimizer_seconds.remote() for s in session.stores])
+            t_timed = time.perf_counter()
+        row["warmup"] = step < args.warmup
+        row["driver_node_available_gib"] = available_memory() / 2**30  # no actor call: it would wait for the optimizer
+        rows.append(row)
+        print(format_row(step, row), flush=True)
+    session.drain()  # the last step's updates belong to the timed work
+    wall = time.perf_counter() - t_timed
+    optimizer_s = sum(ray.get([s.take_optimizer_seconds.remote() for s in session.stores]))
+    host = ray.get([s.host_bytes.remote() for s in session.stores])
+    memory = ray.get([s.memory_status.remote() for s in session.stores])
     timed = [r for r in rows if not r["warmup"]]
     summary = {k: statistics.median(r[k] for r in timed) for k in timed[0] if isinstance(timed[0][k], (int, float))}
     # Throughput over the whole timed window, the last step's optimizer work included.
@@ -134,7 +181,7 @@ def run_streaming(arch: ModelArch, args) -> dict:
     summary["store_memory"] = memory
     print(f"timed: {len(timed)} steps, {tokens} tokens in {wall:.2f} s; host optimizer {optimizer_s / len(timed):.2f} s "
           f"per step (overlapped with the next forward where it can be)", flush=True)
-    return {"device": device, "steps": rows, "median": summary}
+    return {"steps": rows, "median": summary}
 
 
 def step_row(r, flops_per_token: float, peak_tflops: float) -> dict:
@@ -160,23 +207,26 @@ def format_row(step: int, row: dict) -> str:
 def main(args) -> int:
     if args.warmup < 0 or args.steps < 1:
         raise ValueError("bench needs --warmup >= 0 and --steps >= 1")
+    shapes = shapes_from(args)
     arch = resolve_arch(args.model)
     if args.layers:
         arch = arch.replace(num_layers=args.layers)
-    print(f"bench: {args.model} ({arch.num_params() / 1e9:.2f} B params), seq {args.seq_len}, micro-batch "
-          f"{args.micro_batch} x {args.grad_accum} = {args.seq_len * args.micro_batch * args.grad_accum} tokens/step; "
+    print(f"bench: {args.model} ({arch.num_params() / 1e9:.2f} B params), {'; '.join(map(str, shapes))}; "
           f"model FLOPs = 6 x {matmul_params(arch) / 1e9:.2f} B params x tokens + causal attention "
           f"6 x layers x seq x heads x head_dim per token; MFU against {args.peak_tflops:.0f} TFLOP/s", flush=True)
     if args.parts:
-        print(json.dumps(bench_parts(arch, args), indent=2))
+        print(json.dumps(bench_parts(arch, args, shapes[0]), indent=2))
         return 0
-    results = {"args": vars(args), "streaming": run_streaming(arch, args)}
+    runs = run_streaming(arch, args, shapes)
     if args.baseline is not None:
         from megatrain_ray.baselines import run_baselines
 
         names = args.baseline or ["plain", "fsdp2_offload", "deepspeed_offload"]
-        results["baselines"] = [dataclasses.asdict(b) for b in run_baselines(
-            names, arch, args.seq_len, args.micro_batch, args.grad_accum, args.steps, args.warmup)]
+        for run in runs:
+            shape = Shape(**run["shape"])
+            run["baselines"] = [dataclasses.asdict(b) for b in run_baselines(
+                names, arch, shape.seq_len, shape.micro_batch, shape.grad_accum, args.steps, args.warmup)]
+    results = {"args": vars(args), "model": args.model, "params": arch.num_params(), "runs": runs}
     print_table(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -185,17 +235,21 @@ def main(args) -> int:
 
 
 def print_table(results: dict) -> None:
-    m = results["streaming"]["median"]
-    ours = m["tokens_per_s"]
-    print("\n| run | tokens/s | model TFLOP/s | MFU | h2d GB/s | peak GPU GiB | ours / it |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| megatrain-ray | {ours:.0f} | {m['model_tflops']:.0f} | {m['mfu']:.1%} | {m['h2d_gbps']:.1f} | "
-          f"{m['peak_gpu_gib']:.1f} | 1.00 |")
-    for b in results.get("baselines", []):
-        tps = b.get("tokens_per_s") or 0.0
-        ratio = f"{ours / tps:.2f}" if tps else "-"
-        peak = (b.get("peak_gpu_bytes") or 0) / 2**30
-        print(f"| {b['name']} ({b['status']}) | {tps:.0f} | | | | {peak:.1f} | {ratio} |")
+    print("\n| run | seq | tokens/step | tokens/s | model TFLOP/s | MFU | compute s | exposed wait s | "
+          "h2d GB/s | peak GPU GiB | ours / it |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for run in results["runs"]:
+        m, shape = run["median"], Shape(**run["shape"])
+        ours = m["tokens_per_s"]
+        print(f"| megatrain-ray | {shape.seq_len} | {shape.micro_batch} x {shape.grad_accum} | {ours:.0f} | "
+              f"{m['model_tflops']:.0f} | {m['mfu']:.1%} | {m['compute_s']:.2f} | {m['exposed_wait_s']:.2f} | "
+              f"{m['h2d_gbps']:.1f} | {m['peak_gpu_gib']:.1f} | 1.00 |")
+        for b in run.get("baselines", []):
+            tps = b.get("tokens_per_s") or 0.0
+            ratio = f"{ours / tps:.2f}" if tps else "-"
+            peak = (b.get("peak_gpu_bytes") or 0) / 2**30
+            print(f"| {b['name']} ({b['status']}) | {shape.seq_len} | {shape.micro_batch} x {shape.grad_accum} | "
+                  f"{tps:.0f} | | | | | | {peak:.1f} | {ratio} |")
 
 
 def _median_seconds(fn, repeats: int, sync) -> float:
@@ -210,13 +264,13 @@ def _median_seconds(fn, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
-def bench_parts(arch: ModelArch, args) -> dict:
+def bench_parts(arch: ModelArch, args, shape: Shape) -> dict:
     """Per-layer compute ceiling (forward + backward, no recompute) and the host optimizer rate."""
     import torch
 
     from megatrain_ray.models import llama
     from megatrain_ray.models.layout import model_layouts
-    from megatrain_ray.optim import AdamWStep, adamw_update
+    from megatrain_ray.optim import CHUNK_ELEMENTS, AdamWStep, adamw_update
 
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -224,7 +278,7 @@ def bench_parts(arch: ModelArch, args) -> dict:
     layout = model_layouts(arch)[1]
     flat = (torch.randn(layout.numel, device=device) * 0.02).to(dtype)
     weights = {k: v.requires_grad_() for k, v in {n: t.detach().clone() for n, t in layout.views(flat).items()}.items()}
-    b, t = args.micro_batch, args.seq_len
+    b, t = shape.micro_batch, shape.seq_len
     x = torch.randn(b, t, arch.hidden_size, device=device, dtype=dtype, requires_grad=True)
     pos = torch.arange(t, device=device).expand(b, t)
     rope = llama.rope_context(arch, pos, dtype)
@@ -248,7 +302,9 @@ def bench_parts(arch: ModelArch, args) -> dict:
     master, m, v = torch.randn(n) * 0.02, torch.zeros(n), torch.zeros(n)
     compute = master.to(dtype)
     hp = AdamWStep(1, 1e-4, 0.5, (0.9, 0.95), 1e-8, 0.1)
-    secs = _median_seconds(lambda: adamw_update(master, compute, m, v, layout.segments(), hp, compute), 3, lambda: None)
-    out["host_adamw_gparams_per_s"] = n / secs / 1e9
+    for chunk in (CHUNK_ELEMENTS >> 4, CHUNK_ELEMENTS >> 2, CHUNK_ELEMENTS):  # how cache-sized the passes must be
+        secs = _median_seconds(
+            lambda: adamw_update(master, compute, m, v, layout.segments(), hp, compute, chunk=chunk), 3, lambda: None)
+        out[f"host_adamw_gparams_per_s_chunk_{chunk}"] = n / secs / 1e9
     out["host_threads"] = torch.get_num_threads()
     return out

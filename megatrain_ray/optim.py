@@ -61,6 +61,7 @@ def adamw_update(
     segments: list[tuple[int, int, bool]],
     hp: AdamWStep,
     compute_copy: torch.Tensor | None = None,
+    chunk: int = CHUNK_ELEMENTS,
 ) -> None:
     """Update `master` in place from `grad` (any float dtype) and refresh `compute_copy`.
 
@@ -68,11 +69,11 @@ def adamw_update(
     weight decay rides inside the fused kernel instead of costing a pass of its own. `grad` may
     be `compute_copy` itself: each chunk of gradient is read before it is overwritten.
     """
-    scratch = torch.empty(min(master.numel(), CHUNK_ELEMENTS), dtype=torch.float32) if grad.dtype != torch.float32 else None
+    scratch = torch.empty(min(master.numel(), chunk), dtype=torch.float32) if grad.dtype != torch.float32 else None
     for start, end, decays in segments:
         wd = hp.weight_decay if decays else 0.0
-        for lo in range(start, end, CHUNK_ELEMENTS):
-            hi = min(end, lo + CHUNK_ELEMENTS)
+        for lo in range(start, end, chunk):
+            hi = min(end, lo + chunk)
             g = grad[lo:hi] if scratch is None else scratch[: hi - lo].copy_(grad[lo:hi])
             _adam_chunk(master[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi], hp, wd)
             if compute_copy is not None:

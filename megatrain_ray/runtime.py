@@ -234,12 +234,9 @@ class GpuWorker:
 
     def __init__(self, arch: ModelArch, config: Config, stores: list, store_nodes: list[str], updates_done: int = 0):
         torch.set_num_threads(max(1, os.cpu_count() or 1))
+        self.arch = arch
         self.device = pick_device(config.executor.device)
-        offload = False
-        if self.device.type == "cuda":  # refuse before allocating anything on the GPU
-            free = torch.cuda.mem_get_info(self.device)[0]
-            check_gpu_fit(arch, config, free, torch.cuda.get_device_name(self.device))
-            offload = choose_offload(arch, config, free)
+        offload = self._check_fit(config)
         dtype = DTYPES[config.model.compute_dtype]
         here = ray.get_runtime_context().get_node_id()
         layouts = model_layouts(arch)
@@ -255,11 +252,32 @@ class GpuWorker:
         self.source = RoutedSource(sources, layer_lists)
         self.kinds = ["shm" if node == here else "object" for node in store_nodes]
         self.schedule = UpdateSchedule(config.optim, config.train.steps, updates_done)
+        self.executor = self._executor(config, offload)
+
+    def _check_fit(self, config: Config) -> bool:
+        """Refuse a step that cannot fit before allocating anything; True: park activations on the host."""
+        if self.device.type != "cuda":
+            return False
+        free = torch.cuda.mem_get_info(self.device)[0]
+        check_gpu_fit(self.arch, config, free, torch.cuda.get_device_name(self.device))
+        return choose_offload(self.arch, config, free)
+
+    def _executor(self, config: Config, offload: bool) -> StreamingExecutor:
         ex = config.executor
-        self.executor = StreamingExecutor(
-            arch, self.source, self.device, dtype, ex.num_slots, ex.loss_chunk_tokens,
-            compile_blocks=ex.compile, mlp_chunk_tokens=ex.mlp_chunk_tokens, offload_activations=offload,
+        return StreamingExecutor(
+            self.arch, self.source, self.device, DTYPES[config.model.compute_dtype], ex.num_slots,
+            ex.loss_chunk_tokens, compile_blocks=ex.compile, mlp_chunk_tokens=ex.mlp_chunk_tokens,
+            offload_activations=offload,
         )
+
+    def reconfigure(self, config: Config) -> None:
+        """A new step shape (sequence length, micro-batches) on the same stores: the benchmark's
+        sweep, which keeps the host state and its CUDA registration instead of rebuilding them."""
+        self.source.drain()
+        self.executor = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.executor = self._executor(config, self._check_fit(config))
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         return self.executor.train_step(micro_batches, self.schedule.next)
