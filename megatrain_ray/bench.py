@@ -140,6 +140,9 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape]) -> list[dict]:
 
 
 def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
+    """Steady state: each timed step starts while the previous step's optimizer still runs, as in
+    a long run; the window closes when the last step returns (its optimizer would overlap the next
+    step), and the drain that follows is reported on its own."""
     import ray
 
     from megatrain_ray.runtime import available_memory
@@ -150,37 +153,38 @@ def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
     ray.get([s.take_optimizer_seconds.remote() for s in session.stores])
     t_timed = time.perf_counter()
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            t_timed = time.perf_counter()
         batch = random_micro_batches(arch, shape.seq_len, shape.micro_batch, shape.grad_accum, seed=step)
         if args.profile and step == args.warmup:
             r = ray.get(session.gpu.profile_step.remote(batch, f"{args.profile}/seq{shape.seq_len}-mb{shape.micro_batch}"))
         else:
             r = session.train_step(batch)
         row = step_row(r, flops_tok, args.peak_tflops)
-        if step == args.warmup - 1:
-            session.drain()  # timed steps start with no optimizer work of warm-up pending
-            ray.get([s.take_optimizer_seconds.remote() for s in session.stores])
-            t_timed = time.perf_counter()
         row["warmup"] = step < args.warmup
         row["driver_node_available_gib"] = available_memory() / 2**30  # no actor call: it would wait for the optimizer
         rows.append(row)
         print(format_row(step, row), flush=True)
-    session.drain()  # the last step's updates belong to the timed work
     wall = time.perf_counter() - t_timed
+    t_drain = time.perf_counter()
+    session.drain()
+    drain_s = time.perf_counter() - t_drain
     optimizer_s = sum(ray.get([s.take_optimizer_seconds.remote() for s in session.stores]))
     host = ray.get([s.host_bytes.remote() for s in session.stores])
     memory = ray.get([s.memory_status.remote() for s in session.stores])
     timed = [r for r in rows if not r["warmup"]]
     summary = {k: statistics.median(r[k] for r in timed) for k in timed[0] if isinstance(timed[0][k], (int, float))}
-    # Throughput over the whole timed window, the last step's optimizer work included.
     tokens = sum(r["tokens"] for r in timed)
     summary["tokens_per_s"] = tokens / wall
     summary["model_tflops"] = summary["tokens_per_s"] * flops_tok / 1e12
     summary["mfu"] = summary["model_tflops"] / args.peak_tflops
-    summary["optimizer_s_per_step"] = optimizer_s / len(timed)
+    summary["optimizer_s_per_step"] = optimizer_s / len(rows)
+    summary["final_drain_s"] = drain_s
     summary["host_state_bytes"] = sum(host)
     summary["store_memory"] = memory
-    print(f"timed: {len(timed)} steps, {tokens} tokens in {wall:.2f} s; host optimizer {optimizer_s / len(timed):.2f} s "
-          f"per step (overlapped with the next forward where it can be)", flush=True)
+    print(f"timed: {len(timed)} steps, {tokens} tokens in {wall:.2f} s; host optimizer {optimizer_s / len(rows):.2f} s "
+          f"per step, overlapped with the next step where it can be (the last step's took {drain_s:.2f} s more "
+          f"to drain, outside the window)", flush=True)
     return {"steps": rows, "median": summary}
 
 
