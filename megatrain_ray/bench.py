@@ -179,6 +179,7 @@ def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
     summary["model_tflops"] = summary["tokens_per_s"] * flops_tok / 1e12
     summary["mfu"] = summary["model_tflops"] / args.peak_tflops
     summary["optimizer_s_per_step"] = optimizer_s / len(rows)
+    summary["bound"] = bound_by(summary)
     summary["final_drain_s"] = drain_s
     summary["host_state_bytes"] = sum(host)
     summary["store_memory"] = memory
@@ -188,6 +189,13 @@ def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
     return {"steps": rows, "median": summary}
 
 
+def bound_by(summary: dict) -> str:
+    """Which of the three engines of a step is busiest: the GPU computing, the host-to-device
+    copies (PCIe), or the host optimizer; the other two overlap with it."""
+    busy = {"compute": summary["compute_s"], "PCIe": summary["h2d_s"], "host optimizer": summary["optimizer_s_per_step"]}
+    return max(busy, key=busy.get)
+
+
 def step_row(r, flops_per_token: float, peak_tflops: float) -> dict:
     row = dataclasses.asdict(r)
     tps = r.tokens / r.seconds
@@ -195,6 +203,7 @@ def step_row(r, flops_per_token: float, peak_tflops: float) -> dict:
     row["model_tflops"] = tps * flops_per_token / 1e12
     row["mfu"] = row["model_tflops"] / peak_tflops
     row["exposed_wait_s"] = max(0.0, r.seconds - r.compute_s)
+    row["h2d_s"] = r.h2d_bytes / (r.h2d_gbps * 1e9) if r.h2d_gbps else 0.0
     row["peak_gpu_gib"] = r.peak_device_bytes / 2**30
     return row
 
@@ -239,21 +248,21 @@ def main(args) -> int:
 
 
 def print_table(results: dict) -> None:
-    print("\n| run | seq | tokens/step | tokens/s | model TFLOP/s | MFU | compute s | exposed wait s | "
-          "h2d GB/s | peak GPU GiB | ours / it |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| run | seq | tokens/step | tokens/s | model TFLOP/s | MFU | step s | compute s | h2d s | optimizer s | "
+          "bound by | h2d GB/s | peak GPU GiB | ours / it |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for run in results["runs"]:
         m, shape = run["median"], Shape(**run["shape"])
         ours = m["tokens_per_s"]
         print(f"| megatrain-ray | {shape.seq_len} | {shape.micro_batch} x {shape.grad_accum} | {ours:.0f} | "
-              f"{m['model_tflops']:.0f} | {m['mfu']:.1%} | {m['compute_s']:.2f} | {m['exposed_wait_s']:.2f} | "
-              f"{m['h2d_gbps']:.1f} | {m['peak_gpu_gib']:.1f} | 1.00 |")
+              f"{m['model_tflops']:.0f} | {m['mfu']:.1%} | {m['seconds']:.2f} | {m['compute_s']:.2f} | {m['h2d_s']:.2f} | "
+              f"{m['optimizer_s_per_step']:.2f} | {m['bound']} | {m['h2d_gbps']:.1f} | {m['peak_gpu_gib']:.1f} | 1.00 |")
         for b in run.get("baselines", []):
             tps = b.get("tokens_per_s") or 0.0
             ratio = f"{ours / tps:.2f}" if tps else "-"
             peak = (b.get("peak_gpu_bytes") or 0) / 2**30
             print(f"| {b['name']} ({b['status']}) | {shape.seq_len} | {shape.micro_batch} x {shape.grad_accum} | "
-                  f"{tps:.0f} | | | | | | {peak:.1f} | {ratio} |")
+                  f"{tps:.0f} | | | | | | | | | {peak:.1f} | {ratio} |")
 
 
 def _median_seconds(fn, repeats: int, sync) -> float:

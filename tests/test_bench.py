@@ -43,3 +43,4 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
         assert len(timed) == 2 and all(s["tokens"] == tokens and s["finite"] for s in timed)
         assert run["median"]["tokens_per_s"] > 0
     assert "| megatrain-ray | 64 | 1 x 3 |" in proc.stdout
+    assert all(r["median"]["bound"] in ("compute", "PCIe", "host optimizer") for r in runs)
