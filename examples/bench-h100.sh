@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
 # The runs behind the README's performance figures, on one GPU machine (H100 80GB, 128 GiB host).
-# Each line is independent; each takes 1-5 minutes. Ray, and for the DeepSpeed baseline DeepSpeed
+# Each line is independent and takes 2-8 minutes; a line with several --seq-len values is a sweep
+# on one set of stores (the host state is built once). Ray, and for the DeepSpeed baseline DeepSpeed
 # and its dependencies, must be installed (pip install "ray[default]" deepspeed).
 set -euo pipefail
 B="megatrain-ray bench"
 out=${1:-bench-results}
 mkdir -p "$out"
+# Shapes of the scaling table: 65,536 tokens a step at seq 1024, 4096 and 16384, then one sequence a step.
+SWEEP="--seq-len 1024 4096 16384 1024 4096 16384 --micro-batch 4 1 1 1 1 1 --grad-accum 16 16 4 1 1 1"
 
-# the two ceilings the step is built from: one 7B decoder layer's fwd+bwd, and the host AdamW
+# the ceilings the step is built from: one 7B decoder layer's fwd+bwd, and the host AdamW
 $B --model qwen2.5-7b --parts --seq-len 4096 --micro-batch 1
-# 1.5B (fits on the GPU), beside plain PyTorch, FSDP2 CPU offload and DeepSpeed ZeRO-3 offload
-$B --model qwen2.5-1.5b --seq-len 4096 --micro-batch 1 --grad-accum 4 --steps 3 --warmup 1 \
-   --baseline plain fsdp2_offload deepspeed_offload --json "$out/qwen2.5-1.5b-baselines.json"
-$B --model qwen2.5-1.5b --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 2 --warmup 1 --json "$out/qwen2.5-1.5b.json"
-# 7B (does not fit on the GPU with fp32 AdamW)
-$B --model qwen2.5-7b --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 2 --warmup 1 \
-   --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b.json"
+
+# 7B (does not fit on the GPU with fp32 AdamW): the headline shape first, then the scaling table
+$B --model qwen2.5-7b --seq-len 4096 1024 4096 16384 1024 4096 16384 \
+   --micro-batch 4 4 1 1 1 1 1 --grad-accum 8 16 16 4 1 1 1 \
+   --steps 3 --warmup 1 --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-sweep.json"
+$B --model qwen2.5-3b $SWEEP --steps 3 --warmup 1 --json "$out/qwen2.5-3b-sweep.json"
+$B --model qwen2.5-1.5b $SWEEP --steps 3 --warmup 1 --json "$out/qwen2.5-1.5b-sweep.json"
+
+# side by side with the baselines, same model, batch and data
+$B --model qwen2.5-1.5b --seq-len 4096 --grad-accum 16 --steps 3 --warmup 1 --baseline plain \
+   --json "$out/qwen2.5-1.5b-plain.json"
+$B --model qwen2.5-3b --seq-len 4096 --grad-accum 16 --steps 2 --warmup 1 --baseline plain deepspeed_offload \
+   --json "$out/qwen2.5-3b-x16-baselines.json"
+$B --model qwen2.5-3b --seq-len 4096 --grad-accum 4 --steps 2 --warmup 1 \
+   --baseline plain fsdp2_offload deepspeed_offload --json "$out/qwen2.5-3b-x4-baselines.json"
+
 # long context: 7B at 128k tokens, 1.5B at 512k tokens (activations parked in host memory)
 $B --model qwen2.5-7b --seq-len 131072 --micro-batch 1 --grad-accum 1 --steps 1 --warmup 1 \
    --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-128k.json"
