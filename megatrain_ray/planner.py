@@ -23,7 +23,9 @@ HOST_ADAMW_PARAMS_PER_S = 2.9e9  # fused AdamW inside the pipeline, 14 threads
 # bytes per element of a loss chunk's [tokens x vocab] tensors at their peak (bf16 logits, fp32
 # log-softmax and its gradient, not all alive at once). These constants were fitted to ten peaks
 # measured on the H100 (7B and 1.5B shapes at 4k, 128k and 512k tokens, small models): all within
-# 7%; the 1.5B shape at 512k without offload predicts 75 GiB, and it ran out of memory.
+# 7%; the 1.5B shape at 512k without offload predicts 75 GiB, and it ran out of memory. Checked
+# again on 25 peaks of 2026-11-23 (examples/bench-h100-results): within 8% for steps of several
+# micro-batches, and up to a third over for steps of one short sequence (the safe side).
 LOSS_BYTES_PER_LOGIT = 9
 # a decoder layer's saved tensors during its recompute + backward, per token: the norms' fp32
 # copies, q/k/v/attention output, the MLP's gate/up/act/product (fitted, in compute-dtype units)
