@@ -37,6 +37,7 @@ BOUNDARY = "boundary activations (input of every layer, every micro-batch)"
 
 
 AUTO_OFFLOAD_MARGIN = 0.85  # offload before the prediction comes close to the free memory
+HOST_PARK_RESERVE = 1 * GiB  # the GPU actor's own growth beside its parked activations
 
 
 class PlanError(ValueError):
@@ -61,6 +62,36 @@ def mlp_chunk_tokens(arch: ModelArch, tokens: int, config: Config) -> int:
     return tokens if chunk <= 0 else min(tokens, chunk)
 
 
+def boundary_bytes(arch: ModelArch, config: Config, layers: int) -> int:
+    """The inputs of `layers` layers for every micro-batch of a step, kept for their recompute."""
+    t = config.train
+    return layers * t.grad_accum * t.micro_batch_size * config.data.seq_len * arch.hidden_size * dtype_bytes(config)
+
+
+def parked_bytes(arch: ModelArch, config: Config) -> int:
+    """Pinned host memory that offloaded boundary activations take on the GPU node: every layer's
+    input, every micro-batch, each block rounded up to a power of two as torch's caching host
+    allocator does."""
+    t = config.train
+    one = t.micro_batch_size * config.data.seq_len * arch.hidden_size * dtype_bytes(config)
+    return (len(model_layouts(arch)) - 1) * t.grad_accum * (1 << (one - 1).bit_length())
+
+
+def check_parked_fit(arch: ModelArch, config: Config, headroom_bytes: int, where: str) -> None:
+    """Parked activations come on top of the stores' state: refuse before the node runs out.
+
+    `headroom_bytes`: what the node can still give before Ray's memory monitor kills workers.
+    """
+    need = parked_bytes(arch, config) + HOST_PARK_RESERVE
+    if need > headroom_bytes:
+        raise PlanError(
+            f"parking the boundary activations in host memory needs {need / GiB:.1f} GiB on {where}, which can "
+            f"give {headroom_bytes / GiB:.1f} GiB beside the stores before Ray's memory monitor steps in. Fewer "
+            f"micro-batches per step (train.grad_accum) or tokens per micro-batch (train.micro_batch_size, "
+            f"data.seq_len), or RAM nodes to hold the model (runtime.store_on_gpu_node: false)"
+        )
+
+
 def gpu_plan(arch: ModelArch, config: Config, offload: bool = False) -> GpuPlan:
     """Peak GPU bytes by use for one optimizer step of this config (activations offloaded or not)."""
     layouts = model_layouts(arch)
@@ -78,7 +109,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False) -> GpuPlan:
     if arch.tie_word_embeddings:
         plan.by_use["tied embedding gradient held through backward"] = layouts[0].numel * 4
     held_layers = 2 if offload else len(layouts) - 1  # offloaded: the one in use and the one coming back
-    plan.by_use[BOUNDARY] = held_layers * t.grad_accum * mb_tokens * h * d
+    plan.by_use[BOUNDARY] = boundary_bytes(arch, config, held_layers)
     plan.by_use["boundary gradients in flight"] = 2 * t.grad_accum * mb_tokens * h * d
     per_h, per_i = WORKING_SET_PER_TOKEN
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
@@ -161,7 +192,7 @@ def describe(arch: ModelArch, config: Config, placement=None, gpu_free: int | No
         f"device memory, predicted peak {size(plan.total)}"
         + (f" of {size(gpu_free)} free" if gpu_free is not None else "") + ":",
         format_gpu_plan(plan),
-        f"boundary activations {'offloaded to host memory (pinned, overlapped)' if offload else 'kept on the device'}",
+        f"boundary activations {'offloaded to host memory (pinned, overlapped): ' + size(parked_bytes(arch, config)) + ' on the GPU node' if offload else 'kept on the device'}",
         "every layer recomputes its forward in backward; weights are fetched twice per step "
         f"(the last {config.executor.num_slots - 1} blocks stay resident across the turn)",
         f"predicted step on the H100 machine's measured rates ({tokens} tokens): compute {p.compute_s:.2f} s, host->GPU {p.h2d_s:.2f} s (overlapped), "
@@ -178,7 +209,7 @@ def print_plan(config: Config) -> bool:
     import ray
 
     from megatrain_ray.driver import model_arch
-    from megatrain_ray.runtime import connect, discover_nodes, gpu_free_bytes, plan_placement
+    from megatrain_ray.runtime import connect, discover_nodes, gpu_free_bytes, gpu_node_headroom, plan_placement
 
     arch = model_arch(config)
     connect(config.runtime)
@@ -192,8 +223,10 @@ def print_plan(config: Config) -> bool:
     if free is not None:
         try:
             check_gpu_fit(arch, config, free, "the GPU")
+            if choose_offload(arch, config, free):
+                check_parked_fit(arch, config, gpu_node_headroom(placement), "the GPU node")
         except PlanError as e:
-            print(f"does not fit on the GPU: {e}")
+            print(f"does not fit: {e}")
             return False
     print("fits")
     ray.shutdown()

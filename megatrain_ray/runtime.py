@@ -21,7 +21,7 @@ from megatrain_ray.executor import StepResult, StreamingExecutor
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.layout import model_layouts
 from megatrain_ray.optim import UpdateSchedule
-from megatrain_ray.planner import check_gpu_fit, choose_offload
+from megatrain_ray.planner import check_gpu_fit, check_parked_fit, choose_offload
 from megatrain_ray.sources import ObjectSource, RoutedSource, SharedMemorySource
 from megatrain_ray.store import DTYPES, ShardStore, bytes_per_param
 from megatrain_ray.trainer import pick_device, split_by_capacity
@@ -77,6 +77,20 @@ def available_memory() -> int:
     raise RuntimeError("MemAvailable not found in /proc/meminfo")
 
 
+def host_headroom() -> int:
+    """What this node can still give a process before Ray's memory monitor starts killing
+    workers: it acts when used memory passes RAY_memory_usage_threshold (0.95) of the total."""
+    total = available = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+            elif line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    threshold = float(os.environ.get("RAY_memory_usage_threshold", "0.95"))
+    return max(0, available - int((1.0 - threshold) * total))
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -115,6 +129,18 @@ def discover_nodes(cfg: RuntimeConfig) -> list[NodeInfo]:
 @ray.remote(num_cpus=0, num_gpus=1)
 def _gpu_free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
+
+
+@ray.remote(num_cpus=0)
+def _host_headroom() -> int:
+    return host_headroom()
+
+
+def gpu_node_headroom(placement: "Placement") -> int:
+    """Host memory the GPU node can give beside its stores' planned state (room to park activations)."""
+    now = ray.get(_host_headroom.options(scheduling_strategy=_on_node(placement.gpu.node_id)).remote())
+    taken = sum(s.host_bytes for s in placement.stores if s.node.node_id == placement.gpu.node_id)
+    return max(0, now - taken)
 
 
 def gpu_free_bytes(placement: "Placement") -> int:
@@ -260,7 +286,10 @@ class GpuWorker:
             return False
         free = torch.cuda.mem_get_info(self.device)[0]
         check_gpu_fit(self.arch, config, free, torch.cuda.get_device_name(self.device))
-        return choose_offload(self.arch, config, free)
+        offload = choose_offload(self.arch, config, free)
+        if offload:  # the stores on this node have allocated their state by now
+            check_parked_fit(self.arch, config, host_headroom(), "the GPU node")
+        return offload
 
     def _executor(self, config: Config, offload: bool) -> StreamingExecutor:
         ex = config.executor

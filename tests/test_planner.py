@@ -109,3 +109,27 @@ def test_gpu_peak_is_within_15_percent_of_the_plan():
         print(f"seq {seq} x {accum}: predicted {predicted / 2**20:.0f} MiB, measured {peak / 2**20:.0f} MiB")
         assert predicted == pytest.approx(peak, rel=0.15)
         torch.cuda.empty_cache()
+
+
+def test_parked_activations_that_the_host_cannot_hold_are_refused_before_the_run():
+    """On the H100 machine, 7B steps of 16 and of 32 x 4096 tokens with activations parked on the
+    host were killed by Ray's memory monitor (about 14 GiB of headroom beside the 99 GiB of
+    state); both are refused now, and 8 micro-batches pass."""
+    from megatrain_ray.models.arch import PRESETS
+    from megatrain_ray.planner import GiB, check_parked_fit, parked_bytes
+
+    def cfg(preset, seq, accum):
+        return config_from_dict({
+            "model": {"preset": preset}, "data": {"seq_len": seq},
+            "train": {"micro_batch_size": 1, "grad_accum": accum}, "executor": {"offload_activations": "on"},
+        })
+
+    seven_b, headroom = PRESETS["qwen2.5-7b"], int(13.9 * GiB)
+    # embedding + 28 blocks, each one's input per micro-batch: 28 MiB, held in 32 MiB pinned blocks
+    assert parked_bytes(seven_b, cfg("qwen2.5-7b", 4096, 16)) == 29 * 16 * 32 * 2**20
+    for accum in (16, 32):
+        with pytest.raises(PlanError, match="train.grad_accum"):
+            check_parked_fit(seven_b, cfg("qwen2.5-7b", 4096, accum), headroom, "the GPU node")
+    check_parked_fit(seven_b, cfg("qwen2.5-7b", 4096, 8), headroom, "the GPU node")
+    # the 1.5B run at 512k tokens that did fit, beside 20 GiB of state
+    check_parked_fit(PRESETS["qwen2.5-1.5b"], cfg("qwen2.5-1.5b", 524288, 1), int(96 * GiB), "the GPU node")
