@@ -19,6 +19,7 @@ import numpy as np
 
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.arch import ModelArch, resolve_arch
+from megatrain_ray.planner import PlanError
 
 MEASURED_BF16_PEAK_TFLOPS = 799.0  # 8192^3 bf16 matmul on the H100 machine (DESIGN.md)
 
@@ -130,10 +131,18 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape]) -> list[dict]:
         print(f"executor device: {device}; init {time.perf_counter() - t0:.1f} s", flush=True)
         results = []
         for i, shape in enumerate(shapes):
-            if i > 0:
-                ray.get(session.gpu.reconfigure.remote(bench_config(args, shape)))
             print(f"-- {shape}", flush=True)
-            results.append({"shape": dataclasses.asdict(shape), "device": device, **time_shape(session, arch, args, shape)})
+            row = {"shape": dataclasses.asdict(shape), "device": device}
+            try:
+                if i > 0:
+                    ray.get(session.gpu.reconfigure.remote(bench_config(args, shape)))
+            except ray.exceptions.RayTaskError as e:
+                if not isinstance(e.cause, PlanError):
+                    raise
+                print(f"refused: {e.cause}", flush=True)  # a sweep goes on past a shape that does not fit
+                results.append({**row, "refused": str(e.cause)})
+                continue
+            results.append({**row, **time_shape(session, arch, args, shape)})
         return results
     finally:
         session.close()
@@ -237,7 +246,7 @@ def main(args) -> int:
         from megatrain_ray.baselines import run_baselines
 
         names = args.baseline or ["plain", "fsdp2_offload", "deepspeed_offload"]
-        for run in runs:
+        for run in (r for r in runs if "refused" not in r):
             shape = Shape(**run["shape"])
             run["baselines"] = [dataclasses.asdict(b) for b in run_baselines(
                 names, arch, shape.seq_len, shape.micro_batch, shape.grad_accum, args.steps, args.warmup)]
@@ -254,7 +263,12 @@ def print_table(results: dict) -> None:
           "bound by | h2d GB/s | peak GPU GiB | ours / it |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for run in results["runs"]:
-        m, shape = run["median"], Shape(**run["shape"])
+        shape = Shape(**run["shape"])
+        if "refused" in run:
+            print(f"| megatrain-ray | {shape.seq_len} | {shape.micro_batch} x {shape.grad_accum} | refused: does not fit "
+                  f"| | | | | | | | | | |")
+            continue
+        m = run["median"]
         ours = m["tokens_per_s"]
         print(f"| megatrain-ray | {shape.seq_len} | {shape.micro_batch} x {shape.grad_accum} | {ours:.0f} | "
               f"{m['model_tflops']:.0f} | {m['mfu']:.1%} | {m['seconds']:.2f} | {m['compute_s']:.2f} | {m['h2d_s']:.2f} | "
