@@ -160,7 +160,6 @@ def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
     rows = []
     session.drain()
     ray.get([s.take_optimizer_seconds.remote() for s in session.stores])
-    t_timed = time.perf_counter()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             t_timed = time.perf_counter()

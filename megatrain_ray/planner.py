@@ -62,19 +62,22 @@ def mlp_chunk_tokens(arch: ModelArch, tokens: int, config: Config) -> int:
     return tokens if chunk <= 0 else min(tokens, chunk)
 
 
+def hidden_state_bytes(arch: ModelArch, config: Config) -> int:
+    """One micro-batch's hidden states: a layer's input, or the gradient flowing back into it."""
+    return config.train.micro_batch_size * config.data.seq_len * arch.hidden_size * dtype_bytes(config)
+
+
 def boundary_bytes(arch: ModelArch, config: Config, layers: int) -> int:
     """The inputs of `layers` layers for every micro-batch of a step, kept for their recompute."""
-    t = config.train
-    return layers * t.grad_accum * t.micro_batch_size * config.data.seq_len * arch.hidden_size * dtype_bytes(config)
+    return layers * config.train.grad_accum * hidden_state_bytes(arch, config)
 
 
 def parked_bytes(arch: ModelArch, config: Config) -> int:
     """Pinned host memory that offloaded boundary activations take on the GPU node: every layer's
     input, every micro-batch, each block rounded up to a power of two as torch's caching host
     allocator does."""
-    t = config.train
-    one = t.micro_batch_size * config.data.seq_len * arch.hidden_size * dtype_bytes(config)
-    return (len(model_layouts(arch)) - 1) * t.grad_accum * (1 << (one - 1).bit_length())
+    one = hidden_state_bytes(arch, config)
+    return (len(model_layouts(arch)) - 1) * config.train.grad_accum * (1 << (one - 1).bit_length())
 
 
 def check_parked_fit(arch: ModelArch, config: Config, headroom_bytes: int, where: str) -> None:
@@ -110,7 +113,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False) -> GpuPlan:
         plan.by_use["tied embedding gradient held through backward"] = layouts[0].numel * 4
     held_layers = 2 if offload else len(layouts) - 1  # offloaded: the one in use and the one coming back
     plan.by_use[BOUNDARY] = boundary_bytes(arch, config, held_layers)
-    plan.by_use["boundary gradients in flight"] = 2 * t.grad_accum * mb_tokens * h * d
+    plan.by_use["boundary gradients in flight"] = boundary_bytes(arch, config, 2)
     per_h, per_i = WORKING_SET_PER_TOKEN
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
     plan.by_use["one layer's working set"] = (mb_tokens * per_h * h + mlp_tokens * per_i * arch.intermediate_size) * d

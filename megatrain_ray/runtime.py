@@ -69,26 +69,23 @@ class NodeInfo:
     free_bytes: int
 
 
-def available_memory() -> int:
+def _meminfo_bytes(key: str) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+    raise RuntimeError(f"{key} not found in /proc/meminfo")
+
+
+def available_memory() -> int:
+    return _meminfo_bytes("MemAvailable")
 
 
 def host_headroom() -> int:
     """What this node can still give a process before Ray's memory monitor starts killing
     workers: it acts when used memory passes RAY_memory_usage_threshold (0.95) of the total."""
-    total = available = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024
-            elif line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
     threshold = float(os.environ.get("RAY_memory_usage_threshold", "0.95"))
-    return max(0, available - int((1.0 - threshold) * total))
+    return max(0, available_memory() - int((1.0 - threshold) * _meminfo_bytes("MemTotal")))
 
 
 def _resident_bytes() -> int:
