@@ -17,12 +17,23 @@ $B --model qwen2.5-7b --parts --seq-len 4096 --micro-batch 1
 $B --model qwen2.5-7b --seq-len 4096 1024 4096 16384 1024 4096 16384 \
    --micro-batch 4 4 1 1 1 1 1 --grad-accum 8 16 16 4 1 1 1 \
    --steps 3 --warmup 1 --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-sweep.json"
+# 7B GPU memory with 8 micro-batches kept on the device (17.6 GiB, 2026-11-22), and parked in host
+# memory (11.7 GiB), then 16 parked micro-batches, which the GPU actor refuses on this machine
+$B --model qwen2.5-7b --seq-len 4096 --micro-batch 1 --grad-accum 8 --steps 2 --warmup 1 \
+   --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-x8.json"
+$B --model qwen2.5-7b --seq-len 4096 --micro-batch 1 --grad-accum 8 16 --steps 3 --warmup 1 \
+   --loss-chunk-tokens 2048 --offload-activations on --json "$out/qwen2.5-7b-parked.json"
+# the same 131,072 tokens a step as 1 x 32, 2 x 16 and 4 x 8 micro-batches
+$B --model qwen2.5-7b --seq-len 4096 --micro-batch 1 2 4 --grad-accum 32 16 8 --steps 2 --warmup 1 \
+   --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-131k-tokens-per-step.json"
 $B --model qwen2.5-3b $SWEEP --steps 3 --warmup 1 --json "$out/qwen2.5-3b-sweep.json"
 $B --model qwen2.5-1.5b $SWEEP --steps 3 --warmup 1 --json "$out/qwen2.5-1.5b-sweep.json"
 
 # side by side with the baselines, same model, batch and data
 $B --model qwen2.5-1.5b --seq-len 4096 --grad-accum 16 --steps 3 --warmup 1 --baseline plain \
    --json "$out/qwen2.5-1.5b-plain.json"
+$B --model qwen2.5-1.5b --seq-len 4096 --grad-accum 4 --steps 3 --warmup 1 \
+   --baseline plain fsdp2_offload deepspeed_offload --json "$out/qwen2.5-1.5b-x4-baselines.json"
 $B --model qwen2.5-3b --seq-len 4096 --grad-accum 16 --steps 2 --warmup 1 --baseline plain deepspeed_offload \
    --json "$out/qwen2.5-3b-x16-baselines.json"
 $B --model qwen2.5-3b --seq-len 4096 --grad-accum 4 --steps 2 --warmup 1 \
