@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -229,8 +230,25 @@ def from_mapping(cls: type, values: dict[str, Any], where: str) -> Any:
     return _build(cls, values, where)
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML 1.2 booleans (true/false only). PyYAML follows YAML 1.1, which also reads on/off/yes/no
+    as booleans, so `offload_activations: off` arrived as False and was refused."""
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def load_yaml(text: str) -> Any:
+    """The one YAML reader of configs, --set values and cluster files."""
+    return yaml.load(text, Loader=_Yaml12Loader)
+
+
 def _parse_scalar(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
+    return load_yaml(text) if text != "" else ""
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -261,7 +279,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(raw, dict):

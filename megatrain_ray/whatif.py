@@ -12,10 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from megatrain_ray import planner
-from megatrain_ray.config import Config, ConfigError, from_mapping
+from megatrain_ray.config import Config, ConfigError, from_mapping, load_yaml
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, Placement, plan_placement
 from megatrain_ray.traffic import StepTraffic, describe_traffic, step_traffic
@@ -51,7 +49,7 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"cluster file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = load_yaml(path.read_text()) or {}
     if not isinstance(raw, dict) or set(raw) - {"gpu_node", "ram_nodes"}:
         raise ConfigError(f"{path}: a cluster description has the keys gpu_node and ram_nodes, got {raw!r:.200}")
     gpu = from_mapping(GpuNodeSpec, raw.get("gpu_node") or {}, "gpu_node")

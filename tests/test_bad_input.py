@@ -73,6 +73,19 @@ def test_config_mistakes_are_one_line_errors(tmp_path, capsys, override, expecte
     assert err.startswith("megatrain-ray: configuration error:"), err
 
 
+def test_on_and_off_are_words_in_config_files_and_overrides(tmp_path):
+    """YAML 1.1 (PyYAML's default) reads on/off as booleans, which the string settings refused."""
+    from megatrain_ray.config import ConfigError, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: tiny\nexecutor:\n  device: cpu\n  offload_activations: off\n")
+    assert load_config(path).executor.offload_activations == "off"
+    assert load_config(path, ["executor.offload_activations=on"]).executor.offload_activations == "on"
+    assert load_config(path, ["data.pack=false"]).data.pack is False
+    with pytest.raises(ConfigError, match="data.pack must be true or false, got 'yes'"):
+        load_config(path, ["data.pack=yes"])
+
+
 # Values of the right type that cannot work: each refused by config.validate before Ray starts
 # (not as a traceback inside an actor).
 IMPOSSIBLE = [
