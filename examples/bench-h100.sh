@@ -14,10 +14,6 @@ SWEEP="--seq-len 1024 4096 16384 1024 4096 16384 --micro-batch 4 1 1 1 1 1 --gra
 # against torch's three passes, per thread count)
 $B --model qwen2.5-7b --parts --seq-len 4096 --micro-batch 1 --optimizer-threads 4 8 12 14 16 \
    --json "$out/qwen2.5-7b-parts.json"
-# the host optimizer inside the pipeline (issue #14): 98,304 tokens a step (96 x 1024, MegaTrain's
-# shape), then 65,536, on one set of stores; "host optimizer ... G params/s" is printed per shape
-$B --model qwen2.5-7b --seq-len 1024 --micro-batch 8 --grad-accum 12 8 --steps 3 --warmup 1 \
-   --json "$out/qwen2.5-7b-98k-65k.json"
 
 # 7B (does not fit on the GPU with fp32 AdamW): the headline shape first, then the scaling table
 $B --model qwen2.5-7b --seq-len 4096 1024 4096 16384 1024 4096 16384 \
@@ -52,9 +48,9 @@ $B --model gemma-3-4b --parts --seq-len 4096 --micro-batch 1 --parts-layers 1 6 
    --json "$out/gemma-3-4b-parts.json"
 $B --model phi-4-mini --parts --seq-len 4096 --micro-batch 1 --optimizer-threads 14 --json "$out/phi-4-mini-parts.json"
 $B --model qwen2.5-3b --parts --seq-len 4096 --micro-batch 1 --optimizer-threads 14 --json "$out/qwen2.5-3b-parts.json"
-$B --model gemma-3-4b --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 3 --warmup 1 \
+$B --model gemma-3-4b --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 2 --warmup 1 \
    --json "$out/gemma-3-4b-64k.json"
-$B --model phi-4-mini --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 3 --warmup 1 \
+$B --model phi-4-mini --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 2 --warmup 1 \
    --json "$out/phi-4-mini-64k.json"
 $B --model qwen2.5-3b --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 3 --warmup 1 \
    --json "$out/qwen2.5-3b-64k.json"
@@ -67,24 +63,25 @@ $B --model qwen2.5-1.5b --seq-len 524288 --micro-batch 1 --grad-accum 1 --steps 
 
 # mixture of experts, qwen3-moe-7b (7.0 B parameters, 1.4 B active a token; README, "Mixture of
 # experts"): its layer (64 experts, top 8) beside a dense layer with as many active parameters
-# (intermediate 8 x 768), at the training run's micro-batch (4 x 4096 tokens) and at one sequence;
-# then training at 65,536 and 131,072 tokens a step (model TFLOP/s on active parameters)
+# (intermediate 8 x 768), at the training run's micro-batch (4 x 4096 tokens); then training at
+# 65,536 tokens a step (model TFLOP/s on active parameters)
 $B --model qwen3-moe-7b --parts --seq-len 4096 --micro-batch 4 --optimizer-threads 14 \
    --json "$out/qwen3-moe-7b-parts-4x4096.json"
-$B --model qwen3-moe-7b --parts --seq-len 4096 --micro-batch 1 --optimizer-threads 14 \
-   --json "$out/qwen3-moe-7b-parts-1x4096.json"
-$B --model qwen3-moe-7b --seq-len 4096 4096 --micro-batch 4 4 --grad-accum 4 8 --steps 3 --warmup 1 \
-   --loss-chunk-tokens 2048 --json "$out/qwen3-moe-7b-sweep.json"
+$B --model qwen3-moe-7b --seq-len 4096 --micro-batch 4 --grad-accum 4 --steps 3 --warmup 1 \
+   --loss-chunk-tokens 2048 --json "$out/qwen3-moe-7b-65k.json"
 
 # RAM nodes (#12): every layer on a RAM-node raylet of this machine (`--ram-nodes 1` starts a head
 # and one raylet offering megatrain_ram, no dashboard; the layers cross the TCP transport, no
 # network), each right after the same shape on the shared-memory path. Target: 90% of its tokens/s.
 # The 7B's 99 GiB of state sits on the raylet; the GPU node adds a window of 4 layers (6.7 GiB).
-$B --model qwen2.5-1.5b --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 8 --warmup 2 \
+$B --model qwen2.5-1.5b --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 6 --warmup 2 \
    --json "$out/qwen2.5-1.5b-65k-shm.json"
-$B --model qwen2.5-1.5b --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 8 --warmup 2 --ram-nodes 1 \
+$B --model qwen2.5-1.5b --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 6 --warmup 2 --ram-nodes 1 \
    --json "$out/qwen2.5-1.5b-65k-ram-node.json"
-$B --model qwen2.5-7b --seq-len 4096 --micro-batch 4 --grad-accum 8 --steps 4 --warmup 1 \
-   --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-131k-shm.json"
-$B --model qwen2.5-7b --seq-len 4096 --micro-batch 4 --grad-accum 8 --steps 4 --warmup 1 \
+# the 7B with few tokens a step (issue #14: 98,304 = 96 x 1024, MegaTrain's shape, then 65,536; the
+# host optimizer's in-pipeline G params/s is printed per shape), then the headline shape, on one set
+# of stores; the last shape is the shared-memory half of the 7B RAM-node pair that follows
+$B --model qwen2.5-7b --seq-len 1024 1024 4096 --micro-batch 8 8 4 --grad-accum 12 8 8 --steps 3 --warmup 1 \
+   --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-98k-65k-131k-shm.json"
+$B --model qwen2.5-7b --seq-len 4096 --micro-batch 4 --grad-accum 8 --steps 3 --warmup 1 \
    --loss-chunk-tokens 2048 --ram-nodes 1 --json "$out/qwen2.5-7b-131k-ram-node.json"
