@@ -146,6 +146,21 @@ def test_whatif_plan_for_the_120b_example():
     assert set(rows) == {10, 25, 100} and rows[10] > rows[25] > rows[100], out.stdout
 
 
+def test_whatif_plans_for_the_large_mixtures_of_experts():
+    """The README's plans: gpt-oss-120b on four RAM nodes; qwen3-235b-a22b refused on four
+    (naming the shortfall), spread over eight."""
+    moe = ("examples/dense-120b.yaml", "--set", "train.grad_accum=16", "--set")
+    gpt = run_plan(*moe, "model.preset=gpt-oss-120b", "--cluster", "examples/cluster-4x512.yaml")
+    assert gpt.returncode == 0 and gpt.stdout.strip().endswith("fits"), gpt.stdout[-3000:] + gpt.stderr[-2000:]
+    assert len(re.findall(r"^store on ram-node-\d \(RAM node\)", gpt.stdout, re.M)) == 4
+    assert "116.83 B parameters stream and are updated" in gpt.stdout
+    short = run_plan(*moe, "model.preset=qwen3-235b-a22b", "--cluster", "examples/cluster-4x512.yaml")
+    assert short.returncode == 1 and "short by 1265.3 GiB" in short.stdout, short.stdout[-2000:]
+    qwen = run_plan(*moe, "model.preset=qwen3-235b-a22b", "--cluster", "examples/cluster-8x512.yaml")
+    assert qwen.returncode == 0 and qwen.stdout.strip().endswith("fits"), qwen.stdout[-3000:]
+    assert len(re.findall(r"^store on ram-node-\d \(RAM node\)", qwen.stdout, re.M)) == 8
+
+
 def test_whatif_refuses_ram_nodes_too_small_for_the_state(tmp_path):
     cluster = tmp_path / "small.yaml"
     cluster.write_text("gpu_node: {host_memory_gib: 120}\nram_nodes:\n  - {memory_gib: 256, count: 4}\n")
