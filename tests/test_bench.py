@@ -40,7 +40,9 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("init ") == 1, "the host state was built more than once"
-    runs = json.loads(out.read_text())["runs"]
+    written = json.loads(out.read_text())
+    assert "incomplete" not in written, "the JSON written after each shape was not replaced at the end"
+    runs = written["runs"]
     assert [r["shape"] for r in runs] == [{"seq_len": 32, "micro_batch": 2, "grad_accum": 2},
                                           {"seq_len": 64, "micro_batch": 1, "grad_accum": 3}]
     for run, tokens in zip(runs, (128, 192)):

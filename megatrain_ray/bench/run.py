@@ -122,8 +122,9 @@ def bench_config(args, shape: Shape):
     })
 
 
-def run_streaming(arch: ModelArch, args, shapes: list[Shape]) -> list[dict]:
-    """Every shape on one set of stores: the host state is built (and registered) once."""
+def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda runs: None) -> list[dict]:
+    """Every shape on one set of stores: the host state is built (and registered) once. `on_shape`
+    sees the results so far after each shape, so a sweep cut short keeps what it measured."""
     from megatrain_ray.cluster import connect
     from megatrain_ray.session import Session
 
@@ -132,10 +133,10 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape]) -> list[dict]:
         if args.ram_nodes:
             stack.enter_context(local_ram_nodes(args.ram_nodes))
         connect(config.runtime)
-        return run_shapes(arch, args, shapes, Session(config, arch))
+        return run_shapes(arch, args, shapes, Session(config, arch), on_shape)
 
 
-def run_shapes(arch: ModelArch, args, shapes: list[Shape], session) -> list[dict]:
+def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape) -> list[dict]:
     import ray
 
     print(session.placement.describe(arch), flush=True)
@@ -159,6 +160,7 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session) -> list[dict
                 results.append({**row, "refused": str(cause)})
                 continue
             results.append({**row, **time_shape(session, arch, args, shape)})
+            on_shape(results)
         return results
     finally:
         session.close()
@@ -275,7 +277,9 @@ def main(args) -> int:
         print(json.dumps(parts, indent=2))
         _write_json(args.json, parts)
         return 0
-    runs = run_streaming(arch, args, shapes)
+    runs = run_streaming(arch, args, shapes, on_shape=lambda runs: _write_json(
+        args.json, {"args": vars(args), "model": args.model, "params": num_params(arch), "runs": runs,
+                    "incomplete": "written after each shape; the run had not ended"}))
     if args.baseline is not None:
         from megatrain_ray.bench.baseline_process import run_baselines_at_best
 
