@@ -27,9 +27,9 @@ H2D_BYTES_PER_S = 50e9  # pinned / registered host memory
 # cores less two), 2026-11-23: 4.6-4.9 G params/s at 1.5B to 7B ("host optimizer ... G params/s"
 # of `bench`; the README's "The host optimizer, measured"). Torch's three-pass AdamW ran 2.9.
 HOST_ADAMW_PARAMS_PER_S = 4.8e9
-# Not measured directly, inferred: torch's fused AdamW alone ran 3.3-3.5 G params/s on the H100
-# machine, moving about 30 bytes a parameter (three fp32 buffers read and written, the gradient
-# read, the compute copy written), so its memory sustains at least about 100 GB/s. Several GPUs reading every layer
+# Not measured directly, a floor inferred from the optimizer: the one-pass AdamW moves 28 bytes a
+# parameter (three fp32 buffers read and written, the bf16 gradient read, the bf16 weight written)
+# at 4.8 G params/s, about 134 GB/s, beside the pipeline's copies. Several GPUs reading every layer
 # share it; with one GPU its copies never come near it (their PCIe link binds first).
 HOST_MEMORY_BYTES_PER_S = 100e9
 # Assumed, not measured on our machines: NCCL summing a layer's fp32 gradient between two GPUs of
