@@ -57,7 +57,7 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
 def test_parts_times_each_named_layer_of_a_family(model, layers):
     """--parts runs the family's block with the layer's own context (Gemma 3: a sliding-window
     layer, then a global one) and the host AdamW."""
-    from megatrain_ray.bench.run import bench_parts
+    from megatrain_ray.bench.parts import bench_parts
     from megatrain_ray.models.registry import PRESETS
 
     args = parse("--model", model, "--device", "cpu", "--compute-dtype", "float32", "--parts",
