@@ -12,7 +12,8 @@ import torch
 
 from megatrain_ray.config import Config
 from megatrain_ray.data_parallel import Group
-from megatrain_ray.executor import EvalResult, StepResult, StreamingExecutor, pick_device
+from megatrain_ray.executor import StreamingExecutor, pick_device
+from megatrain_ray.step_result import EvalResult, StepResult
 from megatrain_ray.host import (available_memory, dtype_of, element_size, host_headroom, major_faults,
                                 resident_bytes)
 from megatrain_ray.models.arch import ModelArch

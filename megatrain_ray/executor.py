@@ -19,7 +19,6 @@ import contextlib
 import itertools
 import math
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -30,39 +29,13 @@ from megatrain_ray.data_parallel import Group
 from megatrain_ray.gradient_sink import GradientSink
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX, aux_loss_on
-from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout
+from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout
 from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.prefetcher import Prefetcher, Slot
+from megatrain_ray.schedule import Unit, model_units, step_order
 from megatrain_ray.sources import LayerSource
+from megatrain_ray.step_result import EvalResult, StepResult
 from megatrain_ray.streams import Streams, TransferStats
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One streamed step of the schedule: a kind and the layers whose weights it binds."""
-
-    kind: str
-    layers: tuple[int, ...]
-
-
-def model_units(arch: ModelArch) -> list[Unit]:
-    """Embedding, blocks, head; a head tied to the embedding binds the embedding's layer too."""
-    layouts = model_layouts(arch)
-    units = [Unit(layouts[0].kind, (0,))]
-    units += [Unit(BLOCK, (l.index,)) for l in layouts if l.kind == BLOCK]
-    head = layouts[-1].index
-    units.append(Unit(HEAD, (head, 0) if arch.tie_word_embeddings else (head,)))
-    return units
-
-
-def step_order(units: list[Unit]) -> list[Unit]:
-    """Units in execution order: forward, the head (its forward and backward at once), backward."""
-    return units + list(reversed(units[:-1]))
-
-
-def layer_schedule(arch: ModelArch) -> list[int]:
-    """The order in which a step reads layers' weights (what a LayerSource's begin_step is told)."""
-    return [layer for unit in step_order(model_units(arch)) for layer in unit.layers]
 
 
 def pick_device(name: str, index: int | None = None) -> torch.device:
@@ -72,58 +45,6 @@ def pick_device(name: str, index: int | None = None) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name, index) if name == "cuda" and index is not None else torch.device(name)
-
-
-@dataclass
-class StepResult:
-    loss: float  # mean token loss over the step
-    grad_norm: float  # before clipping
-    tokens: int
-    target_tokens: int
-    finite: bool
-    seconds: float
-    h2d_bytes: int
-    d2h_bytes: int
-    h2d_gbps: float  # achieved while copying
-    d2h_gbps: float
-    prefetch_wait_s: float  # host blocked until a layer's optimizer update had landed
-    compute_s: float  # device busy computing; the rest of `seconds` is exposed waiting
-    weight_copies: int
-    peak_device_bytes: int
-    lr: float | None = None  # the update's learning rate; None when the step was skipped or not applied
-    num_gpus: int = 1  # data-parallel workers whose results this combines
-
-
-def combine_results(results: list[StepResult]) -> StepResult:
-    """One step of several data-parallel workers: loss, norm and finiteness are already global
-    (summed across them); work and bytes add up; times are the slowest worker's; copy rates add up
-    (each GPU has its own link)."""
-    if len(results) == 1:
-        return results[0]
-    first = results[0]
-    total = lambda key: sum(getattr(r, key) for r in results)  # noqa: E731
-    slowest = lambda key: max(getattr(r, key) for r in results)  # noqa: E731
-    return StepResult(
-        loss=first.loss, grad_norm=first.grad_norm, tokens=total("tokens"), target_tokens=total("target_tokens"),
-        finite=first.finite, seconds=slowest("seconds"), h2d_bytes=total("h2d_bytes"), d2h_bytes=total("d2h_bytes"),
-        h2d_gbps=total("h2d_gbps"), d2h_gbps=total("d2h_gbps"), prefetch_wait_s=slowest("prefetch_wait_s"),
-        compute_s=slowest("compute_s"), weight_copies=total("weight_copies"),
-        peak_device_bytes=slowest("peak_device_bytes"), lr=first.lr, num_gpus=len(results),
-    )
-
-
-@dataclass
-class EvalResult:
-    """Validation over a set of micro-batches: forward only, no update."""
-
-    loss_sum: float  # summed token losses; loss_sum / target_tokens is the mean
-    target_tokens: int
-    tokens: int
-    seconds: float
-
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / max(1, self.target_tokens)
 
 
 def _to_device(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:

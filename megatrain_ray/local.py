@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from megatrain_ray.config import Config
-from megatrain_ray.executor import EvalResult, StepResult, StreamingExecutor, pick_device
+from megatrain_ray.executor import StreamingExecutor, pick_device
+from megatrain_ray.step_result import EvalResult, StepResult
 from megatrain_ray.host import dtype_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from megatrain_ray.executor import EvalResult, StepResult
+from megatrain_ray.step_result import EvalResult, StepResult
 from megatrain_ray.trackers import Tracker, scalars_of
 
 

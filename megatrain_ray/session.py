@@ -19,7 +19,8 @@ from megatrain_ray.actors import GpuWorker, ShardStoreActor
 from megatrain_ray.cluster import discover_nodes, driver_node_id, free_port, gpu_free_bytes, on_node
 from megatrain_ray.config import Config, check_divisible
 from megatrain_ray.data_parallel import split_micro_batches, split_unevenly
-from megatrain_ray.executor import EvalResult, StepResult, combine_results, target_tokens
+from megatrain_ray.executor import target_tokens
+from megatrain_ray.step_result import EvalResult, StepResult, combine_results
 from megatrain_ray.host import dtype_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.placement import Placement, executor_node, plan_placement, worker_count

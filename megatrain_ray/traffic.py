@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain_ray.config import Config
-from megatrain_ray.executor import layer_schedule
+from megatrain_ray.schedule import layer_schedule
 from megatrain_ray.host import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts

@@ -28,7 +28,7 @@ import torch
 from megatrain_ray import checkpoint as ckpt
 from megatrain_ray.cluster import alive_node_ids, connect
 from megatrain_ray.config import Config, ConfigError
-from megatrain_ray.executor import EvalResult
+from megatrain_ray.step_result import EvalResult
 from megatrain_ray.metrics import MetricsLog
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_arch

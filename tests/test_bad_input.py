@@ -11,7 +11,6 @@ import yaml
 
 from megatrain_ray import checkpoint as ckpt
 from megatrain_ray.cli import main
-from megatrain_ray.config import config_from_dict
 from megatrain_ray.checkpoint import checkpoint_meta
 from megatrain_ray.models.registry import model_arch
 from megatrain_ray.models.registry import model_layouts

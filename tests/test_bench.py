@@ -10,7 +10,7 @@ import pytest
 
 from megatrain_ray.bench.run import add_arguments, shapes_from
 from megatrain_ray.bench.workload import Shape
-from megatrain_ray.executor import layer_schedule
+from megatrain_ray.schedule import layer_schedule
 from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.window import fetches_per_step, window_bytes
 

@@ -2,12 +2,10 @@
 checkpoint write killed half way leaves the previous checkpoint whole."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest

@@ -8,7 +8,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from megatrain_ray.executor import layer_schedule
+from megatrain_ray.schedule import layer_schedule
 from megatrain_ray.local import LocalTrainer
 from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.session import Session

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatrain_ray.config import ConfigError, config_from_dict
-from megatrain_ray.executor import layer_schedule
+from megatrain_ray.schedule import layer_schedule
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
 from megatrain_ray.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement
 from megatrain_ray.planner import predict_step
