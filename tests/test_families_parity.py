@@ -26,12 +26,13 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
-from megatrain_ray.hf import load_hf_weights  # noqa: E402
 from megatrain_ray.models.registry import (PRESETS, arch_from_dict, arch_from_hf_config, family,  # noqa: E402
                                           load_hf_arch, model_layouts)
-from megatrain_ray.models.reference import ReferenceModel, _key  # noqa: E402
+from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.optim import lr_factor  # noqa: E402
 from megatrain_ray.training import run_training  # noqa: E402
+from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
+                       local_steps, on_cuda, randomize, rel, saved)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, intermediate_size=128, pad_token_id=5)
@@ -54,48 +55,14 @@ FAMILIES = {
         partial_rotary_factor=0.5, rope_theta=500.0, sliding_window=5, tie_word_embeddings=True), "eager"),
 }
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
-RTOL = 1e-5
 MiB = 1024**2
 
 
 def tiny_hf_model(name: str, seed: int = 0):
     config_class, extra, attn = FAMILIES[name]
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config_class(**TINY, **extra), dtype=torch.float32,
-                                             attn_implementation=attn)
-    with torch.no_grad():  # norms start at exactly 1 (Gemma: 0): make them random so a misplaced one shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.normal_(1.0 if p.abs().sum() > 0 else 0.0, 0.3)
-    return model
-
-
-def saved(model, directory: Path) -> Path:
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
-
-
-def hf_flats(model_dir: Path, arch) -> list[torch.Tensor]:
-    flats = [torch.full((layout.numel,), float("nan")) for layout in model_layouts(arch)]
-    load_hf_weights(model_dir, arch, flats.__getitem__)
-    return flats
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
-def check_grads(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
-    assert set(ours) == set(theirs), "every transformers parameter has exactly one counterpart"
-    total = torch.sqrt(sum(g.double().pow(2).sum() for g in theirs.values()))
-    for name, g in theirs.items():
-        err = float((ours[name].double() - g.double()).norm())
-        assert err <= RTOL * max(float(g.double().norm()), 1e-3 * float(total)), name
-
-
-def reference_grads_by_hf_name(ref: ReferenceModel) -> dict[str, torch.Tensor]:
-    return {layout.hf_name(p.name): getattr(module, _key(p.name)).grad
-            for layout, module in zip(ref.layouts, ref.layers) for p in layout.params}
+    return randomize(AutoModelForCausalLM.from_config(config_class(**TINY, **extra), dtype=torch.float32,
+                                                      attn_implementation=attn))
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -138,7 +105,7 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path, name):
     loss = ref.loss_sum({"input_ids": ids, "labels": labels, "position_ids": positions}) / target
     assert float(loss.detach()) == pytest.approx(float(token_loss_sum(logits.detach(), labels)) / target, rel=RTOL)
     loss.backward()
-    check_grads(reference_grads_by_hf_name(ref), theirs)
+    assert_gradients_match(grads_by_hf_name(ref), theirs)
 
 
 def packed_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
@@ -191,7 +158,7 @@ def test_packed_rows_match_transformers_on_each_document(tmp_path, name):
     loss = ref.loss_sum({"input_ids": ids, "labels": labels, "position_ids": positions}) / target
     assert float(loss.detach()) == pytest.approx(float(separate.detach()) / target, rel=RTOL)
     loss.backward()
-    check_grads(reference_grads_by_hf_name(ref), theirs)
+    assert_gradients_match(grads_by_hf_name(ref), theirs)
 
 
 def test_longrope_switches_factors_past_the_original_length(tmp_path):
@@ -450,8 +417,6 @@ def test_flops_count_only_the_window_and_working_sets_grow_by_what_the_family_ad
 def test_bf16_on_the_gpu_tracks_transformers_autocast(tmp_path, name):
     """bf16 on CUDA with the executor's torch.compile of the block (inductor), packed rows: the
     losses track transformers under autocast, and go down."""
-    from megatrain_ray.local import LocalTrainer
-
     steps = 6
     model = tiny_hf_model(name)
     model_dir = saved(model, tmp_path / "hf")
@@ -466,18 +431,6 @@ def test_bf16_on_the_gpu_tracks_transformers_autocast(tmp_path, name):
         "executor": {"device": "cuda", "loss_chunk_tokens": 256, "compile": True},
     })
     data = the_runs_batches(config, arch.vocab_size)
-    trainer = LocalTrainer(config, arch)
-    try:
-        for store in trainer.stores:
-            store.load_hf(str(model_dir))
-        ours = [trainer.train_step(step).loss for step in data]
-    finally:
-        trainer.close()
-
-    model = model.to("cuda")
-    cuda_data = [[{k: v.cuda() for k, v in mb.items()} for mb in step] for step in data]
-    theirs = train_transformers(model, config, cuda_data, autocast_dtype=torch.bfloat16)
-    print(f"{name} ours", ours, "\ntransformers", theirs)
-    assert ours[-1] < ours[0], "the loss must go down"
-    for a, b in zip(ours, theirs):
-        assert a == pytest.approx(b, rel=0.02)
+    ours = [r.loss for r in local_steps(config, arch, model_dir, data)]
+    theirs = train_transformers(model.to("cuda"), config, on_cuda(data), autocast_dtype=torch.bfloat16)
+    assert_bf16_tracks(name, ours, theirs)

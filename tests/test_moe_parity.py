@@ -23,14 +23,15 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
-from megatrain_ray.local import LocalTrainer  # noqa: E402
 from megatrain_ray.models.family import IGNORE_INDEX  # noqa: E402
-from megatrain_ray.models.reference import ReferenceModel, _key  # noqa: E402
+from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
 from megatrain_ray.optim import lr_factor  # noqa: E402
 from megatrain_ray.training import run_training  # noqa: E402
 from reference_training import random_micro_batches  # noqa: E402
-from test_transformers_parity import hf_batch, hf_flats, parity_config, rel, saved, shifted  # noqa: E402
+from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
+                       local_steps, on_cuda, randomize, rel, saved)
+from test_transformers_parity import hf_batch, parity_config, shifted  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
             intermediate_size=128)
@@ -43,7 +44,6 @@ FAMILIES = {
     "gpt_oss": (transformers.GptOssConfig, dict(num_local_experts=4, head_dim=16, sliding_window=5, swiglu_limit=1.0)),
 }
 AUX_COEF = 0.3  # large, so that a wrong auxiliary gradient shows next to the token loss's
-RTOL = 1e-5
 MiB = 1024**2
 
 
@@ -53,28 +53,7 @@ def tiny_moe(family: str, aux: bool = False, seed: int = 0):
     config = config_class(**TINY, **MOE, **extra, router_aux_loss_coef=AUX_COEF, output_router_logits=aux)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
                                              experts_implementation="eager")
-    with torch.no_grad():  # norms start at 1, biases and sinks at 0 or tiny: make every tensor matter
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.normal_(1.0 if p.abs().sum() > 0 else 0.0, 0.3)
-            else:
-                p.normal_(0.0, 0.1)
-    return model
-
-
-def reference_grads(ref: ReferenceModel) -> dict[str, torch.Tensor]:
-    """Gradients under transformers' in-memory names (the layout's names)."""
-    return {layout.hf_name(p.name): getattr(module, _key(p.name)).grad
-            for layout, module in zip(ref.layouts, ref.layers) for p in layout.params}
-
-
-def assert_gradients_match(ours: dict, theirs: dict) -> None:
-    assert set(ours) == set(theirs), "every transformers parameter has exactly one counterpart"
-    total = torch.sqrt(sum(g.double().pow(2).sum() for g in theirs.values()))
-    for name, g in theirs.items():
-        # relative per tensor, except where the true gradient is (nearly) zero (a bias softmax ignores)
-        err = float((ours[name].double() - g.double()).norm())
-        assert err <= RTOL * max(float(g.double().norm()), 1e-3 * float(total)), name
+    return randomize(model, matrix_std=0.1)  # the routers' and experts' too, so every choice matters
 
 
 # ---------------------------------------------------------------------------------------------- a
@@ -106,17 +85,11 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path, family, aux):
     ref_loss = ref.loss_sum(mb) / targets
     assert float(ref_loss.detach()) == pytest.approx(float(out.loss.detach()), rel=RTOL)
     ref_loss.backward()
-    assert_gradients_match(reference_grads(ref), hf_grads)
+    assert_gradients_match(grads_by_hf_name(ref), hf_grads)
 
     # the streaming executor on the same weights and batch: same loss, same gradient norm
     total = torch.sqrt(sum(g.double().pow(2).sum() for g in hf_grads.values()))
-    trainer = LocalTrainer(parity_config(model_dir), arch)
-    try:
-        for store in trainer.stores:
-            store.load_hf(str(model_dir))
-        result = trainer.train_step([mb])
-    finally:
-        trainer.close()
+    result, = local_steps(parity_config(model_dir), arch, model_dir, [[mb]])
     assert result.loss == pytest.approx(float(out.loss.detach()), rel=RTOL)
     assert result.grad_norm == pytest.approx(float(total), rel=RTOL)
 
@@ -132,13 +105,7 @@ def test_the_auxiliary_loss_spans_micro_batches_like_transformers_per_call(tmp_p
     target = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in mbs)
     expected, norm_sq = aux_weighted_step(model, mbs, target, AUX_COEF)
 
-    trainer = LocalTrainer(parity_config(model_dir), arch)
-    try:
-        for store in trainer.stores:
-            store.load_hf(str(model_dir))
-        result = trainer.train_step(mbs)
-    finally:
-        trainer.close()
+    result, = local_steps(parity_config(model_dir), arch, model_dir, [mbs])
     assert result.loss == pytest.approx(expected, rel=RTOL)
     assert result.grad_norm == pytest.approx(norm_sq**0.5, rel=RTOL)
 
@@ -273,18 +240,6 @@ def test_bf16_on_the_gpu_tracks_transformers_autocast(tmp_path, family):
     })
     data = random_micro_batches(arch, steps, GRAD_ACCUM, batch=2, seq=128, seed=0, distinct=4)
 
-    trainer = LocalTrainer(config, arch)
-    try:
-        for store in trainer.stores:
-            store.load_hf(str(model_dir))
-        ours = [trainer.train_step(step).loss for step in data]
-    finally:
-        trainer.close()
-
-    model = model.to("cuda")
-    cuda_data = [[{k: v.cuda() for k, v in mb.items()} for mb in step] for step in data]
-    theirs = train_transformers(model, config, cuda_data, AUX_COEF, autocast_dtype=torch.bfloat16)
-    print(f"{family} ours", ours, "\ntransformers", theirs)
-    assert ours[-1] < ours[0], "the loss must go down"
-    for a, b in zip(ours, theirs):
-        assert a == pytest.approx(b, rel=0.02)
+    ours = [r.loss for r in local_steps(config, arch, model_dir, data)]
+    theirs = train_transformers(model.to("cuda"), config, on_cuda(data), AUX_COEF, autocast_dtype=torch.bfloat16)
+    assert_bf16_tracks(family, ours, theirs)

@@ -19,12 +19,13 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megatrain_ray.config import config_from_dict  # noqa: E402
-from megatrain_ray.hf import export_hf, load_hf_weights  # noqa: E402
+from megatrain_ray.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
-from megatrain_ray.models.registry import model_layouts  # noqa: E402
-from megatrain_ray.models.reference import ReferenceModel, _key  # noqa: E402
+from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.optim import lr_factor  # noqa: E402
 from megatrain_ray.local import LocalTrainer  # noqa: E402
+from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
+                       local_steps, on_cuda, randomize, rel, saved)
 from reference_training import random_micro_batches  # noqa: E402
 
 TINY = dict(
@@ -40,34 +41,13 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True), "sdpa"),
 }
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
-RTOL = 1e-5
 
 
 def tiny_hf_model(family: str, seed: int = 0, dtype=torch.float32):
     config_class, extra, attn = FAMILIES[family]
     torch.manual_seed(seed)
     config = config_class(**TINY, **extra)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    with torch.no_grad():  # norms start at exactly 1 and biases at 0: make them random so a misplaced one shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.normal_(1.0 if p.abs().sum() > 0 else 0.0, 0.3)
-    return model
-
-
-def saved(model, directory: Path) -> Path:
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
-
-
-def hf_flats(model_dir: Path, arch) -> list[torch.Tensor]:
-    flats = [torch.full((layout.numel,), float("nan")) for layout in model_layouts(arch)]
-    load_hf_weights(model_dir, arch, flats.__getitem__)
-    return flats
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    return randomize(AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn))
 
 
 def hf_batch(seed: int = 1):
@@ -85,13 +65,6 @@ def shifted(ids: torch.Tensor, hf_labels: torch.Tensor) -> dict[str, torch.Tenso
     labels[:, :-1] = hf_labels[:, 1:]
     positions = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
     return {"input_ids": ids, "labels": labels, "position_ids": positions}
-
-
-def reference_grads_by_hf_name(ref: ReferenceModel) -> dict[str, torch.Tensor]:
-    return {
-        layout.hf_name(p.name): getattr(module, _key(p.name)).grad
-        for layout, module in zip(ref.layouts, ref.layers) for p in layout.params
-    }
 
 
 def parity_config(model_dir: Path, **optim):
@@ -134,23 +107,11 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path, family):
     assert float(ref_loss.detach()) == pytest.approx(float(out.loss.detach()), rel=RTOL)
     ref_loss.backward()
 
-    ours = reference_grads_by_hf_name(ref)
-    assert set(ours) == set(hf_grads), "every transformers parameter has exactly one counterpart"
-    total = torch.sqrt(sum(g.double().pow(2).sum() for g in hf_grads.values()))
-    for name, g in hf_grads.items():
-        # relative per tensor, except where the true gradient is (exactly) zero: the k_proj bias,
-        # whose gradient is rounding noise on both sides; there measured against the global norm.
-        err = float((ours[name].double() - g.double()).norm())
-        assert err <= RTOL * max(float(g.double().norm()), 1e-3 * float(total)), name
+    assert_gradients_match(grads_by_hf_name(ref), hf_grads)  # the k_proj bias's true gradient is 0
 
     # the streaming executor on the same weights and batch: same loss, same gradient norm
-    trainer = LocalTrainer(parity_config(model_dir), arch)
-    try:
-        for store in trainer.stores:
-            store.load_hf(str(model_dir))
-        result = trainer.train_step([mb])
-    finally:
-        trainer.close()
+    total = torch.sqrt(sum(g.double().pow(2).sum() for g in hf_grads.values()))
+    result, = local_steps(parity_config(model_dir), arch, model_dir, [[mb]])
     assert result.loss == pytest.approx(float(out.loss.detach()), rel=RTOL)
     assert result.grad_norm == pytest.approx(float(total), rel=RTOL)
 
@@ -242,18 +203,6 @@ def test_bf16_on_the_gpu_tracks_transformers_autocast(tmp_path, family):
     })
     data = random_micro_batches(arch, steps, GRAD_ACCUM, batch=2, seq=128, seed=0, distinct=4)
 
-    trainer = LocalTrainer(config, arch)
-    try:
-        for store in trainer.stores:
-            store.load_hf(str(model_dir))
-        ours = [trainer.train_step(step).loss for step in data]
-    finally:
-        trainer.close()
-
-    model = model.to("cuda")
-    cuda_data = [[{k: v.cuda() for k, v in mb.items()} for mb in step] for step in data]
-    theirs = train_transformers(model, config, cuda_data, autocast_dtype=torch.bfloat16)
-    print(f"{family} ours", ours, "\ntransformers", theirs)
-    assert ours[-1] < ours[0], "the loss must go down"
-    for a, b in zip(ours, theirs):
-        assert a == pytest.approx(b, rel=0.02)
+    ours = [r.loss for r in local_steps(config, arch, model_dir, data)]
+    theirs = train_transformers(model.to("cuda"), config, on_cuda(data), autocast_dtype=torch.bfloat16)
+    assert_bf16_tracks(family, ours, theirs)

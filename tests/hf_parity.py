@@ -1,0 +1,84 @@
+"""What the three suites against transformers' own models share (test_transformers_parity: the
+Llama family; test_families_parity: Gemma 3 and Phi; test_moe_parity: mixtures of experts): tiny
+models whose every tensor matters, their files read through the project's import, and the checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain_ray.hf import load_hf_weights
+from megatrain_ray.local import LocalTrainer
+from megatrain_ray.models.reference import ReferenceModel, _key
+from megatrain_ray.models.registry import model_layouts
+
+RTOL = 1e-5
+
+
+def randomize(model, matrix_std: float | None = None):
+    """Norms start at exactly 1 (Gemma's at 0), biases and sinks at 0: random values, so that a
+    misplaced one shows; with `matrix_std`, the matrices are redrawn too."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if p.abs().sum() > 0 else 0.0, 0.3)
+            elif matrix_std is not None:
+                p.normal_(0.0, matrix_std)
+    return model
+
+
+def saved(model, directory: Path) -> Path:
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def hf_flats(model_dir: Path, arch) -> list[torch.Tensor]:
+    """The project's flat layer buffers, read from a Hugging Face directory (NaN where nothing landed)."""
+    flats = [torch.full((layout.numel,), float("nan")) for layout in model_layouts(arch)]
+    load_hf_weights(model_dir, arch, flats.__getitem__)
+    return flats
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def grads_by_hf_name(ref: ReferenceModel) -> dict[str, torch.Tensor]:
+    """The reference model's gradients under transformers' in-memory names (the layouts' names)."""
+    return {layout.hf_name(p.name): getattr(module, _key(p.name)).grad
+            for layout, module in zip(ref.layouts, ref.layers) for p in layout.params}
+
+
+def assert_gradients_match(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    """Relative per tensor, except where the true gradient is (nearly) zero (a bias softmax ignores,
+    the pad token's embedding row): there against the whole gradient's norm."""
+    assert set(ours) == set(theirs), "every transformers parameter has exactly one counterpart"
+    total = torch.sqrt(sum(g.double().pow(2).sum() for g in theirs.values()))
+    for name, g in theirs.items():
+        err = float((ours[name].double() - g.double()).norm())
+        assert err <= RTOL * max(float(g.double().norm()), 1e-3 * float(total)), name
+
+
+def local_steps(config, arch, model_dir: Path, steps_data) -> list:
+    """The streaming executor in one process, its stores loaded from `model_dir`: each step's result."""
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            store.load_hf(str(model_dir))
+        return [trainer.train_step(step) for step in steps_data]
+    finally:
+        trainer.close()
+
+
+def assert_bf16_tracks(name: str, ours: list[float], theirs: list[float]) -> None:
+    """bf16 runs cannot match to the bit: the losses track each other within 2% and go down."""
+    print(f"{name} ours", ours, "\ntransformers", theirs)
+    assert ours[-1] < ours[0], "the loss must go down"
+    for a, b in zip(ours, theirs):
+        assert a == pytest.approx(b, rel=0.02)
+
+
+def on_cuda(steps_data):
+    return [[{k: v.cuda() for k, v in mb.items()} for mb in step] for step in steps_data]
