@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import ray
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -29,10 +28,9 @@ from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.models.registry import (PRESETS, arch_from_dict, arch_from_hf_config, family,  # noqa: E402
                                           load_hf_arch, model_layouts)
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
-from megatrain_ray.optim import lr_factor  # noqa: E402
 from megatrain_ray.training import run_training  # noqa: E402
 from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
-                       local_steps, on_cuda, randomize, rel, saved)
+                       local_steps, on_cuda, randomize, rel, saved, token_loss_sum, train_transformers)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, intermediate_size=128, pad_token_id=5)
@@ -63,11 +61,6 @@ def tiny_hf_model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     return randomize(AutoModelForCausalLM.from_config(config_class(**TINY, **extra), dtype=torch.float32,
                                                       attn_implementation=attn))
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=-100, reduction="sum")
 
 
 def random_rows(seed: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,38 +216,6 @@ def the_runs_batches(config, vocab_size: int) -> list[list[dict[str, torch.Tenso
         step, _position = next(batches)
         steps.append([{k: torch.as_tensor(np.asarray(v)) for k, v in mb.items()} for mb in step])
     return steps
-
-
-def train_transformers(model, config, steps_data, autocast_dtype=None) -> list[float]:
-    """A plain loop: AdamW with decay on matrices only, LambdaLR(lr_factor), clip_grad_norm_, loss =
-    summed token losses / the step's target tokens. Packed rows go in as they are, with their
-    position_ids: transformers masks each document (checked against separate documents above).
-    `autocast_dtype` runs the forward (only) under autocast."""
-    o = config.optim
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=o.lr, betas=o.betas, eps=o.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, o.warmup_steps, config.train.steps, o.min_lr_ratio))
-    model.train()
-    losses = []
-    for micro_batches in steps_data:
-        opt.zero_grad(set_to_none=True)
-        target = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
-        total = 0.0
-        for mb in micro_batches:
-            device = mb["input_ids"].device.type
-            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
-            loss = token_loss_sum(logits, mb["labels"]) / target
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        opt.step()
-        sched.step()
-        losses.append(total)
-    return losses
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])

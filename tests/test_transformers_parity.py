@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -22,10 +21,9 @@ from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
-from megatrain_ray.optim import lr_factor  # noqa: E402
 from megatrain_ray.local import LocalTrainer  # noqa: E402
 from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
-                       local_steps, on_cuda, randomize, rel, saved)
+                       local_steps, on_cuda, randomize, rel, saved, train_transformers)
 from reference_training import random_micro_batches  # noqa: E402
 
 TINY = dict(
@@ -117,40 +115,6 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path, family):
 
 
 # ---------------------------------------------------------------------------------------------- b
-
-
-def train_transformers(model, config, steps_data, autocast_dtype=None) -> list[float]:
-    """A plain loop: AdamW with decay on matrices only, LambdaLR(lr_factor), clip_grad_norm_,
-    loss = summed token losses of the step's micro-batches / the step's target tokens.
-    `autocast_dtype` runs the forward (only: never the optimizer) under autocast."""
-    o = config.optim
-    params = list(model.parameters())  # tied weights appear once
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=o.lr, betas=o.betas, eps=o.eps,
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: lr_factor(k, o.warmup_steps, config.train.steps, o.min_lr_ratio))
-    model.train()
-    losses = []
-    for micro_batches in steps_data:
-        opt.zero_grad(set_to_none=True)
-        target = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
-        total = 0.0
-        for mb in micro_batches:
-            device = mb["input_ids"].device.type
-            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1),
-                                   ignore_index=-100, reduction="sum") / target
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        opt.step()
-        sched.step()
-        losses.append(total)
-    return losses
 
 
 @pytest.mark.parametrize("family", FAMILIES)
