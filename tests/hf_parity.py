@@ -14,7 +14,7 @@ from megatrain_ray.hf import load_hf_weights
 from megatrain_ray.local import LocalTrainer
 from megatrain_ray.models.reference import ReferenceModel, _key
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.optim import lr_factor
+from reference_training import adamw_loop
 
 RTOL = 1e-5
 
@@ -92,32 +92,16 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def train_transformers(model, config, steps_data, autocast_dtype=None) -> list[float]:
-    """A plain loop over the transformers model: AdamW with decay on matrices only,
-    LambdaLR(lr_factor), clip_grad_norm_, loss = summed token losses / the step's target tokens.
-    Packed rows go in as they are, with their position_ids (transformers masks each document).
-    `autocast_dtype` runs the forward (only: never the optimizer) under autocast."""
-    o = config.optim
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=o.lr, betas=o.betas, eps=o.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, o.warmup_steps, config.train.steps, o.min_lr_ratio))
+    """The transformers model in the plain loop (reference_training.adamw_loop), decay on matrices
+    only. Packed rows go in as they are, with their position_ids (transformers masks each
+    document). `autocast_dtype` runs the forward (only: never the optimizer) under autocast."""
+    params = list(model.parameters())  # tied weights appear once
+
+    def loss_sum(mb):
+        with torch.autocast(mb["input_ids"].device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+        return token_loss_sum(logits, mb["labels"])
+
     model.train()
-    losses = []
-    for micro_batches in steps_data:
-        opt.zero_grad(set_to_none=True)
-        target = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
-        total = 0.0
-        for mb in micro_batches:
-            device = mb["input_ids"].device.type
-            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
-            loss = token_loss_sum(logits, mb["labels"]) / target
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        opt.step()
-        sched.step()
-        losses.append(total)
-    return losses
+    groups = ([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2])
+    return adamw_loop(config, groups, params, steps_data, loss_sum)

@@ -37,12 +37,12 @@ def random_micro_batches(arch: ModelArch, steps: int, grad_accum: int, batch: in
     return out
 
 
-def train_reference(config: Config, arch: ModelArch, init: list[torch.Tensor], steps_data, device="cpu",
-                    autocast_dtype=None):
-    """Returns (losses per step, final layer weights, the model)."""
-    model = ReferenceModel(arch, [w.clone() for w in init]).to(device)
+def adamw_loop(config: Config, groups: tuple[list, list], clip: list, steps_data, loss_sum) -> list[float]:
+    """The plain loop every comparison runs: torch.optim.AdamW (weight decay on the first group
+    only), LambdaLR(lr_factor), clip_grad_norm_ over `clip`, each step's loss the summed token
+    losses of its micro-batches (`loss_sum(mb)`) over the step's target tokens. Returns the losses."""
     o = config.optim
-    decay, no_decay = model.decay_groups()
+    decay, no_decay = groups
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=o.lr, betas=o.betas, eps=o.eps,
@@ -56,15 +56,27 @@ def train_reference(config: Config, arch: ModelArch, init: list[torch.Tensor], s
         target = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
         total = 0.0
         for mb in micro_batches:
-            mb = {k: v.to(device) for k, v in mb.items()}
-            with torch.autocast(device_type=torch.device(device).type, dtype=autocast_dtype,
-                                enabled=autocast_dtype is not None):
-                loss = model.loss_sum(mb, compute_dtype=autocast_dtype) / target
+            loss = loss_sum(mb) / target
             loss.backward()
             total += float(loss.detach())
         if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+            torch.nn.utils.clip_grad_norm_(clip, o.grad_clip)
         opt.step()
         sched.step()
         losses.append(total)
+    return losses
+
+
+def train_reference(config: Config, arch: ModelArch, init: list[torch.Tensor], steps_data, device="cpu",
+                    autocast_dtype=None):
+    """Returns (losses per step, final layer weights, the model)."""
+    model = ReferenceModel(arch, [w.clone() for w in init]).to(device)
+
+    def loss_sum(mb):
+        mb = {k: v.to(device) for k, v in mb.items()}
+        with torch.autocast(device_type=torch.device(device).type, dtype=autocast_dtype,
+                            enabled=autocast_dtype is not None):
+            return model.loss_sum(mb, compute_dtype=autocast_dtype)
+
+    losses = adamw_loop(config, model.decay_groups(), list(model.parameters()), steps_data, loss_sum)
     return losses, model.layer_weights(), model

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -26,11 +25,10 @@ from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.models.family import IGNORE_INDEX  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
-from megatrain_ray.optim import lr_factor  # noqa: E402
 from megatrain_ray.training import run_training  # noqa: E402
-from reference_training import random_micro_batches  # noqa: E402
+from reference_training import adamw_loop, random_micro_batches  # noqa: E402
 from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
-                       local_steps, on_cuda, randomize, rel, saved)
+                       local_steps, on_cuda, randomize, rel, saved, token_loss_sum)
 from test_transformers_parity import hf_batch, parity_config, shifted  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -110,30 +108,28 @@ def test_the_auxiliary_loss_spans_micro_batches_like_transformers_per_call(tmp_p
     assert result.grad_norm == pytest.approx(norm_sq**0.5, rel=RTOL)
 
 
-def aux_weighted_step(model, mbs, target: int, coef: float, autocast_dtype=None) -> tuple[float, float]:
-    """One step of transformers: per micro-batch (summed token loss + coef x aux_loss x its target
-    tokens) / the step's target tokens; returns (loss, squared gradient norm). `autocast_dtype`
-    runs the forward under autocast."""
+def aux_weighted_step(model, mbs, target: int, coef: float) -> tuple[float, float]:
+    """One step of transformers, gradients only: per micro-batch (summed token loss + coef x aux_loss
+    x its target tokens) / the step's target tokens; returns (loss, squared gradient norm)."""
     model.zero_grad(set_to_none=True)
     total = 0.0
     for mb in mbs:
-        device = mb["input_ids"].device.type
-        # use_cache=False: with a cache transformers does not read packed documents from the position ids
-        with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], output_router_logits=coef > 0,
-                        use_cache=False)
-        loss = micro_batch_loss(out, mb["labels"], coef, target)
+        loss = transformers_loss_sum(model, mb, coef) / target
         loss.backward()
         total += float(loss.detach())
     return total, float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
 
 
-def micro_batch_loss(out, labels: torch.Tensor, coef: float, target: int) -> torch.Tensor:
-    logits = out.logits
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                         ignore_index=IGNORE_INDEX, reduction="sum")
+def transformers_loss_sum(model, mb, coef: float, autocast_dtype=None) -> torch.Tensor:
+    """One micro-batch's summed token loss plus coef x transformers' aux_loss x its target tokens.
+    `autocast_dtype` runs the forward under autocast."""
+    # use_cache=False: with a cache transformers does not read packed documents from the position ids
+    with torch.autocast(mb["input_ids"].device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], output_router_logits=coef > 0,
+                    use_cache=False)
+    labels = mb["labels"]
     mine = int((labels != IGNORE_INDEX).sum())
-    return (ce + (coef * out.aux_loss * mine if coef > 0 else 0.0)) / target
+    return token_loss_sum(out.logits, labels) + (coef * out.aux_loss * mine if coef > 0 else 0.0)
 
 
 # ---------------------------------------------------------------------------------------------- b
@@ -168,26 +164,14 @@ def train_config(model_dir: Path, out: Path, coef: float, pack: bool):
 
 
 def train_transformers(model, config, steps_data, coef: float, autocast_dtype=None) -> list[float]:
-    """AdamW with decay on matrices (not biases), LambdaLR(lr_factor), clip_grad_norm_, the loss of
+    """The plain loop (reference_training.adamw_loop), decay on matrices (not biases), the loss of
     aux_weighted_step: what `megatrain-ray train` is meant to compute."""
-    o = config.optim
     named = list(model.named_parameters())
     decays = [p for n, p in named if p.dim() >= 2 and not n.endswith("bias")]
     rest = [p for n, p in named if not (p.dim() >= 2 and not n.endswith("bias"))]
-    opt = torch.optim.AdamW([{"params": decays, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=o.lr, betas=o.betas, eps=o.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, o.warmup_steps, config.train.steps,
-                                                                       o.min_lr_ratio))
     model.train()
-    losses = []
-    for micro_batches in steps_data:
-        target = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-        loss, _ = aux_weighted_step(model, micro_batches, target, coef, autocast_dtype)
-        torch.nn.utils.clip_grad_norm_([p for _, p in named], o.grad_clip)
-        opt.step()
-        sched.step()
-        losses.append(loss)
-    return losses
+    return adamw_loop(config, (decays, rest), [p for _, p in named], steps_data,
+                      lambda mb: transformers_loss_sum(model, mb, coef, autocast_dtype))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
