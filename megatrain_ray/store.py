@@ -131,13 +131,16 @@ class ShardStore:
         return index
 
     # ---- checkpoints ---------------------------------------------------------------------------
+    def update_counts(self) -> dict[int, int]:
+        """Updates applied to each layer: Adam's bias correction, saved with a checkpoint."""
+        return {i: state.step for i, state in self.layers.items()}
+
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
-        tensors, steps = {}, {}
+        tensors = {}
         for i, state in self.layers.items():
             for key in checkpoint.STATE_KEYS:
                 tensors[checkpoint.tensor_name(i, key)] = getattr(state, key)
-            steps[i] = state.step
-        return tensors, steps
+        return tensors, self.update_counts()
 
     def save_shard(self, directory: str, name: str) -> dict:
         """Write this store's layers into a (shared) checkpoint directory."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatrain_ray.config import config_from_dict
 from megatrain_ray.hf import load_hf_weights
 from megatrain_ray.local import LocalTrainer
 from megatrain_ray.models.reference import ReferenceModel, _key
@@ -72,6 +73,17 @@ def local_steps(config, arch, model_dir: Path, steps_data) -> list:
         return [trainer.train_step(step) for step in steps_data]
     finally:
         trainer.close()
+
+
+def bf16_cuda_config(model_dir: Path, steps: int, grad_accum: int, **sections):
+    """The bf16 GPU checks' run: the executor compiles the block (its default), 2-row micro-batches."""
+    return config_from_dict({
+        "model": {"path": str(model_dir), "compute_dtype": "bfloat16"},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0},
+        "train": {"steps": steps, "grad_accum": grad_accum, "micro_batch_size": 2},
+        "executor": {"device": "cuda", "loss_chunk_tokens": 256},
+        **sections,
+    })
 
 
 def assert_bf16_tracks(name: str, ours: list[float], theirs: list[float]) -> None:

@@ -51,9 +51,8 @@ def train(config, arch, data, wait=None):
         results = [session.train_step(step) for step in data]
         evaluation = session.eval_loss(data[0][:3])  # three micro-batches: shares of 2 and 1
         weights = session.layer_weights()
-        counts = {}
-        for store in session.stores:
-            counts.update(ray.get(store.state_tensors.remote())[1])
+        counts = {i: n for c in ray.get([s.update_counts.remote() for s in session.stores])
+                  for i, n in c.items()}
     finally:
         session.close()
     return results, evaluation, weights, counts

@@ -30,7 +30,7 @@ from megatrain_ray.models.registry import (PRESETS, arch_from_dict, arch_from_hf
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.training import run_training  # noqa: E402
 from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
-                       local_steps, on_cuda, randomize, rel, saved, token_loss_sum, train_transformers)
+                       bf16_cuda_config, local_steps, on_cuda, randomize, rel, saved, token_loss_sum, train_transformers)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, intermediate_size=128, pad_token_id=5)
@@ -382,15 +382,9 @@ def test_bf16_on_the_gpu_tracks_transformers_autocast(tmp_path, name):
     model = tiny_hf_model(name)
     model_dir = saved(model, tmp_path / "hf")
     arch = load_hf_arch(model_dir)
-    config = config_from_dict({
-        "model": {"path": str(model_dir), "compute_dtype": "bfloat16"},
-        "data": {"source": str(write_documents(tmp_path / "docs.jsonl", seed=6, count=400, distinct=4)),
-                 "format": "tokens",
-                 "seq_len": 128, "pack": True},
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0},
-        "train": {"steps": steps, "grad_accum": GRAD_ACCUM, "micro_batch_size": 2},
-        "executor": {"device": "cuda", "loss_chunk_tokens": 256, "compile": True},
-    })
+    docs = write_documents(tmp_path / "docs.jsonl", seed=6, count=400, distinct=4)
+    config = bf16_cuda_config(model_dir, steps, GRAD_ACCUM,
+                              data={"source": str(docs), "format": "tokens", "seq_len": 128, "pack": True})
     data = the_runs_batches(config, arch.vocab_size)
     ours = [r.loss for r in local_steps(config, arch, model_dir, data)]
     theirs = train_transformers(model.to("cuda"), config, on_cuda(data), autocast_dtype=torch.bfloat16)

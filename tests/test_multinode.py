@@ -145,9 +145,8 @@ def test_two_workers_over_shared_memory_and_ram_nodes_train_like_one(three_nodes
             session.drain()
             versions = ray.get([w.remote_versions.remote() for w in session.gpus])
             weights = session.layer_weights()
-            counts = {}
-            for store in session.stores:
-                counts.update(ray.get(store.state_tensors.remote())[1])
+            counts = {i: n for c in ray.get([s.update_counts.remote() for s in session.stores])
+                      for i, n in c.items()}
         finally:
             session.close()
         return results, evaluation, weights, counts, versions

@@ -23,7 +23,7 @@ from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.local import LocalTrainer  # noqa: E402
 from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
-                       local_steps, on_cuda, randomize, rel, saved, train_transformers)
+                       bf16_cuda_config, local_steps, on_cuda, randomize, rel, saved, train_transformers)
 from reference_training import random_micro_batches  # noqa: E402
 
 TINY = dict(
@@ -159,12 +159,7 @@ def test_bf16_on_the_gpu_tracks_transformers_autocast(tmp_path, family):
     model = tiny_hf_model(family)
     model_dir = saved(model, tmp_path / "hf")
     arch = load_hf_arch(model_dir)
-    config = config_from_dict({
-        "model": {"path": str(model_dir), "compute_dtype": "bfloat16"},
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0},
-        "train": {"steps": steps, "grad_accum": GRAD_ACCUM, "micro_batch_size": 2},
-        "executor": {"device": "cuda", "loss_chunk_tokens": 256},
-    })
+    config = bf16_cuda_config(model_dir, steps, GRAD_ACCUM)
     data = random_micro_batches(arch, steps, GRAD_ACCUM, batch=2, seq=128, seed=0, distinct=4)
 
     ours = [r.loss for r in local_steps(config, arch, model_dir, data)]
