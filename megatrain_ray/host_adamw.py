@@ -13,7 +13,7 @@ The kernel is compiled at first use with torch.utils.cpp_extension.load_inline, 
 ~/.cache/torch_extensions/megatrain (or $TORCH_EXTENSIONS_DIR). The build's name carries a digest
 of the source, flags, torch version and the CPU's model and flags, so nodes of a cluster that
 share a home directory never load a build made for another CPU. Threads are torch's
-(torch.set_num_threads), each taking one large contiguous range of the buffer.
+(torch.set_num_threads); they share the buffer out in tiles, as each becomes free.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 
 _SOURCE = r"""
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 #include <cmath>
@@ -39,8 +40,7 @@ _SOURCE = r"""
 
 namespace {
 
-constexpr int64_t kBlock = 4096;  // elements; thread ranges start on block bounds (whole cache lines)
-constexpr int64_t kGrain = 16;    // blocks: a buffer smaller than 64 Ki elements stays on one thread
+constexpr int64_t kTile = 65536;  // elements: a buffer of one tile stays on one thread
 
 struct Scalars {  // AdamW's Python scalars, as torch's fp32 kernels receive them
   float grad_scale, lerp_weight, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step_size;
@@ -80,15 +80,23 @@ void update(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
   }
 }
 
+// Threads take tiles of 64 Ki elements (256 KiB of each fp32 stream) from a shared counter until
+// none is left: a thread slowed by a neighbour (the GPU actor's copies, Ray) takes fewer tiles, where
+// equal static ranges would make the whole layer wait for it (on the H100 machine, 16 threads:
+// 5.6 G params/s against 5.2 static).
 template <typename T>
 void step(float* p, float* m, float* v, T* gw, int64_t n, c10::ArrayRef<int64_t> ends,
           c10::ArrayRef<double> decays, Scalars s) {
-  at::parallel_for(0, (n + kBlock - 1) / kBlock, kGrain, [&](int64_t b0, int64_t b1) {
-    const int64_t lo = b0 * kBlock, hi = std::min(n, b1 * kBlock);
-    int64_t start = 0;
-    for (size_t k = 0; k < ends.size(); start = ends[k++]) {  // the parameters this range overlaps
-      const int64_t a = std::max(lo, start), b = std::min(hi, ends[k]);
-      if (a < b) update(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tiles, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) {
+      const int64_t lo = t * kTile, hi = std::min(n, lo + kTile);
+      int64_t start = 0;
+      for (size_t k = 0; k < ends.size(); start = ends[k++]) {  // the parameters this tile overlaps
+        const int64_t a = std::max(lo, start), b = std::min(hi, ends[k]);
+        if (a < b) update(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
+      }
     }
   });
 }

@@ -24,7 +24,7 @@ from megatrain_ray.step_result import EvalResult, StepResult, combine_results
 from megatrain_ray.host import dtype_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.placement import Placement, executor_node, plan_placement, worker_count
-from megatrain_ray.planner import PlanError, host_parking
+from megatrain_ray.planner import PlanError, check_gpu_fit, host_parking
 
 Wait = Callable[[Any, str], Any]
 
@@ -53,6 +53,9 @@ class Session:
         self.arch = arch
         self.wait = wait
         self.placement = placement or place(arch, config)
+        if self.placement.use_cuda:  # refused in seconds, not after the stores fill host memory (90 s at 7B)
+            check_gpu_fit(arch, config, gpu_free_bytes(self.placement.gpu.node_id),
+                          f"the GPU of node {self.placement.gpu.ip}", self.placement.num_gpus)
         run_id = uuid.uuid4().hex[:8]
         gpu_node, workers = self.placement.gpu.node_id, self.placement.num_gpus
         self.stores = [

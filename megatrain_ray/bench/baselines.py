@@ -327,8 +327,6 @@ def run_deepspeed_offload(arch: ModelArch, seq_len: int, micro_batch: int, grad_
         return BaselineResult("deepspeed_offload", "unavailable: needs a CUDA GPU")
 
     def run() -> BaselineResult:
-        import torch.distributed as dist
-
         torch.cuda.set_device(dev)
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
@@ -348,16 +346,11 @@ def run_deepspeed_offload(arch: ModelArch, seq_len: int, micro_batch: int, grad_
                 total += float(loss) * int((mb["labels"] != IGNORE_INDEX).sum())
             return _loss_scalar(total, targets)
 
-        try:
-            result = _timed_steps("deepspeed_offload", step, arch, seq_len, micro_batch, grad_accum, steps, warmup, dev)
-            return dataclasses.replace(result, config={**result.config,
-                                                       "zero3": DEEPSPEED_TUNED if tuned else "defaults"})
-        finally:
-            if hasattr(engine, "destroy"):
-                engine.destroy()
-            del step, engine
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        # No engine or process-group teardown: the baseline's own process ends right after its
+        # result (baseline_process), and on the H100 machine a DeepSpeed run sat for minutes after
+        # its last step where it used to tear down.
+        result = _timed_steps("deepspeed_offload", step, arch, seq_len, micro_batch, grad_accum, steps, warmup, dev)
+        return dataclasses.replace(result, config={**result.config, "zero3": DEEPSPEED_TUNED if tuned else "defaults"})
 
     return _guarded("deepspeed_offload", dev, run)
 
