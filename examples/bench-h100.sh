@@ -85,3 +85,19 @@ $B --model qwen2.5-7b --seq-len 1024 1024 4096 --micro-batch 8 8 4 --grad-accum 
    --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-98k-65k-131k-shm.json"
 $B --model qwen2.5-7b --seq-len 4096 --micro-batch 4 --grad-accum 8 --steps 3 --warmup 1 \
    --loss-chunk-tokens 2048 --ram-nodes 1 --json "$out/qwen2.5-7b-131k-ram-node.json"
+
+# Issue #14, with the tiled one-pass kernel (2026-11-23, results *-tiles.* and qwen2.5-3b-65k-*):
+# the host AdamW alone per thread count, then the 7B at 98,304 and 65,536 tokens a step
+$B --model qwen2.5-7b --parts --seq-len 4096 --micro-batch 1 --optimizer-threads 8 12 14 16 \
+   --json "$out/qwen2.5-7b-parts-tiles.json"
+$B --model qwen2.5-7b --seq-len 1024 1024 --micro-batch 8 8 --grad-accum 12 8 --steps 3 --warmup 1 \
+   --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-98k-65k-tiles.json"
+# ours at 65,536 tokens, then DeepSpeed ZeRO-3 offload at each split of the same tokens (its best is
+# kept and named); one split per fresh process, which can also run alone, as FSDP2 did here
+$B --model qwen2.5-3b --seq-len 4096 --micro-batch 1 --grad-accum 16 --steps 2 --warmup 1 \
+   --baseline deepspeed_offload --baseline-splits 4x4,8x2,16x1 --json "$out/qwen2.5-3b-65k-ours-deepspeed.json"
+for split in "16 1" "8 2"; do
+  set -- $split
+  python -m megatrain_ray.bench.baseline_process --name fsdp2_offload --model qwen2.5-3b --seq-len 4096 \
+     --micro-batch "$1" --grad-accum "$2" --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-fsdp2-$1x$2.json"
+done
