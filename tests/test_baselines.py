@@ -1,5 +1,6 @@
 """The bench baselines: same model and data as the streaming trainer, and failures as results."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -82,6 +83,15 @@ def test_runner_returns_results_not_exceptions():
     assert ds.name == "deepspeed_offload" and ds.status.startswith("unavailable"), ds
     assert unknown.status.startswith("unavailable")
 
+
+
+def test_a_result_printed_before_a_hang_still_counts():
+    """A child killed at its timeout after printing its result line: the result, not an error."""
+    done = BaselineResult("deepspeed_offload", "ok", tokens_per_s=123.0, step_seconds=[1.0])
+    out = "ninja: no work to do\n" + json.dumps(dataclasses.asdict(done)) + "\n\n"
+    assert baseline_process._result_line(out) == done
+    assert baseline_process._result_line("a traceback, no result\n") is None
+    assert baseline_process._result_line("") is None
 
 @pytest.mark.gpu
 def test_gpu_baselines_small():
