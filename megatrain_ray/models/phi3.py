@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import Weights
-from megatrain_ray.models.layout import LayerLayout, ParamSlot, Shapes, decoder_layouts, matmul_params
-from megatrain_ray.models.llama import (WORKING_SET_PER_TOKEN, Rope, chunked_cross_entropy, final_norm,
-                                        lm_head_weight, rms_norm)
+from megatrain_ray.models.layout import LayerLayout, ParamSlot, Shapes, decoder_layouts
+from megatrain_ray.models.llama import WORKING_SET_PER_TOKEN, LlamaFamily, Rope, rms_norm
 
 PHI3_PAD_DEFAULT = 32000  # transformers' Phi3Config pad_token_id when config.json has none
 
@@ -289,17 +288,10 @@ class Phi3Family:
     def block(self, arch: Phi3Arch, w: Weights, x: torch.Tensor, ctx: Rope, mlp_chunk: int = 0) -> torch.Tensor:
         return block_forward(arch, w, x, ctx, mlp_chunk)
 
-    def head_loss(self, arch: Phi3Arch, head: Weights, embed: Weights | None, x: torch.Tensor,
-                  labels: torch.Tensor, chunk_tokens: int, scale: float) -> torch.Tensor:
-        hidden = final_norm(arch, head, x)
-        return chunked_cross_entropy(hidden, lm_head_weight(arch, head, embed), labels, chunk_tokens, scale)
-
-    def logits(self, arch: Phi3Arch, head: Weights, embed: Weights | None, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(final_norm(arch, head, x), lm_head_weight(arch, head, embed))
-
-    # -- what the planner and the benchmark count ----------------------------------------------
-    def matmul_params(self, arch: Phi3Arch) -> int:
-        return matmul_params(arch, self.layouts(arch))
+    # Llama's final norm, LM head and matmul count (over this family's own layouts)
+    head_loss = LlamaFamily.head_loss
+    logits = LlamaFamily.logits
+    matmul_params = LlamaFamily.matmul_params
 
     def attention_flops_per_token(self, arch: Phi3Arch, seq_len: int) -> float:
         """12 x layers x heads x head_dim per key attended (fwd + bwd): seq/2 keys (causal), fewer
