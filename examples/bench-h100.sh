@@ -87,7 +87,10 @@ $B --model qwen2.5-7b --seq-len 4096 --micro-batch 4 --grad-accum 8 --steps 3 --
    --loss-chunk-tokens 2048 --ram-nodes 1 --json "$out/qwen2.5-7b-131k-ram-node.json"
 
 # Issue #14, with the tiled one-pass kernel (2026-11-23, results *-tiles.* and qwen2.5-3b-65k-*):
-# the host AdamW alone per thread count, then the 7B at 98,304 and 65,536 tokens a step
+# the kernel's thread scheduling and buffer placement probed alone (host-adamw-probe.log came from
+# an earlier form of the probe), the host AdamW alone per thread count, then the 7B at 98,304 and
+# 65,536 tokens a step
+python examples/host_adamw_probe.py > "$out/host-adamw-probe.log"
 $B --model qwen2.5-7b --parts --seq-len 4096 --micro-batch 1 --optimizer-threads 8 12 14 16 \
    --json "$out/qwen2.5-7b-parts-tiles.json"
 $B --model qwen2.5-7b --seq-len 1024 1024 --micro-batch 8 8 --grad-accum 12 8 --steps 3 --warmup 1 \
