@@ -278,8 +278,7 @@ def main(args) -> int:
         _write_json(args.json, parts)
         return 0
     runs = run_streaming(arch, args, shapes, on_shape=lambda runs: _write_json(
-        args.json, {"args": vars(args), "model": args.model, "params": num_params(arch), "runs": runs,
-                    "incomplete": "written after each shape; the run had not ended"}))
+        args.json, _results(args, arch, runs, incomplete="written after each shape; the run had not ended")))
     if args.baseline is not None:
         from megatrain_ray.bench.baseline_process import run_baselines_at_best
 
@@ -288,10 +287,15 @@ def main(args) -> int:
             shape = Shape(**run["shape"])
             run["baselines"] = [dataclasses.asdict(b) for b in run_baselines_at_best(
                 names, arch, shape.seq_len, baseline_splits(args.baseline_splits, shape), args.steps, args.warmup)]
-    results = {"args": vars(args), "model": args.model, "params": num_params(arch), "runs": runs}
+    results = _results(args, arch, runs)
     print_table(results)
     _write_json(args.json, results)
     return 0
+
+
+def _results(args, arch: ModelArch, runs: list[dict], **extra) -> dict:
+    """What --json holds: the command's arguments, the model and every shape's run."""
+    return {"args": vars(args), "model": args.model, "params": num_params(arch), "runs": runs, **extra}
 
 
 def _write_json(path: str | None, results: dict) -> None:
