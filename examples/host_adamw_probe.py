@@ -24,6 +24,7 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from megatrain_ray import host_adamw
+from megatrain_ray.host import shm_tensor
 
 STATIC_STEP = r"""
 template <typename T>
@@ -44,7 +45,10 @@ void step(float* p, float* m, float* v, T* gw, int64_t n, c10::ArrayRef<int64_t>
 
 def variant(name: str, tile: int, static: bool):
     """The shipped source under its own op namespace, with another tile size or the static split."""
-    src = host_adamw._SOURCE.replace("constexpr int64_t kTile = 65536;", f"constexpr int64_t kTile = {tile};")
+    shipped = "constexpr int64_t kTile = 65536;"
+    if shipped not in host_adamw._SOURCE:
+        raise SystemExit(f"host_adamw.py no longer says {shipped!r}: update this probe")
+    src = host_adamw._SOURCE.replace(shipped, f"constexpr int64_t kTile = {tile};")
     if static:
         head, rest = src.split("template <typename T>\nvoid step(", 1)
         head = head.rsplit("// Threads take tiles", 1)[0]
@@ -67,11 +71,8 @@ def buffers(kind: str, n: int) -> tuple[torch.Tensor, ...]:
     if kind == "store-like":
         p, m, v = torch.empty(n), torch.zeros(n), torch.zeros(n)
         path = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()) / f"adamw-probe-{os.getpid()}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, n * 2)
-        os.close(fd)
-        g = torch.from_file(str(path), shared=True, size=n, dtype=torch.bfloat16)
-        path.unlink()
+        g = shm_tensor(path, n, torch.bfloat16, create=True)
+        path.unlink()  # the mapping stays until the tensor goes
     else:
         huge = kind == "anonymous-huge"
         p, m, v, g = (anonymous(n, dt, huge) for dt in (torch.float32,) * 3 + (torch.bfloat16,))
@@ -82,15 +83,21 @@ def buffers(kind: str, n: int) -> tuple[torch.Tensor, ...]:
     return p, m, v, g
 
 
-def rate(kernel, bufs, n: int, threads: int, repeats: int) -> tuple[float, float]:
-    torch.set_num_threads(threads)
-    args = ([n], [0.99999], 1.0, 0.9, 0.95, 0.3, 1e-8, 1e-4)
-    kernel(*bufs, *args)
+def timings(fn, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls, after one untimed call."""
+    fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        kernel(*bufs, *args)
+        fn()
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def rate(kernel, bufs, n: int, threads: int, repeats: int) -> tuple[float, float]:
+    torch.set_num_threads(threads)
+    args = ([n], [0.99999], 1.0, 0.9, 0.95, 0.3, 1e-8, 1e-4)
+    times = timings(lambda: kernel(*bufs, *args), repeats)
     return n / statistics.median(times) / 1e9, n / min(times) / 1e9
 
 
@@ -100,13 +107,7 @@ def bandwidth(threads: int, n: int = 2**29) -> dict[str, float]:
     a, b, c = torch.ones(n), torch.ones(n), torch.empty(n)
     out = {}
     for name, fn, nbytes in (("in-place mul", lambda: a.mul_(1.0), 8), ("add out", lambda: torch.add(a, b, out=c), 12)):
-        fn()
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = round(n * nbytes / statistics.median(times) / 1e9, 1)
+        out[name] = round(n * nbytes / statistics.median(timings(fn, 7)) / 1e9, 1)
     return out
 
 
