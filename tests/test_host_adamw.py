@@ -12,8 +12,9 @@ import torch
 from megatrain_ray import host_adamw
 from megatrain_ray.optim import AdamWStep, adamw_step, clip_coefficient
 
-# Odd sizes (no multiple of a vector width or of the kernel's 4096-element blocks), more than
-# 64 Ki elements in all so that three threads split the buffer inside the 3rd and 5th segments.
+# Odd sizes (no multiple of a vector width or of the kernel's 64 Ki-element tiles), 205,254
+# elements in all: four tiles for three threads, whose bounds (65,536, 131,072, 196,608) fall
+# inside the 3rd and 5th segments, and a last tile shorter than the others.
 SEGMENTS = [(37, True), (4099, False), (70_001, True), (5, False), (131_111, True), (1, False)]
 LR, BETAS, EPS, STEPS = 3e-3, (0.9, 0.95), 1e-8, 4
 
