@@ -19,7 +19,7 @@ from megatrain_ray.host import (available_memory, dtype_of, element_size, host_h
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.optim import AdamWStep, UpdateSchedule
-from megatrain_ray.planner import check_gpu_fit, check_host_fit, check_parked_fit, choose_offload
+from megatrain_ray.planner import check_gpu_fit, check_host_fit, check_parked_fit, choose_kept, choose_offload
 from megatrain_ray.remote_sources import RoutedSource, SharedMemorySource, WindowSource
 from megatrain_ray.store import ShardStore
 from megatrain_ray.transport import LayerLink, LayerServer
@@ -125,7 +125,7 @@ class GpuWorker:
         remote = {i: numels[i] for node, layers in zip(store_nodes, layer_lists) if node != here for i in layers}
         slots = window_slots or config.runtime.remote_window or config.executor.num_slots + 1
         window = window_bytes(list(remote.values()), slots, element_size(dtype))
-        offload = self._check_fit(config, window)
+        fit = self._check_fit(config, window)
         sources, routes = [], []
         for store, node, layers in zip(stores, store_nodes, layer_lists):
             if node == here:
@@ -145,7 +145,7 @@ class GpuWorker:
                                     config.train.step_timeout_s or 1800.0)
         else:
             self.group = Group.solo(len(numels))
-        self.executor = self._executor(config, offload)
+        self.executor = self._executor(config, *fit)
         return self.describe_device()
 
     @staticmethod
@@ -162,25 +162,26 @@ class GpuWorker:
                 store_of[i], link_of[i] = store, link
         return WindowSource(store_of, link_of, remote, dtype, slots)
 
-    def _check_fit(self, config: Config, window: int = 0) -> bool:
-        """Refuse a step that cannot fit before allocating anything; True: park activations on the host.
-        `window`: pinned bytes the window for remote layers will take beside them."""
+    def _check_fit(self, config: Config, window: int = 0) -> tuple[bool, int]:
+        """Refuse a step that cannot fit before allocating anything; else whether to park activations
+        on the host and how many blocks keep their forward graphs. `window`: pinned bytes the window
+        for remote layers will take beside them."""
         if self.device.type != "cuda":  # the executor's tensors live beside the stores' state
             check_host_fit(self.arch, config, host_headroom() - self.world * window, "the executor's node", self.world)
-            return False
+            return False, choose_kept(self.arch, config, None, self.world)
         free = torch.cuda.mem_get_info(self.device)[0]
         check_gpu_fit(self.arch, config, free, torch.cuda.get_device_name(self.device), self.world)
         offload = choose_offload(self.arch, config, free, self.world)
         if offload:  # the stores on this node have allocated their state by now; all workers park there
             check_parked_fit(self.arch, config, host_headroom() - self.world * window, "the GPU node")
-        return offload
+        return offload, choose_kept(self.arch, config, free, self.world)
 
-    def _executor(self, config: Config, offload: bool) -> StreamingExecutor:
+    def _executor(self, config: Config, offload: bool, kept: int) -> StreamingExecutor:
         ex = config.executor
         return StreamingExecutor(
             self.arch, self.source, self.device, dtype_of(config.model.compute_dtype), ex.num_slots,
             ex.loss_chunk_tokens, compile_blocks=ex.compile, mlp_chunk_tokens=ex.mlp_chunk_tokens,
-            offload_activations=offload, group=self.group,
+            offload_activations=offload, group=self.group, keep_graphs=kept,
         )
 
     def reconfigure(self, config: Config) -> None:
@@ -191,7 +192,7 @@ class GpuWorker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         window = self.window.host_bytes() if self.window is not None else 0
-        self.executor = self._executor(config, self._check_fit(config, window))
+        self.executor = self._executor(config, *self._check_fit(config, window))
 
     def _expect(self, updates_elsewhere: dict | None) -> None:
         """The other workers' updates since this worker's last step: its reads wait for them."""
@@ -251,10 +252,15 @@ class GpuWorker:
         self.source.drain()
         return self.schedule.updates_done
 
+    def kept_graphs(self) -> int:
+        return len(self.executor.kept)
+
     def describe_device(self) -> str:
+        kept = f"; the last {self.kept_graphs()} blocks keep their forward graphs" if self.kept_graphs() else ""
         if self.device.type == "cuda":
-            return f"{torch.cuda.get_device_name(self.device)} ({torch.cuda.get_device_properties(self.device).total_memory / GiB:.0f} GiB)"
-        return f"cpu ({torch.get_num_threads()} threads)"
+            props = torch.cuda.get_device_properties(self.device)
+            return f"{torch.cuda.get_device_name(self.device)} ({props.total_memory / GiB:.0f} GiB){kept}"
+        return f"cpu ({torch.get_num_threads()} threads){kept}"
 
     def close(self) -> None:
         if self.source is not None:

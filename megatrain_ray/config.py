@@ -104,6 +104,7 @@ class ExecutorConfig:
     compile: bool = True  # torch.compile the decoder block on CUDA (fuses norms, RoPE, SwiGLU: ~20% faster)
     offload_activations: str = "auto"  # auto | on | off: park boundary activations in host memory (long contexts)
     mlp_chunk_tokens: int = 16384  # longer micro-batches run the MLP in checkpointed chunks of this many tokens; 0 = never
+    keep_graphs: int | None = None  # last blocks keeping their forward's graph (no recompute); None: as many as fit the GPU, 0 on a CPU
 
 
 @dataclass(frozen=True)
@@ -347,6 +348,8 @@ def validate(config: Config) -> None:
         (ex.loss_chunk_tokens >= 1, "executor.loss_chunk_tokens must be >= 1"),
         (ex.offload_activations in ("auto", "on", "off"), "executor.offload_activations must be auto, on or off"),
         (ex.mlp_chunk_tokens >= 0, "executor.mlp_chunk_tokens must be >= 0 (0: never chunk)"),
+        (ex.keep_graphs is None or ex.keep_graphs >= 0,
+         "executor.keep_graphs must be >= 0 (0: every block recomputes its forward), or null: as many as fit"),
         (rt.address != "", "runtime.address must be a Ray address (or null)"),
         (rt.num_cpus is None or rt.num_cpus >= 1, "runtime.num_cpus must be >= 1 (or null: all cores)"),
         (rt.object_store_memory is None or rt.object_store_memory >= OBJECT_STORE_MINIMUM,

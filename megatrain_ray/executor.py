@@ -3,7 +3,9 @@
 One optimizer step: every micro-batch passes through a layer while its weights sit in a slot;
 forward keeps only each layer's input (activation_stash.py), backward recomputes the layer under
 a local autograd graph, accumulates its weight gradient on the device across micro-batches and
-sends it to the host once (gradient_sink.py). The prefetcher (prefetcher.py) keeps the next
+sends it to the host once (gradient_sink.py). The last `keep_graphs` blocks, where the GPU has the
+memory for them (planner.py), run their forward under autograd and keep its graph, with a copy of
+their weights: their backward neither recomputes nor reads their weights again. The prefetcher (prefetcher.py) keeps the next
 layers copying into free slots; three streams (streams.py) are ordered by events. On the CPU the
 streams are no-ops and copies are plain memcpys: the same scheduler, testable without a GPU.
 The model's arithmetic comes from its family (models/family.py) and nothing else.
@@ -19,6 +21,7 @@ import contextlib
 import itertools
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -32,7 +35,7 @@ from megatrain_ray.models.family import IGNORE_INDEX, aux_loss_on
 from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout
 from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.prefetcher import Prefetcher, Slot
-from megatrain_ray.schedule import Unit, model_units, step_order
+from megatrain_ray.schedule import Unit, kept_blocks, model_units, step_order
 from megatrain_ray.sources import LayerSource
 from megatrain_ray.step_result import EvalResult, StepResult
 from megatrain_ray.streams import Streams, TransferStats
@@ -86,6 +89,16 @@ class AuxLoss:
         return term
 
 
+@dataclass
+class BlockGraph:
+    """One micro-batch's pass through a block under autograd: what its backward differentiates."""
+
+    x: torch.Tensor  # the input, a leaf
+    w: dict[str, torch.Tensor]  # the weights, one leaf each
+    y: torch.Tensor
+    stats: torch.Tensor | None  # the block's auxiliary statistics (models/family.py, OptionalMembers)
+
+
 class StreamingExecutor:
     def __init__(
         self,
@@ -100,6 +113,7 @@ class StreamingExecutor:
         mlp_chunk_tokens: int = 0,
         offload_activations: bool = False,
         group: Group | None = None,
+        keep_graphs: int = 0,
     ):
         self.arch = arch
         self.source = source
@@ -115,6 +129,7 @@ class StreamingExecutor:
         self.prefetcher = Prefetcher(self.layouts, source, self.streams, compute_dtype, num_slots, self.stats, trace)
         self.mlp_chunk = mlp_chunk_tokens
         self.offload_activations = offload_activations
+        self.kept = kept_blocks(self.units, keep_graphs)
         self.aux = aux_loss_on(self.family, arch)  # the block returns (y, stats) for an auxiliary loss
         self.compiled_block = None
         if compile_blocks and self.streams.cuda:
@@ -125,7 +140,7 @@ class StreamingExecutor:
     # -- schedule -------------------------------------------------------------------------------
     def _schedule(self) -> tuple[list[Unit], list[int]]:
         """Units in execution order and the flat order in which they need layers."""
-        order = step_order(self.units)
+        order = step_order(self.units, len(self.kept))
         return order, [layer for unit in order for layer in unit.layers]
 
     @contextlib.contextmanager
@@ -167,14 +182,21 @@ class StreamingExecutor:
 
         cursor = itertools.count()
         saved = ActivationStash(self.streams, self.offload_activations)
+        graphs: dict[Unit, list[BlockGraph]] = {}
         aux = AuxLoss(micro_batches, scale) if self.aux else None
         x: list[torch.Tensor] = [mb["input_ids"] for mb in mbs]
         for unit in self.units[:-1]:
             slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
-            with torch.no_grad(), self._computing():
-                weights = self._views(slots[0].buffer, unit.layers[0])
-                inputs, x = x, [self._forward(unit, weights, xi, ctx, aux, i) for i, (xi, ctx) in enumerate(zip(x, ctxs))]
-                saved.push(inputs)
+            with self._computing():
+                if unit in self.kept:
+                    graphs[unit] = self._forward_keeping(unit, slots[0], x, ctxs, aux)
+                    x = [g.y.detach() for g in graphs[unit]]
+                else:
+                    with torch.no_grad():
+                        weights = self._views(slots[0].buffer, unit.layers[0])
+                        inputs, x = x, [self._forward(unit, weights, xi, ctx, aux, i)
+                                        for i, (xi, ctx) in enumerate(zip(x, ctxs))]
+                    saved.push(inputs)
             for slot in slots:
                 self.prefetcher.release(slot)
 
@@ -188,11 +210,16 @@ class StreamingExecutor:
         del x
 
         for unit in reversed(self.units[:-1]):
-            slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
-            with self._computing():
-                dy = self._block_backward(unit, slots[0], saved.pop(), dy, ctxs, aux)
-            for slot in slots:
-                self.prefetcher.release(slot)
+            if unit in graphs:
+                with self._computing():
+                    dy = [self._differentiate(unit.layers[0], mb, g, dyi, aux)
+                          for mb, (g, dyi) in enumerate(zip(graphs.pop(unit), dy))]
+            else:
+                slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
+                with self._computing():
+                    dy = self._block_backward(unit, slots[0], saved.pop(), dy, ctxs, aux)
+                for slot in slots:
+                    self.prefetcher.release(slot)
             self.grads.send(unit.layers[0])
 
         if aux is not None:
@@ -296,8 +323,7 @@ class StreamingExecutor:
         return loss_sum, dxs
 
     def _block_backward(self, unit: Unit, slot: Slot, inputs, dys, ctxs, aux: "AuxLoss | None"):
-        """Recompute each micro-batch's forward under a local graph, then backward through it;
-        a block's share of the auxiliary loss joins its output in what is differentiated."""
+        """Recompute each micro-batch's forward under a local graph, then backward through it."""
         dxs = []
         layer = unit.layers[0]
         for mb, (x, dy, ctx) in enumerate(zip(inputs, dys, ctxs)):
@@ -305,24 +331,45 @@ class StreamingExecutor:
             if unit.kind == EMBED:
                 y = self.family.embed(self.arch, w, x)
                 grads = torch.autograd.grad(y, list(w.values()), dy)
+                self.grads.add(layer, dict(zip(w, grads)))
                 dxs.append(None)
             else:
-                x = _leaf(x)
-                y = self._block(w, x, self.family.layer_context(self.arch, ctx, layer))
-                stats = None
-                if aux is not None:
-                    y, stats = y
-                outputs, out_grads = [y], [dy]
-                if stats is not None:
-                    term = aux.term(self.family, self.arch, mb, stats)
-                    outputs.append(term)
-                    out_grads.append(torch.ones_like(term))
-                dx, *grads = torch.autograd.grad(outputs, [x, *w.values()], out_grads)
-                dxs.append(dx)
-                del outputs
-            self.grads.add(layer, dict(zip(w, grads)))
-            del y
+                dxs.append(self._differentiate(layer, mb, self._graph(layer, w, x, ctx, aux), dy, aux))
         return dxs
+
+    def _forward_keeping(self, unit: Unit, slot: Slot, xs, ctxs, aux: "AuxLoss | None") -> list[BlockGraph]:
+        """A block's forward under autograd, its graph kept for backward. The graph reads a copy of
+        the weights: the slot takes other layers before the backward comes back to this one."""
+        layer = unit.layers[0]
+        weights = slot.buffer.clone()
+        graphs = []
+        for mb, (x, ctx) in enumerate(zip(xs, ctxs)):
+            w = {name: _leaf(view) for name, view in self._views(weights, layer).items()}
+            graphs.append(self._graph(layer, w, x, ctx, aux))
+            if aux is not None:
+                aux.count(mb, None if graphs[-1].stats is None else graphs[-1].stats.detach())
+        return graphs
+
+    def _graph(self, layer: int, w: dict, x: torch.Tensor, ctx, aux: "AuxLoss | None") -> BlockGraph:
+        x = _leaf(x)
+        y = self._block(w, x, self.family.layer_context(self.arch, ctx, layer))
+        stats = None
+        if self.aux:
+            y, stats = y
+        return BlockGraph(x, w, y, stats if aux is not None else None)
+
+    def _differentiate(self, layer: int, mb: int, g: BlockGraph, dy: torch.Tensor, aux: "AuxLoss | None"):
+        """Backward through one micro-batch's block graph: its weight gradient joins the layer's
+        accumulator, the input's gradient is returned. A block's share of the auxiliary loss joins
+        its output in what is differentiated."""
+        outputs, out_grads = [g.y], [dy]
+        if g.stats is not None:
+            term = aux.term(self.family, self.arch, mb, g.stats)
+            outputs.append(term)
+            out_grads.append(torch.ones_like(term))
+        dx, *grads = torch.autograd.grad(outputs, [g.x, *g.w.values()], out_grads)
+        self.grads.add(layer, dict(zip(g.w, grads)))
+        return dx
 
     def _result(self, t0, loss, grad_norm, finite, mbs, target) -> StepResult:
         st = self.stats

@@ -15,6 +15,7 @@ from megatrain_ray.host import dtype_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.optim import UpdateSchedule
+from megatrain_ray.planner import choose_kept
 from megatrain_ray.placement import split_by_capacity
 from megatrain_ray.sources import LocalSource
 from megatrain_ray.store import ShardStore
@@ -32,9 +33,12 @@ class LocalTrainer:
         self.source = LocalSource(self.stores)
         self.schedule = UpdateSchedule(config.optim, config.train.steps)
         ex = config.executor
+        device = pick_device(ex.device)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         self.executor = StreamingExecutor(
-            arch, self.source, pick_device(ex.device), dtype, ex.num_slots, ex.loss_chunk_tokens, trace, ex.compile,
+            arch, self.source, device, dtype, ex.num_slots, ex.loss_chunk_tokens, trace, ex.compile,
             ex.mlp_chunk_tokens, offload_activations=ex.offload_activations == "on",
+            keep_graphs=choose_kept(arch, config, free),
         )
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:

@@ -1,7 +1,7 @@
 """What a run needs, where it lives, and whether it fits: before anything is allocated.
 
 GPU memory by use (weight slots, gradient buffers, boundary activations, one layer's working set,
-the loss chunk), per device when several GPUs share a step, host memory per node (from the
+the loss chunk, the forward graphs the last blocks keep where memory is left over), per device when several GPUs share a step, host memory per node (from the
 placement), and a step-time prediction from the measured rates of the GPU machine: what bounds
 the step (compute, PCIe, host memory bandwidth, the host optimizer) and how many tokens a step
 keeps N GPUs busy. `megatrain-ray plan` prints it; each GPU worker checks it before it allocates
@@ -53,6 +53,7 @@ BOUNDARY = "boundary activations (input of every layer, every micro-batch)"
 
 
 AUTO_OFFLOAD_MARGIN = 0.85  # offload before the prediction comes close to the free memory
+KEPT = "kept forward graphs (the last blocks: no recompute)"
 HOST_PARK_RESERVE = 1 * GiB  # the GPU actor's own growth beside its parked activations
 
 
@@ -116,9 +117,25 @@ def check_parked_fit(arch: ModelArch, config: Config, headroom_bytes: int, where
         )
 
 
-def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: int = 1) -> GpuPlan:
+def kept_graph_bytes(arch: ModelArch, config: Config, num_gpus: int = 1) -> int:
+    """One block's kept forward graph for every micro-batch of a GPU's share, and the copy of its
+    weights the graph reads. Its saved tensors are counted as the block's working set, which they
+    are part of (the transients of its backward are not): the safe side."""
+    d = dtype_bytes(config)
+    mb_tokens = config.train.micro_batch_size * config.data.seq_len
+    mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
+    graph = family(arch).working_set_bytes(arch, mb_tokens, mlp_tokens, d) * micro_batches_per_gpu(config, num_gpus)
+    return graph + max(layout.numel for layout in model_layouts(arch)[1:-1]) * d
+
+
+def num_blocks(arch: ModelArch) -> int:
+    return len(model_layouts(arch)) - 2
+
+
+def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: int = 1, kept: int = 0) -> GpuPlan:
     """Peak bytes by use on each GPU for one optimizer step of this config (activations offloaded or
-    not), with `num_gpus` GPUs sharing the step's micro-batches."""
+    not, `kept` blocks keeping their forward graphs), with `num_gpus` GPUs sharing the step's
+    micro-batches."""
     layouts = model_layouts(arch)
     d = dtype_bytes(config)
     t = config.train
@@ -143,6 +160,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     chunk = min(config.executor.loss_chunk_tokens, mb_tokens)
     plan.by_use["loss chunk"] = chunk * arch.vocab_size * LOSS_BYTES_PER_LOGIT
     plan.by_use["RoPE tables"] = 2 * micro_batches_per_gpu(config, num_gpus) * mb_tokens * arch.head_dim * d
+    plan.by_use[KEPT] = kept * kept_graph_bytes(arch, config, num_gpus)
     return plan
 
 
@@ -184,10 +202,11 @@ def shared_network(net: NetworkTimes, num_gpus: int) -> NetworkTimes:
 
 
 def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None = None,
-                 optimizer_s: float | None = None, num_gpus: int = 1) -> StepPrediction:
+                 optimizer_s: float | None = None, num_gpus: int = 1, kept: int = 0) -> StepPrediction:
     """Step time from the measured rates, in two phases. Compute with recompute is 8 FLOP per
     parameter a token uses, per token (a mixture of experts counts its routed experts only), a
-    quarter of it forward. The forward waits for the slowest of its compute, the host optimizer of
+    quarter of it forward; the `kept` blocks that keep their graphs skip their share of the
+    recompute (2 of the 8). The forward waits for the slowest of its compute, the host optimizer of
     the step before (over all parameters, layer by layer in the same order) and the weights coming
     over the network; the backward for the slowest of its compute, the weights coming again and the
     gradients leaving. All weights cross PCIe twice, overlapped with everything.
@@ -202,8 +221,9 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     params = num_params(arch)
     active = params - inactive_params(family(arch), arch)
     d = dtype_bytes(config)
-    attention = family(arch).attention_flops_per_token(arch, config.data.seq_len) * 8 / 6
-    per_token = (8 * active + attention) / LAYER_TFLOPS  # one GPU's seconds per token
+    flops = 8 - 2 * min(kept, num_blocks(arch)) / num_blocks(arch)  # per parameter per token
+    attention = family(arch).attention_flops_per_token(arch, config.data.seq_len) * flops / 6
+    per_token = (flops * active + attention) / LAYER_TFLOPS  # one GPU's seconds per token
     compute = per_token * tokens / num_gpus
     h2d = 2 * params * d / H2D_BYTES_PER_S
     host_read = num_gpus * 2 * params * d
@@ -250,17 +270,32 @@ def choose_offload(arch: ModelArch, config: Config, free_bytes: int, num_gpus: i
     return gpu_plan(arch, config, num_gpus=num_gpus).total > AUTO_OFFLOAD_MARGIN * free_bytes
 
 
+def choose_kept(arch: ModelArch, config: Config, free_bytes: int | None, num_gpus: int = 1) -> int:
+    """executor.keep_graphs: as set, or (null) as many of the last blocks as the memory the step
+    leaves free holds, under the same margin as offloading; none without a GPU (`free_bytes` None)."""
+    wanted = config.executor.keep_graphs
+    if wanted is not None:
+        return min(wanted, num_blocks(arch))
+    if free_bytes is None:
+        return 0
+    rest = AUTO_OFFLOAD_MARGIN * free_bytes - gpu_plan(arch, config, choose_offload(arch, config, free_bytes, num_gpus),
+                                                       num_gpus).total
+    return max(0, min(num_blocks(arch), int(rest // kept_graph_bytes(arch, config, num_gpus))))
+
+
 def check_gpu_fit(arch: ModelArch, config: Config, free_bytes: int, where: str, num_gpus: int = 1) -> GpuPlan:
     offload = choose_offload(arch, config, free_bytes, num_gpus)
-    plan = gpu_plan(arch, config, offload, num_gpus)
+    plan = gpu_plan(arch, config, offload, num_gpus, choose_kept(arch, config, free_bytes, num_gpus))
     if plan.total > free_bytes:
         acts = plan.by_use[BOUNDARY]
+        kept = (f", fewer blocks keeping their forward graphs (executor.keep_graphs: {plan.by_use[KEPT] / GiB:.1f} GiB)"
+                if plan.by_use[KEPT] else "")
         raise PlanError(
             f"the step needs about {plan.total / GiB:.1f} GiB of GPU memory but {where} has "
             f"{free_bytes / GiB:.1f} GiB free ({format_gpu_plan(plan, inline=True)}). Fewer tokens per micro-batch "
             f"(train.micro_batch_size, data.seq_len) or fewer micro-batches per step (train.grad_accum: the boundary "
-            f"activations are {acts / GiB:.1f} GiB{', offloaded to host memory already' if offload else ''}), a smaller "
-            f"executor.loss_chunk_tokens, or executor.mlp_chunk_tokens for long sequences"
+            f"activations are {acts / GiB:.1f} GiB{', offloaded to host memory already' if offload else ''}){kept}, a "
+            f"smaller executor.loss_chunk_tokens, or executor.mlp_chunk_tokens for long sequences"
         )
     return plan
 
@@ -269,7 +304,7 @@ def check_host_fit(arch: ModelArch, config: Config, headroom_bytes: int, where: 
     """The executor on the CPU keeps in host memory what a GPU would hold (slots, activations, the
     loss chunk), beside the stores: refuse a step Ray's memory monitor would kill instead. With
     several CPU workers on the node, all of theirs."""
-    plan = gpu_plan(arch, config, num_gpus=num_gpus)
+    plan = gpu_plan(arch, config, num_gpus=num_gpus, kept=choose_kept(arch, config, None, num_gpus))
     if plan.total * num_gpus > headroom_bytes:
         raise PlanError(
             f"the step needs about {num_gpus * plan.total / GiB:.1f} GiB of memory for the CPU executor"
@@ -282,6 +317,17 @@ def check_host_fit(arch: ModelArch, config: Config, headroom_bytes: int, where: 
     return plan
 
 
+def recompute_line(arch: ModelArch, config: Config, kept: int, undecided: bool, num_gpus: int) -> str:
+    if kept == 0:
+        auto = (" (executor.keep_graphs: null, so the GPU node keeps the last blocks' forward graphs where its free "
+                "memory allows)" if undecided and config.executor.keep_graphs is None else "")
+        return ("every layer recomputes its forward in backward; weights are fetched twice per step (the last "
+                f"{config.executor.num_slots - 1} blocks stay resident across the turn){auto}")
+    graphs = kept * kept_graph_bytes(arch, config, num_gpus)
+    return (f"the last {kept} of {num_blocks(arch)} blocks keep their forward's graph ({size(graphs)}): their backward "
+            "neither recomputes nor fetches them again; every other layer recomputes its forward in backward")
+
+
 def size(b: float) -> str:
     return f"{b / GiB:.2f} GiB" if b >= GiB else f"{b / 2**20:.1f} MiB"
 
@@ -292,11 +338,14 @@ def format_gpu_plan(plan: GpuPlan, inline: bool = False) -> str:
 
 
 def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, network: NetworkTimes | None = None,
-             optimizer_s: float | None = None, num_gpus: int = 1) -> str:
+             optimizer_s: float | None = None, num_gpus: int = 1, kept: int | None = None) -> str:
+    """The plan as text; `kept`: the blocks the GPU workers keep graphs for, where they have decided."""
     offload = (choose_offload(arch, config, gpu_free, num_gpus) if gpu_free is not None
                else config.executor.offload_activations == "on")
-    plan = gpu_plan(arch, config, offload, num_gpus)
-    p = predict_step(arch, config, network, optimizer_s, num_gpus)
+    undecided = kept is None and gpu_free is None
+    kept = choose_kept(arch, config, gpu_free, num_gpus) if kept is None else kept
+    plan = gpu_plan(arch, config, offload, num_gpus, kept)
+    p = predict_step(arch, config, network, optimizer_s, num_gpus, kept)
     net = shared_network(network or NetworkTimes(), num_gpus)
     each = "each GPU's " if num_gpus > 1 else ""
     lines = [
@@ -304,8 +353,7 @@ def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, netwo
         + (f" of {size(gpu_free)} free" if gpu_free is not None else "") + ":",
         format_gpu_plan(plan),
         f"boundary activations {'offloaded to host memory (pinned, overlapped): ' + size(parked_bytes(arch, config)) + ' on the GPU node' if offload else 'kept on the device'}",
-        "every layer recomputes its forward in backward; weights are fetched twice per step "
-        f"(the last {config.executor.num_slots - 1} blocks stay resident across the turn)",
+        recompute_line(arch, config, kept, undecided, num_gpus),
     ]
     if num_gpus > 1:
         lines.append(

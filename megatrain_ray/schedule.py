@@ -29,11 +29,18 @@ def model_units(arch: ModelArch) -> list[Unit]:
     return units
 
 
-def step_order(units: list[Unit]) -> list[Unit]:
-    """Units in execution order: forward, the head (its forward and backward at once), backward."""
-    return units + list(reversed(units[:-1]))
+def kept_blocks(units: list[Unit], kept: int) -> list[Unit]:
+    """The last `kept` blocks: they keep their forward's autograd graph for backward."""
+    blocks = [u for u in units if u.kind == BLOCK]
+    return blocks[len(blocks) - min(kept, len(blocks)):]
 
 
-def layer_schedule(arch: ModelArch) -> list[int]:
+def step_order(units: list[Unit], kept: int = 0) -> list[Unit]:
+    """Units that read weights, in execution order: forward, the head (its forward and backward at
+    once), backward, which skips the last `kept` blocks: their graphs hold their weights."""
+    return units + list(reversed(units[:-1]))[min(kept, len(units) - 2):]
+
+
+def layer_schedule(arch: ModelArch, kept: int = 0) -> list[int]:
     """The order in which a step reads layers' weights (what a LayerSource's begin_step is told)."""
-    return [layer for unit in step_order(model_units(arch)) for layer in unit.layers]
+    return [layer for unit in step_order(model_units(arch), kept) for layer in unit.layers]

@@ -130,6 +130,10 @@ class Session:
         """How the workers reach each store ("shm" or "stream"); every worker alike."""
         return self.wait(self.gpus[0].transports.remote(), "reading the transports")
 
+    def kept_graphs(self) -> int:
+        """Blocks that keep their forward graphs for backward (planner.choose_kept); every worker alike."""
+        return self.wait(self.gpus[0].kept_graphs.remote(), "reading the workers' plan")
+
     def take_traffic(self) -> tuple[int, int]:
         """Bytes the workers received from and sent to other nodes' stores since the last call."""
         traffic = self.wait([w.take_traffic.remote() for w in self.gpus], "reading the workers' traffic")

@@ -91,6 +91,7 @@ IMPOSSIBLE = [
     ("executor.loss_chunk_tokens=0", "executor.loss_chunk_tokens must be >= 1"),
     ("executor.mlp_chunk_tokens=-1", "executor.mlp_chunk_tokens must be >= 0"),
     ("executor.num_slots=1", "executor.num_slots must be >= 2"),
+    ("executor.keep_graphs=-1", "executor.keep_graphs must be >= 0"),
     ("data.shuffle_buffer=0", "data.shuffle_buffer must be >= 1"),
     ("data.read_batch_rows=0", "data.read_batch_rows must be >= 1"),
     ("data.synthetic_docs=0", "data.synthetic_docs must be >= 1"),

@@ -25,6 +25,10 @@ def test_shapes_pair_position_by_position_and_broadcast_single_values():
     shapes = shapes_from(parse("--seq-len", "1024", "4096", "--micro-batch", "4", "1", "--grad-accum", "16"))
     assert shapes == [Shape(1024, 4, 16), Shape(4096, 1, 16)]
     assert [s.tokens for s in shapes] == [65536, 65536]
+    kept = shapes_from(parse("--seq-len", "1024", "--grad-accum", "8", "--keep-graphs", "0", "auto"))
+    assert kept == [Shape(1024, 1, 8, 0), Shape(1024, 1, 8, None)]
+    with pytest.raises(SystemExit):
+        parse("--keep-graphs", "some")
 
 
 def test_shapes_of_different_lengths_are_refused():
@@ -36,15 +40,17 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "megatrain_ray.cli", "bench", "--model", "tiny-qwen2", "--device", "cpu",
            "--seq-len", "32", "64", "--micro-batch", "2", "1", "--grad-accum", "2", "3", "--steps", "2",
-           "--warmup", "1", "--optimizer-threads", "1", "--json", str(out)]
+           "--warmup", "1", "--optimizer-threads", "1", "--keep-graphs", "1", "auto", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("init ") == 1, "the host state was built more than once"
     written = json.loads(out.read_text())
     assert "incomplete" not in written, "the JSON written after each shape was not replaced at the end"
     runs = written["runs"]
-    assert [r["shape"] for r in runs] == [{"seq_len": 32, "micro_batch": 2, "grad_accum": 2},
-                                          {"seq_len": 64, "micro_batch": 1, "grad_accum": 3}]
+    assert [r["shape"] for r in runs] == [{"seq_len": 32, "micro_batch": 2, "grad_accum": 2, "keep_graphs": 1},
+                                          {"seq_len": 64, "micro_batch": 1, "grad_accum": 3, "keep_graphs": None}]
+    assert "the last 1 of 2 blocks keep their forward's graph" in proc.stdout, "the first shape's plan"
+    assert proc.stdout.count("every layer recomputes its forward") == 1, "auto keeps none on the CPU"
     for run, tokens in zip(runs, (128, 192)):
         timed = [s for s in run["steps"] if not s["warmup"]]
         assert len(timed) == 2 and all(s["tokens"] == tokens and s["finite"] for s in timed)

@@ -13,11 +13,11 @@ from reference_training import random_micro_batches
 ARCH = PRESETS["tiny-llama"].replace(num_layers=5)
 
 
-def run_traced(grad_accum: int, steps: int = 2, num_slots: int = 2, arch=ARCH):
+def run_traced(grad_accum: int, steps: int = 2, num_slots: int = 2, arch=ARCH, keep_graphs: int = 0):
     config = config_from_dict({
         "model": {"preset": "tiny-llama", "compute_dtype": "float32"},
         "train": {"steps": steps, "grad_accum": grad_accum},
-        "executor": {"device": "cpu", "num_slots": num_slots},
+        "executor": {"device": "cpu", "num_slots": num_slots, "keep_graphs": keep_graphs},
     })
     trace = []
     trainer = LocalTrainer(config, arch, trace=trace)
@@ -79,6 +79,21 @@ def test_weights_cross_to_the_device_at_most_twice_per_step_whatever_the_micro_b
     # the head and the last block stay resident across the turn from forward into backward
     last_block = ARCH.num_layers
     assert per_layer[last_block] == 1 and per_layer[last_block + 1] == 1
+
+
+def test_blocks_that_keep_their_graphs_are_fetched_once_and_every_gradient_still_leaves_once():
+    """Blocks 3-5 of 5 keep their forward graphs: their backward reads no slot, so they cross to the
+    device once a step; blocks 1-2 are fetched again for their recompute (the embedding, alone in
+    its size, keeps its own slot)."""
+    traces, updates = run_traced(grad_accum=3, num_slots=2, keep_graphs=3)
+    layers = range(len(model_layouts(ARCH)))
+    for trace in traces:
+        copies = Counter(layer for op, _, layer, _ in trace if op == "copy")
+        assert [copies[layer] for layer in layers] == [1, 2, 2, 1, 1, 1, 1]
+        computes = [layer for op, _, layer, _ in trace if op == "compute"]
+        assert computes == [0, 1, 2, 3, 4, 5, 6, 2, 1, 0], "kept blocks acquire no slot in backward"
+        assert Counter(layer for op, _, layer, _ in trace if op == "grad") == Counter(layers)
+    assert updates == Counter({(step, layer): 1 for step in (1, 2) for layer in layers})
 
 
 def test_a_layer_computes_before_the_host_waits_for_the_layers_after_it():

@@ -86,11 +86,13 @@ def make_config(preset: str, coef: float | None, **executor):
     })
 
 
-@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-gpt-oss"])
-def test_chunked_experts_with_the_auxiliary_loss_train_like_plain_pytorch(preset):
+@pytest.mark.parametrize("preset,keep", [("tiny-mixtral", 0), ("tiny-qwen3-moe", 0), ("tiny-gpt-oss", 0),
+                                         ("tiny-mixtral", 1)])
+def test_chunked_experts_with_the_auxiliary_loss_train_like_plain_pytorch(preset, keep):
     """Micro-batches of 24 tokens, expert chunks of 7 (each under a checkpoint, the load statistics
-    summed over chunks), the auxiliary loss on, two stores: the same 3 steps as plain autograd."""
-    config = make_config(preset, 0.1, mlp_chunk_tokens=7)
+    summed over chunks), the auxiliary loss on, two stores: the same 3 steps as plain autograd. With
+    `keep`, the last block differentiates its forward's graph, its statistics' included."""
+    config = make_config(preset, 0.1, mlp_chunk_tokens=7, keep_graphs=keep)
     arch = model_arch(config.model)
     assert family(arch).aux_loss_on(arch)
     data = random_micro_batches(arch, 3, 2, batch=2, seq=12, seed=4)

@@ -52,6 +52,25 @@ def test_streaming_matches_plain_pytorch(preset, num_stores):
         assert not torch.equal(a, init[i]), f"layer {i} did not train"
 
 
+@pytest.mark.parametrize("preset,keep", [("tiny-qwen2", 1), ("tiny-qwen2", 99), ("tiny-gemma3", 99)])
+def test_blocks_that_keep_their_forward_graphs_train_like_plain_pytorch(preset, keep):
+    """The last `keep` blocks (99: all of them) differentiate the graph of their forward instead of
+    a recompute; Gemma 3 mixes sliding-window and global layers, so each keeps its own context."""
+    config = make_config(preset, keep_graphs=keep)
+    arch = PRESETS[preset]
+    data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=5)
+    trainer = LocalTrainer(config, arch)
+    assert len(trainer.executor.kept) == min(keep, arch.num_layers)
+    init = [w.clone() for w in trainer.layer_weights()]
+    losses = [trainer.train_step(step).loss for step in data]
+    ours = trainer.layer_weights()
+    trainer.close()
+    ref_losses, ref_weights, _ = train_reference(config, arch, init, data)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for i, (a, b) in enumerate(zip(ours, ref_weights)):
+        assert relative_error(a, b) < 1e-5, f"layer {i}"
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gemma3", "tiny-phi3"])
 def test_chunked_mlp_trains_like_plain_pytorch(preset):
     """Micro-batches of 24 tokens, MLP chunks of 7: the checkpointed chunks change nothing."""

@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one or more: several run one after another on the same host state (a sweep)")
     p.add_argument("--micro-batch", type=int, nargs="+", default=[1], help="one, or one per --seq-len")
     p.add_argument("--grad-accum", type=int, nargs="+", default=[4], help="one, or one per --seq-len")
+    p.add_argument("--keep-graphs", type=keep_graphs_arg, nargs="+", default=[None], metavar="N|auto",
+                   help="blocks that keep their forward graphs (executor.keep_graphs; auto: as many as fit); one, "
+                        "or one per --seq-len")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (0: the first step, compilation included, is timed)")
     p.add_argument("--num-slots", type=int, default=3)
@@ -73,12 +76,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true", help="run the decoder blocks eagerly (executor.compile: false)")
 
 
+def keep_graphs_arg(text: str) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of blocks >= 0 or auto, got {text!r}")
+    return int(text)
+
+
 def shapes_from(args) -> list[Shape]:
     """Pair the lists position by position; a list of one applies to every position."""
-    lists = [args.seq_len, args.micro_batch, args.grad_accum]
+    lists = [args.seq_len, args.micro_batch, args.grad_accum, args.keep_graphs]
     n = max(len(v) for v in lists)
     if any(len(v) not in (1, n) for v in lists):
-        raise ValueError("--seq-len, --micro-batch and --grad-accum take one value each, or the same number of values")
+        raise ValueError("--seq-len, --micro-batch, --grad-accum and --keep-graphs take one value each, or the same "
+                         "number of values")
     shapes = [Shape(*(v[i] if len(v) > 1 else v[0] for v in lists)) for i in range(n)]
     if any(min(s.seq_len, s.micro_batch, s.grad_accum) < 1 for s in shapes):
         raise ValueError("bench needs positive --seq-len, --micro-batch and --grad-accum")
@@ -112,7 +124,8 @@ def bench_config(args, shape: Shape):
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": shape.micro_batch,
                   "grad_accum": shape.grad_accum},
         "executor": {"device": args.device, "num_slots": args.num_slots, "loss_chunk_tokens": args.loss_chunk_tokens,
-                     "offload_activations": args.offload_activations, "compile": not args.no_compile},
+                     "offload_activations": args.offload_activations, "compile": not args.no_compile,
+                     "keep_graphs": shape.keep_graphs},
         "runtime": {"object_store_memory": 2 * 1024**3,
                     "optimizer_threads": args.optimizer_threads[0] if args.optimizer_threads else None,
                     "store_on_gpu_node": not args.ram_nodes, "remote_window": args.remote_window,
@@ -177,8 +190,9 @@ def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
     flops_tok = model_flops_per_token(arch, shape.seq_len)
     gpus = session.placement.num_gpus
     peak = args.peak_tflops * gpus
-    predicted = predict_step(arch, session.config, num_gpus=gpus)
-    print(f"plan:\n{describe(arch, session.config, num_gpus=gpus)}", flush=True)
+    kept = session.kept_graphs()
+    predicted = predict_step(arch, session.config, num_gpus=gpus, kept=kept)
+    print(f"plan:\n{describe(arch, session.config, num_gpus=gpus, kept=kept)}", flush=True)
     rows = []
     session.drain()
     ray.get([s.take_optimizer_seconds.remote() for s in session.stores])

@@ -23,13 +23,15 @@ class Shape:
     seq_len: int
     micro_batch: int
     grad_accum: int
+    keep_graphs: int | None = None  # executor.keep_graphs; None: as many as fit
 
     @property
     def tokens(self) -> int:
         return self.seq_len * self.micro_batch * self.grad_accum
 
     def __str__(self) -> str:
-        return f"seq {self.seq_len}, micro-batch {self.micro_batch} x {self.grad_accum} = {self.tokens} tokens/step"
+        kept = "" if self.keep_graphs is None else f", executor.keep_graphs {self.keep_graphs}"
+        return f"seq {self.seq_len}, micro-batch {self.micro_batch} x {self.grad_accum} = {self.tokens} tokens/step{kept}"
 
 
 def matmul_params(arch: ModelArch) -> int:
