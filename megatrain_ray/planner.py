@@ -214,7 +214,7 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     recompute (2 of the 8). The forward waits for the slowest of its compute, the host optimizer of
     the step before (over all parameters, layer by layer in the same order) and the weights coming
     over the network; the backward for the slowest of its compute, the weights coming again and the
-    gradients leaving. All weights cross PCIe twice, overlapped with everything.
+    gradients leaving. All weights cross PCIe twice (the kept blocks once), overlapped with everything.
     `optimizer_s`: the slowest store machine's AdamW time (default: the whole model on one).
 
     With `num_gpus` GPUs each computes its share of the tokens and reads every layer (PCIe: its own
@@ -230,8 +230,9 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     attention = family(arch).attention_flops_per_token(arch, config.data.seq_len) * flops / 6
     per_token = (flops * active + attention) / LAYER_TFLOPS  # one GPU's seconds per token
     compute = per_token * tokens / num_gpus
-    h2d = 2 * params * d / H2D_BYTES_PER_S
-    host_read = num_gpus * 2 * params * d
+    read = 2 * params - sum(layout.numel for layout in model_layouts(arch)[-1 - min(kept, num_blocks(arch)):-1])
+    h2d = read * d / H2D_BYTES_PER_S  # weights in twice, the kept blocks once
+    host_read = num_gpus * read * d
     host_memory = (host_read + params * d) / HOST_MEMORY_BYTES_PER_S
     reduce = 4 * params / GPU_LINK_BYTES_PER_S if num_gpus > 1 else 0.0
     optimizer = params / HOST_ADAMW_PARAMS_PER_S if optimizer_s is None else optimizer_s

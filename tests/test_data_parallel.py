@@ -102,6 +102,25 @@ def test_two_workers_train_like_one_over_the_same_global_batch(local_ray, preset
     assert counts == {i: STEPS for i in range(len(model_layouts(arch)))}, "each layer updated once per step"
 
 
+def test_two_workers_keeping_forward_graphs_train_like_one_recomputing(local_ray):
+    """executor.keep_graphs reaches the Ray workers: two of them keeping every block's graph read
+    each layer once a step (two slots: a recomputing block is read twice), and train like one
+    worker that recomputes."""
+    arch = PRESETS["tiny-llama"].replace(num_layers=5)
+    data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=2)
+    recomputing, keeping = workers_config("tiny-llama", 1), workers_config("tiny-llama", 2)
+    recomputing = recomputing.replace(executor=dataclasses.replace(recomputing.executor, num_slots=2))
+    keeping = keeping.replace(executor=dataclasses.replace(keeping.executor, num_slots=2, keep_graphs=99))
+    one, _, one_weights, _ = train(recomputing, arch, data)
+    two, _, two_weights, _ = train(keeping, arch, data)
+    layers = len(model_layouts(arch))
+    for a, b in zip(two, one):
+        assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=0)
+        assert b.weight_copies > layers and a.weight_copies == 2 * layers
+    for i, (a, b) in enumerate(zip(two_weights, one_weights)):  # two workers' sums round otherwise
+        assert relative_error(a, b) < 1e-5, f"layer {i}: {relative_error(a, b)}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpus_over_nccl_train_like_one(local_ray):

@@ -8,7 +8,7 @@ import torch
 
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.registry import num_params
+from megatrain_ray.models.registry import model_layouts, num_params
 from megatrain_ray.planner import (KEPT, PlanError, check_gpu_fit, choose_kept, choose_offload, gpu_plan,
                                    kept_graph_bytes, predict_step)
 from megatrain_ray.host import DTYPES
@@ -108,6 +108,9 @@ def test_kept_graphs_take_the_recompute_out_of_the_predicted_compute():
     assert predict_step(ARCH, config(), kept=ARCH.num_layers).compute_s == pytest.approx(recompute * 6 / 8)
     half = predict_step(ARCH, config(), kept=2).compute_s
     assert half == pytest.approx(recompute * 7 / 8)
+    blocks = sum(layout.numel for layout in model_layouts(ARCH)[1:-1])
+    read = predict_step(ARCH, config()).host_read_bytes - predict_step(ARCH, config(), kept=99).host_read_bytes
+    assert read == blocks * 2, "every block crosses once instead of twice (2-byte weights)"
 
 
 def test_prediction_names_what_bounds_the_step():

@@ -52,7 +52,8 @@ def test_streaming_matches_plain_pytorch(preset, num_stores):
         assert not torch.equal(a, init[i]), f"layer {i} did not train"
 
 
-@pytest.mark.parametrize("preset,keep", [("tiny-qwen2", 1), ("tiny-qwen2", 99), ("tiny-gemma3", 99)])
+@pytest.mark.parametrize("preset,keep", [("tiny-qwen2", 1), ("tiny-qwen2", 99), ("tiny-gemma3", 99),
+                                         ("tiny-gpt-oss", 99)])
 def test_blocks_that_keep_their_forward_graphs_train_like_plain_pytorch(preset, keep):
     """The last `keep` blocks (99: all of them) differentiate the graph of their forward instead of
     a recompute; Gemma 3 mixes sliding-window and global layers, so each keeps its own context."""
