@@ -104,3 +104,16 @@ for split in "16 1" "8 2"; do
   python -m megatrain_ray.bench.baseline_process --name fsdp2_offload --model qwen2.5-3b --seq-len 4096 \
      --micro-batch "$1" --grad-accum "$2" --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-fsdp2-$1x$2.json"
 done
+
+# Issue #14, kept forward graphs (executor.keep_graphs; 2026-11-23, results *-kept.* and
+# gpu-tests-kept-graphs-*.log): the GPU tests under the default (auto) keep_graphs, the 7B at
+# 98,304 tokens recomputing every block and then keeping what fits, and at 65,536; the 3B at 65,536
+# tokens recomputing, keeping (1 x 16) and keeping at 4 x 4, then DeepSpeed at its best split
+python -m pytest -q -m gpu -s tests/test_planner.py tests/test_gpu_trainer.py tests/test_moe_parity.py \
+   tests/test_transformers_parity.py tests/test_families_parity.py tests/test_eval.py > "$out/gpu-tests-kept-graphs.log"
+$B --model qwen2.5-7b --seq-len 1024 --micro-batch 8 --grad-accum 12 12 8 --keep-graphs 0 auto auto --steps 3 \
+   --warmup 1 --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-98k-kept.json"
+$B --model qwen2.5-3b --seq-len 4096 --micro-batch 1 1 4 --grad-accum 16 16 4 --keep-graphs 0 auto auto --steps 3 \
+   --warmup 1 --json "$out/qwen2.5-3b-65k-kept.json"
+python -m megatrain_ray.bench.baseline_process --name deepspeed_offload --model qwen2.5-3b --seq-len 4096 \
+   --micro-batch 16 --grad-accum 1 --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-deepspeed-16x1-after-kept.log"
