@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatrain_ray.config import Config
+from megatrain_ray.local import LocalTrainer
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.reference import ReferenceModel
 from megatrain_ray.optim import lr_factor
@@ -80,3 +81,16 @@ def train_reference(config: Config, arch: ModelArch, init: list[torch.Tensor], s
 
     losses = adamw_loop(config, model.decay_groups(), list(model.parameters()), steps_data, loss_sum)
     return losses, model.layer_weights(), model
+
+
+def train_both(config, arch, data, num_stores: int = 1, check=lambda trainer: None):
+    """The streaming trainer's steps from its own initial weights, then plain PyTorch's from the
+    same: (our step results, the initial weights, our final weights, their losses, their weights)."""
+    trainer = LocalTrainer(config, arch, num_stores=num_stores)
+    check(trainer)
+    init = [w.clone() for w in trainer.layer_weights()]
+    results = [trainer.train_step(step) for step in data]
+    ours = trainer.layer_weights()
+    trainer.close()
+    ref_losses, ref_weights, _ = train_reference(config, arch, init, data)
+    return results, init, ours, ref_losses, ref_weights

@@ -122,8 +122,11 @@ def test_every_split_of_the_same_tokens_is_tried_and_the_fastest_kept():
 
     assert splits_for(4 * 16, 16) == [(1, 4), (2, 2), (4, 1)]
     assert splits_for(3 * 16, 16) == [(1, 3)]
-    (plain,) = run_baselines_at_best(["plain"], TINY, 16, splits_for(4 * 16, 16), steps=1, warmup=0, device="cpu")
+    seen = []
+    (plain,) = run_baselines_at_best(["plain"], TINY, 16, splits_for(4 * 16, 16), steps=1, warmup=0, device="cpu",
+                                     on_split=seen.append)
     assert plain.status == "ok", plain.error
+    assert [(r.config["micro_batch"], r.config["grad_accum"]) for r in seen] == [(1, 4), (2, 2), (4, 1)]
     tried = plain.config["tried"]
     assert [(t["micro_batch"], t["grad_accum"]) for t in tried] == [(1, 4), (2, 2), (4, 1)]
     assert plain.tokens_per_s == pytest.approx(max(t["tokens_per_s"] for t in tried), abs=0.1)

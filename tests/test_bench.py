@@ -56,6 +56,8 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
         assert len(timed) == 2 and all(s["tokens"] == tokens and s["finite"] for s in timed)
         assert run["median"]["tokens_per_s"] > 0 and run["median"]["optimizer_gparams_per_s"] > 0
     assert "| megatrain-ray | 1 | 64 | 1 x 3 |" in proc.stdout
+    assert "| megatrain-ray, 1 kept | 1 | 32 | 2 x 2 |" in proc.stdout
+    assert [r["median"]["kept_graphs"] for r in runs] == [1, 0]
     assert all(r["median"]["bound"] in ("compute", "PCIe", "host optimizer") for r in runs)
 
 

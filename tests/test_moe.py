@@ -8,11 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.config import ConfigError, config_from_dict
-from megatrain_ray.local import LocalTrainer
 from megatrain_ray.models import moe
 from megatrain_ray.models.registry import PRESETS, family, model_arch, model_layouts, num_params
 from megatrain_ray.planner import gpu_plan, predict_step
-from reference_training import random_micro_batches, train_reference
+from reference_training import random_micro_batches, train_both
 
 
 # Published sizes (model cards): total parameters, active ones per token, and whether that count
@@ -96,13 +95,8 @@ def test_chunked_experts_with_the_auxiliary_loss_train_like_plain_pytorch(preset
     arch = model_arch(config.model)
     assert family(arch).aux_loss_on(arch)
     data = random_micro_batches(arch, 3, 2, batch=2, seq=12, seed=4)
-    trainer = LocalTrainer(config, arch, num_stores=2)
-    init = [w.clone() for w in trainer.layer_weights()]
-    losses = [trainer.train_step(step).loss for step in data]
-    ours = trainer.layer_weights()
-    trainer.close()
-    ref_losses, ref_weights, _ = train_reference(config, arch, init, data)
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    results, init, ours, ref_losses, ref_weights = train_both(config, arch, data, num_stores=2)
+    assert [r.loss for r in results] == pytest.approx(ref_losses, rel=1e-5)
     for i, (a, b) in enumerate(zip(ours, ref_weights)):
         assert float((a - b).norm() / b.norm()) < 1e-5, f"layer {i}"
         assert not torch.equal(a, init[i]), f"layer {i} did not train"

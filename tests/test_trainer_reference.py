@@ -5,8 +5,7 @@ import torch
 
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import PRESETS
-from megatrain_ray.local import LocalTrainer
-from reference_training import random_micro_batches, train_reference
+from reference_training import random_micro_batches, train_both
 
 STEPS, GRAD_ACCUM = 3, 2
 
@@ -28,6 +27,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-phi3", "tiny-mixtral",
                                     "tiny-qwen3-moe", "tiny-gpt-oss"])
 @pytest.mark.parametrize("num_stores", [1, 2])
@@ -36,13 +36,7 @@ def test_streaming_matches_plain_pytorch(preset, num_stores):
     config = make_config(preset)
     arch = PRESETS[preset]
     data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=1)
-    trainer = LocalTrainer(config, arch, num_stores=num_stores)
-    init = [w.clone() for w in trainer.layer_weights()]
-    results = [trainer.train_step(step) for step in data]
-    ours = trainer.layer_weights()
-    trainer.close()
-
-    ref_losses, ref_weights, _ = train_reference(config, arch, init, data)
+    results, init, ours, ref_losses, ref_weights = train_both(config, arch, data, num_stores)
 
     assert all(r.grad_norm > config.optim.grad_clip for r in results), "clipping must be active"
     for r, ref in zip(results, ref_losses):
@@ -60,14 +54,12 @@ def test_blocks_that_keep_their_forward_graphs_train_like_plain_pytorch(preset, 
     config = make_config(preset, keep_graphs=keep)
     arch = PRESETS[preset]
     data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=5)
-    trainer = LocalTrainer(config, arch)
-    assert len(trainer.executor.kept) == min(keep, arch.num_layers)
-    init = [w.clone() for w in trainer.layer_weights()]
-    losses = [trainer.train_step(step).loss for step in data]
-    ours = trainer.layer_weights()
-    trainer.close()
-    ref_losses, ref_weights, _ = train_reference(config, arch, init, data)
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+    def keeps(trainer):
+        assert len(trainer.executor.kept) == min(keep, arch.num_layers)
+
+    results, _, ours, ref_losses, ref_weights = train_both(config, arch, data, check=keeps)
+    assert [r.loss for r in results] == pytest.approx(ref_losses, rel=1e-5)
     for i, (a, b) in enumerate(zip(ours, ref_weights)):
         assert relative_error(a, b) < 1e-5, f"layer {i}"
 
@@ -78,12 +70,7 @@ def test_chunked_mlp_trains_like_plain_pytorch(preset):
     config = make_config(preset, mlp_chunk_tokens=7)
     arch = PRESETS[preset]
     data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=4)
-    trainer = LocalTrainer(config, arch)
-    init = [w.clone() for w in trainer.layer_weights()]
-    losses = [trainer.train_step(step).loss for step in data]
-    ours = trainer.layer_weights()
-    trainer.close()
-    ref_losses, ref_weights, _ = train_reference(config, arch, init, data)
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    results, _, ours, ref_losses, ref_weights = train_both(config, arch, data)
+    assert [r.loss for r in results] == pytest.approx(ref_losses, rel=1e-5)
     for a, b in zip(ours, ref_weights):
         assert relative_error(a, b) < 1e-5

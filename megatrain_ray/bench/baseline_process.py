@@ -74,12 +74,16 @@ def best_of(results: list[BaselineResult]) -> BaselineResult:
 
 
 def run_baselines_at_best(names: list[str], arch: ModelArch, seq_len: int, splits: list[tuple[int, int]],
-                          steps: int, warmup: int, **kwargs) -> list[BaselineResult]:
+                          steps: int, warmup: int, on_split=lambda result: None, **kwargs) -> list[BaselineResult]:
     """Each baseline at each step split of the same tokens, one fresh process each, keeping its
-    fastest: a baseline is compared at its own best micro-batch split, not at ours."""
+    fastest: a baseline is compared at its own best micro-batch split, not at ours. `on_split` sees
+    each split's result as it comes (the benchmark writes it down before the next one starts)."""
     best = []
     for name in names:
-        results = [run_baselines([name], arch, seq_len, mb, ga, steps, warmup, **kwargs)[0] for mb, ga in splits]
+        results = []
+        for mb, ga in splits:
+            results.append(run_baselines([name], arch, seq_len, mb, ga, steps, warmup, **kwargs)[0])
+            on_split(results[-1])
         best.append(best_of(results))
     return best
 

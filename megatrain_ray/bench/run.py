@@ -224,6 +224,7 @@ def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
     summary["model_tflops"] = summary["tokens_per_s"] * flops_tok / 1e12
     summary["mfu"] = summary["model_tflops"] / peak
     summary["num_gpus"] = gpus
+    summary["kept_graphs"] = kept
     summary["predicted"] = dataclasses.asdict(predicted)
     summary["optimizer_s_per_step"] = optimizer_s / len(rows)
     summary["optimizer_gparams_per_s"] = num_params(arch) / summary["optimizer_s_per_step"] / 1e9
@@ -299,8 +300,16 @@ def main(args) -> int:
         names = args.baseline or ["plain", "fsdp2_offload", "deepspeed_offload"]
         for run in (r for r in runs if "refused" not in r):
             shape = Shape(**run["shape"])
+            done = run["baseline_splits_done"] = []  # on disk after each split: a cut run keeps them
+
+            def record(result, done=done):
+                done.append(dataclasses.asdict(result))
+                _write_json(args.json, _results(args, arch, runs, incomplete="written after each baseline split"))
+
             run["baselines"] = [dataclasses.asdict(b) for b in run_baselines_at_best(
-                names, arch, shape.seq_len, baseline_splits(args.baseline_splits, shape), args.steps, args.warmup)]
+                names, arch, shape.seq_len, baseline_splits(args.baseline_splits, shape), args.steps, args.warmup,
+                on_split=record)]
+            del run["baseline_splits_done"]  # each baseline's `config.tried` holds them now
     results = _results(args, arch, runs)
     print_table(results)
     _write_json(args.json, results)
@@ -331,7 +340,8 @@ def print_table(results: dict) -> None:
         m = run["median"]
         ours = m["tokens_per_s"]
         p = m["predicted"]
-        print(f"| megatrain-ray | {m['num_gpus']} | {shape.seq_len} | {shape.micro_batch} x {shape.grad_accum} | {ours:.0f} | "
+        kept = f", {m['kept_graphs']} kept" if m.get("kept_graphs") else ""
+        print(f"| megatrain-ray{kept} | {m['num_gpus']} | {shape.seq_len} | {shape.micro_batch} x {shape.grad_accum} | {ours:.0f} | "
               f"{m['model_tflops']:.0f} | {m['mfu']:.1%} | {m['seconds']:.2f} | {m['compute_s']:.2f} | {m['h2d_s']:.2f} | "
               f"{m['optimizer_s_per_step']:.2f} | {m['bound']} | {m['h2d_gbps']:.1f} | {m['peak_gpu_gib']:.1f} | "
               f"{p['tokens'] / p['step_s']:.0f}, {p['bound']} | 1.00 |")
