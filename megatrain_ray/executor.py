@@ -5,10 +5,11 @@ forward keeps only each layer's input (activation_stash.py), backward recomputes
 a local autograd graph, accumulates its weight gradient on the device across micro-batches and
 sends it to the host once (gradient_sink.py). The last `keep_graphs` blocks, where the GPU has the
 memory for them (planner.py), run their forward under autograd and keep its graph, with a copy of
-their weights: their backward neither recomputes nor reads their weights again. The prefetcher (prefetcher.py) keeps the next
-layers copying into free slots; three streams (streams.py) are ordered by events. On the CPU the
-streams are no-ops and copies are plain memcpys: the same scheduler, testable without a GPU.
-The model's arithmetic comes from its family (models/family.py) and nothing else.
+their weights: their backward neither recomputes nor reads their weights again. The prefetcher
+(prefetcher.py) keeps the next layers copying into free slots; three streams (streams.py) are
+ordered by events. On the CPU the streams are no-ops and copies are plain memcpys: the same
+scheduler, testable without a GPU. The model's arithmetic comes from its family
+(models/family.py) and nothing else.
 
 With several data-parallel workers (data_parallel.py) each runs this same step on its share of the
 micro-batches; the loss is scaled by the step's global target count, each gradient is summed across

@@ -41,6 +41,6 @@ def step_order(units: list[Unit], kept: int = 0) -> list[Unit]:
     return units + list(reversed(units[:-1]))[min(kept, len(units) - 2):]
 
 
-def layer_schedule(arch: ModelArch, kept: int = 0) -> list[int]:
-    """The order in which a step reads layers' weights (what a LayerSource's begin_step is told)."""
-    return [layer for unit in step_order(model_units(arch), kept) for layer in unit.layers]
+def layer_schedule(arch: ModelArch) -> list[int]:
+    """The order in which a step with no kept graphs reads layers' weights (the traffic model's)."""
+    return [layer for unit in step_order(model_units(arch)) for layer in unit.layers]
