@@ -5,7 +5,8 @@ forward keeps only each layer's input (activation_stash.py), backward recomputes
 a local autograd graph, accumulates its weight gradient on the device across micro-batches and
 sends it to the host once (gradient_sink.py). The last `keep_graphs` blocks, where the GPU has the
 memory for them (planner.py), run their forward under autograd and keep its graph, with a copy of
-their weights: their backward neither recomputes nor reads their weights again. The prefetcher
+their weights: their backward neither recomputes (but for MLP chunks, which stay checkpointed) nor
+reads their weights again. The prefetcher
 (prefetcher.py) keeps the next layers copying into free slots; three streams (streams.py) are
 ordered by events. On the CPU the streams are no-ops and copies are plain memcpys: the same
 scheduler, testable without a GPU. The model's arithmetic comes from its family
@@ -291,10 +292,10 @@ class StreamingExecutor:
                 aux.count(mb, stats)
         return y
 
-    def _bind_leaves(self, slot: Slot, layer: int) -> dict[str, torch.Tensor]:
+    def _bind_leaves(self, buffer: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         """Each parameter a separate autograd leaf viewing the slot: gradients come back per
         parameter, with no full-layer zero-fill per view that a single flat leaf would cost."""
-        return {name: _leaf(view) for name, view in self._views(slot.buffer, layer).items()}
+        return {name: _leaf(view) for name, view in self._views(buffer, layer).items()}
 
     def _block(self, w: dict, x: torch.Tensor, ctx):
         """Compiled when the micro-batch is short enough to need no MLP chunking. With an
@@ -308,7 +309,7 @@ class StreamingExecutor:
 
     def _head_backward(self, unit: Unit, slots: list[Slot], xs, mbs, scale: float):
         """Forward and backward of final norm + LM head together: no recompute for the last layer."""
-        bound = [self._bind_leaves(slot, layer) for slot, layer in zip(slots, unit.layers)]
+        bound = [self._bind_leaves(slot.buffer, layer) for slot, layer in zip(slots, unit.layers)]
         head_w, embed_w = bound[0], (bound[1] if len(bound) > 1 else None)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # already the mean
         dxs = []
@@ -328,7 +329,7 @@ class StreamingExecutor:
         dxs = []
         layer = unit.layers[0]
         for mb, (x, dy, ctx) in enumerate(zip(inputs, dys, ctxs)):
-            w = self._bind_leaves(slot, layer)
+            w = self._bind_leaves(slot.buffer, layer)
             if unit.kind == EMBED:
                 y = self.family.embed(self.arch, w, x)
                 grads = torch.autograd.grad(y, list(w.values()), dy)
@@ -345,13 +346,14 @@ class StreamingExecutor:
         weights = slot.buffer.clone()
         graphs = []
         for mb, (x, ctx) in enumerate(zip(xs, ctxs)):
-            w = {name: _leaf(view) for name, view in self._views(weights, layer).items()}
-            graphs.append(self._graph(layer, w, x, ctx, aux))
+            graphs.append(self._graph(layer, self._bind_leaves(weights, layer), x, ctx, aux))
             if aux is not None:
                 aux.count(mb, None if graphs[-1].stats is None else graphs[-1].stats.detach())
         return graphs
 
     def _graph(self, layer: int, w: dict, x: torch.Tensor, ctx, aux: "AuxLoss | None") -> BlockGraph:
+        """A block's forward under autograd from its input as a fresh leaf (a step's, with `aux`:
+        its statistics join the graph)."""
         x = _leaf(x)
         y = self._block(w, x, self.family.layer_context(self.arch, ctx, layer))
         stats = None

@@ -1,8 +1,8 @@
 """What a run needs, where it lives, and whether it fits: before anything is allocated.
 
 GPU memory by use (weight slots, gradient buffers, boundary activations, one layer's working set,
-the loss chunk, the forward graphs the last blocks keep where memory is left over), per device when several GPUs share a step, host memory per node (from the
-placement), and a step-time prediction from the measured rates of the GPU machine: what bounds
+the loss chunk, the forward graphs the last blocks keep where memory is left over), per device
+when several GPUs share a step, host memory per node (from the placement), and a step-time prediction from the measured rates of the GPU machine: what bounds
 the step (compute, PCIe, host memory bandwidth, the host optimizer) and how many tokens a step
 keeps N GPUs busy. `megatrain-ray plan` prints it; each GPU worker checks it before it allocates
 its slots and refuses, with what to change, a run that will not fit.
@@ -196,6 +196,7 @@ class StepPrediction:
     host_memory_s: float = 0.0  # the copies' host-memory traffic: those reads and the gradients back (once)
     reduce_s: float = 0.0  # gradients summed across the GPUs, overlapping backward
     busy_tokens: int = 0  # tokens per step (all GPUs) from which no GPU waits for the host, the network or the links
+    forward_s: float = 0.0  # each GPU's forward share of compute_s
 
 
 def shared_network(net: NetworkTimes, num_gpus: int) -> NetworkTimes:
@@ -211,7 +212,9 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     """Step time from the measured rates, in two phases. Compute with recompute is 8 FLOP per
     parameter a token uses, per token (a mixture of experts counts its routed experts only), a
     quarter of it forward; the `kept` blocks that keep their graphs skip their share of the
-    recompute (2 of the 8). The forward waits for the slowest of its compute, the host optimizer of
+    recompute (2 of the 8), unless the MLP runs in checkpointed chunks (they still recompute
+    those: counted as recomputing whole), and the weights of those beyond the blocks resident
+    across the turn cross PCIe once. The forward waits for the slowest of its compute, the host optimizer of
     the step before (over all parameters, layer by layer in the same order) and the weights coming
     over the network; the backward for the slowest of its compute, the weights coming again and the
     gradients leaving. All weights cross PCIe twice (the kept blocks once), overlapped with everything.
@@ -226,18 +229,21 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     params = num_params(arch)
     active = params - inactive_params(family(arch), arch)
     d = dtype_bytes(config)
-    flops = 8 - 2 * min(kept, num_blocks(arch)) / num_blocks(arch)  # per parameter per token
+    mb_tokens = t.micro_batch_size * config.data.seq_len
+    chunked = mlp_chunk_tokens(arch, mb_tokens, config) < mb_tokens
+    flops = 8 - (0 if chunked else 2 * min(kept, num_blocks(arch)) / num_blocks(arch))  # per parameter and token
     attention = family(arch).attention_flops_per_token(arch, config.data.seq_len) * flops / 6
     per_token = (flops * active + attention) / LAYER_TFLOPS  # one GPU's seconds per token
     compute = per_token * tokens / num_gpus
-    read = 2 * params - sum(layout.numel for layout in model_layouts(arch)[-1 - min(kept, num_blocks(arch)):-1])
-    h2d = read * d / H2D_BYTES_PER_S  # weights in twice, the kept blocks once
+    read = 2 * params - kept_reads_saved(arch, config, kept)
+    h2d = read * d / H2D_BYTES_PER_S  # weights in twice, some kept blocks once
     host_read = num_gpus * read * d
     host_memory = (host_read + params * d) / HOST_MEMORY_BYTES_PER_S
     reduce = 4 * params / GPU_LINK_BYTES_PER_S if num_gpus > 1 else 0.0
     optimizer = params / HOST_ADAMW_PARAMS_PER_S if optimizer_s is None else optimizer_s
     net = shared_network(network or NetworkTimes(), num_gpus)
-    fwd_compute, bwd_compute = compute / 4, 3 * compute / 4
+    fwd_compute = compute * 2 / flops
+    bwd_compute = compute - fwd_compute
     forward = max(fwd_compute, optimizer, net.forward_in_s)
     backward = max(bwd_compute, net.backward_in_s, net.out_s)
     exposed = max(0.0, optimizer - max(fwd_compute, net.forward_in_s))
@@ -254,10 +260,18 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     else:
         overlapped = {"compute": compute, "PCIe": h2d, "host memory": host_memory}
         bound = max(overlapped, key=overlapped.get)
-    busy_per_gpu = max(4 * max(optimizer, net.forward_in_s), 4 / 3 * max(net.backward_in_s, net.out_s, reduce),
-                       copies) / per_token
+    busy_per_gpu = max(flops / 2 * max(optimizer, net.forward_in_s),
+                       flops / (flops - 2) * max(net.backward_in_s, net.out_s, reduce), copies) / per_token
     return StepPrediction(compute, h2d, optimizer, exposed, step, bound, network_exposed, num_gpus, tokens,
-                          host_read, host_memory, reduce, math.ceil(num_gpus * busy_per_gpu))
+                          host_read, host_memory, reduce, math.ceil(num_gpus * busy_per_gpu), fwd_compute)
+
+
+def kept_reads_saved(arch: ModelArch, config: Config, kept: int) -> int:
+    """Parameters whose second fetch the kept blocks spare: those of the kept blocks beyond the last
+    `num_slots - 1`, which stay resident across the turn into backward anyway."""
+    blocks = [layout.numel for layout in model_layouts(arch)[1:-1]]
+    k = min(kept, len(blocks))
+    return sum(blocks[len(blocks) - k : len(blocks) - min(k, config.executor.num_slots - 1)])
 
 
 def host_parking(arch: ModelArch, config: Config, gpu_free: int | None, num_gpus: int = 1) -> int:
@@ -273,7 +287,8 @@ def choose_offload(arch: ModelArch, config: Config, free_bytes: int, num_gpus: i
     mode = config.executor.offload_activations
     if mode != "auto":
         return mode == "on"
-    return gpu_plan(arch, config, num_gpus=num_gpus).total > AUTO_OFFLOAD_MARGIN * free_bytes
+    wanted = min(config.executor.keep_graphs or 0, num_blocks(arch))  # an auto count fills what is left later
+    return gpu_plan(arch, config, num_gpus=num_gpus, kept=wanted).total > AUTO_OFFLOAD_MARGIN * free_bytes
 
 
 def choose_kept(arch: ModelArch, config: Config, free_bytes: int | None, num_gpus: int = 1) -> int:
@@ -371,9 +386,9 @@ def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, netwo
         )
     if network is not None and (net.forward_in_s or net.out_s):
         lines.append(
-            f"network: weights in {net.forward_in_s:.2f} s before the forward (beside {p.compute_s / 4:.2f} s of "
+            f"network: weights in {net.forward_in_s:.2f} s before the forward (beside {p.forward_s:.2f} s of "
             f"forward compute and the host optimizer) + {net.backward_in_s:.2f} s before the backward, gradients out "
-            f"{net.out_s:.2f} s (beside {3 * p.compute_s / 4:.2f} s of backward compute), {net.boundary_s:.2f} s for "
+            f"{net.out_s:.2f} s (beside {p.compute_s - p.forward_s:.2f} s of backward compute), {net.boundary_s:.2f} s for "
             f"the first layer between steps; {p.network_exposed_s:.2f} s not hidden"
         )
     lines.append(

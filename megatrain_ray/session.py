@@ -131,7 +131,8 @@ class Session:
         return self.wait(self.gpus[0].transports.remote(), "reading the transports")
 
     def kept_graphs(self) -> int:
-        """Blocks that keep their forward graphs for backward (planner.choose_kept); every worker alike."""
+        """Blocks that keep their forward graphs for backward (planner.choose_kept): rank 0's, which
+        workers on GPUs alike in model and free memory share."""
         return self.wait(self.gpus[0].kept_graphs.remote(), "reading the workers' plan")
 
     def take_traffic(self) -> tuple[int, int]:

@@ -61,6 +61,24 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
     assert all(r["median"]["bound"] in ("compute", "PCIe", "host optimizer") for r in runs)
 
 
+def test_baselines_run_once_per_split_and_serve_shapes_that_differ_only_in_kept_graphs(tmp_path):
+    """--keep-graphs 0 1 on one step shape: the plain baseline runs at each of its two splits once,
+    and both of our rows are compared with the same best."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "megatrain_ray.cli", "bench", "--model", "tiny-qwen2", "--device", "cpu",
+           "--seq-len", "32", "--micro-batch", "1", "--grad-accum", "2", "--keep-graphs", "0", "1", "--steps", "1",
+           "--warmup", "0", "--optimizer-threads", "1", "--baseline", "plain", "--baseline-splits", "1x2,2x1",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.count("baseline plain: starting a fresh process") == 2
+    runs = json.loads(out.read_text())["runs"]
+    assert runs[0]["baselines"] == runs[1]["baselines"] and runs[0]["baselines"][0]["status"] == "ok"
+    tried = runs[0]["baselines"][0]["config"]["tried"]
+    assert [(t["micro_batch"], t["grad_accum"]) for t in tried] == [(1, 2), (2, 1)]
+    assert all("baseline_splits_done" not in r for r in runs)
+
+
 @pytest.mark.parametrize("model, layers", [("tiny-gemma3", ["1", "2"]), ("tiny-phi3", ["2"])])
 def test_parts_times_each_named_layer_of_a_family(model, layers):
     """--parts runs the family's block with the layer's own context (Gemma 3: a sliding-window

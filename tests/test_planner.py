@@ -81,13 +81,14 @@ def test_activations_grow_with_micro_batches_and_mlp_chunks_bound_the_working_se
 def test_auto_keeps_as_many_forward_graphs_as_the_memory_left_over_holds():
     """The plan without kept graphs takes a share of the margin; each kept block adds its graphs and
     weights; auto keeps the most that stay under the margin, none without a GPU, at most every block."""
-    base = gpu_plan(ARCH, config()).total
-    each = kept_graph_bytes(ARCH, config())
-    assert each > 0 and gpu_plan(ARCH, config(), kept=3).by_use[KEPT] == 3 * each
+    on_device = config(offload_activations="off")
+    base = gpu_plan(ARCH, on_device).total
+    each = kept_graph_bytes(ARCH, on_device)
+    assert each > 0 and gpu_plan(ARCH, on_device, kept=3).by_use[KEPT] == 3 * each
     free = int((base + 2.5 * each) / 0.85)  # room for two and a half
-    assert choose_kept(ARCH, config(), free) == 2
-    assert choose_kept(ARCH, config(), int(base / 0.85)) == 0
-    assert choose_kept(ARCH, config(), 100 * free) == ARCH.num_layers
+    assert choose_kept(ARCH, on_device, free) == 2
+    assert choose_kept(ARCH, on_device, int(base / 0.85) + 1) == 0
+    assert choose_kept(ARCH, on_device, 100 * free) == ARCH.num_layers
     assert choose_kept(ARCH, config(), None) == 0
     assert choose_kept(ARCH, config(keep_graphs=1), 100 * free) == 1
     assert choose_kept(ARCH, config(keep_graphs=99), None) == ARCH.num_layers
@@ -102,15 +103,35 @@ def test_kept_graphs_that_do_not_fit_are_refused_and_named():
     assert check_gpu_fit(ARCH, cfg, need, "a test GPU").total == need
 
 
+def test_auto_offload_makes_room_for_the_graphs_asked_for():
+    """With executor.keep_graphs set, offloading is decided on the plan that holds them: a GPU
+    where they fit only beside parked activations parks them instead of refusing the step."""
+    cfg = config(keep_graphs=3)
+    parked = gpu_plan(ARCH, cfg, offload=True, kept=3).total
+    assert choose_offload(ARCH, cfg, parked) and not choose_offload(ARCH, config(), parked)
+    assert check_gpu_fit(ARCH, cfg, parked, "a test GPU").total == parked
+
+
 def test_kept_graphs_take_the_recompute_out_of_the_predicted_compute():
-    """Every block keeping its graph: 6 FLOP per parameter and token instead of 8, attention too."""
-    recompute = predict_step(ARCH, config()).compute_s
-    assert predict_step(ARCH, config(), kept=ARCH.num_layers).compute_s == pytest.approx(recompute * 6 / 8)
-    half = predict_step(ARCH, config(), kept=2).compute_s
-    assert half == pytest.approx(recompute * 7 / 8)
-    blocks = sum(layout.numel for layout in model_layouts(ARCH)[1:-1])
-    read = predict_step(ARCH, config()).host_read_bytes - predict_step(ARCH, config(), kept=99).host_read_bytes
-    assert read == blocks * 2, "every block crosses once instead of twice (2-byte weights)"
+    """Every block keeping its graph: 6 FLOP per parameter and token instead of 8, attention too,
+    and the forward a third of it; none saved where the MLP runs in checkpointed chunks."""
+    recompute = predict_step(ARCH, config())
+    kept_all = predict_step(ARCH, config(), kept=ARCH.num_layers)
+    assert kept_all.compute_s == pytest.approx(recompute.compute_s * 6 / 8)
+    assert recompute.forward_s == pytest.approx(recompute.compute_s / 4)
+    assert kept_all.forward_s == pytest.approx(recompute.forward_s)
+    assert predict_step(ARCH, config(), kept=2).compute_s == pytest.approx(recompute.compute_s * 7 / 8)
+    chunked = config(mlp_chunk_tokens=256)
+    assert predict_step(ARCH, chunked, kept=4).compute_s == pytest.approx(predict_step(ARCH, chunked).compute_s)
+
+
+def test_kept_blocks_beyond_those_resident_across_the_turn_cross_once():
+    """3 slots: the last two blocks are not fetched again anyway; keeping all four spares the
+    first two their second crossing (2-byte weights)."""
+    blocks = [layout.numel for layout in model_layouts(ARCH)[1:-1]]
+    read = lambda kept: predict_step(ARCH, config(), kept=kept).host_read_bytes  # noqa: E731
+    assert read(2) == read(0)
+    assert read(0) - read(99) == 2 * (blocks[0] + blocks[1])
 
 
 def test_prediction_names_what_bounds_the_step():

@@ -27,7 +27,6 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-phi3", "tiny-mixtral",
                                     "tiny-qwen3-moe", "tiny-gpt-oss"])
 @pytest.mark.parametrize("num_stores", [1, 2])

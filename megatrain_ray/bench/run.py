@@ -298,18 +298,22 @@ def main(args) -> int:
         from megatrain_ray.bench.baseline_process import run_baselines_at_best
 
         names = args.baseline or ["plain", "fsdp2_offload", "deepspeed_offload"]
+        measured: dict[tuple, list[dict]] = {}  # shapes that differ only in --keep-graphs share them
         for run in (r for r in runs if "refused" not in r):
             shape = Shape(**run["shape"])
-            done = run["baseline_splits_done"] = []  # on disk after each split: a cut run keeps them
+            key = (shape.seq_len, shape.micro_batch, shape.grad_accum)
+            if key not in measured:
+                done = run["baseline_splits_done"] = []  # on disk after each split: a cut run keeps them
 
-            def record(result, done=done):
-                done.append(dataclasses.asdict(result))
-                _write_json(args.json, _results(args, arch, runs, incomplete="written after each baseline split"))
+                def record(result, done=done):
+                    done.append(dataclasses.asdict(result))
+                    _write_json(args.json, _results(args, arch, runs, incomplete="written after each baseline split"))
 
-            run["baselines"] = [dataclasses.asdict(b) for b in run_baselines_at_best(
-                names, arch, shape.seq_len, baseline_splits(args.baseline_splits, shape), args.steps, args.warmup,
-                on_split=record)]
-            del run["baseline_splits_done"]  # each baseline's `config.tried` holds them now
+                measured[key] = [dataclasses.asdict(b) for b in run_baselines_at_best(
+                    names, arch, shape.seq_len, baseline_splits(args.baseline_splits, shape), args.steps,
+                    args.warmup, on_split=record)]
+                del run["baseline_splits_done"]  # each baseline's `config.tried` holds them now
+            run["baselines"] = measured[key]
     results = _results(args, arch, runs)
     print_table(results)
     _write_json(args.json, results)
