@@ -345,8 +345,8 @@ def recompute_line(arch: ModelArch, config: Config, kept: int, undecided: bool, 
         return ("every layer recomputes its forward in backward; weights are fetched twice per step (the last "
                 f"{config.executor.num_slots - 1} blocks stay resident across the turn){auto}")
     graphs = kept * kept_graph_bytes(arch, config, num_gpus)
-    return (f"the last {kept} of {num_blocks(arch)} blocks keep their forward's graph ({size(graphs)}): their backward "
-            "neither recomputes nor fetches them again; every other layer recomputes its forward in backward")
+    return (f"kept forward graphs: the last {kept} of {num_blocks(arch)} blocks ({size(graphs)}), whose backward skips "
+            "the recompute; every other layer recomputes its forward in backward")
 
 
 def size(b: float) -> str:

@@ -49,7 +49,7 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
     runs = written["runs"]
     assert [r["shape"] for r in runs] == [{"seq_len": 32, "micro_batch": 2, "grad_accum": 2, "keep_graphs": 1},
                                           {"seq_len": 64, "micro_batch": 1, "grad_accum": 3, "keep_graphs": None}]
-    assert "the last 1 of 2 blocks keep their forward's graph" in proc.stdout, "the first shape's plan"
+    assert "kept forward graphs: the last 1 of 2 blocks" in proc.stdout, "the first shape's plan"
     assert proc.stdout.count("every layer recomputes its forward") == 1, "auto keeps none on the CPU"
     for run, tokens in zip(runs, (128, 192)):
         timed = [s for s in run["steps"] if not s["warmup"]]
