@@ -6,6 +6,8 @@ reach stores in other processes. Nothing else in the library imports this file.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatrain_ray.config import Config
@@ -34,11 +36,12 @@ class LocalTrainer:
         self.schedule = UpdateSchedule(config.optim, config.train.steps)
         ex = config.executor
         device = pick_device(ex.device)
+        offload = ex.offload_activations == "on"  # in one process, auto parks nothing
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        as_run = config.replace(executor=dataclasses.replace(ex, offload_activations="on" if offload else "off"))
         self.executor = StreamingExecutor(
             arch, self.source, device, dtype, ex.num_slots, ex.loss_chunk_tokens, trace, ex.compile,
-            ex.mlp_chunk_tokens, offload_activations=ex.offload_activations == "on",
-            keep_graphs=choose_kept(arch, config, free),
+            ex.mlp_chunk_tokens, offload_activations=offload, keep_graphs=choose_kept(arch, as_run, free),
         )
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
