@@ -6,9 +6,8 @@ a local autograd graph, accumulates its weight gradient on the device across mic
 sends it to the host once (gradient_sink.py). The last `keep_graphs` blocks, where the GPU has the
 memory for them (planner.py), run their forward under autograd and keep its graph, with a copy of
 their weights: their backward neither recomputes (but for MLP chunks, which stay checkpointed) nor
-reads their weights again. The prefetcher
-(prefetcher.py) keeps the next layers copying into free slots; three streams (streams.py) are
-ordered by events. On the CPU the streams are no-ops and copies are plain memcpys: the same
+reads their weights again. The prefetcher (prefetcher.py) keeps the next layers copying into free
+slots; three streams (streams.py) are ordered by events. On the CPU the streams are no-ops and copies are plain memcpys: the same
 scheduler, testable without a GPU. The model's arithmetic comes from its family
 (models/family.py) and nothing else.
 

@@ -2,9 +2,9 @@
 
 GPU memory by use (weight slots, gradient buffers, boundary activations, one layer's working set,
 the loss chunk, the forward graphs the last blocks keep where memory is left over), per device
-when several GPUs share a step, host memory per node (from the placement), and a step-time prediction from the measured rates of the GPU machine: what bounds
-the step (compute, PCIe, host memory bandwidth, the host optimizer) and how many tokens a step
-keeps N GPUs busy. `megatrain-ray plan` prints it; each GPU worker checks it before it allocates
+when several GPUs share a step, host memory per node (from the placement), and a step-time
+prediction from the measured rates of the GPU machine: what bounds the step (compute, PCIe, host
+memory bandwidth, the host optimizer) and how many tokens a step keeps N GPUs busy. `megatrain-ray plan` prints it; each GPU worker checks it before it allocates
 its slots and refuses, with what to change, a run that will not fit.
 """
 
@@ -130,11 +130,16 @@ def kept_graph_bytes(arch: ModelArch, config: Config, num_gpus: int = 1) -> int:
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
     working_set = family(arch).working_set_bytes(arch, mb_tokens, mlp_tokens, d)
     graph = math.ceil(KEPT_GRAPH_PER_WORKING_SET * working_set) * micro_batches_per_gpu(config, num_gpus)
-    return graph + max(layout.numel for layout in model_layouts(arch)[1:-1]) * d
+    return graph + max(block_numels(arch)) * d
+
+
+def block_numels(arch: ModelArch) -> list[int]:
+    """Each decoder block's parameters, in order (the layouts between the embedding and the head)."""
+    return [layout.numel for layout in model_layouts(arch)[1:-1]]
 
 
 def num_blocks(arch: ModelArch) -> int:
-    return len(model_layouts(arch)) - 2
+    return len(block_numels(arch))
 
 
 def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: int = 1, kept: int = 0) -> GpuPlan:
@@ -214,9 +219,9 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     quarter of it forward; the `kept` blocks that keep their graphs skip their share of the
     recompute (2 of the 8), unless the MLP runs in checkpointed chunks (they still recompute
     those: counted as recomputing whole), and the weights of those beyond the blocks resident
-    across the turn cross PCIe once. The forward waits for the slowest of its compute, the host optimizer of
-    the step before (over all parameters, layer by layer in the same order) and the weights coming
-    over the network; the backward for the slowest of its compute, the weights coming again and the
+    across the turn cross PCIe once. The forward waits for the slowest of its compute, the host
+    optimizer of the step before (over all parameters, layer by layer in the same order) and the
+    weights coming over the network; the backward for the slowest of its compute, the weights coming again and the
     gradients leaving. All weights cross PCIe twice (the kept blocks once), overlapped with everything.
     `optimizer_s`: the slowest store machine's AdamW time (default: the whole model on one).
 
@@ -269,7 +274,7 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
 def kept_reads_saved(arch: ModelArch, config: Config, kept: int) -> int:
     """Parameters whose second fetch the kept blocks spare: those of the kept blocks beyond the last
     `num_slots - 1`, which stay resident across the turn into backward anyway."""
-    blocks = [layout.numel for layout in model_layouts(arch)[1:-1]]
+    blocks = block_numels(arch)
     k = min(kept, len(blocks))
     return sum(blocks[len(blocks) - k : len(blocks) - min(k, config.executor.num_slots - 1)])
 

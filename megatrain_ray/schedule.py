@@ -37,8 +37,9 @@ def kept_blocks(units: list[Unit], kept: int) -> list[Unit]:
 
 def step_order(units: list[Unit], kept: int = 0) -> list[Unit]:
     """Units that read weights, in execution order: forward, the head (its forward and backward at
-    once), backward, which skips the last `kept` blocks: their graphs hold their weights."""
-    return units + list(reversed(units[:-1]))[min(kept, len(units) - 2):]
+    once), backward, which skips the kept blocks: their graphs hold their weights."""
+    skipped = kept_blocks(units, kept)
+    return units + [u for u in reversed(units[:-1]) if u not in skipped]
 
 
 def layer_schedule(arch: ModelArch) -> list[int]:
