@@ -307,20 +307,28 @@ class StreamingExecutor:
         return self.family.block(self.arch, w, x, ctx, **kw)
 
     def _head_backward(self, unit: Unit, slots: list[Slot], xs, mbs, scale: float):
-        """Forward and backward of final norm + LM head together: no recompute for the last layer."""
+        """Forward and backward of final norm + LM head, one chunk of tokens at a time: each chunk
+        is differentiated as soon as its loss exists, so its logits are made once (a checkpointed
+        loss would make them again in backward) and live for that chunk only."""
         bound = [self._bind_leaves(slot.buffer, layer) for slot, layer in zip(slots, unit.layers)]
         head_w, embed_w = bound[0], (bound[1] if len(bound) > 1 else None)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # already the mean
         dxs = []
         for x, mb in zip(xs, mbs):
-            x = _leaf(x)
-            loss = self.family.head_loss(self.arch, head_w, embed_w, x, mb["labels"], self.loss_chunk_tokens, scale)
-            dx, *grads = torch.autograd.grad(loss, [x] + [t for w in bound for t in w.values()])
-            loss_sum += loss.detach()
-            dxs.append(dx)
-            per_param = iter(grads)
-            for layer, w in zip(unit.layers, bound):
-                self.grads.add(layer, {name: next(per_param) for name in w})
+            flat_x, flat_labels = x.reshape(-1, x.shape[-1]), mb["labels"].reshape(-1)
+            dx = torch.empty_like(flat_x)
+            for start in range(0, flat_x.shape[0], self.loss_chunk_tokens):
+                chunk = slice(start, start + self.loss_chunk_tokens)
+                x_chunk = _leaf(flat_x[chunk])
+                loss = self.family.head_loss(self.arch, head_w, embed_w, x_chunk, flat_labels[chunk],
+                                             self.loss_chunk_tokens, scale)
+                dx_chunk, *grads = torch.autograd.grad(loss, [x_chunk] + [t for w in bound for t in w.values()])
+                dx[chunk] = dx_chunk
+                loss_sum += loss.detach()
+                per_param = iter(grads)
+                for layer, w in zip(unit.layers, bound):
+                    self.grads.add(layer, {name: next(per_param) for name in w})
+            dxs.append(dx.view(x.shape))
         return loss_sum, dxs
 
     def _block_backward(self, unit: Unit, slot: Slot, inputs, dys, ctxs, aux: "AuxLoss | None"):

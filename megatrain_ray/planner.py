@@ -215,9 +215,9 @@ def shared_network(net: NetworkTimes, num_gpus: int) -> NetworkTimes:
 def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None = None,
                  optimizer_s: float | None = None, num_gpus: int = 1, kept: int = 0) -> StepPrediction:
     """Step time from the measured rates, in two phases. Compute with recompute is 8 FLOP per
-    parameter a token uses, per token (a mixture of experts counts its routed experts only), a
-    quarter of it forward; the `kept` blocks that keep their graphs skip their share of the
-    recompute (2 of the 8), unless the MLP runs in checkpointed chunks (they still recompute
+    parameter a token uses, per token (a mixture of experts counts its routed experts only), 2 of
+    them forward; the LM head 6 (executor.py differentiates it chunk by chunk: no recompute). The
+    `kept` blocks that keep their graphs skip their share of the recompute (2 of the 8), unless the MLP runs in checkpointed chunks (they still recompute
     those: counted as recomputing whole), and the weights of those beyond the blocks resident
     across the turn cross PCIe once. The forward waits for the slowest of its compute, the host
     optimizer of the step before (over all parameters, layer by layer in the same order) and the
@@ -232,13 +232,16 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     t = config.train
     tokens = t.micro_batch_size * t.grad_accum * config.data.seq_len
     params = num_params(arch)
-    active = params - inactive_params(family(arch), arch)
+    active = family(arch).matmul_params(arch)  # not an untied embedding's lookup, nor idle experts
     d = dtype_bytes(config)
     mb_tokens = t.micro_batch_size * config.data.seq_len
     chunked = mlp_chunk_tokens(arch, mb_tokens, config) < mb_tokens
-    flops = 8 - (0 if chunked else 2 * min(kept, num_blocks(arch)) / num_blocks(arch))  # per parameter and token
-    attention = family(arch).attention_flops_per_token(arch, config.data.seq_len) * flops / 6
-    per_token = (flops * active + attention) / LAYER_TFLOPS  # one GPU's seconds per token
+    flops = 8 - (0 if chunked else 2 * min(kept, num_blocks(arch)) / num_blocks(arch))  # per block parameter and token
+    head = arch.vocab_size * arch.hidden_size  # differentiated as it goes: never recomputed
+    attention = family(arch).attention_flops_per_token(arch, config.data.seq_len)  # forward 2 of its 6
+    step_flops = flops * (active - head) + 6 * head + attention * flops / 6  # per token
+    forward_share = (2 * active + attention / 3) / step_flops
+    per_token = step_flops / LAYER_TFLOPS  # one GPU's seconds per token
     compute = per_token * tokens / num_gpus
     read = 2 * params - kept_reads_saved(arch, config, kept)
     h2d = read * d / H2D_BYTES_PER_S  # weights in twice, some kept blocks once
@@ -247,7 +250,7 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     reduce = 4 * params / GPU_LINK_BYTES_PER_S if num_gpus > 1 else 0.0
     optimizer = params / HOST_ADAMW_PARAMS_PER_S if optimizer_s is None else optimizer_s
     net = shared_network(network or NetworkTimes(), num_gpus)
-    fwd_compute = compute * 2 / flops
+    fwd_compute = compute * forward_share
     bwd_compute = compute - fwd_compute
     forward = max(fwd_compute, optimizer, net.forward_in_s)
     backward = max(bwd_compute, net.backward_in_s, net.out_s)
@@ -265,8 +268,8 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     else:
         overlapped = {"compute": compute, "PCIe": h2d, "host memory": host_memory}
         bound = max(overlapped, key=overlapped.get)
-    busy_per_gpu = max(flops / 2 * max(optimizer, net.forward_in_s),
-                       flops / (flops - 2) * max(net.backward_in_s, net.out_s, reduce), copies) / per_token
+    busy_per_gpu = max(max(optimizer, net.forward_in_s) / forward_share,
+                       max(net.backward_in_s, net.out_s, reduce) / (1 - forward_share), copies) / per_token
     return StepPrediction(compute, h2d, optimizer, exposed, step, bound, network_exposed, num_gpus, tokens,
                           host_read, host_memory, reduce, math.ceil(num_gpus * busy_per_gpu), fwd_compute)
 

@@ -9,8 +9,8 @@ import torch
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts, num_params
-from megatrain_ray.planner import (KEPT, PlanError, check_gpu_fit, choose_kept, choose_offload, gpu_plan,
-                                   kept_graph_bytes, predict_step)
+from megatrain_ray.planner import (KEPT, LAYER_TFLOPS, PlanError, check_gpu_fit, choose_kept, choose_offload,
+                                   gpu_plan, kept_graph_bytes, predict_step)
 from megatrain_ray.host import DTYPES
 from megatrain_ray.store import bytes_per_param
 
@@ -112,15 +112,23 @@ def test_auto_offload_makes_room_for_the_graphs_asked_for():
     assert check_gpu_fit(ARCH, cfg, parked, "a test GPU").total == parked
 
 
-def test_kept_graphs_take_the_recompute_out_of_the_predicted_compute():
-    """Every block keeping its graph: 6 FLOP per parameter and token instead of 8, attention too,
-    and the forward a third of it; none saved where the MLP runs in checkpointed chunks."""
-    recompute = predict_step(ARCH, config())
-    kept_all = predict_step(ARCH, config(), kept=ARCH.num_layers)
-    assert kept_all.compute_s == pytest.approx(recompute.compute_s * 6 / 8)
-    assert recompute.forward_s == pytest.approx(recompute.compute_s / 4)
-    assert kept_all.forward_s == pytest.approx(recompute.forward_s)
-    assert predict_step(ARCH, config(), kept=2).compute_s == pytest.approx(recompute.compute_s * 7 / 8)
+def test_predicted_compute_counts_the_recompute_of_blocks_and_none_of_the_head():
+    """8 FLOP per block parameter and token (2 forward, 2 recompute, 4 backward), the LM head 6
+    (differentiated as it goes), attention 8/6 of its fwd+bwd; every block keeping its graph takes
+    the recompute out, the forward stays; none saved where the MLP runs in checkpointed chunks."""
+    cfg = config()
+    tokens = 2 * 4 * 1024
+    head = ARCH.vocab_size * ARCH.hidden_size
+    blocks = num_params(ARCH) - 2 * head  # untied: the embedding is a lookup, no matmul
+    attention = 6 * ARCH.num_layers * 1024 * ARCH.num_heads * ARCH.head_dim  # causal: half of 12
+    flops = lambda p: p.compute_s * LAYER_TFLOPS / tokens  # noqa: E731
+    recompute = predict_step(ARCH, cfg)
+    kept_all = predict_step(ARCH, cfg, kept=ARCH.num_layers)
+    assert flops(recompute) == pytest.approx(8 * blocks + 6 * head + attention * 8 / 6)
+    assert flops(kept_all) == pytest.approx(6 * blocks + 6 * head + attention)
+    forward = (2 * (blocks + head) + attention / 3) * tokens / LAYER_TFLOPS
+    assert recompute.forward_s == pytest.approx(forward) and kept_all.forward_s == pytest.approx(forward)
+    assert flops(predict_step(ARCH, cfg, kept=2)) == pytest.approx(7 * blocks + 6 * head + attention * 7 / 6)
     chunked = config(mlp_chunk_tokens=256)
     assert predict_step(ARCH, chunked, kept=4).compute_s == pytest.approx(predict_step(ARCH, chunked).compute_s)
 

@@ -17,12 +17,12 @@ does not pass it to its attention function (Gemma 3 has no attention soft-cappin
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
@@ -157,15 +157,8 @@ def final_logits(arch: Gemma3Arch, hidden: torch.Tensor, weight: torch.Tensor) -
 
 def chunked_cross_entropy(arch: Gemma3Arch, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           chunk_tokens: int, scale: float) -> torch.Tensor:
-    """Summed token losses, one checkpointed chunk of [tokens x vocab] logits at a time."""
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        end = start + chunk_tokens
-        total = total + torch.utils.checkpoint.checkpoint(
-            _chunk_loss, arch, hidden[start:end], weight, labels[start:end], use_reentrant=False)
-    return total * scale
+    """Summed token losses times `scale`, a chunk of (soft-capped) logits at a time (models/ops.py)."""
+    return ops.chunked_cross_entropy(functools.partial(_chunk_loss, arch), hidden, weight, labels, chunk_tokens, scale)
 
 
 def _chunk_loss(arch: Gemma3Arch, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

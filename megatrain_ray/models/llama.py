@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch, RopeScaling
@@ -143,20 +142,8 @@ def lm_head_weight(arch: ModelArch, head: Weights, embed: Weights | None) -> tor
 def chunked_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, scale: float
 ) -> torch.Tensor:
-    """Sum of token losses, never materialising [tokens x vocab] logits at once.
-
-    Each chunk's logits are recomputed inside a checkpoint during backward, so the autograd
-    graph holds one chunk's logits at a time, not all of them.
-    """
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        end = start + chunk_tokens
-        total = total + torch.utils.checkpoint.checkpoint(
-            _chunk_loss, hidden[start:end], weight, labels[start:end], use_reentrant=False
-        )
-    return total * scale
+    """Summed token losses times `scale`, a chunk of logits at a time (models/ops.py)."""
+    return ops.chunked_cross_entropy(_chunk_loss, hidden, weight, labels, chunk_tokens, scale)
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Tensor pieces that families beyond Llama share: attention masks from document ids and a
-sliding window, attention, partial rotary embeddings, and an MLP run over chunks of tokens.
+"""Tensor pieces that families share: attention masks from document ids and a sliding window,
+attention, partial rotary embeddings, an MLP run over chunks of tokens, and the token loss over
+chunks of logits.
 
 Masks are built per block call from a [B, T] row of document ids (never held per micro-batch for
 the whole step): a boolean [B or 1, 1, T, T] is T^2 bytes a row, which a step of many long
@@ -96,6 +97,25 @@ def chunked_mlp(mlp: Callable[[dict, torch.Tensor], torch.Tensor], w: dict, h: t
         else:
             outs.append(mlp(w, piece))
     return torch.cat(outs).view(h.shape)
+
+
+def chunked_cross_entropy(chunk_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                          hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                          scale: float) -> torch.Tensor:
+    """Sum of `chunk_loss(hidden, weight, labels)` over chunks of tokens, times `scale`, never
+    materialising [tokens x vocab] logits at once: each chunk runs under a checkpoint, so autograd
+    holds one chunk's logits at a time and recomputes them in backward. Tokens that fit one chunk
+    run plainly: nothing to recompute (the executor's head differentiates chunk by chunk as it goes)."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    if hidden.shape[0] <= chunk_tokens:
+        return chunk_loss(hidden, weight, labels) * scale
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        total = total + torch.utils.checkpoint.checkpoint(
+            chunk_loss, hidden[start:end], weight, labels[start:end], use_reentrant=False)
+    return total * scale
 
 
 def window_key_count(seq_len: int, window: int | None) -> float:
