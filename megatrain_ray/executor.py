@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from megatrain_ray.activation_stash import ActivationStash
+from megatrain_ray.compiled_block import compile_block, compile_kept_block
 from megatrain_ray.data_parallel import Group
 from megatrain_ray.gradient_sink import GradientSink
 from megatrain_ray.models.arch import ModelArch
@@ -132,9 +133,10 @@ class StreamingExecutor:
         self.offload_activations = offload_activations
         self.kept = kept_blocks(self.units, keep_graphs)
         self.aux = aux_loss_on(self.family, arch)  # the block returns (y, stats) for an auxiliary loss
-        self.compiled_block = None
+        self.compiled_block = self.compiled_kept_block = None
         if compile_blocks and self.streams.cuda:
-            self.compiled_block = torch.compile(self.family.block, dynamic=False)
+            self.compiled_block = compile_block(self.family.block)
+            self.compiled_kept_block = compile_kept_block(self.family.block) if self.kept else None
         self.group = group or Group.solo(len(self.layouts))
         self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, trace, self.group)
 
@@ -296,14 +298,16 @@ class StreamingExecutor:
         parameter, with no full-layer zero-fill per view that a single flat leaf would cost."""
         return {name: _leaf(view) for name, view in self._views(buffer, layer).items()}
 
-    def _block(self, w: dict, x: torch.Tensor, ctx):
-        """Compiled when the micro-batch is short enough to need no MLP chunking. With an
-        auxiliary loss, (y, stats) (models/family.py, OptionalMembers)."""
+    def _block(self, w: dict, x: torch.Tensor, ctx, keeping: bool = False):
+        """Compiled when the micro-batch is short enough to need no MLP chunking; `keeping`: for a
+        graph kept until backward (compiled_block.py). With an auxiliary loss, (y, stats)
+        (models/family.py, OptionalMembers)."""
         kw = {"aux": True} if self.aux else {}
         if 0 < self.mlp_chunk < x.shape[0] * x.shape[1]:
             return self.family.block(self.arch, w, x, ctx, self.mlp_chunk, **kw)
-        if self.compiled_block is not None:
-            return self.compiled_block(self.arch, w, x, ctx, **kw)
+        compiled = self.compiled_kept_block if keeping else self.compiled_block
+        if compiled is not None:
+            return compiled(self.arch, w, x, ctx, **kw)
         return self.family.block(self.arch, w, x, ctx, **kw)
 
     def _head_backward(self, unit: Unit, slots: list[Slot], xs, mbs, scale: float):
@@ -353,16 +357,17 @@ class StreamingExecutor:
         weights = slot.buffer.clone()
         graphs = []
         for mb, (x, ctx) in enumerate(zip(xs, ctxs)):
-            graphs.append(self._graph(layer, self._bind_leaves(weights, layer), x, ctx, aux))
+            graphs.append(self._graph(layer, self._bind_leaves(weights, layer), x, ctx, aux, keeping=True))
             if aux is not None:
                 aux.count(mb, None if graphs[-1].stats is None else graphs[-1].stats.detach())
         return graphs
 
-    def _graph(self, layer: int, w: dict, x: torch.Tensor, ctx, aux: "AuxLoss | None") -> BlockGraph:
+    def _graph(self, layer: int, w: dict, x: torch.Tensor, ctx, aux: "AuxLoss | None",
+               keeping: bool = False) -> BlockGraph:
         """A block's forward under autograd from its input as a fresh leaf (a step's, with `aux`:
         its statistics join the graph)."""
         x = _leaf(x)
-        y = self._block(w, x, self.family.layer_context(self.arch, ctx, layer))
+        y = self._block(w, x, self.family.layer_context(self.arch, ctx, layer), keeping)
         stats = None
         if self.aux:
             y, stats = y

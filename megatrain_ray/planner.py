@@ -58,6 +58,10 @@ KEPT = "kept forward graphs (the last blocks: no recompute)"
 # 7B (seq 1024, 8 x 12 and 8 x 8, 2 and 4 blocks kept) each kept block grew the peak 1.15 times the
 # working set (9.7 GiB against 8.4 at 8 x 8); at 8 x 1,024-wide blocks of 2,048 tokens 1.0 times.
 KEPT_GRAPH_PER_WORKING_SET = 1.15
+# The same, compiled within compiled_block.KEPT_ACTIVATION_BUDGET (where the block is compiled: no
+# MLP chunks): a Qwen2.5-3B block kept 56.1 KiB a token against the default's 85.6 on the H100,
+# 0.75 of the working set (examples/probe_kept_block.py, 2026-11-23); 0.8 leaves a margin.
+KEPT_GRAPH_PER_WORKING_SET_BUDGETED = 0.8
 HOST_PARK_RESERVE = 1 * GiB  # the GPU actor's own growth beside its parked activations
 
 
@@ -123,13 +127,16 @@ def check_parked_fit(arch: ModelArch, config: Config, headroom_bytes: int, where
 
 def kept_graph_bytes(arch: ModelArch, config: Config, num_gpus: int = 1) -> int:
     """One block's kept forward graph for every micro-batch of a GPU's share, and the copy of its
-    weights the graph reads: the block's working set (ModelFamily.working_set_bytes) times
-    KEPT_GRAPH_PER_WORKING_SET per micro-batch."""
+    weights the graph reads: the block's working set (ModelFamily.working_set_bytes) per
+    micro-batch times KEPT_GRAPH_PER_WORKING_SET, or the _BUDGETED factor where the block runs
+    compiled (executor.compile, no MLP chunks)."""
     d = dtype_bytes(config)
     mb_tokens = config.train.micro_batch_size * config.data.seq_len
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
     working_set = family(arch).working_set_bytes(arch, mb_tokens, mlp_tokens, d)
-    graph = math.ceil(KEPT_GRAPH_PER_WORKING_SET * working_set) * micro_batches_per_gpu(config, num_gpus)
+    compiled = config.executor.compile and mlp_tokens >= mb_tokens
+    per_working_set = KEPT_GRAPH_PER_WORKING_SET_BUDGETED if compiled else KEPT_GRAPH_PER_WORKING_SET
+    graph = math.ceil(per_working_set * working_set) * micro_batches_per_gpu(config, num_gpus)
     return graph + max(block_numels(arch)) * d
 
 
