@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from megatrain_ray.activation_stash import ActivationStash
-from megatrain_ray.compiled_block import compile_block, compile_kept_block
+from megatrain_ray.compiled import compile_block, compile_head_loss, compile_kept_block
 from megatrain_ray.data_parallel import Group
 from megatrain_ray.gradient_sink import GradientSink
 from megatrain_ray.models.arch import ModelArch
@@ -133,10 +133,11 @@ class StreamingExecutor:
         self.offload_activations = offload_activations
         self.kept = kept_blocks(self.units, keep_graphs)
         self.aux = aux_loss_on(self.family, arch)  # the block returns (y, stats) for an auxiliary loss
-        self.compiled_block = self.compiled_kept_block = None
+        self.compiled_block = self.compiled_kept_block = self.compiled_head_loss = None
         if compile_blocks and self.streams.cuda:
             self.compiled_block = compile_block(self.family.block)
             self.compiled_kept_block = compile_kept_block(self.family.block) if self.kept else None
+            self.compiled_head_loss = compile_head_loss(self.family.head_loss)
         self.group = group or Group.solo(len(self.layouts))
         self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, trace, self.group)
 
@@ -300,7 +301,7 @@ class StreamingExecutor:
 
     def _block(self, w: dict, x: torch.Tensor, ctx, keeping: bool = False):
         """Compiled when the micro-batch is short enough to need no MLP chunking; `keeping`: for a
-        graph kept until backward (compiled_block.py). With an auxiliary loss, (y, stats)
+        graph kept until backward (compiled.py). With an auxiliary loss, (y, stats)
         (models/family.py, OptionalMembers)."""
         kw = {"aux": True} if self.aux else {}
         if 0 < self.mlp_chunk < x.shape[0] * x.shape[1]:
@@ -324,8 +325,9 @@ class StreamingExecutor:
             for start in range(0, flat_x.shape[0], self.loss_chunk_tokens):
                 chunk = slice(start, start + self.loss_chunk_tokens)
                 x_chunk = _leaf(flat_x[chunk])
-                loss = self.family.head_loss(self.arch, head_w, embed_w, x_chunk, flat_labels[chunk],
-                                             self.loss_chunk_tokens, scale)
+                head_loss = self.compiled_head_loss or self.family.head_loss
+                loss = head_loss(self.arch, head_w, embed_w, x_chunk, flat_labels[chunk], self.loss_chunk_tokens,
+                                 1.0) * scale
                 dx_chunk, *grads = torch.autograd.grad(loss, [x_chunk] + [t for w in bound for t in w.values()])
                 dx[chunk] = dx_chunk
                 loss_sum += loss.detach()

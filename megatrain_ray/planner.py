@@ -58,7 +58,7 @@ KEPT = "kept forward graphs (the last blocks: no recompute)"
 # 7B (seq 1024, 8 x 12 and 8 x 8, 2 and 4 blocks kept) each kept block grew the peak 1.15 times the
 # working set (9.7 GiB against 8.4 at 8 x 8); at 8 x 1,024-wide blocks of 2,048 tokens 1.0 times.
 KEPT_GRAPH_PER_WORKING_SET = 1.15
-# The same, compiled within compiled_block.KEPT_ACTIVATION_BUDGET (where the block is compiled: no
+# The same, compiled within compiled.KEPT_ACTIVATION_BUDGET (where the block is compiled: no
 # MLP chunks): a Qwen2.5-3B block kept 56.1 KiB a token against the default's 85.6 on the H100,
 # 0.75 of the working set (examples/probe_kept_block.py, 2026-11-23); 0.8 leaves a margin.
 KEPT_GRAPH_PER_WORKING_SET_BUDGETED = 0.8

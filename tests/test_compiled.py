@@ -1,11 +1,13 @@
-"""The two compilations of a decoder block (compiled_block.py) against the eager block: the same
-gradients, and the kept graph's saved tensors within its activation budget, smaller than the
-default's (which they would equal if the second compilation reused the first's graphs)."""
+"""What runs compiled on the GPU (compiled.py) against the eager templates, on the CPU: the two
+compilations of a decoder block give the same gradients, the kept graph's saved tensors within its
+activation budget, smaller than the default's (which they would equal if the second compilation
+reused the first's graphs); the head's chunk loss gives the same loss and gradients."""
 
 import torch
 
-from megatrain_ray.compiled_block import compile_block, compile_kept_block
+from megatrain_ray.compiled import compile_block, compile_head_loss, compile_kept_block
 from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.family import IGNORE_INDEX
 from megatrain_ray.models.registry import family, model_layouts
 
 ARCH = ModelArch("llama", 512, 128, 512, 2, 4, 2, 32)
@@ -42,3 +44,24 @@ def test_kept_compilation_saves_less_and_differentiates_as_eager():
     torch.testing.assert_close(y_kept, y_eager, rtol=1e-5, atol=1e-5)
     for kept, eager in zip(grads_kept, grads_eager):
         torch.testing.assert_close(kept, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_head_loss_matches_eager_with_ignored_targets():
+    fam = family(ARCH)
+    head = model_layouts(ARCH)[-1]
+    g = torch.Generator().manual_seed(1)
+    flat = torch.randn(head.numel, generator=g) * 0.05
+    w = {name: view.detach().clone().requires_grad_() for name, view in head.views(flat).items()}
+    x = torch.randn(96, ARCH.hidden_size, generator=g, requires_grad=True)
+    labels = torch.randint(0, ARCH.vocab_size, (96,), generator=g)
+    labels[::7] = IGNORE_INDEX
+
+    def loss_and_grads(head_loss):
+        loss = head_loss(ARCH, w, None, x, labels, 96, 1.0)
+        return loss.detach(), torch.autograd.grad(loss, [x, *w.values()])
+
+    eager_loss, eager_grads = loss_and_grads(fam.head_loss)
+    compiled_loss, compiled_grads = loss_and_grads(compile_head_loss(fam.head_loss))
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
+    for compiled, eager in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
