@@ -16,12 +16,15 @@ The head's chunk loss compiled fuses the fp32 cast, log-softmax and its gradient
 [tokens x vocab] logits, which eager runs as separate passes (on the H100 a Qwen2.5-3B step of
 65,536 tokens spent 109 ms in softmax kernels and about as much in casts and copies around them).
 
-The two compilations of the block use two backends: torch.compile caches a function's graphs per code object,
-and a different backend is what keeps the second from reusing the first's.
+The two compilations of the block use two backends: torch.compile caches a function's graphs per
+code object, and a different backend is what keeps the second from reusing the first's. Each
+backend is made once: torch.compile counts a new backend object as a reason to recompile, and a
+code object recompiled past torch._dynamo's limit runs eager.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -45,6 +48,7 @@ def compile_head_loss(head_loss: Callable) -> Callable:
     return torch.compile(head_loss, dynamic=False)
 
 
+@functools.cache  # one backend per budget: torch.compile recompiles for a backend it has not seen
 def _inductor_within(budget: float) -> Callable:
     def backend(gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx  # the default backend's own entry
