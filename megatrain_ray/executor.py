@@ -33,7 +33,7 @@ from megatrain_ray.compiled import compile_block, compile_head_loss, compile_kep
 from megatrain_ray.data_parallel import Group
 from megatrain_ray.gradient_sink import GradientSink
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.family import IGNORE_INDEX, aux_loss_on
+from megatrain_ray.models.family import IGNORE_INDEX, aux_loss_on, kept_activation_budget
 from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout
 from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.prefetcher import Prefetcher, Slot
@@ -136,7 +136,9 @@ class StreamingExecutor:
         self.compiled_block = self.compiled_kept_block = self.compiled_head_loss = None
         if compile_blocks and self.streams.cuda:
             self.compiled_block = compile_block(self.family.block)
-            self.compiled_kept_block = compile_kept_block(self.family.block) if self.kept else None
+            budget = kept_activation_budget(self.family)
+            self.compiled_kept_block = (compile_kept_block(self.family.block, budget) if budget is not None
+                                        else self.compiled_block)
             self.compiled_head_loss = compile_head_loss(self.family.head_loss)
         self.group = group or Group.solo(len(self.layouts))
         self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, trace, self.group)

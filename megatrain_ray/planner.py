@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.family import inactive_params
+from megatrain_ray.models.family import inactive_params, kept_activation_budget
 from megatrain_ray.models.registry import family, model_layouts, num_params
 
 GiB = 1024**3
@@ -129,13 +129,13 @@ def kept_graph_bytes(arch: ModelArch, config: Config, num_gpus: int = 1) -> int:
     """One block's kept forward graph for every micro-batch of a GPU's share, and the copy of its
     weights the graph reads: the block's working set (ModelFamily.working_set_bytes) per
     micro-batch times KEPT_GRAPH_PER_WORKING_SET, or the _BUDGETED factor where the block runs
-    compiled (executor.compile, no MLP chunks)."""
+    compiled (executor.compile, no MLP chunks) within its family's activation budget."""
     d = dtype_bytes(config)
     mb_tokens = config.train.micro_batch_size * config.data.seq_len
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
     working_set = family(arch).working_set_bytes(arch, mb_tokens, mlp_tokens, d)
-    compiled = config.executor.compile and mlp_tokens >= mb_tokens
-    per_working_set = KEPT_GRAPH_PER_WORKING_SET_BUDGETED if compiled else KEPT_GRAPH_PER_WORKING_SET
+    budgeted = config.executor.compile and mlp_tokens >= mb_tokens and kept_activation_budget(family(arch)) is not None
+    per_working_set = KEPT_GRAPH_PER_WORKING_SET_BUDGETED if budgeted else KEPT_GRAPH_PER_WORKING_SET
     graph = math.ceil(per_working_set * working_set) * micro_batches_per_gpu(config, num_gpus)
     return graph + max(block_numels(arch)) * d
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatrain_ray.compiled import KEPT_ACTIVATION_BUDGET
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 
@@ -95,6 +96,10 @@ class OptionalMembers(Protocol):
     def inactive_params(self, arch: ModelArch) -> int:
         """Parameters a token does not use (experts it is not routed to), for the step-time model."""
 
+    kept_activation_budget: float | None
+    """The activation budget its kept graphs compile within (compiled.py); None: torch.compile's
+    default partition, for a family whose blocks the budgeted partition does not run."""
+
 
 def aux_loss_on(fam: ModelFamily, arch: ModelArch) -> bool:
     hook = getattr(fam, "aux_loss_on", None)
@@ -104,3 +109,7 @@ def aux_loss_on(fam: ModelFamily, arch: ModelArch) -> bool:
 def inactive_params(fam: ModelFamily, arch: ModelArch) -> int:
     hook = getattr(fam, "inactive_params", None)
     return 0 if hook is None else int(hook(arch))
+
+
+def kept_activation_budget(fam: ModelFamily) -> float | None:
+    return getattr(fam, "kept_activation_budget", KEPT_ACTIVATION_BUDGET)
