@@ -32,6 +32,11 @@ import torch
 KEPT_ACTIVATION_BUDGET = 0.8
 
 
+def kept_activation_budget(family) -> float | None:
+    """The family's budget for its kept graphs (models/family.py, OptionalMembers), else ours."""
+    return getattr(family, "kept_activation_budget", KEPT_ACTIVATION_BUDGET)
+
+
 def compile_block(block: Callable) -> Callable:
     """The block as the recompute path runs it: torch.compile's defaults."""
     return torch.compile(block, dynamic=False)

@@ -29,11 +29,11 @@ import numpy as np
 import torch
 
 from megatrain_ray.activation_stash import ActivationStash
-from megatrain_ray.compiled import compile_block, compile_head_loss, compile_kept_block
+from megatrain_ray.compiled import compile_block, compile_head_loss, compile_kept_block, kept_activation_budget
 from megatrain_ray.data_parallel import Group
 from megatrain_ray.gradient_sink import GradientSink
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.family import IGNORE_INDEX, aux_loss_on, kept_activation_budget
+from megatrain_ray.models.family import IGNORE_INDEX, aux_loss_on
 from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout
 from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.prefetcher import Prefetcher, Slot

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.family import inactive_params, kept_activation_budget
+from megatrain_ray.compiled import kept_activation_budget
+from megatrain_ray.models.family import inactive_params
 from megatrain_ray.models.registry import family, model_layouts, num_params
 
 GiB = 1024**3

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import torch
 
-from megatrain_ray.compiled import KEPT_ACTIVATION_BUDGET
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 
@@ -109,7 +108,3 @@ def aux_loss_on(fam: ModelFamily, arch: ModelArch) -> bool:
 def inactive_params(fam: ModelFamily, arch: ModelArch) -> int:
     hook = getattr(fam, "inactive_params", None)
     return 0 if hook is None else int(hook(arch))
-
-
-def kept_activation_budget(fam: ModelFamily) -> float | None:
-    return getattr(fam, "kept_activation_budget", KEPT_ACTIVATION_BUDGET)
