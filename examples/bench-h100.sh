@@ -117,3 +117,25 @@ $B --model qwen2.5-3b --seq-len 4096 --micro-batch 1 1 4 --grad-accum 16 16 4 --
    --warmup 1 --json "$out/qwen2.5-3b-65k-kept.json"
 python -m megatrain_ray.bench.baseline_process --name deepspeed_offload --model qwen2.5-3b --seq-len 4096 \
    --micro-batch 16 --grad-accum 1 --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-deepspeed-16x1-after-kept.log"
+
+# Issue #14, the 3B step against DeepSpeed's best (2026-11-23, late evening; results
+# qwen2.5-3b-65k-4x4-*, *-after-compiled-head.log, qwen2.5-3b-kept-block-probe.log, gpu-tests-head-budget-*.log):
+# what one kept block holds per activation budget; ours at 4 x 4 with loss chunks of 2,048 tokens,
+# auto and 15 kept, then DeepSpeed at its best split; ours with 15 kept, then FSDP2 at its best
+# measured split; a profiled step and where its GPU time went; the GPU tests
+python examples/probe_kept_block.py --model qwen2.5-3b --micro-batch 4 --seq-len 4096 --budgets 1.0 0.8 0.6 0.4 \
+   > "$out/qwen2.5-3b-kept-block-probe.log"
+$B --model qwen2.5-3b --seq-len 4096 4096 --micro-batch 4 --grad-accum 4 --keep-graphs auto 15 --steps 3 --warmup 1 \
+   --loss-chunk-tokens 2048 --json "$out/qwen2.5-3b-65k-4x4-compiled-head.json"
+python -m megatrain_ray.bench.baseline_process --name deepspeed_offload --model qwen2.5-3b --seq-len 4096 \
+   --micro-batch 16 --grad-accum 1 --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-deepspeed-16x1-after-compiled-head.log"
+$B --model qwen2.5-3b --seq-len 4096 --micro-batch 4 --grad-accum 4 --keep-graphs 15 --steps 3 --warmup 1 \
+   --loss-chunk-tokens 2048 --json "$out/qwen2.5-3b-65k-4x4-keep15-before-fsdp2.json"
+python -m megatrain_ray.bench.baseline_process --name fsdp2_offload --model qwen2.5-3b --seq-len 4096 \
+   --micro-batch 16 --grad-accum 1 --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-fsdp2-16x1-after-compiled-head.log"
+$B --model qwen2.5-3b --seq-len 4096 --micro-batch 4 --grad-accum 4 --keep-graphs auto --steps 1 --warmup 1 \
+   --loss-chunk-tokens 2048 --profile "$out/profile"
+python examples/trace_summary.py "$out"/profile/seq4096-mb4/rank-0/trace.json > "$out/qwen2.5-3b-65k-4x4-profile-summary.log"
+python -m pytest -q -m gpu -s tests/test_planner.py tests/test_gpu_trainer.py tests/test_moe_parity.py \
+   tests/test_transformers_parity.py tests/test_families_parity.py tests/test_eval.py tests/test_compiled.py \
+   > "$out/gpu-tests-head-budget.log"
