@@ -319,6 +319,7 @@ class StreamingExecutor:
         loss would make them again in backward) and live for that chunk only."""
         bound = [self._bind_leaves(slot.buffer, layer) for slot, layer in zip(slots, unit.layers)]
         head_w, embed_w = bound[0], (bound[1] if len(bound) > 1 else None)
+        head_loss = self.compiled_head_loss or self.family.head_loss
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # already the mean
         dxs = []
         for x, mb in zip(xs, mbs):
@@ -327,7 +328,6 @@ class StreamingExecutor:
             for start in range(0, flat_x.shape[0], self.loss_chunk_tokens):
                 chunk = slice(start, start + self.loss_chunk_tokens)
                 x_chunk = _leaf(flat_x[chunk])
-                head_loss = self.compiled_head_loss or self.family.head_loss
                 loss = head_loss(self.arch, head_w, embed_w, x_chunk, flat_labels[chunk], self.loss_chunk_tokens,
                                  1.0) * scale
                 dx_chunk, *grads = torch.autograd.grad(loss, [x_chunk] + [t for w in bound for t in w.values()])

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatrain_ray.compiled import kept_activation_budget
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.compiled import kept_activation_budget
 from megatrain_ray.models.family import inactive_params
 from megatrain_ray.models.registry import family, model_layouts, num_params
 
@@ -61,7 +61,7 @@ KEPT = "kept forward graphs (the last blocks: no recompute)"
 KEPT_GRAPH_PER_WORKING_SET = 1.15
 # The same, compiled within compiled.KEPT_ACTIVATION_BUDGET (where the block is compiled: no
 # MLP chunks): a Qwen2.5-3B block kept 56.1 KiB a token against the default's 85.6 on the H100,
-# 0.75 of the working set (examples/probe_kept_block.py, 2026-11-23); 0.8 leaves a margin.
+# 0.77 of the working set (examples/probe_kept_block.py, 2026-11-23); 0.8 leaves a margin.
 KEPT_GRAPH_PER_WORKING_SET_BUDGETED = 0.8
 HOST_PARK_RESERVE = 1 * GiB  # the GPU actor's own growth beside its parked activations
 
@@ -225,9 +225,9 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     """Step time from the measured rates, in two phases. Compute with recompute is 8 FLOP per
     parameter a token uses, per token (a mixture of experts counts its routed experts only), 2 of
     them forward; the LM head 6 (executor.py differentiates it chunk by chunk: no recompute). The
-    `kept` blocks that keep their graphs skip their share of the recompute (2 of the 8), unless the MLP runs in checkpointed chunks (they still recompute
-    those: counted as recomputing whole), and the weights of those beyond the blocks resident
-    across the turn cross PCIe once. The forward waits for the slowest of its compute, the host
+    `kept` blocks that keep their graphs skip their share of the recompute (2 of the 8), unless
+    the MLP runs in checkpointed chunks (they still recompute those: counted as recomputing
+    whole), and the weights of those beyond the blocks resident across the turn cross PCIe once. The forward waits for the slowest of its compute, the host
     optimizer of the step before (over all parameters, layer by layer in the same order) and the
     weights coming over the network; the backward for the slowest of its compute, the weights coming again and the
     gradients leaving. All weights cross PCIe twice (the kept blocks once), overlapped with everything.
