@@ -3,12 +3,15 @@ compilations of a decoder block give the same gradients, the kept graph's saved 
 activation budget, smaller than the default's (which they would equal if the second compilation
 reused the first's graphs); the head's chunk loss gives the same loss and gradients."""
 
+import dataclasses
+
+import pytest
 import torch
 
 from megatrain_ray.compiled import compile_block, compile_head_loss, compile_kept_block
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX
-from megatrain_ray.models.registry import family, model_layouts
+from megatrain_ray.models.registry import family, model_layouts, resolve_arch
 
 ARCH = ModelArch("llama", 512, 128, 512, 2, 4, 2, 32)
 
@@ -46,19 +49,34 @@ def test_kept_compilation_saves_less_and_differentiates_as_eager():
         torch.testing.assert_close(kept, eager, rtol=1e-4, atol=1e-5)
 
 
-def test_compiled_head_loss_matches_eager_with_ignored_targets():
-    fam = family(ARCH)
-    head = model_layouts(ARCH)[-1]
+HEADS = {
+    "llama": ARCH,
+    "gemma3, soft-capped, tied": dataclasses.replace(resolve_arch("tiny-gemma3"), final_logit_softcapping=30.0),
+    "gpt_oss": resolve_arch("tiny-gpt-oss"),
+}
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_compiled_head_loss_matches_eager_with_ignored_targets(name):
+    arch = HEADS[name]
+    fam = family(arch)
+    layouts = model_layouts(arch)
     g = torch.Generator().manual_seed(1)
-    flat = torch.randn(head.numel, generator=g) * 0.05
-    w = {name: view.detach().clone().requires_grad_() for name, view in head.views(flat).items()}
-    x = torch.randn(96, ARCH.hidden_size, generator=g, requires_grad=True)
-    labels = torch.randint(0, ARCH.vocab_size, (96,), generator=g)
+
+    def leaves(layout):
+        flat = torch.randn(layout.numel, generator=g) * 0.05
+        return {n: view.detach().clone().requires_grad_() for n, view in layout.views(flat).items()}
+
+    head = leaves(layouts[-1])
+    embed = leaves(layouts[0]) if arch.tie_word_embeddings else None
+    weights = [*head.values(), *(embed or {}).values()]
+    x = torch.randn(96, arch.hidden_size, generator=g, requires_grad=True)
+    labels = torch.randint(0, arch.vocab_size, (96,), generator=g)
     labels[::7] = IGNORE_INDEX
 
     def loss_and_grads(head_loss):
-        loss = head_loss(ARCH, w, None, x, labels, 96, 1.0)
-        return loss.detach(), torch.autograd.grad(loss, [x, *w.values()])
+        loss = head_loss(arch, head, embed, x, labels, 96, 1.0)
+        return loss.detach(), torch.autograd.grad(loss, [x, *weights])
 
     eager_loss, eager_grads = loss_and_grads(fam.head_loss)
     compiled_loss, compiled_grads = loss_and_grads(compile_head_loss(fam.head_loss))
