@@ -156,8 +156,11 @@ def test_two_workers_over_shared_memory_and_ram_nodes_train_like_one(three_nodes
     for a, b in zip(two, one):
         assert a.loss == pytest.approx(b.loss, rel=1e-6) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
     assert two_eval.loss == pytest.approx(one_eval.loss, rel=1e-6)
+    # Two workers sum each gradient in another order than one: rounding, which AdamW's first steps
+    # (nearly sign(g) x lr) turn into a full step where an element's gradient is near zero. The
+    # blocks differ by about 1e-7, the embedding by 2e-6 (6.5e-7 before the head went chunk by chunk).
     for i, (a, b) in enumerate(zip(two_weights, one_weights)):
-        assert float((a - b).norm() / b.norm()) < 1e-6, f"layer {i}"
+        assert float((a - b).norm() / b.norm()) < 5e-6, f"layer {i}: {float((a - b).norm() / b.norm())}"
     assert counts == {i: 3 for i in range(arch.num_layers + 2)}
     # each worker counts the updates of every streamed layer, its own and the other's (told once,
     # with its next call): after 3 steps a layer's owner has sent 3, the other worker knows of 2
