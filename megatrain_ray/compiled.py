@@ -14,7 +14,7 @@ alone took 4.5 ms, what a recompute costs: 0.8 spares the most recompute per byt
 
 The head's chunk loss compiled fuses the fp32 cast, log-softmax and its gradient over the
 [tokens x vocab] logits, which eager runs as separate passes (on the H100 a Qwen2.5-3B step of
-65,536 tokens spent 109 ms in softmax kernels and about as much in casts and copies around them).
+65,536 tokens spent 109 ms in the eager softmax kernels alone; compiled, the step took 0.17 s less).
 
 The two compilations of the block use two backends: torch.compile caches a function's graphs per
 code object, and a different backend is what keeps the second from reusing the first's. Each
