@@ -19,7 +19,7 @@ from megatrain_ray.host import (available_memory, dtype_of, element_size, host_h
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.optim import AdamWStep, UpdateSchedule
-from megatrain_ray.planner import check_gpu_fit, check_host_fit, check_parked_fit, choose_kept, choose_offload
+from megatrain_ray.planner import check_gpu_fit, check_host_fit, check_parked_fit
 from megatrain_ray.remote_sources import RoutedSource, SharedMemorySource, WindowSource
 from megatrain_ray.store import ShardStore
 from megatrain_ray.transport import LayerLink, LayerServer
@@ -167,14 +167,14 @@ class GpuWorker:
         on the host and how many blocks keep their forward graphs. `window`: pinned bytes the window
         for remote layers will take beside them."""
         if self.device.type != "cuda":  # the executor's tensors live beside the stores' state
-            check_host_fit(self.arch, config, host_headroom() - self.world * window, "the executor's node", self.world)
-            return False, choose_kept(self.arch, config, None, self.world)
+            plan = check_host_fit(self.arch, config, host_headroom() - self.world * window, "the executor's node",
+                                  self.world)
+            return False, plan.kept
         free = torch.cuda.mem_get_info(self.device)[0]
-        check_gpu_fit(self.arch, config, free, torch.cuda.get_device_name(self.device), self.world)
-        offload = choose_offload(self.arch, config, free, self.world)
-        if offload:  # the stores on this node have allocated their state by now; all workers park there
+        plan = check_gpu_fit(self.arch, config, free, torch.cuda.get_device_name(self.device), self.world)
+        if plan.offload:  # the stores on this node have allocated their state by now; all workers park there
             check_parked_fit(self.arch, config, host_headroom() - self.world * window, "the GPU node")
-        return offload, choose_kept(self.arch, config, free, self.world)
+        return plan.offload, plan.kept
 
     def _executor(self, config: Config, offload: bool, kept: int) -> StreamingExecutor:
         ex = config.executor

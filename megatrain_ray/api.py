@@ -112,8 +112,7 @@ def plan_live(config: Config) -> bool:
         print(planner.describe(arch, config, free, network, optimizer_s, n))
         if free is not None:
             try:
-                planner.check_gpu_fit(arch, config, free, "the GPU", n)
-                if planner.choose_offload(arch, config, free, n):
+                if planner.check_gpu_fit(arch, config, free, "the GPU", n).offload:
                     planner.check_parked_fit(arch, config, gpu_node_headroom(placement), "the GPU node")
             except planner.PlanError as e:
                 print(f"does not fit: {e}")

@@ -7,9 +7,9 @@ sends it to the host once (gradient_sink.py). The last `keep_graphs` blocks, whe
 memory for them (planner.py), run their forward under autograd and keep its graph, with a copy of
 their weights: their backward neither recomputes (but for MLP chunks, which stay checkpointed) nor
 reads their weights again. The prefetcher (prefetcher.py) keeps the next layers copying into free
-slots; three streams (streams.py) are ordered by events. On the CPU the streams are no-ops and copies are plain memcpys: the same
-scheduler, testable without a GPU. The model's arithmetic comes from its family
-(models/family.py) and nothing else.
+slots; three streams (streams.py) are ordered by events. On the CPU the streams are no-ops and
+copies are plain memcpys: the same scheduler, testable without a GPU. The model's arithmetic comes
+from its family (models/family.py) and nothing else.
 
 With several data-parallel workers (data_parallel.py) each runs this same step on its share of the
 micro-batches; the loss is scaled by the step's global target count, each gradient is summed across
@@ -319,6 +319,7 @@ class StreamingExecutor:
         loss would make them again in backward) and live for that chunk only."""
         bound = [self._bind_leaves(slot.buffer, layer) for slot, layer in zip(slots, unit.layers)]
         head_w, embed_w = bound[0], (bound[1] if len(bound) > 1 else None)
+        params = [t for w in bound for t in w.values()]
         head_loss = self.compiled_head_loss or self.family.head_loss
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)  # already the mean
         dxs = []
@@ -330,7 +331,7 @@ class StreamingExecutor:
                 x_chunk = _leaf(flat_x[chunk])
                 loss = head_loss(self.arch, head_w, embed_w, x_chunk, flat_labels[chunk], self.loss_chunk_tokens,
                                  1.0) * scale
-                dx_chunk, *grads = torch.autograd.grad(loss, [x_chunk] + [t for w in bound for t in w.values()])
+                dx_chunk, *grads = torch.autograd.grad(loss, [x_chunk, *params])
                 dx[chunk] = dx_chunk
                 loss_sum += loss.detach()
                 per_param = iter(grads)

@@ -4,8 +4,9 @@ GPU memory by use (weight slots, gradient buffers, boundary activations, one lay
 the loss chunk, the forward graphs the last blocks keep where memory is left over), per device
 when several GPUs share a step, host memory per node (from the placement), and a step-time
 prediction from the measured rates of the GPU machine: what bounds the step (compute, PCIe, host
-memory bandwidth, the host optimizer) and how many tokens a step keeps N GPUs busy. `megatrain-ray plan` prints it; each GPU worker checks it before it allocates
-its slots and refuses, with what to change, a run that will not fit.
+memory bandwidth, the host optimizer) and how many tokens a step keeps N GPUs busy.
+`megatrain-ray plan` prints it; each GPU worker checks it before it allocates its slots and
+refuses, with what to change, a run that will not fit.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class PlanError(ValueError):
 @dataclass
 class GpuPlan:
     by_use: dict[str, int] = field(default_factory=dict)
+    offload: bool = False  # the boundary activations parked in host memory
+    kept: int = 0  # blocks keeping their forward graphs
 
     @property
     def total(self) -> int:
@@ -158,7 +161,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     d = dtype_bytes(config)
     t = config.train
     mb_tokens = t.micro_batch_size * config.data.seq_len
-    plan = GpuPlan()
+    plan = GpuPlan(offload=offload, kept=kept)
     counts: dict[int, int] = {}
     for layout in layouts:
         counts[layout.numel] = counts.get(layout.numel, 0) + 1
@@ -227,10 +230,11 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     them forward; the LM head 6 (executor.py differentiates it chunk by chunk: no recompute). The
     `kept` blocks that keep their graphs skip their share of the recompute (2 of the 8), unless
     the MLP runs in checkpointed chunks (they still recompute those: counted as recomputing
-    whole), and the weights of those beyond the blocks resident across the turn cross PCIe once. The forward waits for the slowest of its compute, the host
-    optimizer of the step before (over all parameters, layer by layer in the same order) and the
-    weights coming over the network; the backward for the slowest of its compute, the weights coming again and the
-    gradients leaving. All weights cross PCIe twice (the kept blocks once), overlapped with everything.
+    whole), and the weights of those beyond the blocks resident across the turn cross PCIe once.
+    The forward waits for the slowest of its compute, the host optimizer of the step before (over
+    all parameters, layer by layer in the same order) and the weights coming over the network; the
+    backward for the slowest of its compute, the weights coming again and the gradients leaving.
+    All weights cross PCIe twice (the kept blocks once), overlapped with everything.
     `optimizer_s`: the slowest store machine's AdamW time (default: the whole model on one).
 
     With `num_gpus` GPUs each computes its share of the tokens and reads every layer (PCIe: its own

@@ -98,8 +98,7 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
     lines.append(describe_traffic(traffic, prediction.compute_s))
     lines.append(planner.describe(arch, config, gpu_free, traffic.times(), traffic.optimizer_seconds()))
     try:
-        planner.check_gpu_fit(arch, config, gpu_free, spec.gpu_node.gpu)
-        if planner.choose_offload(arch, config, gpu_free):
+        if planner.check_gpu_fit(arch, config, gpu_free, spec.gpu_node.gpu).offload:
             planner.check_parked_fit(arch, config, parking_room(spec, placement), "the GPU node")
     except planner.PlanError as e:
         return "\n".join(lines + [f"does not fit: {e}"]), False
