@@ -11,24 +11,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import time
 
 import torch
 
+from megatrain_ray.bench.parts import median_seconds
 from megatrain_ray.compiled import compile_block, compile_kept_block
 from megatrain_ray.models.registry import family, model_layouts, resolve_arch
-
-
-def median_seconds(fn, n: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 2]
 
 
 def main() -> None:
@@ -64,7 +52,8 @@ def main() -> None:
                 saved[(tuple(s.shape), str(s.dtype))] += s.numel() * s.element_size()
             return s
 
-        t_fb, t_f = median_seconds(fwd_bwd), median_seconds(fwd)
+        sync = torch.cuda.synchronize
+        t_fb, t_f = median_seconds(fwd_bwd, 5, sync), median_seconds(fwd, 5, sync)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
@@ -85,7 +74,7 @@ def main() -> None:
     host_buf = torch.empty(n, dtype=dt, pin_memory=True)
     for name, copy in [("d2h", lambda: host_buf.copy_(device_buf, non_blocking=True)),
                        ("h2d", lambda: device_buf.copy_(host_buf, non_blocking=True))]:
-        s = median_seconds(copy, 3)
+        s = median_seconds(copy, 3, torch.cuda.synchronize)
         print(f"{name}, 5 GiB pinned: {s * 1e3:.0f} ms, {5 * 2**30 / s / 1e9:.1f} GB/s")
 
 

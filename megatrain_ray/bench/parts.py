@@ -13,7 +13,7 @@ from megatrain_ray.models.moe import MoeArch, active_layer_params
 from megatrain_ray.models.registry import family, model_layouts
 
 
-def _median_seconds(fn, repeats: int, sync) -> float:
+def median_seconds(fn, repeats: int, sync) -> float:
     fn()
     sync()
     times = []
@@ -80,7 +80,7 @@ def bench_host_adamw(arch: ModelArch, args) -> dict:
         for t in threads:
             torch.set_num_threads(t)
             for way, fn in ways.items():
-                rates[way][t] = n / _median_seconds(fn, 5, lambda: None) / 1e9
+                rates[way][t] = n / median_seconds(fn, 5, lambda: None) / 1e9
                 print(f"host AdamW, {way}, {t} threads: {rates[way][t]:.2f} G params/s", flush=True)
     finally:
         torch.set_num_threads(default_threads)
@@ -128,10 +128,10 @@ def time_layer(arch: ModelArch, index: int, shape: Shape, device, dtype, compile
 
     out = {"model": arch.model_type, "layer": layout.index, "layer_params": layout.numel, "active_params": active,
            "tokens": b * t}
-    eager = _median_seconds(fwd_bwd(fam.block), 5, sync)
+    eager = median_seconds(fwd_bwd(fam.block), 5, sync)
     out["layer_fwd_bwd_eager_tflops"] = layer_flops / eager / 1e12
     if device.type == "cuda" and compile_too:
         compiled = torch.compile(fam.block, dynamic=False)
-        secs = _median_seconds(fwd_bwd(compiled), 5, sync)
+        secs = median_seconds(fwd_bwd(compiled), 5, sync)
         out["layer_fwd_bwd_compiled_tflops"] = layer_flops / secs / 1e12
     return out
