@@ -10,7 +10,8 @@ from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_layouts, num_params, resolve_arch
 from megatrain_ray.planner import (KEPT, LAYER_TFLOPS, PlanError, check_gpu_fit, choose_kept, choose_offload,
-                                   gpu_plan, kept_graph_bytes, predict_step)
+                                   gpu_plan, kept_graph_bytes, predict_step, KEPT_GRAPH_PER_WORKING_SET,
+                                   KEPT_GRAPH_PER_WORKING_SET_BUDGETED)
 from megatrain_ray.host import DTYPES
 from megatrain_ray.store import bytes_per_param
 
@@ -96,8 +97,9 @@ def test_auto_keeps_as_many_forward_graphs_as_the_memory_left_over_holds():
 
 
 def test_a_kept_graph_is_sized_for_how_it_is_compiled():
-    """Compiled within the activation budget: 0.8 of the block's working set per micro-batch; eager,
-    or a family that keeps the default partition (GPT-OSS): 1.15; plus the block's weights either way."""
+    """Compiled within the activation budget: the _BUDGETED share of the block's working set per
+    micro-batch; eager, or a family that keeps the default partition (GPT-OSS): the default share;
+    plus the block's weights either way."""
     def graph_per_working_set(arch, **executor):
         cfg = config(**executor)
         working_set = family(arch).working_set_bytes(arch, 2 * 1024, 2 * 1024, 2)
@@ -105,9 +107,10 @@ def test_a_kept_graph_is_sized_for_how_it_is_compiled():
         return (kept_graph_bytes(arch, cfg) - weights) / 4 / working_set
 
     gpt_oss = resolve_arch("tiny-gpt-oss")
-    assert graph_per_working_set(ARCH) == pytest.approx(0.8, rel=1e-6)
-    assert graph_per_working_set(ARCH, compile=False) == pytest.approx(1.15, rel=1e-6)
-    assert graph_per_working_set(gpt_oss) == pytest.approx(1.15, rel=1e-6)
+    assert graph_per_working_set(ARCH) == pytest.approx(KEPT_GRAPH_PER_WORKING_SET_BUDGETED, rel=1e-6)
+    assert graph_per_working_set(ARCH, compile=False) == pytest.approx(KEPT_GRAPH_PER_WORKING_SET, rel=1e-6)
+    assert graph_per_working_set(gpt_oss) == pytest.approx(KEPT_GRAPH_PER_WORKING_SET, rel=1e-6)
+    assert KEPT_GRAPH_PER_WORKING_SET_BUDGETED < KEPT_GRAPH_PER_WORKING_SET
 
 
 def test_kept_graphs_that_do_not_fit_are_refused_and_named():
