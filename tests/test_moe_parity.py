@@ -51,7 +51,21 @@ def tiny_moe(family: str, aux: bool = False, seed: int = 0):
     config = config_class(**TINY, **MOE, **extra, router_aux_loss_coef=AUX_COEF, output_router_logits=aux)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
                                              experts_implementation="eager")
+    model = swiglu_from_config(model)
     return randomize(model, matrix_std=0.1)  # the routers' and experts' too, so every choice matters
+
+
+def swiglu_from_config(model):
+    """transformers 5.17 (the GPU image's) hard-codes GPT-OSS's SwiGLU alpha 1.702 and limit 7.0 in
+    GptOssExperts (its GptOssConfig has no such fields, and keeps swiglu_limit=1.0 only as an extra
+    key of config.json, which we import); 5.23 reads them. Set them from the config, so the reference
+    computes what config.json says: a limit of 1.0 clamps, 7.0 hardly ever."""
+    config = model.config
+    for module in model.modules():
+        if type(module).__name__ == "GptOssExperts":
+            module.alpha = getattr(config, "swiglu_alpha", module.alpha)
+            module.limit = getattr(config, "swiglu_limit", module.limit)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------- a
@@ -90,6 +104,19 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path, family, aux):
     result, = local_steps(parity_config(model_dir), arch, model_dir, [[mb]])
     assert result.loss == pytest.approx(float(out.loss.detach()), rel=RTOL)
     assert result.grad_norm == pytest.approx(float(total), rel=RTOL)
+
+
+def test_the_gpt_oss_reference_clamps_at_the_configs_limit():
+    """A reference that kept transformers 5.17's limit of 7.0 computed another model: 0.8% off our
+    loss at the first step, 2.9% after six (the bf16 GPU check)."""
+    model = tiny_moe("gpt_oss")
+    ids, _ = hf_batch()
+    with torch.no_grad():
+        clamped = model(input_ids=ids).logits
+        for layer in model.model.layers:
+            assert layer.mlp.experts.limit == 1.0
+            layer.mlp.experts.limit = 7.0
+        assert rel(model(input_ids=ids).logits, clamped) > 1e-2, "the limit must matter to the parity tests"
 
 
 def test_the_auxiliary_loss_spans_micro_batches_like_transformers_per_call(tmp_path):
