@@ -12,6 +12,7 @@ import torch
 
 from megatrain_ray.config import Config
 from megatrain_ray.data_parallel import Group
+from megatrain_ray.device_step import DeviceStepSource, embedding_step_on_device
 from megatrain_ray.executor import StreamingExecutor, pick_device
 from megatrain_ray.step_result import EvalResult, StepResult
 from megatrain_ray.host import (available_memory, dtype_of, element_size, host_headroom, major_faults,
@@ -138,6 +139,11 @@ class GpuWorker:
             sources.append(self.window)
             routes.append(list(remote))
         self.source = RoutedSource(sources, routes)
+        shared = self.source.route.get(0)
+        if embedding_step_on_device(config.executor.embedding_step, self.device, self.world,
+                                    isinstance(shared, SharedMemorySource)):
+            state = shared.shared_state(0, model_layouts(arch)[0].segments())
+            self.source = DeviceStepSource(self.source, {0: state}, self.device, dtype, shared.report_updates)
         self.kinds = ["shm" if node == here else "stream" for node in store_nodes]
         self.schedule = UpdateSchedule(config.optim, config.train.steps, updates_done)
         if self.world > 1:
@@ -257,6 +263,8 @@ class GpuWorker:
 
     def describe_device(self) -> str:
         kept = f"; the last {self.kept_graphs()} blocks keep their forward graphs" if self.kept_graphs() else ""
+        if isinstance(self.source, DeviceStepSource):
+            kept += "; the embedding's AdamW step runs here"
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(self.device)
             return f"{torch.cuda.get_device_name(self.device)} ({props.total_memory / GiB:.0f} GiB){kept}"

@@ -105,6 +105,7 @@ class ExecutorConfig:
     offload_activations: str = "auto"  # auto | on | off: park boundary activations in host memory (long contexts)
     mlp_chunk_tokens: int = 16384  # longer micro-batches run the MLP in checkpointed chunks of this many tokens; 0 = never
     keep_graphs: int | None = None  # last blocks keeping their forward's graph (no recompute); None: as many as fit the GPU, 0 on a CPU
+    embedding_step: str = "auto"  # auto | device | host: where the embedding's AdamW step runs (device_step.py); auto: the GPU, where one worker reaches its store's memory
 
 
 @dataclass(frozen=True)
@@ -347,6 +348,7 @@ def validate(config: Config) -> None:
         (ex.num_slots >= 2, "executor.num_slots must be >= 2 (one computing, one prefetching)"),
         (ex.loss_chunk_tokens >= 1, "executor.loss_chunk_tokens must be >= 1"),
         (ex.offload_activations in ("auto", "on", "off"), "executor.offload_activations must be auto, on or off"),
+        (ex.embedding_step in ("auto", "device", "host"), "executor.embedding_step must be auto, device or host"),
         (ex.mlp_chunk_tokens >= 0, "executor.mlp_chunk_tokens must be >= 0 (0: never chunk)"),
         (ex.keep_graphs is None or ex.keep_graphs >= 0,
          "executor.keep_graphs must be >= 0 (0: every block recomputes its forward), or null: as many as fit"),

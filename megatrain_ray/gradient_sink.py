@@ -70,6 +70,10 @@ class GradientSink:
 
     def _copy_out(self, layer: int, acc: torch.Tensor) -> None:
         self.norm_sq += acc.pow(2).sum()
+        if self.source.steps_on_device(layer):  # its optimizer step runs here: nothing leaves
+            self.source.take_gradient(layer, acc)
+            self.landed[layer] = self.streams.record(self.streams.compute)
+            return
         staged = acc.to(self.dtype)
         s = self.streams
         computed = s.record(s.compute)

@@ -55,10 +55,12 @@ def cuda_host_unregister(t: torch.Tensor) -> None:
 # Shared-memory segments outlive a killed store: each names its owner, the next store sweeps
 # ---------------------------------------------------------------------------------------------
 
-# megatrain-{run}-{pid}.{start}.{boot}-layer{i}: the owner's pid, its start time (clock ticks after
-# boot, so a reused pid is told apart) and this boot's id (so a directory another machine or boot
-# sees is never taken for ours). Older names carry the pid alone.
-SEGMENT = re.compile(r"^megatrain-(?P<run>.+)-(?P<pid>\d+)(?:\.(?P<start>\d+)\.(?P<boot>[0-9a-f]+))?-layer\d+$")
+# megatrain-{run}-{pid}.{start}.{boot}-layer{i}, and -master, -exp_avg, -exp_avg_sq after it for
+# state shared with a GPU worker: the owner's pid, its start time (clock ticks after boot, so a
+# reused pid is told apart) and this boot's id (so a directory another machine or boot sees is
+# never taken for ours). Older names carry the pid alone.
+SEGMENT = re.compile(r"^megatrain-(?P<run>.+)-(?P<pid>\d+)(?:\.(?P<start>\d+)\.(?P<boot>[0-9a-f]+))?-layer\d+"
+                     r"(?:-(?:master|exp_avg|exp_avg_sq))?$")
 
 
 def boot_id() -> str:

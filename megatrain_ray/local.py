@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from megatrain_ray.config import Config
+from megatrain_ray.device_step import DeviceStepSource, HostLayerState, embedding_step_on_device
 from megatrain_ray.executor import StreamingExecutor, pick_device
 from megatrain_ray.step_result import EvalResult, StepResult
 from megatrain_ray.host import dtype_of
@@ -32,10 +33,14 @@ class LocalTrainer:
         self.stores = [ShardStore(arch, ids, dtype) for ids in layers]
         for store in self.stores:
             store.init_random(config.train.seed, config.model.init_std)
-        self.source = LocalSource(self.stores)
-        self.schedule = UpdateSchedule(config.optim, config.train.steps)
+        local = LocalSource(self.stores)
         ex = config.executor
         device = pick_device(ex.device)
+        self.source = local
+        if embedding_step_on_device(ex.embedding_step, device, 1, in_reach=True):
+            self.source = DeviceStepSource(local, {0: host_state(local.owner[0], 0)}, device, dtype,
+                                           lambda layer, count: local.owner[layer].set_update_count(layer, count))
+        self.schedule = UpdateSchedule(config.optim, config.train.steps)
         offload = ex.offload_activations == "on"  # in one process, auto parks nothing
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         as_run = config.replace(executor=dataclasses.replace(ex, offload_activations="on" if offload else "off"))
@@ -52,7 +57,14 @@ class LocalTrainer:
 
     def layer_weights(self) -> list[torch.Tensor]:
         self.source.drain()
-        return [self.source.owner[i].master(i) for i in range(len(model_layouts(self.arch)))]
+        return [store.master(i) for store in self.stores for i in store.layers]
 
     def close(self) -> None:
         self.source.close()
+
+
+def host_state(store: ShardStore, layer: int) -> HostLayerState:
+    """A store's buffers of one layer, for its step on the executor's device."""
+    state = store.layers[layer]
+    return HostLayerState(state.master, state.exp_avg, state.exp_avg_sq, state.compute, state.layout.segments(),
+                          state.step)

@@ -2,7 +2,8 @@
 
 The update is torch.optim.AdamW's, decoupled weight decay applied to matrices only. `adamw_step`
 runs it as one pass (host_adamw.py's kernel); where that kernel cannot be built, `adamw_update`
-runs torch's fused AdamW in cache-sized chunks: gradient upcast, update, weight cast.
+runs torch's fused AdamW in cache-sized chunks: gradient upcast, update, weight cast. The GPU's
+step of the embedding (device_step.py) runs `adamw_update` on the device.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def adamw_step(
     )
 
 
-def _has_fused_cpu_adamw() -> bool:
-    return hasattr(torch, "_fused_adamw_")
+def _has_fused_adamw(device: torch.device) -> bool:
+    """torch's fused AdamW: on CUDA since torch 2.0, on the CPU since 2.4."""
+    return hasattr(torch, "_fused_adamw_") and device.type in ("cpu", "cuda")
 
 
 def adamw_update(
@@ -109,7 +111,8 @@ def adamw_update(
     weight decay rides inside the fused kernel instead of costing a pass of its own. `grad` may
     be `compute_copy` itself: each chunk of gradient is read before it is overwritten.
     """
-    scratch = torch.empty(min(master.numel(), chunk), dtype=torch.float32) if grad.dtype != torch.float32 else None
+    scratch = (torch.empty(min(master.numel(), chunk), dtype=torch.float32, device=master.device)
+               if grad.dtype != torch.float32 else None)
     for start, end, decays in segments:
         wd = hp.weight_decay if decays else 0.0
         for lo in range(start, end, chunk):
@@ -124,11 +127,11 @@ def _adam_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
                 wd: float) -> None:
     """The clipping factor rides along as the fused kernel's grad_scale (it divides by it)."""
     beta1, beta2 = hp.betas
-    if _has_fused_cpu_adamw():
+    if _has_fused_adamw(p.device):
         torch._fused_adamw_(
-            [p], [g], [m], [v], [], [torch.tensor(float(step))],
+            [p], [g], [m], [v], [], [torch.tensor(float(step), device=p.device)],
             lr=hp.lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=hp.eps, amsgrad=False, maximize=False,
-            grad_scale=torch.tensor(1.0 / hp.grad_scale) if hp.grad_scale != 1.0 else None,
+            grad_scale=torch.tensor(1.0 / hp.grad_scale, device=p.device) if hp.grad_scale != 1.0 else None,
         )
         return
     p.mul_(1.0 - hp.lr * wd)

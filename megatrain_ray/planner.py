@@ -184,7 +184,28 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     plan.by_use["loss chunk"] = chunk * arch.vocab_size * LOSS_BYTES_PER_LOGIT
     plan.by_use["RoPE tables"] = 2 * micro_batches_per_gpu(config, num_gpus) * mb_tokens * arch.head_dim * d
     plan.by_use[KEPT] = kept * kept_graph_bytes(arch, config, num_gpus)
+    if embedding_step_may_run_on_gpu(config, num_gpus):
+        plan.by_use[EMBEDDING_STEP] = layouts[0].numel * d
     return plan
+
+
+EMBEDDING_STEP = "the embedding's new weights, between steps (its AdamW step on the GPU)"
+
+
+def embedding_step_may_run_on_gpu(config: Config, num_gpus: int) -> bool:
+    """Where device_step.embedding_step_on_device may say yes: the plan cannot see whether the
+    store shares the GPU's node, so it counts the weights whenever it might."""
+    ex = config.executor
+    return num_gpus == 1 and (ex.embedding_step == "device" or (ex.embedding_step == "auto" and ex.device != "cpu"))
+
+
+def embedding_step_line(arch: ModelArch, config: Config, num_gpus: int) -> str | None:
+    if not embedding_step_may_run_on_gpu(config, num_gpus):
+        return None
+    state = model_layouts(arch)[0].numel * 12
+    return (f"the embedding's AdamW step runs on the GPU where its store is on the GPU's node (executor.embedding_step): "
+            f"its fp32 state ({size(state)}) crosses PCIe during the last blocks' backward and goes back during the "
+            f"next forward, so the next step starts without waiting for the host's update of the step's last gradient")
 
 
 @dataclass(frozen=True)
@@ -398,6 +419,8 @@ def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, netwo
         f"boundary activations {'offloaded to host memory (pinned, overlapped): ' + size(parked_bytes(arch, config)) + ' on the GPU node' if offload else 'kept on the device'}",
         recompute_line(arch, config, kept, undecided, num_gpus),
     ]
+    if embedding_step_line(arch, config, num_gpus):
+        lines.append(embedding_step_line(arch, config, num_gpus))
     if num_gpus > 1:
         lines.append(
             f"{num_gpus} GPUs, data parallel: {micro_batches_per_gpu(config, num_gpus)} micro-batches each; every GPU "

@@ -109,11 +109,12 @@ class Prefetcher:
             slot.buffer.copy_(host, non_blocking=True)
             slot.ready = s.record(s.h2d, timing=True)
         self.source.weights_copied(layer, slot.ready)
-        if s.cuda:
-            self.stats.h2d_events.append((start, slot.ready))
-        else:
-            self.stats.h2d_seconds += time.perf_counter() - t1
-        self.stats.h2d_bytes += host.numel() * host.element_size()
+        if host.device.type == "cpu":  # not weights a device step left on the device (device_step.py)
+            if s.cuda:
+                self.stats.h2d_events.append((start, slot.ready))
+            else:
+                self.stats.h2d_seconds += time.perf_counter() - t1
+            self.stats.h2d_bytes += host.numel() * host.element_size()
         self.stats.copies += 1
         if self.trace is not None:
             self.trace.append(("copy", slot.id, layer, getattr(waited, "id", None)))

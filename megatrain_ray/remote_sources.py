@@ -20,6 +20,7 @@ from pathlib import Path
 import ray
 import torch
 
+from megatrain_ray.device_step import HostLayerState
 from megatrain_ray.host import cuda_host_register, cuda_host_unregister, pinned_empty, shm_tensor
 from megatrain_ray.sources import LayerSource
 from megatrain_ray.transport import LayerLink, Transfer
@@ -33,20 +34,34 @@ def nbytes(t: torch.Tensor) -> int:
 class SharedMemorySource(LayerSource):
     def __init__(self, store, paths: dict[int, str], numels: dict[int, int], dtype, register: bool):
         self.store = store
+        self.register = register
         self.registered: list[torch.Tensor] = []
-        self.w: dict[int, torch.Tensor] = {}
-        for layer, path in paths.items():
-            self.w[layer] = shm_tensor(Path(path), numels[layer], dtype, create=False)
-            if register:
-                cuda_host_register(self.w[layer])
-                self.registered.append(self.w[layer])
+        self.w = {layer: self._map(Path(path), numels[layer], dtype) for layer, path in paths.items()}
         self.pending: dict[int, ray.ObjectRef] = {}
+
+    def _map(self, path: Path, numel: int, dtype) -> torch.Tensor:
+        t = shm_tensor(path, numel, dtype, create=False)
+        if self.register:
+            cuda_host_register(t)
+            self.registered.append(t)
+        return t
 
     def weights(self, layer: int) -> torch.Tensor:
         ref = self.pending.pop(layer, None)
         if ref is not None:
             ray.get(ref)
         return self.w[layer]
+
+    def shared_state(self, layer: int, segments: list[tuple[int, int, bool]]) -> HostLayerState:
+        """The layer's master and moments mapped here too, for its step on this worker's GPU."""
+        paths = ray.get(self.store.share_state.remote(layer))
+        numel = self.w[layer].numel()
+        state = {key: self._map(Path(path), numel, torch.float32) for key, path in paths.items()}
+        updates = ray.get(self.store.update_counts.remote())[layer]
+        return HostLayerState(**state, compute=self.w[layer], segments=segments, updates=updates)
+
+    def report_updates(self, layer: int, count: int) -> None:
+        ray.get(self.store.set_update_count.remote(layer, count))
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
         return self.w[layer]  # the gradient lands where the weights were (see store.py)

@@ -39,6 +39,15 @@ class LayerSource(Protocol):
         """The layer's gradient is on its way into `grad_buffer(layer)`; complete once the event
         `landed` has. It will not change this step: a source may send it on from here."""
 
+    def steps_on_device(self, layer: int) -> bool:
+        """Whether the layer's optimizer step runs on the executor's device (device_step.py): its
+        gradient then stays there (`take_gradient`) instead of being copied into `grad_buffer`."""
+        return False
+
+    def take_gradient(self, layer: int, grad: torch.Tensor) -> None:
+        """The layer's finished fp32 gradient, on the device, for a step that runs there."""
+        raise NotImplementedError("this source steps every layer on the host")
+
     def update(self, layer: int, hp: AdamWStep | None, gradient_landed) -> None:
         """Start the layer's optimizer step once `gradient_landed` (an event) has completed;
         hp None skips the update and only restores the weights (a non-finite step)."""

@@ -67,6 +67,7 @@ class ShardStore:
         self.arch = arch
         self.compute_dtype = compute_dtype
         self.shm_paths: dict[int, str] = {}
+        self.extra_shm_paths: list[str] = []  # state shared with a GPU worker (share_state)
         self._shm_dir = Path(shm_dir) if shm_dir else None
         self._run_id = run_id
         if self._shm_dir is not None:
@@ -111,6 +112,28 @@ class ShardStore:
 
     def master(self, index: int) -> torch.Tensor:
         return self.layers[index].master
+
+    def share_state(self, index: int) -> dict[str, str]:
+        """Move the layer's master and moments into shared memory, for a GPU worker on this node that
+        steps the layer itself (device_step.py); their paths by name. The store then only counts
+        that layer's updates (`set_update_count`) and saves what the worker wrote back."""
+        if self._shm_dir is None:
+            raise ValueError("share_state needs the store's shared-memory directory (runtime.shm_dir)")
+        state = self.layers[index]
+        paths = {}
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            path = self._shm_dir / f"megatrain-{self._run_id}-{owner_tag()}-layer{index}-{key}"
+            if not path.exists():
+                shared = shm_tensor(path, state.layout.numel, torch.float32, create=True)
+                shared.copy_(getattr(state, key))
+                setattr(state, key, shared)
+                self.extra_shm_paths.append(str(path))
+            paths[key] = str(path)
+        return paths
+
+    def set_update_count(self, index: int, count: int) -> None:
+        """Updates a GPU worker applied to a layer whose state it steps (`share_state`)."""
+        self.layers[index].step = count
 
     # ---- the step ----------------------------------------------------------------------------
     def step_layer(self, index: int, hp: AdamWStep | None) -> int:
@@ -164,7 +187,8 @@ class ShardStore:
             state.step = step
 
     def close(self) -> None:
-        for path in self.shm_paths.values():
+        for path in [*self.shm_paths.values(), *self.extra_shm_paths]:
             Path(path).unlink(missing_ok=True)
         self.shm_paths.clear()
+        self.extra_shm_paths.clear()
 

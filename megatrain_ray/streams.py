@@ -60,8 +60,10 @@ class Streams:
             stream.wait_event(event)
 
     def synchronize(self) -> None:
+        """Until this scheduler's streams are done; others' (device_step.py's copy back) go on."""
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            for stream in (self.compute, self.h2d, self.d2h):
+                stream.synchronize()
 
 
 @dataclass

@@ -18,27 +18,37 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-def test_ray_session_equals_in_process_trainer(local_ray, preset):
-    config = make_config(preset)
+@pytest.mark.parametrize("preset,embedding_step", [("tiny-llama", "host"), ("tiny-qwen3", "host"),
+                                                    ("tiny-qwen3", "device")])
+def test_ray_session_equals_in_process_trainer(local_ray, preset, embedding_step):
+    """With embedding_step device, the GPU worker (here on the CPU) maps the store's state of the
+    embedding, steps it and writes it back; the checkpointed state and update counts are the
+    in-process trainer's."""
+    config = make_config(preset, embedding_step=embedding_step)
     arch = PRESETS[preset]
     data = random_micro_batches(arch, 3, 2, batch=2, seq=12, seed=1)
 
     local = LocalTrainer(config, arch)
     local_results = [local.train_step(step) for step in data]
     expected = local.layer_weights()
+    expected_state = local.stores[0].state_tensors()
     local.close()
 
     session = Session(config, arch)
     try:
         session.init_weights()
-        session.start_executor()
+        described = session.start_executor()
+        assert ("the embedding's AdamW step runs here" in described) == (embedding_step == "device")
         assert session.transports() == ["shm"]
         results = [session.train_step(step) for step in data]
         weights = session.layer_weights()
+        state = ray.get(session.stores[0].state_tensors.remote())
     finally:
         session.close()
 
     assert [r.loss for r in results] == [r.loss for r in local_results]
     for a, b in zip(weights, expected):
         assert torch.equal(a, b)
+    assert state[1] == expected_state[1] == dict.fromkeys(state[1], 3)  # each layer's update count
+    for name, tensor in expected_state[0].items():
+        assert torch.equal(state[0][name], tensor), name

@@ -17,12 +17,14 @@ from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.store import ShardStore
 
 STORE = textwrap.dedent('''
-    """A store holding two layers in shared memory; says READY, then waits to be killed."""
+    """A store holding two layers in shared memory, the first one's state shared with a GPU worker;
+    says READY, then waits to be killed."""
     import sys, time, torch
     from megatrain_ray.models.registry import PRESETS
     from megatrain_ray.store import ShardStore
     store = ShardStore(PRESETS["tiny-llama"], [0, 1], torch.float32, shm_dir=sys.argv[1], run_id=sys.argv[2])
     store.init_random(0, 0.02)
+    store.share_state(0)
     print("READY", flush=True)
     time.sleep(600)
 ''')
@@ -46,12 +48,12 @@ def test_segments_of_a_killed_run_are_removed_by_the_next_and_a_live_run_keeps_i
     shm.mkdir()
     killed, live = start_store(tmp_path, shm, "killed"), start_store(tmp_path, shm, "live")
     try:
-        assert len(segments(shm, "killed")) == len(segments(shm, "live")) == 2
+        assert len(segments(shm, "killed")) == len(segments(shm, "live")) == 2 + 3  # weights, state of layer 0
         for path in segments(shm, "killed") + segments(shm, "live"):
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path  # nobody else reads the weights
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
-        assert len(segments(shm, "killed")) == 2  # a SIGKILL leaves them behind ...
+        assert len(segments(shm, "killed")) == 5  # a SIGKILL leaves them behind ...
         # ... and a segment whose pid was reused since (same pid, another start time) is dead too;
         # a file that is not a segment is none of our business.
         pid, start, boot = owner_tag().split(".")
@@ -62,8 +64,10 @@ def test_segments_of_a_killed_run_are_removed_by_the_next_and_a_live_run_keeps_i
 
         store = ShardStore(PRESETS["tiny-llama"], [2], torch.float32, shm_dir=str(shm), run_id="next")
         assert segments(shm, "killed") == [] and not reused.exists()  # the next run swept them
-        assert len(segments(shm, "live")) == 2 and other.exists()  # a live run keeps its own
+        assert len(segments(shm, "live")) == 5 and other.exists()  # a live run keeps its own
         assert len(segments(shm, "next")) == 1
+        store.share_state(2)
+        assert len(segments(shm, "next")) == 4
         store.close()
         assert segments(shm, "next") == []
     finally:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatrain_ray.config import config_from_dict
+from megatrain_ray.device_step import DeviceStepSource
 from megatrain_ray.models.registry import PRESETS
 from reference_training import random_micro_batches, train_both
 
@@ -61,6 +62,29 @@ def test_blocks_that_keep_their_forward_graphs_train_like_plain_pytorch(preset, 
     assert [r.loss for r in results] == pytest.approx(ref_losses, rel=1e-5)
     for i, (a, b) in enumerate(zip(ours, ref_weights)):
         assert relative_error(a, b) < 1e-5, f"layer {i}"
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
+def test_the_embedding_stepped_on_the_device_trains_like_plain_pytorch(preset):
+    """executor.embedding_step: device (device_step.py) on the CPU executor: the embedding's state
+    goes in, its AdamW step runs there, state and weights come back; untied (Llama) and tied to
+    the head (Gemma 3), with clipping and weight decay. The store counts the updates it did not run."""
+    config = make_config(preset, embedding_step="device")
+    arch = PRESETS[preset]
+    data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=7)
+    trainers = []
+
+    def on_device(trainer):
+        assert isinstance(trainer.source, DeviceStepSource) and trainer.source.steps_on_device(0)
+        assert not trainer.source.steps_on_device(1)
+        trainers.append(trainer)
+
+    results, init, ours, ref_losses, ref_weights = train_both(config, arch, data, check=on_device)
+    assert [r.loss for r in results] == pytest.approx(ref_losses, rel=1e-5)
+    for i, (a, b) in enumerate(zip(ours, ref_weights)):
+        assert relative_error(a, b) < 1e-5, f"layer {i}"
+        assert not torch.equal(a, init[i]), f"layer {i} did not train"
+    assert trainers[0].stores[0].update_counts()[0] == STEPS
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gemma3", "tiny-phi3"])

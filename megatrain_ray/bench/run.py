@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--loss-chunk-tokens", type=int, default=8192)
     p.add_argument("--offload-activations", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--embedding-step", default="auto", choices=["auto", "device", "host"],
+                   help="where the embedding's AdamW step runs (executor.embedding_step)")
     p.add_argument("--num-gpus", type=int, default=None,
                    help="GPU workers, data parallel over each step's micro-batches (default: every GPU of the node); "
                         "--grad-accum is the whole step's, a multiple of it")
@@ -125,7 +127,7 @@ def bench_config(args, shape: Shape):
                   "grad_accum": shape.grad_accum},
         "executor": {"device": args.device, "num_slots": args.num_slots, "loss_chunk_tokens": args.loss_chunk_tokens,
                      "offload_activations": args.offload_activations, "compile": not args.no_compile,
-                     "keep_graphs": shape.keep_graphs},
+                     "keep_graphs": shape.keep_graphs, "embedding_step": args.embedding_step},
         "runtime": {"object_store_memory": 2 * 1024**3,
                     "optimizer_threads": args.optimizer_threads[0] if args.optimizer_threads else None,
                     "store_on_gpu_node": not args.ram_nodes, "remote_window": args.remote_window,
