@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from megatrain_ray.optim import AdamWStep, adamw_update
+from megatrain_ray.optim import CHUNK_ELEMENTS, AdamWStep, adamw_update
 from megatrain_ray.sources import LayerSource
 from megatrain_ray.streams import Streams
 
@@ -42,6 +42,15 @@ def embedding_step_on_device(setting: str, device: torch.device, workers: int, i
         raise ValueError(f"executor.embedding_step is 'device' but the embedding's step cannot run on the device "
                          f"with {why}; set it to auto or host")
     return possible
+
+
+def round_through(grad: torch.Tensor, dtype: torch.dtype) -> None:
+    """Round the fp32 gradient to `dtype` and back, in place, a chunk at a time: the values the
+    host's step reads from the compute-dtype copy, without a second buffer of the whole layer."""
+    if dtype == torch.float32:
+        return
+    for chunk in grad.split(CHUNK_ELEMENTS):
+        chunk.copy_(chunk.to(dtype))
 
 
 @dataclass
@@ -129,9 +138,9 @@ class DeviceStepSource(LayerSource):
         else:
             state.updates += 1
             weights = torch.empty_like(flight.master, dtype=self.dtype)
-            grad = flight.grad.to(self.dtype) if self.dtype != torch.float32 else flight.grad  # as the host reads it
-            adamw_update(flight.master, grad, flight.exp_avg, flight.exp_avg_sq, state.segments, hp, state.updates,
-                         compute_copy=weights, chunk=flight.master.numel())
+            round_through(flight.grad, self.dtype)
+            adamw_update(flight.master, flight.grad, flight.exp_avg, flight.exp_avg_sq, state.segments, hp,
+                         state.updates, compute_copy=weights)
         flight.grad = None
         updated = s.record(s.compute)
         self.fresh[layer] = (weights, updated)
