@@ -139,3 +139,28 @@ python examples/trace_summary.py "$out"/profile/seq4096-mb4/rank-0/trace.json > 
 python -m pytest -q -m gpu -s tests/test_planner.py tests/test_gpu_trainer.py tests/test_moe_parity.py \
    tests/test_transformers_parity.py tests/test_families_parity.py tests/test_eval.py tests/test_compiled.py \
    > "$out/gpu-tests-head-budget.log"
+
+# Issue #14 (2026-11-23, night; results qwen2.5-3b-65k-4x4-auto14-keep17.*, *-embedding-step*,
+# *-auto-before-deepspeed.*, qwen2.5-3b-65k-16k-final.*, *-deepspeed-16x1-final.log, gpu-tests-final-*.log):
+# kept blocks as planned at 0.7 (auto: 14) and 17; the embedding's AdamW step on the host, then on
+# the GPU, at a host-bound 16,384 tokens; ours with the defaults then DeepSpeed at its best split
+# (twice, on two machines); the GPU tests
+$B --model qwen2.5-3b --seq-len 4096 4096 --micro-batch 4 --grad-accum 4 --keep-graphs auto 17 --steps 3 --warmup 1 \
+   --loss-chunk-tokens 2048 --json "$out/qwen2.5-3b-65k-4x4-auto14-keep17.json"
+for where in host device; do
+  $B --model qwen2.5-3b --seq-len 4096 --micro-batch 1 --grad-accum 4 --steps 4 --warmup 1 --loss-chunk-tokens 2048 \
+     --embedding-step $where --json "$out/qwen2.5-3b-16k-embedding-step-$where.json"
+done
+$B --model qwen2.5-3b --seq-len 4096 --micro-batch 4 --grad-accum 4 --steps 4 --warmup 1 --loss-chunk-tokens 2048 \
+   --json "$out/qwen2.5-3b-65k-4x4-auto-before-deepspeed.json"
+python -m megatrain_ray.bench.baseline_process --name deepspeed_offload --model qwen2.5-3b --seq-len 4096 \
+   --micro-batch 16 --grad-accum 1 --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-deepspeed-16x1-after-auto.log"
+$B --model qwen2.5-3b --seq-len 4096 4096 --micro-batch 4 1 --grad-accum 4 4 --steps 4 --warmup 1 \
+   --loss-chunk-tokens 2048 --json "$out/qwen2.5-3b-65k-16k-final.json"
+python -m megatrain_ray.bench.baseline_process --name deepspeed_offload --model qwen2.5-3b --seq-len 4096 \
+   --micro-batch 16 --grad-accum 1 --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-deepspeed-16x1-final.log"
+python -m pytest -q -m gpu -s tests/test_moe_parity.py tests/test_transformers_parity.py > "$out/gpu-tests-moe-transformers-parity.log"
+python -m pytest -q -m gpu -s tests/test_moe_parity.py tests/test_families_parity.py tests/test_eval.py \
+   tests/test_planner.py tests/test_gpu_trainer.py > "$out/gpu-tests-final-1.log"
+python -m pytest -q -m gpu -s tests/test_planner.py tests/test_gpu_trainer.py -k "peak or embedding" \
+   > "$out/gpu-tests-final-2.log"
