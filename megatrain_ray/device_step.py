@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from megatrain_ray.optim import CHUNK_ELEMENTS, AdamWStep, adamw_update
+from megatrain_ray.planner import PlanError
 from megatrain_ray.sources import LayerSource
 from megatrain_ray.streams import Streams
 
@@ -39,8 +40,8 @@ def embedding_step_on_device(setting: str, device: torch.device, workers: int, i
     possible = workers == 1 and in_reach
     if setting == "device" and not possible:
         why = "several data-parallel workers" if workers > 1 else "its store on another node"
-        raise ValueError(f"executor.embedding_step is 'device' but the embedding's step cannot run on the device "
-                         f"with {why}; set it to auto or host")
+        raise PlanError(f"executor.embedding_step is 'device' but the embedding's step cannot run on the device "
+                        f"with {why}; set it to auto or host")
     return possible
 
 
@@ -97,6 +98,7 @@ class DeviceStepSource(LayerSource):
 
     # -- the protocol, passed through for the other layers ----------------------------------------
     def begin_step(self, schedule: list[int]) -> None:
+        self.in_flight.clear()  # an upload a failed step left behind is fetched again
         self.inner.begin_step(schedule)
 
     def weights(self, layer: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megatrain_ray.config import config_from_dict
-from megatrain_ray.device_step import DeviceStepSource
+from megatrain_ray.device_step import DeviceStepSource, embedding_step_on_device
+from megatrain_ray.planner import PlanError
 from megatrain_ray.models.registry import PRESETS
 from reference_training import random_micro_batches, train_both
 
@@ -85,6 +86,22 @@ def test_the_embedding_stepped_on_the_device_trains_like_plain_pytorch(preset):
         assert relative_error(a, b) < 1e-5, f"layer {i}"
         assert not torch.equal(a, init[i]), f"layer {i} did not train"
     assert trainers[0].stores[0].update_counts()[0] == STEPS
+
+
+def test_where_the_embedding_steps():
+    """auto: on a GPU, with one worker that reaches the store's memory; device where it cannot run
+    is refused with the reason, not quietly run on the host."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert embedding_step_on_device("auto", cuda, 1, in_reach=True)
+    assert not embedding_step_on_device("auto", cpu, 1, in_reach=True)
+    assert not embedding_step_on_device("auto", cuda, 2, in_reach=True)
+    assert not embedding_step_on_device("auto", cuda, 1, in_reach=False)
+    assert not embedding_step_on_device("host", cuda, 1, in_reach=True)
+    assert embedding_step_on_device("device", cpu, 1, in_reach=True)
+    with pytest.raises(PlanError, match="several data-parallel workers"):
+        embedding_step_on_device("device", cuda, 2, in_reach=True)
+    with pytest.raises(PlanError, match="another node"):
+        embedding_step_on_device("device", cuda, 1, in_reach=False)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gemma3", "tiny-phi3"])
