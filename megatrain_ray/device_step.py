@@ -1,14 +1,16 @@
-"""The embedding's optimizer step on the GPU: the one update that nothing can hide.
+"""The embedding's optimizer step on the GPU: the step's largest layer taken off the host.
 
 A step's last gradient is the embedding's (its lookup is differentiated last, and a tied head adds
-to it first), and the next step's first read is the embedding again. On the host, that turn costs
-the gradient's copy out, the AdamW pass over the whole table and the copy back in, while the GPU
-waits: 0.13 s of a 3 s Qwen2.5-3B step, for 311 M parameters. Here the table's fp32 state (master
-and both moments) crosses PCIe during the last blocks' backward, when the link is nearly idle
-and the kept graphs are gone; the update runs on the GPU from the fp32 gradient rounded as the
-host would see it; the new weights stay on the device for the next step, and the state goes back
-to the store's buffers while the next forward runs. The arithmetic is optim.adamw_update's
-(torch's fused AdamW), so the layer trains exactly as on the host, up to a last bit of rounding.
+to it first), and the next step's first read is the embedding again. Here the table's fp32 state
+(master and both moments) crosses PCIe during the last blocks' backward, when the link is nearly
+idle and the kept graphs are gone; the update runs on the GPU from the fp32 gradient rounded as
+the host would see it; the new weights stay on the device for the next step, and the state goes
+back to the store's buffers while the next forward runs. The arithmetic is optim.adamw_update's
+(torch's fused AdamW), so the layer trains as on the host, up to a last bit of rounding.
+
+It pays where the host optimizer is the wall: Qwen2.5-3B at 16,384 tokens a step ran 14,207
+tokens/s against 13,226 with the step on the host (H100, README "The host optimizer, measured");
+where compute bounds the step (65,536 tokens) it changed nothing measurable.
 
 It wraps the source that reaches the stores; every other layer passes through untouched.
 """

@@ -26,7 +26,8 @@ class LayerSource(Protocol):
         The executor serves some uses from its device slots and skips them; the order holds."""
 
     def weights(self, layer: int) -> torch.Tensor:
-        """Host tensor of the layer's current compute weights; waits for a pending update."""
+        """The layer's current compute weights, a host tensor (or a device tensor, where the layer's
+        step ran on the device: device_step.py); waits for a pending update."""
 
     def weights_copied(self, layer: int, copied) -> None:
         """The device copy out of `weights(layer)` is queued; the tensor may be reused once the event
