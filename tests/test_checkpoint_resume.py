@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megatrain_ray import checkpoint as ckpt
@@ -43,6 +44,15 @@ def tensors_of(checkpoint: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def layer_steps(checkpoint: Path) -> dict[str, int]:
+    """Each layer's AdamW update count, as the shards' metadata keeps it."""
+    steps = {}
+    for file in checkpoint.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as shard:
+            steps.update(json.loads(shard.metadata()["layer_steps"]))
+    return steps
+
+
 def meta_of(checkpoint: Path) -> dict:
     return json.loads((checkpoint / ckpt.META).read_text())
 
@@ -54,13 +64,18 @@ def local_ray():
     ray.shutdown()
 
 
-def test_ten_steps_equal_five_then_resume_five(local_ray, tmp_path):
-    whole = run_training(config_from_dict(tiny_raw(tmp_path / "whole")))
+@pytest.mark.parametrize("embedding_step", ["host", "device"])
+def test_ten_steps_equal_five_then_resume_five(local_ray, tmp_path, embedding_step):
+    """device: the embedding's state and update count go through the checkpoint from the GPU
+    worker's step (device_step.py), and its bias correction goes on from there."""
+    executor = {"executor": {"device": "cpu", "compile": False, "embedding_step": embedding_step}}
+    whole = run_training(config_from_dict(tiny_raw(tmp_path / "whole", **executor)))
     # The interrupted run: the same config stopped after step 5 (its own final checkpoint), then a resume.
-    run_training(config_from_dict(tiny_raw(tmp_path / "split")), until_step=5)
+    run_training(config_from_dict(tiny_raw(tmp_path / "split", **executor)), until_step=5)
     first = ckpt.list_checkpoints(tmp_path / "split" / "checkpoints")[-1]
     assert first.name == "step-00000005"
-    resumed = run_training(config_from_dict(tiny_raw(tmp_path / "split")), resume="latest")
+    assert set(layer_steps(first).values()) == {5}  # every layer's update count, the embedding's too
+    resumed = run_training(config_from_dict(tiny_raw(tmp_path / "split", **executor)), resume="latest")
 
     a, b = Path(whole["checkpoint"]), Path(resumed["checkpoint"])
     assert a.name == b.name == "step-00000010"
