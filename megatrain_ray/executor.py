@@ -155,11 +155,14 @@ class StreamingExecutor:
         s = self.streams
         start, t0 = s.record(s.compute, timing=True), time.perf_counter()
         yield
-        end = s.record(s.compute, timing=True)
+        end, t1 = s.record(s.compute, timing=True), time.perf_counter()
         if s.cuda:
             self.stats.compute_events.append((start, end))
         else:
-            self.stats.compute_seconds += time.perf_counter() - t0
+            self.stats.compute_seconds += t1 - t0
+        if self.stats.first_compute is None:
+            self.stats.first_compute = start if s.cuda else t0
+        self.stats.last_compute = end if s.cuda else t1
 
     def _views(self, slot_or_leaf: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         return self.layouts[layer].views(slot_or_leaf)
@@ -178,6 +181,7 @@ class StreamingExecutor:
         if self.streams.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.stats = self.prefetcher.stats = self.grads.stats = TransferStats()
+        self.stats.step_start = self.streams.record(self.streams.compute, timing=True) if self.streams.cuda else t0
         order, layer_schedule = self._schedule()
         self.prefetcher.begin_step(layer_schedule)
         self.grads.begin_step()
@@ -401,13 +405,15 @@ class StreamingExecutor:
             compute_s = sum(a.elapsed_time(b) for a, b in st.compute_events) / 1e3
         else:
             h2d_s, d2h_s, peak, compute_s = st.h2d_seconds, st.d2h_seconds, 0, st.compute_seconds
+        seconds = time.perf_counter() - t0
+        before, between, after = _waits(st, compute_s, seconds, self.streams.cuda)
         return StepResult(
             loss=loss,
             grad_norm=grad_norm,
             tokens=sum(mb["input_ids"].numel() for mb in mbs),
             target_tokens=target,
             finite=finite,
-            seconds=time.perf_counter() - t0,
+            seconds=seconds,
             h2d_bytes=st.h2d_bytes,
             d2h_bytes=st.d2h_bytes,
             h2d_gbps=st.h2d_bytes / h2d_s / 1e9 if h2d_s > 0 else 0.0,
@@ -416,4 +422,21 @@ class StreamingExecutor:
             compute_s=compute_s,
             weight_copies=st.copies,
             peak_device_bytes=peak,
+            wait_before_s=before,
+            wait_between_s=between,
+            wait_after_s=after,
         )
+
+
+def _waits(st: TransferStats, compute_s: float, seconds: float, cuda: bool) -> tuple[float, float, float]:
+    """A step's time outside compute, split where it happened: before the first layer computed
+    (the batch, the first weights), between layers (weights or updates not ready, launches), after
+    the last (the norm's sync, sending the updates)."""
+    if st.first_compute is None:
+        return 0.0, 0.0, max(0.0, seconds - compute_s)
+    if cuda:
+        before = st.step_start.elapsed_time(st.first_compute) / 1e3
+        span = st.step_start.elapsed_time(st.last_compute) / 1e3
+    else:
+        before, span = st.first_compute - st.step_start, st.last_compute - st.step_start
+    return before, max(0.0, span - before - compute_s), max(0.0, seconds - span)

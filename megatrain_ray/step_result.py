@@ -23,6 +23,9 @@ class StepResult:
     peak_device_bytes: int
     lr: float | None = None  # the update's learning rate; None when the step was skipped or not applied
     num_gpus: int = 1  # data-parallel workers whose results this combines
+    wait_before_s: float = 0.0  # of the exposed wait: before the first layer computed
+    wait_between_s: float = 0.0  # between layers
+    wait_after_s: float = 0.0  # after the last layer computed
 
 
 def combine_results(results: list[StepResult]) -> StepResult:
@@ -40,6 +43,8 @@ def combine_results(results: list[StepResult]) -> StepResult:
         h2d_gbps=total("h2d_gbps"), d2h_gbps=total("d2h_gbps"), prefetch_wait_s=slowest("prefetch_wait_s"),
         compute_s=slowest("compute_s"), weight_copies=total("weight_copies"),
         peak_device_bytes=slowest("peak_device_bytes"), lr=first.lr, num_gpus=len(results),
+        wait_before_s=slowest("wait_before_s"), wait_between_s=slowest("wait_between_s"),
+        wait_after_s=slowest("wait_after_s"),
     )
 
 

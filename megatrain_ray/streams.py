@@ -79,4 +79,7 @@ class TransferStats:
     prefetch_wait_s: float = 0.0
     copies: int = 0
     compute_events: list = field(default_factory=list)  # (start, end) of each unit's compute on CUDA
+    step_start: object = None  # when the step began: an event on CUDA, perf_counter on the CPU
+    first_compute: object = None  # when the first unit's compute began, likewise
+    last_compute: object = None  # when the last unit's compute ended, likewise
     compute_seconds: float = 0.0  # measured directly on the CPU

@@ -114,3 +114,20 @@ def test_a_layer_computes_before_the_host_waits_for_the_layers_after_it():
                 assert needed_now or released_since_compute, f"layer {layer} copied ahead before a compute was queued"
         first_compute = next(i for i, t in enumerate(trace) if t[0] == "compute")
         assert [t[2] for t in trace[:first_compute] if t[0] == "copy"] == [0]
+
+
+def test_the_exposed_wait_is_split_where_it_happened():
+    """Before the first layer computed, between layers and after the last: the three add up to the
+    step's time outside compute, and a step does take time before its first layer (the batch)."""
+    config = config_from_dict({
+        "model": {"preset": "tiny-llama", "compute_dtype": "float32"},
+        "train": {"steps": 2, "grad_accum": 2},
+        "executor": {"device": "cpu"},
+    })
+    trainer = LocalTrainer(config, ARCH)
+    results = [trainer.train_step(mbs) for mbs in random_micro_batches(ARCH, 2, 2, batch=1, seq=8, seed=0)]
+    trainer.close()
+    for r in results:
+        waits = (r.wait_before_s, r.wait_between_s, r.wait_after_s)
+        assert all(w >= 0 for w in waits) and r.wait_before_s > 0
+        assert sum(waits) == pytest.approx(r.seconds - r.compute_s, abs=1e-6)

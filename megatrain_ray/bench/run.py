@@ -274,7 +274,9 @@ def format_row(step: int, row: dict) -> str:
             f"{row['tokens_per_s']:.0f} tok/s, {row['model_tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), "
             f"loss {row['loss']:.3f}, h2d {row['h2d_gbps']:.1f} GB/s, d2h {row['d2h_gbps']:.1f} GB/s, "
             f"compute {row['compute_s']:.2f} s, exposed wait {row['exposed_wait_s']:.2f} s "
-            f"(of it waiting for the host optimizer {row['prefetch_wait_s']:.2f} s), peak GPU {row['peak_gpu_gib']:.1f} GiB, "
+            f"(before the first layer {row['wait_before_s']:.2f}, between layers {row['wait_between_s']:.2f}, after "
+            f"the last {row['wait_after_s']:.2f}; the host blocked on the optimizer {row['prefetch_wait_s']:.2f} s), "
+            f"peak GPU {row['peak_gpu_gib']:.1f} GiB, "
             f"host available {row['driver_node_available_gib']:.1f} GiB")
 
 
