@@ -42,6 +42,7 @@ def step_order(units: list[Unit], kept: int = 0) -> list[Unit]:
     return units + [u for u in reversed(units[:-1]) if u not in skipped]
 
 
-def layer_schedule(arch: ModelArch) -> list[int]:
-    """The order in which a step with no kept graphs reads layers' weights (the traffic model's)."""
-    return [layer for unit in step_order(model_units(arch)) for layer in unit.layers]
+def layer_schedule(arch: ModelArch, kept: int = 0) -> list[int]:
+    """The order in which a step whose last `kept` blocks keep their graphs reads layers' weights
+    (the traffic model's)."""
+    return [layer for unit in step_order(model_units(arch), kept) for layer in unit.layers]

@@ -3,7 +3,7 @@
 Each layer held by a store on another machine than the GPU worker's crosses the network two or
 three times a step: its weights ahead of the forward, again ahead of the backward unless the
 GPU node's window still holds them at the turn (window.fetches_per_step, the window's own
-policy), and its gradient once, on the way back. Links are full duplex: weights in and gradients
+policy) or the block keeps its forward graph, and its gradient once, on the way back. Links are full duplex: weights in and gradients
 out overlap. A store on the GPU worker's machine (a raylet beside it) is reached over loopback
 and crosses no network card: its bytes are listed, not timed.
 """
@@ -82,11 +82,13 @@ class StepTraffic:
         return max((s.params / s.adamw_params_per_s for s in self.stores), default=0.0)
 
 
-def step_traffic(arch: ModelArch, config: Config, placement: Placement) -> StepTraffic:
+def step_traffic(arch: ModelArch, config: Config, placement: Placement, kept: int = 0) -> StepTraffic:
+    """`kept`: the blocks whose forward graphs the GPU keeps; their backward fetches nothing."""
     layouts = model_layouts(arch)
     esize = element_size(dtype_of(config.model.compute_dtype))
     remote = placement.remote_layers()
-    fetched = fetches_per_step({i: layouts[i].numel for i in remote}, layer_schedule(arch), placement.window_slots)
+    fetched = fetches_per_step({i: layouts[i].numel for i in remote}, layer_schedule(arch, kept),
+                               placement.window_slots)
     default_gbps = config.runtime.network_gbps
     gpu_ip = placement.gpu.ip
     by_machine: dict[str, list] = {}

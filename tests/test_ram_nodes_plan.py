@@ -133,6 +133,22 @@ def test_the_step_model_with_the_network():
     assert predict_step(arch, cfg, no_net.times(), no_net.optimizer_seconds()) == predict_step(arch, cfg)
 
 
+def test_kept_blocks_cross_the_network_once():
+    """A block that keeps its forward graph is not read again in backward: the traffic model
+    follows the executor's schedule (schedule.step_order), as the window itself does."""
+    arch, cfg = SEVEN_B, config()
+    plan = plan_placement(arch, cfg, [gpu_node(16), ram_node(1, 400)], "gpu")
+    blocks = arch.num_layers
+    traffic = {kept: step_traffic(arch, cfg, plan, kept).gpu for kept in (0, 8, blocks)}
+    assert len({t.forward_bytes for t in traffic.values()}) == 1
+    assert len({t.gradient_bytes for t in traffic.values()}) == 1
+    embedding = model_layouts(arch)[0].numel * 2
+    block = model_layouts(arch)[1].numel * 2
+    assert traffic[0].backward_bytes - traffic[8].backward_bytes >= 8 * block - plan.window_slots * block
+    assert traffic[8].backward_bytes < traffic[0].backward_bytes
+    assert traffic[blocks].backward_bytes <= embedding  # only the embedding's backward reads weights
+
+
 def run_plan(*args):
     return subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "plan", *args], capture_output=True, text=True,
                           timeout=120)
