@@ -20,7 +20,7 @@ from megatrain_ray.host import (available_memory, dtype_of, element_size, host_h
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.optim import AdamWStep, UpdateSchedule
-from megatrain_ray.planner import check_gpu_fit, check_host_fit, check_parked_fit
+from megatrain_ray.planner import check_gpu_fit, check_host_fit, check_parked_fit, embedding_step_as_placed
 from megatrain_ray.remote_sources import RoutedSource, SharedMemorySource, WindowSource
 from megatrain_ray.store import ShardStore
 from megatrain_ray.transport import LayerLink, LayerServer
@@ -126,6 +126,7 @@ class GpuWorker:
         remote = {i: numels[i] for node, layers in zip(store_nodes, layer_lists) if node != here for i in layers}
         slots = window_slots or config.runtime.remote_window or config.executor.num_slots + 1
         window = window_bytes(list(remote.values()), slots, element_size(dtype))
+        config = embedding_step_as_placed(config, on_host=0 in remote)
         fit = self._check_fit(config, window)
         sources, routes = [], []
         for store, node, layers in zip(stores, store_nodes, layer_lists):
@@ -198,6 +199,7 @@ class GpuWorker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         window = self.window.host_bytes() if self.window is not None else 0
+        config = embedding_step_as_placed(config, on_host=not isinstance(self.source, DeviceStepSource))
         self.executor = self._executor(config, *self._check_fit(config, window))
 
     def _expect(self, updates_elsewhere: dict | None) -> None:

@@ -103,6 +103,7 @@ def plan_live(config: Config) -> bool:
             print(f"does not fit in host memory: {e}")
             return False
         free = gpu_free_bytes(placement.gpu.node_id) if placement.use_cuda else None
+        config = planner.embedding_step_as_placed(config, on_host=0 in placement.remote_layers())
         traffic = step_traffic(arch, config, placement, planner.choose_kept(arch, config, free, placement.num_gpus))
         network, optimizer_s = traffic.times(), traffic.optimizer_seconds()
         print(placement.describe(arch))

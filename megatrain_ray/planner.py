@@ -11,6 +11,7 @@ refuses, with what to change, a run that will not fit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -201,10 +202,17 @@ EMBEDDING_STEP = "the embedding's AdamW step on the GPU (new weights between ste
 
 
 def embedding_step_may_run_on_gpu(config: Config, num_gpus: int) -> bool:
-    """Where device_step.embedding_step_on_device may say yes: the plan cannot see whether the
-    store shares the GPU's node, so it counts the weights whenever it might."""
+    """Where device_step.embedding_step_on_device may say yes; a plan that knows where the
+    embedding's store is passes its config through `embedding_step_as_placed` first."""
     ex = config.executor
     return num_gpus == 1 and (ex.embedding_step == "device" or (ex.embedding_step == "auto" and ex.device != "cpu"))
+
+
+def embedding_step_as_placed(config: Config, on_host: bool) -> Config:
+    """Where `auto` steps the embedding on the host after all (its store on another node), plan it so."""
+    if on_host and config.executor.embedding_step == "auto":
+        return config.replace(executor=dataclasses.replace(config.executor, embedding_step="host"))
+    return config
 
 
 def embedding_step_line(arch: ModelArch, config: Config, num_gpus: int) -> str | None:

@@ -93,6 +93,7 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
     except ConfigError as e:
         return "\n".join(lines + [f"does not fit in host memory: {e}"]), False
     lines.append(placement.describe(arch))
+    config = planner.embedding_step_as_placed(config, on_host=0 in placement.remote_layers())
     traffic = step_traffic(arch, config, placement, planner.choose_kept(arch, config, gpu_free))
     prediction = planner.predict_step(arch, config, traffic.times(), traffic.optimizer_seconds())
     lines.append(describe_traffic(traffic, prediction.compute_s))

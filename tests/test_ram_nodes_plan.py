@@ -12,7 +12,7 @@ from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.schedule import layer_schedule
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
 from megatrain_ray.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement
-from megatrain_ray.planner import predict_step
+from megatrain_ray.planner import EMBEDDING_STEP, describe, embedding_step_as_placed, gpu_plan, predict_step
 from megatrain_ray.traffic import step_traffic
 from megatrain_ray.window import WindowPolicy, fetches_per_step, window_bytes
 
@@ -147,6 +147,21 @@ def test_kept_blocks_cross_the_network_once():
     assert traffic[0].backward_bytes - traffic[8].backward_bytes >= 8 * block - plan.window_slots * block
     assert traffic[8].backward_bytes < traffic[0].backward_bytes
     assert traffic[blocks].backward_bytes <= embedding  # only the embedding's backward reads weights
+
+
+def test_an_embedding_on_a_ram_node_is_planned_with_its_step_on_the_host():
+    """device_step.py needs the store's memory: with the embedding streamed in, auto steps it on
+    the host, and the plan neither counts its device memory nor says it runs on the GPU."""
+    arch = SEVEN_B
+    cfg = config().replace(executor=dataclasses.replace(config().executor, device="cuda"))
+    plan = plan_placement(arch, cfg, [gpu_node(16), ram_node(1, 400)], "gpu")
+    assert 0 in plan.remote_layers()
+    placed = embedding_step_as_placed(cfg, on_host=0 in plan.remote_layers())
+    assert EMBEDDING_STEP in gpu_plan(arch, cfg).by_use and EMBEDDING_STEP not in gpu_plan(arch, placed).by_use
+    assert "AdamW step runs on the GPU" in describe(arch, cfg)
+    assert "AdamW step runs on the GPU" not in describe(arch, placed)
+    forced = cfg.replace(executor=dataclasses.replace(cfg.executor, embedding_step="device"))
+    assert embedding_step_as_placed(forced, on_host=True) == forced  # the worker refuses it, naming why
 
 
 def run_plan(*args):
