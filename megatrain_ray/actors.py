@@ -12,7 +12,7 @@ import torch
 
 from megatrain_ray.config import Config
 from megatrain_ray.data_parallel import Group
-from megatrain_ray.device_step import DeviceStepSource, embedding_step_on_device
+from megatrain_ray.device_step import DeviceStepSource
 from megatrain_ray.executor import StreamingExecutor, pick_device
 from megatrain_ray.step_result import EvalResult, StepResult
 from megatrain_ray.host import (available_memory, dtype_of, element_size, host_headroom, major_faults,
@@ -20,7 +20,8 @@ from megatrain_ray.host import (available_memory, dtype_of, element_size, host_h
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.optim import AdamWStep, UpdateSchedule
-from megatrain_ray.planner import check_gpu_fit, check_host_fit, check_parked_fit, embedding_step_as_placed
+from megatrain_ray.planner import (check_gpu_fit, check_host_fit, check_parked_fit, embedding_step_as_placed,
+                                   embedding_step_on_device)
 from megatrain_ray.remote_sources import RoutedSource, SharedMemorySource, WindowSource
 from megatrain_ray.store import ShardStore
 from megatrain_ray.transport import LayerLink, LayerServer

@@ -23,7 +23,6 @@ from typing import Callable
 import torch
 
 from megatrain_ray.optim import CHUNK_ELEMENTS, AdamWStep, adamw_update
-from megatrain_ray.planner import PlanError
 from megatrain_ray.sources import LayerSource
 from megatrain_ray.streams import Streams
 
@@ -31,20 +30,6 @@ from megatrain_ray.streams import Streams
 # milliseconds of compute at any useful size, and the copy (3.7 GB for Qwen2.5-3B's table) takes
 # about 70 ms at the H100 machine's 54 GB/s.
 UPLOAD_LAYERS_AHEAD = 4
-
-
-def embedding_step_on_device(setting: str, device: torch.device, workers: int, in_reach: bool) -> bool:
-    """executor.embedding_step: `device` wherever it can run, `auto` on a GPU, `host` never. It can
-    run with one worker (several would each need the step's summed gradient) whose process reaches
-    the embedding's store memory (in process, or shared memory on its node: not over the network)."""
-    if setting == "host" or (setting == "auto" and device.type != "cuda"):
-        return False
-    possible = workers == 1 and in_reach
-    if setting == "device" and not possible:
-        why = "several data-parallel workers" if workers > 1 else "its store on another node"
-        raise PlanError(f"executor.embedding_step is 'device' but the embedding's step cannot run on the device "
-                        f"with {why}; set it to auto or host")
-    return possible
 
 
 def round_through(grad: torch.Tensor, dtype: torch.dtype) -> None:
@@ -90,7 +75,6 @@ class DeviceStepSource(LayerSource):
         self.inner = inner
         self.states = states
         self.streams = Streams(device)
-        self.device = device
         self.dtype = dtype
         self.report_updates = report_updates
         self.in_flight: dict[int, InFlight] = {}
@@ -170,7 +154,7 @@ class DeviceStepSource(LayerSource):
             return
         self._settle()
         state, s = self.states[layer], self.streams
-        on_device = [torch.empty_like(t, device=self.device) for t in (state.master, state.exp_avg, state.exp_avg_sq)]
+        on_device = [torch.empty_like(t, device=s.device) for t in (state.master, state.exp_avg, state.exp_avg_sq)]
         with s.on(s.h2d):
             for dst, src in zip(on_device, (state.master, state.exp_avg, state.exp_avg_sq)):
                 dst.copy_(src, non_blocking=True)

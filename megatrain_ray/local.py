@@ -11,14 +11,14 @@ import dataclasses
 import torch
 
 from megatrain_ray.config import Config
-from megatrain_ray.device_step import DeviceStepSource, HostLayerState, embedding_step_on_device
+from megatrain_ray.device_step import DeviceStepSource, HostLayerState
 from megatrain_ray.executor import StreamingExecutor, pick_device
 from megatrain_ray.step_result import EvalResult, StepResult
 from megatrain_ray.host import dtype_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.optim import UpdateSchedule
-from megatrain_ray.planner import choose_kept
+from megatrain_ray.planner import choose_kept, embedding_step_on_device
 from megatrain_ray.placement import split_by_capacity
 from megatrain_ray.sources import LocalSource
 from megatrain_ray.store import ShardStore

@@ -15,6 +15,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from megatrain_ray.compiled import kept_activation_budget
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
@@ -201,9 +203,24 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
 EMBEDDING_STEP = "the embedding's AdamW step on the GPU (new weights between steps, state at the turn)"
 
 
+def embedding_step_on_device(setting: str, device: torch.device, workers: int, in_reach: bool) -> bool:
+    """executor.embedding_step: `device` wherever it can run, `auto` on a GPU, `host` never. It can
+    run with one worker (several would each need the step's summed gradient) whose process reaches
+    the embedding's store memory (in process, or shared memory on its node: not over the network)."""
+    if setting == "host" or (setting == "auto" and device.type != "cuda"):
+        return False
+    possible = workers == 1 and in_reach
+    if setting == "device" and not possible:
+        why = "several data-parallel workers" if workers > 1 else "its store on another node"
+        raise PlanError(f"executor.embedding_step is 'device' but the embedding's step cannot run on the device "
+                        f"with {why}; set it to auto or host")
+    return possible
+
+
 def embedding_step_may_run_on_gpu(config: Config, num_gpus: int) -> bool:
-    """Where device_step.embedding_step_on_device may say yes; a plan that knows where the
-    embedding's store is passes its config through `embedding_step_as_placed` first."""
+    """Where `embedding_step_on_device` may say yes, before the run knows its device and where the
+    embedding's store is; a plan that knows the latter passes its config through
+    `embedding_step_as_placed` first."""
     ex = config.executor
     return num_gpus == 1 and (ex.embedding_step == "device" or (ex.embedding_step == "auto" and ex.device != "cpu"))
 
@@ -435,8 +452,9 @@ def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, netwo
         f"boundary activations {'offloaded to host memory (pinned, overlapped): ' + size(parked_bytes(arch, config)) + ' on the GPU node' if offload else 'kept on the device'}",
         recompute_line(arch, config, kept, undecided, num_gpus),
     ]
-    if embedding_step_line(arch, config, num_gpus):
-        lines.append(embedding_step_line(arch, config, num_gpus))
+    embedding = embedding_step_line(arch, config, num_gpus)
+    if embedding:
+        lines.append(embedding)
     if num_gpus > 1:
         lines.append(
             f"{num_gpus} GPUs, data parallel: {micro_batches_per_gpu(config, num_gpus)} micro-batches each; every GPU "

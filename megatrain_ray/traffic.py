@@ -3,9 +3,9 @@
 Each layer held by a store on another machine than the GPU worker's crosses the network two or
 three times a step: its weights ahead of the forward, again ahead of the backward unless the
 GPU node's window still holds them at the turn (window.fetches_per_step, the window's own
-policy) or the block keeps its forward graph, and its gradient once, on the way back. Links are full duplex: weights in and gradients
-out overlap. A store on the GPU worker's machine (a raylet beside it) is reached over loopback
-and crosses no network card: its bytes are listed, not timed.
+policy) or the block keeps its forward graph, and its gradient once, on the way back. Links are
+full duplex: weights in and gradients out overlap. A store on the GPU worker's machine (a raylet
+beside it) is reached over loopback and crosses no network card: its bytes are listed, not timed.
 """
 
 from __future__ import annotations

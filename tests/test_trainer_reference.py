@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatrain_ray.config import config_from_dict
-from megatrain_ray.device_step import DeviceStepSource, embedding_step_on_device
-from megatrain_ray.planner import PlanError
+from megatrain_ray.device_step import DeviceStepSource
+from megatrain_ray.planner import PlanError, embedding_step_on_device
 from megatrain_ray.models.registry import PRESETS
 from reference_training import random_micro_batches, train_both
 
