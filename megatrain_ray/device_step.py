@@ -154,11 +154,14 @@ class DeviceStepSource(LayerSource):
             return
         self._settle()
         state, s = self.states[layer], self.streams
-        on_device = [torch.empty_like(t, device=s.device) for t in (state.master, state.exp_avg, state.exp_avg_sq)]
-        with s.on(s.h2d):
+        with s.on(s.h2d):  # memory of the copy stream's own: the compute's may still be read by queued work
+            on_device = [torch.empty_like(t, device=s.device) for t in (state.master, state.exp_avg, state.exp_avg_sq)]
             for dst, src in zip(on_device, (state.master, state.exp_avg, state.exp_avg_sq)):
                 dst.copy_(src, non_blocking=True)
             uploaded = s.record(s.h2d)
+        if s.cuda:
+            for t in on_device:
+                t.record_stream(s.compute)  # the update reads them there
         self.in_flight[layer] = InFlight(*on_device, uploaded)
 
     def _copy_back(self, state: HostLayerState, flight: InFlight, weights: torch.Tensor, updated, changed: bool):
