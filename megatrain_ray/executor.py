@@ -35,6 +35,7 @@ from megatrain_ray.gradient_sink import GradientSink
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX, aux_loss_on
 from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout
+from megatrain_ray.models.ops import packs_documents
 from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.prefetcher import Prefetcher, Slot
 from megatrain_ray.schedule import Unit, kept_blocks, model_units, step_order
@@ -188,7 +189,7 @@ class StreamingExecutor:
         target = sum(target_tokens(mb) for mb in micro_batches)
         scale = 1.0 / max(1, target if step_target_tokens is None else step_target_tokens)
         mbs = [_to_device(mb, self.device) for mb in micro_batches]
-        ctxs = [self.family.context(self.arch, mb["position_ids"], self.dtype) for mb in mbs]
+        ctxs = self._contexts(micro_batches, mbs)
 
         cursor = itertools.count()
         saved = ActivationStash(self.streams, self.offload_activations)
@@ -255,7 +256,7 @@ class StreamingExecutor:
         self.stats = self.prefetcher.stats = self.grads.stats = TransferStats()
         self.prefetcher.begin_step([layer for unit in self.units for layer in unit.layers])
         mbs = [_to_device(mb, self.device) for mb in micro_batches]
-        ctxs = [self.family.context(self.arch, mb["position_ids"], self.dtype) for mb in mbs]
+        ctxs = self._contexts(micro_batches, mbs)
         cursor = itertools.count()
         x: list[torch.Tensor] = [mb["input_ids"] for mb in mbs]
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -276,6 +277,11 @@ class StreamingExecutor:
         loss_sum = float(total)  # the one sync
         return EvalResult(loss_sum, sum(target_tokens(mb) for mb in micro_batches),
                           sum(mb["input_ids"].numel() for mb in mbs), time.perf_counter() - t0)
+
+    def _contexts(self, micro_batches: list[dict], mbs: list[dict]) -> list:
+        """Each micro-batch's context, told from the host's copy whether a row packs documents."""
+        return [self.family.context(self.arch, mb["position_ids"], self.dtype, packs_documents(host["position_ids"]))
+                for host, mb in zip(micro_batches, mbs)]
 
     def _loss_and_norm(self, loss: torch.Tensor) -> tuple[float, float]:
         """The step's loss and global gradient norm, summed over the workers in one collective

@@ -27,6 +27,7 @@ from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.models.registry import (PRESETS, arch_from_dict, arch_from_hf_config, family,  # noqa: E402
                                           load_hf_arch, model_layouts)
+from megatrain_ray.models import ops  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.training import run_training  # noqa: E402
 from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
@@ -152,6 +153,25 @@ def test_packed_rows_match_transformers_on_each_document(tmp_path, name):
     assert float(loss.detach()) == pytest.approx(float(separate.detach()) / target, rel=RTOL)
     loss.backward()
     assert_gradients_match(grads_by_hf_name(ref), theirs)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3", "tiny-gpt-oss"])
+def test_a_context_told_whether_rows_pack_documents_equals_one_that_asks(preset):
+    """The executor tells each context from the batch's host copy (numpy, as Ray hands it over)
+    whether a row packs documents, so that no context waits on the GPU to find out."""
+    arch = PRESETS[preset]
+    _, _, packed_positions, _ = packed_rows(seed=4)
+    plain = torch.arange(packed_positions.shape[1]).expand_as(packed_positions).contiguous()
+    fam = family(arch)
+    for positions, packs in ((packed_positions, True), (plain, False)):
+        assert ops.packs_documents(positions.numpy()) is packs and ops.packs_documents(positions) is packs
+        told, asked = fam.context(arch, positions, torch.float32, packs), fam.context(arch, positions, torch.float32)
+        for layer in range(1, arch.num_layers + 1):
+            a, b = fam.layer_context(arch, told, layer), fam.layer_context(arch, asked, layer)
+            assert torch.equal(a.cos, b.cos) and (a.mask is None) == (b.mask is None)
+            assert a.mask is not None or not packs, "packed rows attend within their documents"
+            if a.mask is not None:
+                assert torch.equal(a.mask, b.mask)
 
 
 def test_longrope_switches_factors_past_the_original_length(tmp_path):

@@ -43,8 +43,11 @@ class ModelFamily(Protocol):
         """Random initialisation of one parameter, in place, from `gen` only."""
 
     # -- the stateless templates -----------------------------------------------------------------
-    def context(self, arch: ModelArch, position_ids: torch.Tensor, dtype: torch.dtype) -> Any:
-        """Per micro-batch, shared by every block: position tables, masks."""
+    def context(self, arch: ModelArch, position_ids: torch.Tensor, dtype: torch.dtype,
+                packed: bool | None = None) -> Any:
+        """Per micro-batch, shared by every block: position tables, masks. `packed`: whether a row
+        packs several documents, where the caller knows it from the host's copy of the batch
+        (models/ops.py, packs_documents); None: asked of `position_ids`."""
 
     def layer_context(self, arch: ModelArch, ctx: Any, layer: int) -> Any:
         """What block `layer` (its layout index) takes of the micro-batch context: the context itself

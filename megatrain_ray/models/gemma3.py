@@ -106,10 +106,11 @@ def inverse_frequencies(arch: Gemma3Arch, layer_type: str, device: torch.device)
     return inv / arch.rope_linear_factor if arch.rope_linear_factor != 1.0 else inv
 
 
-def gemma_context(arch: Gemma3Arch, position_ids: torch.Tensor, dtype: torch.dtype) -> GemmaContext:
+def gemma_context(arch: Gemma3Arch, position_ids: torch.Tensor, dtype: torch.dtype,
+                  packed: bool | None = None) -> GemmaContext:
     tables = {kind: ops.rope_tables(position_ids, inverse_frequencies(arch, kind, position_ids.device), dtype)
               for kind in sorted(set(arch.layer_types))}
-    return GemmaContext(tables, ops.document_ids(position_ids))
+    return GemmaContext(tables, ops.document_ids(position_ids, packed))
 
 
 def _linear(w: Weights, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -335,8 +336,9 @@ class Gemma3Family:
             view.copy_(torch.randn(slot.numel, generator=gen) * std)
 
     # -- the stateless templates -----------------------------------------------------------------
-    def context(self, arch: Gemma3Arch, position_ids: torch.Tensor, dtype: torch.dtype) -> GemmaContext:
-        return gemma_context(arch, position_ids, dtype)
+    def context(self, arch: Gemma3Arch, position_ids: torch.Tensor, dtype: torch.dtype,
+                packed: bool | None = None) -> GemmaContext:
+        return gemma_context(arch, position_ids, dtype, packed)
 
     def layer_context(self, arch: Gemma3Arch, ctx: GemmaContext, layer: int) -> Rope:
         kind = arch.layer_types[layer - 1]

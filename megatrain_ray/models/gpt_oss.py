@@ -154,10 +154,12 @@ def sink_padded(mask: torch.Tensor) -> torch.Tensor:
     return padded
 
 
-def attention_masks(arch: GptOssArch, position_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(full, sliding) sink-padded masks; None where is_causal alone is right."""
+def attention_masks(arch: GptOssArch, position_ids: torch.Tensor,
+                    packs: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(full, sliding) sink-padded masks; None where is_causal alone is right. `packs` as
+    ops.document_ids takes it."""
     t = position_ids.shape[1]
-    packed = packed_causal_mask(position_ids)
+    packed = packed_causal_mask(position_ids, packs)
     full = None if packed is None else sink_padded(packed)
     window = arch.sliding_window
     uses_sliding = any(arch.layer_type(i) == SLIDING for i in range(arch.num_layers))
@@ -283,11 +285,12 @@ class GptOssFamily(MixtralFamily):
         return slot
 
     # -- the stateless templates -----------------------------------------------------------------
-    def context(self, arch: GptOssArch, position_ids: torch.Tensor, dtype: torch.dtype) -> GptOssContext:
+    def context(self, arch: GptOssArch, position_ids: torch.Tensor, dtype: torch.dtype,
+                packed: bool | None = None) -> GptOssContext:
         inv, scaling = yarn_frequencies(arch, position_ids.device)
         freqs = position_ids[..., None].float() * inv
         emb = torch.cat((freqs, freqs), dim=-1)
-        full, sliding = attention_masks(arch, position_ids)
+        full, sliding = attention_masks(arch, position_ids, packed)
         return GptOssContext((emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype), full, sliding)
 
     def layer_context(self, arch: GptOssArch, ctx: GptOssContext, layer: int) -> SinkContext:

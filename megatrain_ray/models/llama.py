@@ -54,23 +54,23 @@ def inverse_frequencies(arch: ModelArch, device: torch.device) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Block-diagonal causal mask when a row packs several documents (positions restart at 0)."""
-    starts = position_ids == 0
-    if int(starts[:, 1:].sum()) == 0:
+def packed_causal_mask(position_ids: torch.Tensor, packed: bool | None = None) -> torch.Tensor | None:
+    """Block-diagonal causal mask when a row packs several documents (positions restart at 0);
+    `packed` as ops.document_ids takes it."""
+    doc = ops.document_ids(position_ids, packed)
+    if doc is None:
         return None
-    doc = torch.cumsum(starts.long(), dim=1)
     same_doc = doc[:, :, None] == doc[:, None, :]
     t = position_ids.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
     return (same_doc & causal)[:, None]
 
 
-def rope_context(arch: ModelArch, position_ids: torch.Tensor, dtype: torch.dtype) -> Rope:
+def rope_context(arch: ModelArch, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool | None = None) -> Rope:
     inv = inverse_frequencies(arch, position_ids.device)
     freqs = position_ids[..., None].float() * inv
     emb = torch.cat((freqs, freqs), dim=-1)
-    return Rope(emb.cos().to(dtype), emb.sin().to(dtype), packed_causal_mask(position_ids))
+    return Rope(emb.cos().to(dtype), emb.sin().to(dtype), packed_causal_mask(position_ids, packed))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -306,8 +306,9 @@ class LlamaFamily:
             view.copy_(torch.randn(slot.numel, generator=gen) * std)
 
     # -- the stateless templates -----------------------------------------------------------------
-    def context(self, arch: ModelArch, position_ids: torch.Tensor, dtype: torch.dtype) -> Rope:
-        return rope_context(arch, position_ids, dtype)
+    def context(self, arch: ModelArch, position_ids: torch.Tensor, dtype: torch.dtype,
+                packed: bool | None = None) -> Rope:
+        return rope_context(arch, position_ids, dtype, packed)
 
     def layer_context(self, arch: ModelArch, ctx: Rope, layer: int) -> Rope:
         return ctx

@@ -136,8 +136,8 @@ class MixtralFamily:
             view.copy_(torch.randn(slot.numel, generator=gen) * std)
 
     # -- the stateless templates -----------------------------------------------------------------
-    def context(self, arch: MoeArch, position_ids: torch.Tensor, dtype: torch.dtype) -> Any:
-        return rope_context(arch, position_ids, dtype)
+    def context(self, arch: MoeArch, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool | None = None) -> Any:
+        return rope_context(arch, position_ids, dtype, packed)
 
     def layer_context(self, arch: MoeArch, ctx: Any, layer: int) -> Any:
         return ctx  # every layer attends alike (GPT-OSS's sliding-window layers override this)

@@ -101,9 +101,9 @@ def inverse_frequencies(arch: Phi3Arch, position_ids: torch.Tensor) -> torch.Ten
     return torch.where(position_ids.max() + 1 > arch.original_max_position_embeddings, long, short)
 
 
-def phi_context(arch: Phi3Arch, position_ids: torch.Tensor, dtype: torch.dtype) -> PhiContext:
+def phi_context(arch: Phi3Arch, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool | None = None) -> PhiContext:
     cos, sin = ops.rope_tables(position_ids, inverse_frequencies(arch, position_ids), dtype, attention_scaling(arch))
-    return PhiContext(cos, sin, ops.document_ids(position_ids))
+    return PhiContext(cos, sin, ops.document_ids(position_ids, packed))
 
 
 def attention(arch: Phi3Arch, w: Weights, x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -276,8 +276,9 @@ class Phi3Family:
             view.copy_(torch.randn(slot.numel, generator=gen) * std)
 
     # -- the stateless templates -----------------------------------------------------------------
-    def context(self, arch: Phi3Arch, position_ids: torch.Tensor, dtype: torch.dtype) -> PhiContext:
-        return phi_context(arch, position_ids, dtype)
+    def context(self, arch: Phi3Arch, position_ids: torch.Tensor, dtype: torch.dtype,
+                packed: bool | None = None) -> PhiContext:
+        return phi_context(arch, position_ids, dtype, packed)
 
     def layer_context(self, arch: Phi3Arch, ctx: PhiContext, layer: int) -> Rope:
         return Rope(ctx.cos, ctx.sin, ops.attention_mask(ctx.doc, ctx.cos.shape[1], arch.sliding_window, ctx.cos.device))
