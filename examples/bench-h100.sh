@@ -168,9 +168,12 @@ python -m pytest -q -m gpu -s tests/test_planner.py tests/test_gpu_trainer.py -k
 # Issue #14 (2026-11-23, last session; results qwen2.5-3b-65k-4x4-contexts-from-host.*,
 # qwen2.5-3b-65k-deepspeed-16x1-after-contexts-from-host.log, gpu-tests-embedding-step-slow-compute.log):
 # each micro-batch's context told from the host's copy of the batch whether rows pack documents
-# (no GPU round trip before the first layer); ours with the defaults, then DeepSpeed at its best split
+# (no GPU round trip before the first layer); ours with the defaults, then DeepSpeed at its best split;
+# run twice (the second sitting's files end in -2); the GPU tests of the families and the trainer
 $B --model qwen2.5-3b --seq-len 4096 --micro-batch 4 --grad-accum 4 --steps 4 --warmup 1 --loss-chunk-tokens 2048 \
    --json "$out/qwen2.5-3b-65k-4x4-contexts-from-host.json"
 python -m megatrain_ray.bench.baseline_process --name deepspeed_offload --model qwen2.5-3b --seq-len 4096 \
    --micro-batch 16 --grad-accum 1 --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-deepspeed-16x1-after-contexts-from-host.log"
 python -m pytest -q -m gpu tests/test_gpu_trainer.py -k embedding_stepped > "$out/gpu-tests-embedding-step-slow-compute.log"
+python -m pytest -q -m gpu tests/test_families_parity.py tests/test_gpu_trainer.py tests/test_compiled.py tests/test_eval.py \
+   > "$out/gpu-tests-contexts-from-host.log"
