@@ -81,6 +81,11 @@ def process_start(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def segment_name(run_id: str, layer: int, key: str | None = None) -> str:
+    """A shared-memory segment of this process's, in the form SEGMENT reads back."""
+    return f"megatrain-{run_id}-{owner_tag()}-layer{layer}" + (f"-{key}" if key else "")
+
+
 def owner_tag(pid: int | None = None) -> str:
     pid = os.getpid() if pid is None else pid
     return f"{pid}.{process_start(pid) or 0}.{boot_id()}"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from megatrain_ray import checkpoint
-from megatrain_ray.host import element_size, owner_tag, pinned_empty, remove_dead_segments, shm_tensor
+from megatrain_ray.host import element_size, pinned_empty, remove_dead_segments, segment_name, shm_tensor
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.host_adamw import native_kernel
 from megatrain_ray.models.family import ModelFamily
@@ -83,7 +83,7 @@ class ShardStore:
     def _allocate(self, layout: LayerLayout) -> LayerState:
         n = layout.numel
         if self._shm_dir is not None:
-            path = self._shm_dir / f"megatrain-{self._run_id}-{owner_tag()}-layer{layout.index}"
+            path = self._shm_dir / segment_name(self._run_id, layout.index)
             compute = shm_tensor(path, n, self.compute_dtype, create=True)
             self.shm_paths[layout.index] = str(path)
         else:
@@ -122,7 +122,7 @@ class ShardStore:
         state = self.layers[index]
         paths = {}
         for key in ("master", "exp_avg", "exp_avg_sq"):
-            path = self._shm_dir / f"megatrain-{self._run_id}-{owner_tag()}-layer{index}-{key}"
+            path = self._shm_dir / segment_name(self._run_id, index, key)
             if not path.exists():
                 shared = shm_tensor(path, state.layout.numel, torch.float32, create=True)
                 shared.copy_(getattr(state, key))

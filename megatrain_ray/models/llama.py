@@ -58,12 +58,7 @@ def packed_causal_mask(position_ids: torch.Tensor, packed: bool | None = None) -
     """Block-diagonal causal mask when a row packs several documents (positions restart at 0);
     `packed` as ops.document_ids takes it."""
     doc = ops.document_ids(position_ids, packed)
-    if doc is None:
-        return None
-    same_doc = doc[:, :, None] == doc[:, None, :]
-    t = position_ids.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-    return (same_doc & causal)[:, None]
+    return ops.attention_mask(doc, position_ids.shape[1], None, position_ids.device)
 
 
 def rope_context(arch: ModelArch, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool | None = None) -> Rope:
