@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from megatrain_ray import host_adamw
-from megatrain_ray.host import shm_tensor
+from megatrain_ray.host import adamw_kernel as host_adamw
+from megatrain_ray.host.memory import shm_tensor
 
 STATIC_STEP = r"""
 template <typename T>
@@ -47,7 +47,7 @@ def variant(name: str, tile: int, static: bool):
     """The shipped source under its own op namespace, with another tile size or the static split."""
     shipped = "constexpr int64_t kTile = 65536;"
     if shipped not in host_adamw._SOURCE:
-        raise SystemExit(f"host_adamw.py no longer says {shipped!r}: update this probe")
+        raise SystemExit(f"host/adamw_kernel.py no longer says {shipped!r}: update this probe")
     src = host_adamw._SOURCE.replace(shipped, f"constexpr int64_t kTile = {tile};")
     if static:
         head, rest = src.split("template <typename T>\nvoid step(", 1)

@@ -1,5 +1,5 @@
 """What one decoder block's kept forward graph holds on the GPU, and what it costs, per activation
-budget of the kept-graph compilation (megatrain_ray/compiled.py); and the pinned PCIe rate.
+budget of the kept-graph compilation (streaming/compiled.py); and the pinned PCIe rate.
 
     python examples/probe_kept_block.py --model qwen2.5-3b --micro-batch 4 --seq-len 4096 --budgets 1.0 0.8 0.6 0.4
 
@@ -15,7 +15,7 @@ import collections
 import torch
 
 from megatrain_ray.bench.parts import median_seconds
-from megatrain_ray.compiled import compile_block, compile_kept_block
+from megatrain_ray.streaming.compiled import compile_block, compile_kept_block
 from megatrain_ray.models.registry import family, model_layouts, resolve_arch
 
 

@@ -1,5 +1,5 @@
 """Layer-sized transfers between two raylets of this machine: Ray objects (the earlier RAM-node
-path) against the TCP link of megatrain_ray/transport.py and a torch.distributed gloo pair.
+path) against the TCP link of host/transport.py and a torch.distributed gloo pair.
 
     python examples/transport_speed.py [--mib 64] [--repeats 12] [--streams 1 4]
 
@@ -42,7 +42,7 @@ class Store:
         self.buffer.copy_(as_tensor(grad))
 
     def open_link(self):
-        from megatrain_ray.transport import LayerServer
+        from megatrain_ray.host.transport import LayerServer
 
         self.server = LayerServer({0: self.buffer}, ray.util.get_node_ip_address())
         return self.server.address
@@ -78,7 +78,7 @@ class Gpu:
         return self.rate(fetch, repeats), self.rate(send, repeats)
 
     def link(self, address, streams: int, repeats: int) -> tuple[float, float]:
-        from megatrain_ray.transport import LayerLink
+        from megatrain_ray.host.transport import LayerLink
 
         link = LayerLink(address, streams, "the store")
         try:

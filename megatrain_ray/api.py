@@ -46,8 +46,8 @@ def to_config(config: str | Path | Mapping[str, Any] | Config, sets: Iterable[st
 
 def prepare(config: Config) -> Config:
     """What a run needs settled before it starts: Hub names as local paths, the trackers' packages."""
-    from megatrain_ray.hub import resolve_names
-    from megatrain_ray.trackers import check_trackers
+    from megatrain_ray.files.hub import resolve_names
+    from megatrain_ray.runtime.trackers import check_trackers
 
     check_trackers(config.metrics)
     return resolve_names(config)
@@ -57,7 +57,7 @@ def train(config: str | Path | Mapping[str, Any] | Config, *, resume: str | None
           auto_resume: bool | None = None, sets: Iterable[str] = (), **sections: Mapping[str, Any]) -> dict[str, Any]:
     """Train as `megatrain-ray train` does; returns the run's summary (final loss, last validation
     loss, checkpoint, metrics file). `resume`: a checkpoint path or "latest"."""
-    from megatrain_ray.training import run_training
+    from megatrain_ray.runtime.training import run_training
 
     return run_training(prepare(to_config(config, sets, **sections)), resume=resume, auto_resume=auto_resume)
 
@@ -75,7 +75,7 @@ def plan(config: str | Path | Mapping[str, Any] | Config, *, sets: Iterable[str]
 
 def plan_described(config: Config, cluster: str | Path, speeds: list[float] | None) -> bool:
     from megatrain_ray.models.registry import model_arch
-    from megatrain_ray.whatif import load_cluster, plan_cluster
+    from megatrain_ray.planning.whatif import load_cluster, plan_cluster
 
     spec = load_cluster(cluster)
     speeds = speeds or sorted({r.network_gbps for r in spec.ram_nodes} | {spec.gpu_node.network_gbps})
@@ -87,11 +87,11 @@ def plan_described(config: Config, cluster: str | Path, speeds: list[float] | No
 def plan_live(config: Config) -> bool:
     import ray
 
-    from megatrain_ray import planner
-    from megatrain_ray.cluster import connect, gpu_free_bytes, gpu_node_headroom
+    from megatrain_ray.planning import plan as planner
+    from megatrain_ray.runtime.cluster import connect, gpu_free_bytes, gpu_node_headroom
     from megatrain_ray.models.registry import model_arch
-    from megatrain_ray.session import place
-    from megatrain_ray.traffic import describe_traffic, step_traffic
+    from megatrain_ray.runtime.session import place
+    from megatrain_ray.planning.traffic import describe_traffic, step_traffic
 
     arch = model_arch(config.model)
     joined = ray.is_initialized()

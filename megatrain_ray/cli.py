@@ -32,7 +32,7 @@ def _bench(args) -> int:
 
 
 def _export(args) -> int:
-    from megatrain_ray.export import export_checkpoint
+    from megatrain_ray.files.export import export_checkpoint
 
     out = export_checkpoint(Path(args.checkpoint), Path(args.out_dir), args.dtype)
     print(f"exported {args.checkpoint} to {out}")
@@ -81,9 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def input_errors() -> tuple[type[Exception], ...]:
     """Mistakes in what the user gave us (config, data, checkpoint, a plan that cannot fit): exit 2."""
-    from megatrain_ray.checkpoint import CheckpointError
+    from megatrain_ray.files.checkpoint import CheckpointError
     from megatrain_ray.data import DataError
-    from megatrain_ray.planner import PlanError
+    from megatrain_ray.planning.plan import PlanError
 
     return CheckpointError, DataError, PlanError
 
@@ -91,7 +91,7 @@ def input_errors() -> tuple[type[Exception], ...]:
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success, 2 for bad input, 3 for a run that stopped (a lost node, a diverging loss):
     each with one paragraph on stderr, never a traceback."""
-    from megatrain_ray.watchdog import RunStopped
+    from megatrain_ray.runtime.watchdog import RunStopped
 
     args = build_parser().parse_args(argv)
     try:

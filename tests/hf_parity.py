@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.config import config_from_dict
-from megatrain_ray.hf import load_hf_weights
-from megatrain_ray.local import LocalTrainer
+from megatrain_ray.files.hf import load_hf_weights
+from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.reference import ReferenceModel, _key
 from megatrain_ray.models.registry import model_layouts
 from reference_training import adamw_loop

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from megatrain_ray.config import Config
-from megatrain_ray.local import LocalTrainer
+from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.reference import ReferenceModel
-from megatrain_ray.optim import lr_factor
+from megatrain_ray.host.adamw import lr_factor
 
 
 def random_micro_batches(arch: ModelArch, steps: int, grad_accum: int, batch: int, seq: int, seed: int,

@@ -10,7 +10,7 @@ import pytest
 
 from megatrain_ray.api import to_config
 from megatrain_ray.config import ConfigError, DataConfig, MetricsConfig
-from megatrain_ray.trackers import check_trackers
+from megatrain_ray.runtime.trackers import check_trackers
 
 
 def test_import_is_cheap_and_the_entry_points_load_on_use():

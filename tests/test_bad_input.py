@@ -9,12 +9,12 @@ import ray
 import torch
 import yaml
 
-from megatrain_ray import checkpoint as ckpt
+from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.cli import main
-from megatrain_ray.checkpoint import checkpoint_meta
+from megatrain_ray.files.checkpoint import checkpoint_meta
 from megatrain_ray.models.registry import model_arch
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.store import ShardStore
+from megatrain_ray.host.store import ShardStore
 from test_checkpoint_resume import tiny_raw
 
 MiB = 1024**2

@@ -10,9 +10,9 @@ import pytest
 
 from megatrain_ray.bench.run import add_arguments, shapes_from
 from megatrain_ray.bench.workload import Shape
-from megatrain_ray.schedule import layer_schedule
+from megatrain_ray.streaming.layer_order import layer_schedule
 from megatrain_ray.models.registry import PRESETS, model_layouts
-from megatrain_ray.window import fetches_per_step, window_bytes
+from megatrain_ray.host.window import fetches_per_step, window_bytes
 
 
 def parse(*argv: str):

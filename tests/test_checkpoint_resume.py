@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from megatrain_ray import checkpoint as ckpt
+from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.data import DataPosition, build_dataset
-from megatrain_ray.training import run_training
+from megatrain_ray.runtime.training import run_training
 
 MiB = 1024**2
 
@@ -67,7 +67,7 @@ def local_ray():
 @pytest.mark.parametrize("embedding_step", ["host", "device"])
 def test_ten_steps_equal_five_then_resume_five(local_ray, tmp_path, embedding_step):
     """device: the embedding's state and update count go through the checkpoint from the GPU
-    worker's step (device_step.py), and its bias correction goes on from there."""
+    worker's step (streaming/device_step.py), and its bias correction goes on from there."""
     executor = {"executor": {"device": "cpu", "compile": False, "embedding_step": embedding_step}}
     whole = run_training(config_from_dict(tiny_raw(tmp_path / "whole", **executor)))
     # The interrupted run: the same config stopped after step 5 (its own final checkpoint), then a resume.
@@ -142,7 +142,7 @@ WRITER = textwrap.dedent('''
     import sys, time
     from pathlib import Path
     import torch
-    from megatrain_ray import checkpoint as ckpt, files
+    from megatrain_ray.files import checkpoint as ckpt; from megatrain_ray.files import durable as files
 
     root, stage = Path(sys.argv[1]), sys.argv[2]
     def save(step, stall):

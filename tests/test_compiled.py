@@ -1,4 +1,4 @@
-"""What runs compiled on the GPU (compiled.py) against the eager templates, on the CPU: the two
+"""What runs compiled on the GPU (streaming/compiled.py) against the eager templates, on the CPU: the two
 compilations of a decoder block give the same gradients, the kept graph's saved tensors within its
 activation budget, smaller than the default's (which they would equal if the second compilation
 reused the first's graphs); the head's chunk loss gives the same loss and gradients."""
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatrain_ray.compiled import compile_block, compile_head_loss, compile_kept_block
+from megatrain_ray.streaming.compiled import compile_block, compile_head_loss, compile_kept_block
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX
 from megatrain_ray.models.registry import family, model_layouts, resolve_arch

@@ -10,14 +10,14 @@ import pytest
 import ray
 import torch
 
-from megatrain_ray import checkpoint as ckpt
+from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.config import ConfigError, config_from_dict
-from megatrain_ray.data_parallel import layer_owners, split_micro_batches
-from megatrain_ray.local import LocalTrainer
+from megatrain_ray.streaming.data_parallel import layer_owners, split_micro_batches
+from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.registry import PRESETS, model_layouts
-from megatrain_ray.session import Session
-from megatrain_ray.training import run_training
-from megatrain_ray.watchdog import ClusterFault, Watchdog
+from megatrain_ray.runtime.session import Session
+from megatrain_ray.runtime.training import run_training
+from megatrain_ray.runtime.watchdog import ClusterFault, Watchdog
 from reference_training import random_micro_batches
 from test_checkpoint_resume import tensors_of, tiny_raw
 from test_trainer_reference import make_config, relative_error
@@ -156,7 +156,7 @@ def test_layer_owners_split_the_bytes_and_alternate():
 
 
 def test_micro_batches_that_do_not_split_evenly_are_refused():
-    from megatrain_ray.placement import NodeInfo, plan_placement
+    from megatrain_ray.runtime.placement import NodeInfo, plan_placement
 
     raw = {"model": {"preset": "tiny-llama"}, "train": {"grad_accum": 6}}
     with pytest.raises(ConfigError, match=r"train.grad_accum=6 .* 4 GPU workers .* multiple of 4 \(4, 8\)"):
@@ -175,7 +175,7 @@ def test_micro_batches_that_do_not_split_evenly_are_refused():
 def test_stated_host_memory_replaces_what_the_node_reads_free():
     """A machine whose memory grows as it is used reads little free at start: a model that does not
     fit in that is refused, and placed once the user states what a store may take."""
-    from megatrain_ray.placement import GiB, NodeInfo, plan_placement
+    from megatrain_ray.runtime.placement import GiB, NodeInfo, plan_placement
 
     arch = PRESETS["qwen2.5-7b"]  # 14 bytes x 7.6 B params: about 99 GiB
     gpu = NodeInfo("gpu", "10.0.0.1", gpus=2.0, ram_node=False, free_bytes=28 * GiB)
@@ -202,7 +202,7 @@ def test_a_lost_worker_stops_the_step(local_ray):
     arch = PRESETS["tiny-llama"]
     config = workers_config("tiny-llama", 2)
     data = random_micro_batches(arch, 2, GRAD_ACCUM, batch=2, seq=12, seed=1)
-    from megatrain_ray.session import place
+    from megatrain_ray.runtime.session import place
 
     placement = place(arch, config)
     watch = Watchdog(placement, timeout_s=120)

@@ -7,8 +7,8 @@ import torch
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.models.reference import ReferenceModel
-from megatrain_ray.optim import learning_rate
-from megatrain_ray.local import LocalTrainer
+from megatrain_ray.host.adamw import learning_rate
+from megatrain_ray.runtime.local import LocalTrainer
 from reference_training import random_micro_batches
 
 

@@ -29,7 +29,7 @@ from megatrain_ray.models.registry import (PRESETS, arch_from_dict, arch_from_hf
                                           load_hf_arch, model_layouts)
 from megatrain_ray.models import ops  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
-from megatrain_ray.training import run_training  # noqa: E402
+from megatrain_ray.runtime.training import run_training  # noqa: E402
 from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
                        bf16_cuda_config, local_steps, on_cuda, randomize, rel, saved, token_loss_sum, train_transformers)
 

@@ -15,13 +15,13 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from megatrain_ray import checkpoint as ckpt
+from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.config import config_from_dict
-from megatrain_ray.training import TrainingDiverged, run_training
-from megatrain_ray.watchdog import ClusterFault
+from megatrain_ray.runtime.training import TrainingDiverged, run_training
+from megatrain_ray.runtime.watchdog import ClusterFault
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.store import ShardStore
+from megatrain_ray.host.store import ShardStore
 from test_checkpoint_resume import tensors_of, tiny_raw
 
 MiB = 1024**2
@@ -136,7 +136,7 @@ def exploding_raw(out: Path, steps: int, max_bad_steps: int, embedding_step: str
 
 @pytest.mark.parametrize("embedding_step", ["host", "device"])
 def test_non_finite_steps_are_skipped_and_leave_the_state_unchanged(cluster, tmp_path, capsys, embedding_step):
-    """On the host, and with the embedding's step on the device (device_step.py), which restores
+    """On the host, and with the embedding's step on the device (streaming/device_step.py), which restores
     its weights there and leaves its state untouched."""
     config = config_from_dict(exploding_raw(tmp_path / "run", steps=2, max_bad_steps=3, embedding_step=embedding_step))
     summary = run_training(config)
@@ -166,7 +166,7 @@ def test_too_many_non_finite_steps_stop_the_run(cluster, tmp_path):
 
 def test_auto_resume_defaults_to_on_under_ray_job_submit(monkeypatch):
     from megatrain_ray.cli import build_parser
-    from megatrain_ray.training import auto_resume_enabled
+    from megatrain_ray.runtime.training import auto_resume_enabled
 
     config = config_from_dict(tiny_raw(Path("unused")))
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)

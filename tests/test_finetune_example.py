@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: 
 
 from megatrain_ray.config import load_config  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
-from megatrain_ray.hub import resolve_names  # noqa: E402
+from megatrain_ray.files.hub import resolve_names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "finetune-sft.yaml"

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from megatrain_ray.config import config_from_dict
-from megatrain_ray.executor import Prefetcher
+from megatrain_ray.streaming.executor import Prefetcher
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.local import LocalTrainer
+from megatrain_ray.runtime.local import LocalTrainer
 from reference_training import random_micro_batches, train_reference
 
 pytestmark = pytest.mark.gpu
@@ -100,7 +100,7 @@ def test_offloaded_activations_train_like_kept_ones():
 @pytest.mark.parametrize("dtype,rtol,slow", [("float32", 1e-5, False), ("bfloat16", 1e-3, False),
                                              ("float32", 1e-5, True)])
 def test_the_embedding_stepped_on_the_gpu_trains_like_on_the_host(dtype, rtol, slow):
-    """device_step.py on CUDA: the state crosses in, steps on the GPU and comes back; the weights
+    """streaming/device_step.py on CUDA: the state crosses in, steps on the GPU and comes back; the weights
     match the host's one-pass AdamW (bf16: its rounding of the gradient, as the host reads it).
     `slow`: every block recomputes and each compute starts with a GPU sleep, so the host issues the
     state's upload far ahead of the backward still running: memory the backward's queued work

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from megatrain_ray.hf import CheckpointMismatch, export_hf, load_hf_weights  # noqa: E402
+from megatrain_ray.files.hf import CheckpointMismatch, export_hf, load_hf_weights  # noqa: E402
 from megatrain_ray.models.arch import RopeScaling
 from megatrain_ray.models.registry import PRESETS, load_hf_arch  # noqa: E402
 from megatrain_ray.models.registry import model_layouts  # noqa: E402
@@ -324,7 +324,7 @@ def test_export_refuses_to_replace_unrelated_directory(tmp_path):
 PEAK_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
-    from megatrain_ray.hf import load_hf_weights
+    from megatrain_ray.files.hf import load_hf_weights
     from megatrain_ray.models.registry import load_hf_arch
     from megatrain_ray.models.registry import model_layouts
 

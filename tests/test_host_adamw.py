@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from megatrain_ray import host_adamw
-from megatrain_ray.optim import AdamWStep, adamw_step, clip_coefficient
+from megatrain_ray.host import adamw_kernel as host_adamw
+from megatrain_ray.host.adamw import AdamWStep, adamw_step, clip_coefficient
 
 # Odd sizes (no multiple of a vector width or of the kernel's 64 Ki-element tiles), 205,254
 # elements in all: four tiles for three threads, whose bounds (65,536, 131,072, 196,608) fall

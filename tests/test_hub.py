@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from megatrain_ray.api import to_config  # noqa: E402
 from megatrain_ray.cli import main  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
-from megatrain_ray.hub import HubError, looks_like_hub_name, resolve_names  # noqa: E402
+from megatrain_ray.files.hub import HubError, looks_like_hub_name, resolve_names  # noqa: E402
 from megatrain_ray.models.registry import model_arch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

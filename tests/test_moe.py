@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.models import moe
 from megatrain_ray.models.registry import PRESETS, family, model_arch, model_layouts, num_params
-from megatrain_ray.planner import gpu_plan, predict_step
+from megatrain_ray.planning.plan import gpu_plan, predict_step
 from reference_training import random_micro_batches, train_both
 
 
@@ -137,8 +137,8 @@ def test_export_then_import_is_exact_across_shards_with_per_expert_names(tmp_pat
     Mixtral and Qwen3-MoE), over several shards, and come back bit for bit."""
     from safetensors import safe_open
 
-    from megatrain_ray.hf import CheckpointMismatch, export_hf, load_hf_weights
-    from megatrain_ray.store import init_layer_weights
+    from megatrain_ray.files.hf import CheckpointMismatch, export_hf, load_hf_weights
+    from megatrain_ray.host.store import init_layer_weights
 
     arch = PRESETS[preset]
     layouts = model_layouts(arch)
@@ -168,7 +168,7 @@ def test_export_then_import_is_exact_across_shards_with_per_expert_names(tmp_pat
 
 
 def test_a_checkpoint_resumes_under_another_auxiliary_loss_but_not_another_model(tmp_path):
-    from megatrain_ray.checkpoint import CheckpointError, check_compatible
+    from megatrain_ray.files.checkpoint import CheckpointError, check_compatible
 
     arch = PRESETS["tiny-qwen3-moe"]
     meta = {"arch": arch.to_dict()}

@@ -25,7 +25,7 @@ from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.models.family import IGNORE_INDEX  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
-from megatrain_ray.training import run_training  # noqa: E402
+from megatrain_ray.runtime.training import run_training  # noqa: E402
 from reference_training import adamw_loop, random_micro_batches  # noqa: E402
 from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
                        bf16_cuda_config, local_steps, on_cuda, randomize, rel, saved, token_loss_sum)

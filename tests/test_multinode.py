@@ -8,12 +8,12 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from megatrain_ray.schedule import layer_schedule
-from megatrain_ray.local import LocalTrainer
+from megatrain_ray.streaming.layer_order import layer_schedule
+from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.registry import PRESETS, model_layouts
-from megatrain_ray.session import Session
-from megatrain_ray.traffic import step_traffic
-from megatrain_ray.window import fetches_per_step, window_bytes
+from megatrain_ray.runtime.session import Session
+from megatrain_ray.planning.traffic import step_traffic
+from megatrain_ray.host.window import fetches_per_step, window_bytes
 from reference_training import random_micro_batches
 from test_trainer_reference import make_config
 

@@ -9,11 +9,11 @@ import torch
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_layouts, num_params, resolve_arch
-from megatrain_ray.planner import (KEPT, LAYER_TFLOPS, PlanError, check_gpu_fit, choose_kept, choose_offload,
+from megatrain_ray.planning.plan import (KEPT, LAYER_TFLOPS, PlanError, check_gpu_fit, choose_kept, choose_offload,
                                    gpu_plan, kept_graph_bytes, predict_step, KEPT_GRAPH_PER_WORKING_SET,
                                    KEPT_GRAPH_PER_WORKING_SET_BUDGETED)
-from megatrain_ray.host import DTYPES
-from megatrain_ray.store import bytes_per_param
+from megatrain_ray.host.memory import DTYPES
+from megatrain_ray.host.store import bytes_per_param
 
 ARCH = ModelArch("llama", 16000, 256, 768, 4, 4, 2, 64)  # about 13M parameters
 
@@ -30,9 +30,9 @@ def config(**executor):
 MEASURE_STORE = """
 import sys, torch
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.host import resident_bytes as _resident_bytes
-from megatrain_ray.host import DTYPES
-from megatrain_ray.store import ShardStore
+from megatrain_ray.host.memory import resident_bytes as _resident_bytes
+from megatrain_ray.host.memory import DTYPES
+from megatrain_ray.host.store import ShardStore
 arch = ModelArch("llama", 16000, 256, 768, 4, 4, 2, 64)
 before = _resident_bytes()
 store = ShardStore(arch, list(range(arch.num_layers + 2)), DTYPES[sys.argv[1]])
@@ -180,7 +180,7 @@ def test_plan_command_prints_the_plan(tmp_path):
 def test_gpu_peak_is_within_15_percent_of_the_plan(keep):
     """With every block recomputing (0), and with as many kept graphs as fit (None: all 8 here),
     whose estimate must stay on the safe side."""
-    from megatrain_ray.local import LocalTrainer
+    from megatrain_ray.runtime.local import LocalTrainer
     from reference_training import random_micro_batches
 
     arch = ModelArch("qwen2", 8192, 1024, 4096, 8, 16, 2, 64, qkv_bias=True)
@@ -207,7 +207,7 @@ def test_parked_activations_that_the_host_cannot_hold_are_refused_before_the_run
     host were killed by Ray's memory monitor (about 14 GiB of headroom beside the 99 GiB of
     state); both are refused now, and 8 micro-batches pass."""
     from megatrain_ray.models.registry import PRESETS
-    from megatrain_ray.planner import GiB, check_parked_fit, parked_bytes
+    from megatrain_ray.planning.plan import GiB, check_parked_fit, parked_bytes
 
     def cfg(preset, seq, accum):
         return config_from_dict({

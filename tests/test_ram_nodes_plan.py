@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from megatrain_ray.config import ConfigError, config_from_dict
-from megatrain_ray.schedule import layer_schedule
+from megatrain_ray.streaming.layer_order import layer_schedule
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
-from megatrain_ray.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement
-from megatrain_ray.planner import EMBEDDING_STEP, describe, embedding_step_as_placed, gpu_plan, predict_step
-from megatrain_ray.traffic import step_traffic
-from megatrain_ray.window import WindowPolicy, fetches_per_step, window_bytes
+from megatrain_ray.runtime.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement
+from megatrain_ray.planning.plan import EMBEDDING_STEP, describe, embedding_step_as_placed, gpu_plan, predict_step
+from megatrain_ray.planning.traffic import step_traffic
+from megatrain_ray.host.window import WindowPolicy, fetches_per_step, window_bytes
 
 GiB = 1024**3
 SEVEN_B = PRESETS["qwen2.5-7b"]
@@ -150,7 +150,7 @@ def test_kept_blocks_cross_the_network_once():
 
 
 def test_an_embedding_on_a_ram_node_is_planned_with_its_step_on_the_host():
-    """device_step.py needs the store's memory: with the embedding streamed in, auto steps it on
+    """streaming/device_step.py needs the store's memory: with the embedding streamed in, auto steps it on
     the host, and the plan neither counts its device memory nor says it runs on the GPU."""
     arch = SEVEN_B
     cfg = config().replace(executor=dataclasses.replace(config().executor, device="cuda"))

@@ -5,8 +5,8 @@ import ray
 import torch
 
 from megatrain_ray.models.registry import PRESETS
-from megatrain_ray.session import Session
-from megatrain_ray.local import LocalTrainer
+from megatrain_ray.runtime.session import Session
+from megatrain_ray.runtime.local import LocalTrainer
 from reference_training import random_micro_batches
 from test_trainer_reference import make_config
 

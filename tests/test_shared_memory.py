@@ -12,16 +12,16 @@ from pathlib import Path
 
 import torch
 
-from megatrain_ray.host import owner_tag
+from megatrain_ray.host.memory import owner_tag
 from megatrain_ray.models.registry import PRESETS
-from megatrain_ray.store import ShardStore
+from megatrain_ray.host.store import ShardStore
 
 STORE = textwrap.dedent('''
     """A store holding two layers in shared memory, the first one's state shared with a GPU worker;
     says READY, then waits to be killed."""
     import sys, time, torch
     from megatrain_ray.models.registry import PRESETS
-    from megatrain_ray.store import ShardStore
+    from megatrain_ray.host.store import ShardStore
     store = ShardStore(PRESETS["tiny-llama"], [0, 1], torch.float32, shm_dir=sys.argv[1], run_id=sys.argv[2])
     store.init_random(0, 0.02)
     store.share_state(0)
@@ -31,7 +31,7 @@ STORE = textwrap.dedent('''
 
 
 def start_store(tmp_path: Path, shm: Path, run_id: str) -> subprocess.Popen:
-    script = tmp_path / "store.py"
+    script = tmp_path / "host/store.py"
     script.write_text(STORE)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.Popen([sys.executable, str(script), str(shm), run_id], stdout=subprocess.PIPE, text=True, env=env)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatrain_ray.config import config_from_dict
-from megatrain_ray.device_step import DeviceStepSource
-from megatrain_ray.planner import PlanError, embedding_step_on_device
+from megatrain_ray.streaming.device_step import DeviceStepSource
+from megatrain_ray.planning.plan import PlanError, embedding_step_on_device
 from megatrain_ray.models.registry import PRESETS
 from reference_training import random_micro_batches, train_both
 
@@ -67,7 +67,7 @@ def test_blocks_that_keep_their_forward_graphs_train_like_plain_pytorch(preset, 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
 def test_the_embedding_stepped_on_the_device_trains_like_plain_pytorch(preset):
-    """executor.embedding_step: device (device_step.py) on the CPU executor: the embedding's state
+    """executor.embedding_step: device (streaming/device_step.py) on the CPU executor: the embedding's state
     goes in, its AdamW step runs there, state and weights come back; untied (Llama) and tied to
     the head (Gemma 3), with clipping and weight decay. The store counts the updates it did not run."""
     config = make_config(preset, embedding_step="device")

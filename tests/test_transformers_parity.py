@@ -18,10 +18,10 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megatrain_ray.config import config_from_dict  # noqa: E402
-from megatrain_ray.hf import export_hf  # noqa: E402
+from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
-from megatrain_ray.local import LocalTrainer  # noqa: E402
+from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
                        bf16_cuda_config, local_steps, on_cuda, randomize, rel, saved, train_transformers)
 from reference_training import random_micro_batches  # noqa: E402

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from megatrain_ray.transport import LayerLink, LayerServer
+from megatrain_ray.host.transport import LayerLink, LayerServer
 
 STREAMS = 3
 

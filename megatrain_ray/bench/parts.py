@@ -56,10 +56,10 @@ def bench_host_adamw(arch: ModelArch, args) -> dict:
 
     import torch
 
-    from megatrain_ray.host import DTYPES
-    from megatrain_ray.host_adamw import native_kernel
-    from megatrain_ray.optim import AdamWStep, adamw_step
-    from megatrain_ray.store import ShardStore
+    from megatrain_ray.host.memory import DTYPES
+    from megatrain_ray.host.adamw_kernel import native_kernel
+    from megatrain_ray.host.adamw import AdamWStep, adamw_step
+    from megatrain_ray.host.store import ShardStore
 
     cores = os.cpu_count() or 1
     threads = sorted({t for t in (args.optimizer_threads or [4, 8, 12, cores - 2, cores]) if 1 <= t <= cores})

@@ -18,7 +18,7 @@ from megatrain_ray.bench.workload import Shape, matmul_params, model_flops_per_t
 from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_arch, num_params
-from megatrain_ray.planner import PlanError, describe, predict_step
+from megatrain_ray.planning.plan import PlanError, describe, predict_step
 
 MEASURED_BF16_PEAK_TFLOPS = 799.0  # 8192^3 bf16 matmul on the H100 machine (README, "Performance")
 
@@ -140,8 +140,8 @@ def bench_config(args, shape: Shape):
 def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda runs: None) -> list[dict]:
     """Every shape on one set of stores: the host state is built (and registered) once. `on_shape`
     sees the results so far after each shape, so a sweep cut short keeps what it measured."""
-    from megatrain_ray.cluster import connect
-    from megatrain_ray.session import Session
+    from megatrain_ray.runtime.cluster import connect
+    from megatrain_ray.runtime.session import Session
 
     config = bench_config(args, shapes[0])
     with contextlib.ExitStack() as stack:
@@ -187,7 +187,7 @@ def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
     step), and the drain that follows is reported on its own."""
     import ray
 
-    from megatrain_ray.host import available_memory
+    from megatrain_ray.host.memory import available_memory
 
     flops_tok = model_flops_per_token(arch, shape.seq_len)
     gpus = session.placement.num_gpus

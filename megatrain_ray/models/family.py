@@ -3,7 +3,7 @@ need to know about a family of models, and nothing else.
 
 A family is one file (models/llama.py is the first) with one object that has these members. The
 executor binds each streamed layer's weights as views into a device slot and calls the family's
-pure templates on them; the stores lay out and initialise the layers; hf.py names their tensors;
+pure templates on them; the stores lay out and initialise the layers; files/hf.py names their tensors;
 the planner and the benchmark count their memory and FLOPs. Registering the object in
 models/registry.py makes its model_types trainable.
 """
@@ -99,7 +99,7 @@ class OptionalMembers(Protocol):
         """Parameters a token does not use (experts it is not routed to), for the step-time model."""
 
     kept_activation_budget: float | None
-    """The activation budget its kept graphs compile within (compiled.py); None: torch.compile's
+    """The activation budget its kept graphs compile within (streaming/compiled.py); None: torch.compile's
     default partition, for a family whose blocks the budgeted partition does not run."""
 
 

@@ -1,6 +1,6 @@
 """The streaming trainer in one process: stores, executor and the source that joins them.
 
-Tests use it directly; the Ray GPU actor (actors.py) hosts the same executor with sources that
+Tests use it directly; the Ray GPU actor (runtime/actors.py) hosts the same executor with sources that
 reach stores in other processes. Nothing else in the library imports this file.
 """
 
@@ -11,17 +11,17 @@ import dataclasses
 import torch
 
 from megatrain_ray.config import Config
-from megatrain_ray.device_step import DeviceStepSource, HostLayerState
-from megatrain_ray.executor import StreamingExecutor, pick_device
-from megatrain_ray.step_result import EvalResult, StepResult
-from megatrain_ray.host import dtype_of
+from megatrain_ray.streaming.device_step import DeviceStepSource, HostLayerState
+from megatrain_ray.streaming.executor import StreamingExecutor, pick_device
+from megatrain_ray.streaming.step_result import EvalResult, StepResult
+from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.optim import UpdateSchedule
-from megatrain_ray.planner import choose_kept, embedding_step_on_device
-from megatrain_ray.placement import split_by_capacity
-from megatrain_ray.sources import LocalSource
-from megatrain_ray.store import ShardStore
+from megatrain_ray.host.adamw import UpdateSchedule
+from megatrain_ray.planning.plan import choose_kept, embedding_step_on_device
+from megatrain_ray.runtime.placement import split_by_capacity
+from megatrain_ray.host.sources import LocalSource
+from megatrain_ray.host.store import ShardStore
 
 
 class LocalTrainer:

@@ -1,6 +1,6 @@
 """Gradients accumulated on the device across a step's micro-batches, sent to the host once.
 
-With several data-parallel workers (data_parallel.py) a finished gradient is first summed across
+With several data-parallel workers (streaming/data_parallel.py) a finished gradient is first summed across
 them on the devices, into the copy of the layer's owner; only the owner folds it into the norm and
 copies it out. The sum runs while the next layer's backward computes: a layer's reduction is waited
 for (and, on the other ranks, its buffer freed) only when the next layer's gradient is complete.
@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from megatrain_ray.data_parallel import Group
-from megatrain_ray.sources import LayerSource
-from megatrain_ray.streams import Streams
+from megatrain_ray.streaming.data_parallel import Group
+from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.streaming.streams import Streams
 
 
 class GradientSink:

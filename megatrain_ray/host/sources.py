@@ -3,7 +3,7 @@
 A source hands the executor host tensors (`weights`, `grad_buffer`) and turns a finished gradient
 into that layer's optimizer step (`update`); the schedule of a step (`begin_step`) and the events
 of its copies let a remote source fetch ahead and send gradients off early. In one process (tests, LocalTrainer) the stores are
-plain objects stepped on a background thread; remote_sources.py reaches stores in Ray actors.
+plain objects stepped on a background thread; host/remote_sources.py reaches stores in Ray actors.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from megatrain_ray.optim import AdamWStep
+from megatrain_ray.host.adamw import AdamWStep
 
 
 class LayerSource(Protocol):
@@ -27,7 +27,7 @@ class LayerSource(Protocol):
 
     def weights(self, layer: int) -> torch.Tensor:
         """The layer's current compute weights, a host tensor (or a device tensor, where the layer's
-        step ran on the device: device_step.py); waits for a pending update."""
+        step ran on the device: streaming/device_step.py); waits for a pending update."""
 
     def weights_copied(self, layer: int, copied) -> None:
         """The device copy out of `weights(layer)` is queued; the tensor may be reused once the event
@@ -41,7 +41,7 @@ class LayerSource(Protocol):
         `landed` has. It will not change this step: a source may send it on from here."""
 
     def steps_on_device(self, layer: int) -> bool:
-        """Whether the layer's optimizer step runs on the executor's device (device_step.py): its
+        """Whether the layer's optimizer step runs on the executor's device (streaming/device_step.py): its
         gradient then stays there (`take_gradient`) instead of being copied into `grad_buffer`."""
         return False
 
@@ -74,7 +74,7 @@ class LocalSource(LayerSource):
         return self.owner[layer].layers[layer].compute
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
-        return self.owner[layer].layers[layer].compute  # see store.py: the gradient lands there
+        return self.owner[layer].layers[layer].compute  # see host/store.py: the gradient lands there
 
     def update(self, layer: int, hp: AdamWStep | None, gradient_landed) -> None:
         self.pending[layer] = self.pool.submit(self._step, layer, hp, gradient_landed)

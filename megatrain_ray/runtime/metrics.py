@@ -1,5 +1,5 @@
 """The run's metrics: one JSON line per step in metrics.jsonl, a progress line for people, and the
-same numbers to the trackers that are switched on (TensorBoard, W&B: trackers.py)."""
+same numbers to the trackers that are switched on (TensorBoard, W&B: runtime/trackers.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from megatrain_ray.step_result import EvalResult, StepResult
-from megatrain_ray.trackers import Tracker, scalars_of
+from megatrain_ray.streaming.step_result import EvalResult, StepResult
+from megatrain_ray.runtime.trackers import Tracker, scalars_of
 
 
 class MetricsLog:

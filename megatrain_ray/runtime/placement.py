@@ -5,7 +5,7 @@ GPU node (runtime.num_gpus, default every GPU there); and each worker's window o
 the GPU node for the layers that live on other nodes.
 
 Raylets on one machine (one IP) share its memory: they are counted once. Pure arithmetic on what
-cluster.py found (or on a described cluster, whatif.py), so it is tested without a cluster.
+runtime/cluster.py found (or on a described cluster, planning/whatif.py), so it is tested without a cluster.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 from megatrain_ray.config import Config, ConfigError, RuntimeConfig, check_divisible
-from megatrain_ray.host import dtype_of, element_size
+from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts, num_params
-from megatrain_ray.store import bytes_per_param
-from megatrain_ray.window import window_bytes
+from megatrain_ray.host.store import bytes_per_param
+from megatrain_ray.host.window import window_bytes
 
 GiB = 1024**3
 USABLE = 0.9  # of a machine's free memory, for the run's host state

@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain_ray.config import Config
-from megatrain_ray.schedule import layer_schedule
-from megatrain_ray.host import dtype_of, element_size
+from megatrain_ray.streaming.layer_order import layer_schedule
+from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.placement import Placement
-from megatrain_ray.planner import HOST_ADAMW_PARAMS_PER_S, NetworkTimes
-from megatrain_ray.window import fetches_per_step
+from megatrain_ray.runtime.placement import Placement
+from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, NetworkTimes
+from megatrain_ray.host.window import fetches_per_step
 
 GiB = 1024**3
 

@@ -1,9 +1,9 @@
 """How the GPU actor reaches stores in other processes: shared memory on its node, TCP beyond.
 
-Each is a LayerSource (sources.py) whose `update` is one small actor call. Same node: the store's
+Each is a LayerSource (host/sources.py) whose `update` is one small actor call. Same node: the store's
 buffers are /dev/shm files mapped here and registered with CUDA once, so copies run at pinned
 speed and no step republishes the model. Other nodes: one bounded window of pinned slots
-(window.py) filled over each store's connections (transport.py) ahead of the schedule, and an
+(host/window.py) filled over each store's connections (host/transport.py) ahead of the schedule, and an
 outbox the gradients leave from as soon as they land.
 
 With several GPU workers only a layer's owner sends its update (`update`); the others learn of it
@@ -20,11 +20,11 @@ from pathlib import Path
 import ray
 import torch
 
-from megatrain_ray.device_step import HostLayerState
-from megatrain_ray.host import cuda_host_register, cuda_host_unregister, pinned_empty, shm_tensor
-from megatrain_ray.sources import LayerSource
-from megatrain_ray.transport import LayerLink, Transfer
-from megatrain_ray.window import OUTBOX_SLOTS, WindowPolicy, pool_sizes
+from megatrain_ray.streaming.device_step import HostLayerState
+from megatrain_ray.host.memory import cuda_host_register, cuda_host_unregister, pinned_empty, shm_tensor
+from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.host.transport import LayerLink, Transfer
+from megatrain_ray.host.window import OUTBOX_SLOTS, WindowPolicy, pool_sizes
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -64,7 +64,7 @@ class SharedMemorySource(LayerSource):
         ray.get(self.store.set_update_count.remote(layer, count))
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
-        return self.w[layer]  # the gradient lands where the weights were (see store.py)
+        return self.w[layer]  # the gradient lands where the weights were (see host/store.py)
 
     def update(self, layer: int, hp, gradient_landed) -> None:
         gradient_landed.synchronize()
@@ -105,7 +105,7 @@ class WindowSource(LayerSource):
     """Every layer that lives on another node, through one bounded window of pinned slots.
 
     One per GPU worker whatever the number of stores: its bytes depend on the layer sizes and
-    `slots` (window.py), not on the model's depth. Layers arrive over each store's LayerLink ahead
+    `slots` (host/window.py), not on the model's depth. Layers arrive over each store's LayerLink ahead
     of their use, as the step's schedule says; a gradient leaves from the outbox as soon as it has
     landed there; an update is one small actor call, and the store serves the layer's next
     version only once it has applied it.

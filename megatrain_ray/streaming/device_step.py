@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
-from megatrain_ray.optim import CHUNK_ELEMENTS, AdamWStep, adamw_update
-from megatrain_ray.sources import LayerSource
-from megatrain_ray.streams import Streams
+from megatrain_ray.host.adamw import CHUNK_ELEMENTS, AdamWStep, adamw_update
+from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.streaming.streams import Streams
 
 # Start copying the state in when the backward has this many layers left: each is tens of
 # milliseconds of compute at any useful size, and the copy (3.7 GB for Qwen2.5-3B's table) takes

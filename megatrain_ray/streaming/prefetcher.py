@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain_ray.sources import LayerSource
-from megatrain_ray.streams import Streams
+from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.streaming.streams import Streams
 
 
 @dataclass
@@ -109,7 +109,7 @@ class Prefetcher:
             slot.buffer.copy_(host, non_blocking=True)
             slot.ready = s.record(s.h2d, timing=True)
         self.source.weights_copied(layer, slot.ready)
-        if host.device.type == "cpu":  # not weights a device step left on the device (device_step.py)
+        if host.device.type == "cpu":  # not weights a device step left on the device (streaming/device_step.py)
             if s.cuda:
                 self.stats.h2d_events.append((start, slot.ready))
             else:

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain_ray.config import Config
-from megatrain_ray.files import fsync_path, publish_dir, write_json
+from megatrain_ray.files.durable import fsync_path, publish_dir, write_json
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 

@@ -60,7 +60,7 @@ class Streams:
             stream.wait_event(event)
 
     def synchronize(self) -> None:
-        """Until this scheduler's streams are done; others' (device_step.py's copy back) go on."""
+        """Until this scheduler's streams are done; others' (streaming/device_step.py's copy back) go on."""
         if self.cuda:
             for stream in (self.compute, self.h2d, self.d2h):
                 stream.synchronize()

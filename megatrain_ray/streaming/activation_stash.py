@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_ray.streams import Streams
+from megatrain_ray.streaming.streams import Streams
 
 
 class ActivationStash:

@@ -14,17 +14,17 @@ from typing import Any, Callable
 
 import ray
 
-from megatrain_ray import checkpoint as ckpt
-from megatrain_ray.actors import GpuWorker, ShardStoreActor
-from megatrain_ray.cluster import discover_nodes, driver_node_id, free_port, gpu_free_bytes, on_node
+from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
+from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, gpu_free_bytes, on_node
 from megatrain_ray.config import Config, check_divisible
-from megatrain_ray.data_parallel import split_micro_batches, split_unevenly
-from megatrain_ray.executor import target_tokens
-from megatrain_ray.step_result import EvalResult, StepResult, combine_results
-from megatrain_ray.host import dtype_of
+from megatrain_ray.streaming.data_parallel import split_micro_batches, split_unevenly
+from megatrain_ray.streaming.executor import target_tokens
+from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_results
+from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.placement import Placement, executor_node, plan_placement, worker_count
-from megatrain_ray.planner import PlanError, check_gpu_fit, host_parking
+from megatrain_ray.runtime.placement import Placement, executor_node, plan_placement, worker_count
+from megatrain_ray.planning.plan import PlanError, check_gpu_fit, host_parking
 
 Wait = Callable[[Any, str], Any]
 
@@ -230,7 +230,7 @@ class Session:
 
     def export(self, out_dir: Path) -> None:
         """The master weights as a Hugging Face model directory, one layer at a time."""
-        from megatrain_ray.hf import export_hf
+        from megatrain_ray.files.hf import export_hf
 
         export_hf(out_dir, self.arch, self.iter_layer_weights(), dtype=dtype_of(self.config.checkpoint.export_dtype))
 

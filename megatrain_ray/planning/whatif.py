@@ -12,11 +12,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain_ray import planner
+from megatrain_ray.planning import plan as planner
 from megatrain_ray.config import Config, ConfigError, from_mapping, load_yaml
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, Placement, plan_placement
-from megatrain_ray.traffic import StepTraffic, describe_traffic, step_traffic
+from megatrain_ray.runtime.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, Placement, plan_placement
+from megatrain_ray.planning.traffic import StepTraffic, describe_traffic, step_traffic
 
 GiB = 1024**3
 GPU_NODE = "gpu-node"
@@ -24,7 +24,7 @@ GPU_NODE = "gpu-node"
 
 @dataclass(frozen=True)
 class GpuNodeSpec:
-    gpu: str = "H100 80GB"  # a name for the report; the rates are the H100 machine's (planner.py)
+    gpu: str = "H100 80GB"  # a name for the report; the rates are the H100 machine's (planning/plan.py)
     gpu_memory_gib: float = 80.0  # GPU memory a run may use
     host_memory_gib: float = 128.0  # the node's free host memory
     network_gbps: float = 100.0

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from megatrain_ray import checkpoint
-from megatrain_ray.host import element_size, pinned_empty, remove_dead_segments, segment_name, shm_tensor
+from megatrain_ray.files import checkpoint
+from megatrain_ray.host.memory import element_size, pinned_empty, remove_dead_segments, segment_name, shm_tensor
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.host_adamw import native_kernel
+from megatrain_ray.host.adamw_kernel import native_kernel
 from megatrain_ray.models.family import ModelFamily
 from megatrain_ray.models.layout import LayerLayout
 from megatrain_ray.models.registry import family, model_layouts
-from megatrain_ray.optim import AdamWStep, adamw_step
+from megatrain_ray.host.adamw import AdamWStep, adamw_step
 
 
 def bytes_per_param(compute_dtype: torch.dtype) -> int:
@@ -104,7 +104,7 @@ class ShardStore:
 
     def load_hf(self, model_dir: str) -> None:
         """This store's layers from a Hugging Face directory, tensor by tensor (every tensor checked)."""
-        from megatrain_ray.hf import load_hf_weights
+        from megatrain_ray.files.hf import load_hf_weights
 
         load_hf_weights(model_dir, self.arch, lambda i: self.layers[i].master, layers=list(self.layers))
         for state in self.layers.values():
@@ -115,7 +115,7 @@ class ShardStore:
 
     def share_state(self, index: int) -> dict[str, str]:
         """Move the layer's master and moments into shared memory, for a GPU worker on this node that
-        steps the layer itself (device_step.py); their paths by name. The store then only counts
+        steps the layer itself (streaming/device_step.py); their paths by name. The store then only counts
         that layer's updates (`set_update_count`) and saves what the worker wrote back."""
         if self._shm_dir is None:
             raise ValueError("share_state needs the store's shared-memory directory (runtime.shm_dir)")

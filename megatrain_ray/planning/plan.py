@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatrain_ray.compiled import kept_activation_budget
+from megatrain_ray.streaming.compiled import kept_activation_budget
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import inactive_params
@@ -28,7 +28,7 @@ GiB = 1024**3
 # Rates measured on the H100 machine (the README's performance section, `megatrain-ray bench --parts`).
 LAYER_TFLOPS = 620e12  # one decoder layer's fwd+bwd, compiled
 H2D_BYTES_PER_S = 50e9  # pinned / registered host memory
-# host_adamw.py's one-pass kernel inside the pipeline on the H100 machine (16 cores, threads: its
+# host/adamw_kernel.py's one-pass kernel inside the pipeline on the H100 machine (16 cores, threads: its
 # cores less two), 2026-11-23: 4.6-4.9 G params/s at 1.5B to 7B ("host optimizer ... G params/s"
 # of `bench`; the README's "The host optimizer, measured"). Torch's three-pass AdamW ran 2.9.
 HOST_ADAMW_PARAMS_PER_S = 4.8e9
@@ -243,7 +243,7 @@ def embedding_step_line(arch: ModelArch, config: Config, num_gpus: int) -> str |
 
 @dataclass(frozen=True)
 class NetworkTimes:
-    """Seconds a step's network transfers take (traffic.py): weights in ahead of the forward and
+    """Seconds a step's network transfers take (planning/traffic.py): weights in ahead of the forward and
     again ahead of the backward, gradients out during the backward, and at the turn of the step
     the first layer's gradient out and its new weights back, which nothing hides."""
 
@@ -283,7 +283,7 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
                  optimizer_s: float | None = None, num_gpus: int = 1, kept: int = 0) -> StepPrediction:
     """Step time from the measured rates, in two phases. Compute with recompute is 8 FLOP per
     parameter a token uses, per token (a mixture of experts counts its routed experts only), 2 of
-    them forward; the LM head 6 (executor.py differentiates it chunk by chunk: no recompute). The
+    them forward; the LM head 6 (streaming/executor.py differentiates it chunk by chunk: no recompute). The
     `kept` blocks that keep their graphs skip their share of the recompute (2 of the 8), unless
     the MLP runs in checkpointed chunks (they still recompute those: counted as recomputing
     whole), and the weights of those beyond the blocks resident across the turn cross PCIe once.

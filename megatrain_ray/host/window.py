@@ -6,7 +6,7 @@ step's schedule (the slot whose layer is needed furthest ahead, or never again, 
 first): each layer arrives ahead of its forward use and, unless it is still in the window at the
 turn into backward, again ahead of its backward use. Gradients leave through an outbox of
 OUTBOX_SLOTS per size. Pure arithmetic, shared by the source that fills the window
-(remote_sources.py) and the plan that counts its bytes and its traffic.
+(host/remote_sources.py) and the plan that counts its bytes and its traffic.
 """
 
 from __future__ import annotations

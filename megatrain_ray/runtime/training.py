@@ -4,7 +4,7 @@ Data path: the dataset yields a step's micro-batches (small int arrays) -> the G
 the layers through them and sends each layer's gradient to its store -> the stores step their
 layers -> the driver logs the step's metrics and, when due, asks every store for its shard.
 
-Faults: every wait on the cluster goes through a Watchdog (watchdog.py) that also watches the
+Faults: every wait on the cluster goes through a Watchdog (runtime/watchdog.py) that also watches the
 nodes the run uses, so a lost RAM node stops the run within seconds with a message naming it and
 the last good checkpoint. With auto-resume the driver then waits for the cluster to have room
 again, places a new session and continues from that checkpoint: resumption is exact, so the
@@ -25,17 +25,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatrain_ray import checkpoint as ckpt
-from megatrain_ray.cluster import alive_node_ids, connect
+from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.runtime.cluster import alive_node_ids, connect
 from megatrain_ray.config import Config, ConfigError
-from megatrain_ray.step_result import EvalResult
-from megatrain_ray.metrics import MetricsLog
+from megatrain_ray.streaming.step_result import EvalResult
+from megatrain_ray.runtime.metrics import MetricsLog
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_arch
-from megatrain_ray.placement import Placement
-from megatrain_ray.session import Session, place
-from megatrain_ray.trackers import check_trackers, open_trackers
-from megatrain_ray.watchdog import FAULTS, ClusterFault, RunStopped, Watchdog
+from megatrain_ray.runtime.placement import Placement
+from megatrain_ray.runtime.session import Session, place
+from megatrain_ray.runtime.trackers import check_trackers, open_trackers
+from megatrain_ray.runtime.watchdog import FAULTS, ClusterFault, RunStopped, Watchdog
 
 
 class TrainingDiverged(RunStopped):
@@ -220,7 +220,7 @@ def _loop(session: Session, config: Config, meta: dict | None, progress: Progres
         progress.checkpoint = final
     print(f"checkpoint: {final}", flush=True)
     if config.checkpoint.export_hf:
-        from megatrain_ray.hf import copy_tokenizer_files
+        from megatrain_ray.files.hf import copy_tokenizer_files
 
         session.export(final / "hf")
         copied = copy_tokenizer_files(config.data.tokenizer, final / "hf")

@@ -1,17 +1,17 @@
 """The streaming executor: layers flow through K device slots, layer-major, forward then back.
 
 One optimizer step: every micro-batch passes through a layer while its weights sit in a slot;
-forward keeps only each layer's input (activation_stash.py), backward recomputes the layer under
+forward keeps only each layer's input (streaming/activation_stash.py), backward recomputes the layer under
 a local autograd graph, accumulates its weight gradient on the device across micro-batches and
-sends it to the host once (gradient_sink.py). The last `keep_graphs` blocks, where the GPU has the
-memory for them (planner.py), run their forward under autograd and keep its graph, with a copy of
+sends it to the host once (streaming/gradient_sink.py). The last `keep_graphs` blocks, where the GPU has the
+memory for them (planning/plan.py), run their forward under autograd and keep its graph, with a copy of
 their weights: their backward neither recomputes (but for MLP chunks, which stay checkpointed) nor
-reads their weights again. The prefetcher (prefetcher.py) keeps the next layers copying into free
-slots; three streams (streams.py) are ordered by events. On the CPU the streams are no-ops and
+reads their weights again. The prefetcher (streaming/prefetcher.py) keeps the next layers copying into free
+slots; three streams (streaming/streams.py) are ordered by events. On the CPU the streams are no-ops and
 copies are plain memcpys: the same scheduler, testable without a GPU. The model's arithmetic comes
 from its family (models/family.py) and nothing else.
 
-With several data-parallel workers (data_parallel.py) each runs this same step on its share of the
+With several data-parallel workers (streaming/data_parallel.py) each runs this same step on its share of the
 micro-batches; the loss is scaled by the step's global target count, each gradient is summed across
 the workers before it leaves and leaves from its owner only, and the loss and norm are summed once.
 """
@@ -28,20 +28,20 @@ from typing import Callable
 import numpy as np
 import torch
 
-from megatrain_ray.activation_stash import ActivationStash
-from megatrain_ray.compiled import compile_block, compile_head_loss, compile_kept_block, kept_activation_budget
-from megatrain_ray.data_parallel import Group
-from megatrain_ray.gradient_sink import GradientSink
+from megatrain_ray.streaming.activation_stash import ActivationStash
+from megatrain_ray.streaming.compiled import compile_block, compile_head_loss, compile_kept_block, kept_activation_budget
+from megatrain_ray.streaming.data_parallel import Group
+from megatrain_ray.streaming.gradient_sink import GradientSink
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX, aux_loss_on
 from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout
 from megatrain_ray.models.ops import packs_documents
 from megatrain_ray.models.registry import family, model_layouts
-from megatrain_ray.prefetcher import Prefetcher, Slot
-from megatrain_ray.schedule import Unit, kept_blocks, model_units, step_order
-from megatrain_ray.sources import LayerSource
-from megatrain_ray.step_result import EvalResult, StepResult
-from megatrain_ray.streams import Streams, TransferStats
+from megatrain_ray.streaming.prefetcher import Prefetcher, Slot
+from megatrain_ray.streaming.layer_order import Unit, kept_blocks, model_units, step_order
+from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.streaming.step_result import EvalResult, StepResult
+from megatrain_ray.streaming.streams import Streams, TransferStats
 
 
 def pick_device(name: str, index: int | None = None) -> torch.device:
@@ -313,7 +313,7 @@ class StreamingExecutor:
 
     def _block(self, w: dict, x: torch.Tensor, ctx, keeping: bool = False):
         """Compiled when the micro-batch is short enough to need no MLP chunking; `keeping`: for a
-        graph kept until backward (compiled.py). With an auxiliary loss, (y, stats)
+        graph kept until backward (streaming/compiled.py). With an auxiliary loss, (y, stats)
         (models/family.py, OptionalMembers)."""
         kw = {"aux": True} if self.aux else {}
         if 0 < self.mlp_chunk < x.shape[0] * x.shape[1]:

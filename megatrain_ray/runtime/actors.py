@@ -11,21 +11,21 @@ import ray
 import torch
 
 from megatrain_ray.config import Config
-from megatrain_ray.data_parallel import Group
-from megatrain_ray.device_step import DeviceStepSource
-from megatrain_ray.executor import StreamingExecutor, pick_device
-from megatrain_ray.step_result import EvalResult, StepResult
-from megatrain_ray.host import (available_memory, dtype_of, element_size, host_headroom, major_faults,
+from megatrain_ray.streaming.data_parallel import Group
+from megatrain_ray.streaming.device_step import DeviceStepSource
+from megatrain_ray.streaming.executor import StreamingExecutor, pick_device
+from megatrain_ray.streaming.step_result import EvalResult, StepResult
+from megatrain_ray.host.memory import (available_memory, dtype_of, element_size, host_headroom, major_faults,
                                 resident_bytes)
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.optim import AdamWStep, UpdateSchedule
-from megatrain_ray.planner import (check_gpu_fit, check_host_fit, check_parked_fit, embedding_step_as_placed,
+from megatrain_ray.host.adamw import AdamWStep, UpdateSchedule
+from megatrain_ray.planning.plan import (check_gpu_fit, check_host_fit, check_parked_fit, embedding_step_as_placed,
                                    embedding_step_on_device)
-from megatrain_ray.remote_sources import RoutedSource, SharedMemorySource, WindowSource
-from megatrain_ray.store import ShardStore
-from megatrain_ray.transport import LayerLink, LayerServer
-from megatrain_ray.window import window_bytes
+from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, WindowSource
+from megatrain_ray.host.store import ShardStore
+from megatrain_ray.host.transport import LayerLink, LayerServer
+from megatrain_ray.host.window import window_bytes
 
 GiB = 1024**3
 
@@ -62,7 +62,7 @@ class ShardStoreActor(ShardStore):
     def ready(self) -> bool:
         return True
 
-    # ---- serving a GPU worker on another node (transport.py) ----------------------------------
+    # ---- serving a GPU worker on another node (host/transport.py) ----------------------------------
     def open_link(self) -> tuple[str, int]:
         """Where a GPU worker on another node connects to stream this store's layers."""
         if self.server is None:

@@ -13,8 +13,8 @@ import time
 
 import ray
 
-from megatrain_ray.cluster import alive_node_ids
-from megatrain_ray.placement import Placement
+from megatrain_ray.runtime.cluster import alive_node_ids
+from megatrain_ray.runtime.placement import Placement
 
 # Errors that mean a process or node of the run is gone (not a bug in the step itself).
 FAULTS = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
@@ -90,7 +90,7 @@ class Watchdog:
             except FAULTS as e:
                 raise self.fault(what, e) from None
             except ray.exceptions.RayTaskError as e:
-                if isinstance(e.cause, ConnectionError):  # the GPU worker lost a store's link (transport.py)
+                if isinstance(e.cause, ConnectionError):  # the GPU worker lost a store's link (host/transport.py)
                     raise self.fault(what, e) from None
                 errors.append(e)
             except Exception as e:

@@ -1,9 +1,9 @@
 """AdamW over a layer's flat fp32 buffers, the LR schedule and the clipping coefficient.
 
 The update is torch.optim.AdamW's, decoupled weight decay applied to matrices only. `adamw_step`
-runs it as one pass (host_adamw.py's kernel); where that kernel cannot be built, `adamw_update`
+runs it as one pass (host/adamw_kernel.py's kernel); where that kernel cannot be built, `adamw_update`
 runs torch's fused AdamW in cache-sized chunks: gradient upcast, update, weight cast. The GPU's
-step of the embedding (device_step.py) runs `adamw_update` on the device.
+step of the embedding (streaming/device_step.py) runs `adamw_update` on the device.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_ray.config import OptimConfig
-from megatrain_ray.host_adamw import native_kernel
+from megatrain_ray.host.adamw_kernel import native_kernel
 
 CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 per pass: few thread-pool rounds, still cache-friendly
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatrain_ray import checkpoint as ckpt
-from megatrain_ray.host import dtype_of
+from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.models.registry import arch_from_dict
 
 
@@ -17,7 +17,7 @@ def checkpoint_layers(path: Path, manifest: dict):
 
 
 def export_checkpoint(path: Path, out_dir: Path, dtype: str = "float32") -> Path:
-    from megatrain_ray.hf import export_hf
+    from megatrain_ray.files.hf import export_hf
 
     manifest, meta = ckpt.read_manifest(path)
     export_hf(out_dir, arch_from_dict(meta["arch"]), checkpoint_layers(path, manifest), dtype=dtype_of(dtype))

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 from safetensors import safe_open
 
-from megatrain_ray.files import publish_dir, write_json
+from megatrain_ray.files.durable import publish_dir, write_json
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.layout import ParamSlot
 from megatrain_ray.models.registry import arch_from_hf_config, arch_to_hf_config, family, hf_names, model_layouts
