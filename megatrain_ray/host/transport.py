@@ -2,7 +2,7 @@
 
 Ray places both ends and supervises them; the bytes do not go through Ray's object store, where a
 put and a get copy a layer through both nodes' object stores on top of the network (the earlier
-path: 38% of the shared-memory path's speed on one machine; examples/transport_speed.py measured
+path: 38% of the shared-memory path's speed on one machine; examples/benchmarks/transport_speed.py measured
 0.46-0.59 GB/s for it against 2.5-2.7 GB/s for these sockets between two raylets of the 2-core
 test machine). Here a layer moves from the
 store's buffer straight into a pinned slot on the GPU node, and a gradient from the GPU node's

@@ -47,7 +47,7 @@ NCCL_BUFFER_BYTES = GiB // 2
 # log-softmax and its gradient, not all alive at once). These constants were fitted to ten peaks
 # measured on the H100 (7B and 1.5B shapes at 4k, 128k and 512k tokens, small models): all within
 # 7%; the 1.5B shape at 512k without offload predicts 75 GiB, and it ran out of memory. Checked
-# again on 25 peaks of 2026-11-23 (examples/bench-h100-results): within 8% for steps of several
+# again on 25 peaks of 2026-11-23 (examples/benchmarks/results): within 8% for steps of several
 # micro-batches, and up to a third over for steps of one short sequence (the safe side).
 # micro-batches, and up to a third over for steps of one short sequence (the safe side). A block's
 # working set is its family's to say (ModelFamily.working_set_bytes), fitted to the same peaks.
@@ -65,7 +65,7 @@ KEPT = "kept forward graphs (the last blocks: no recompute)"
 KEPT_GRAPH_PER_WORKING_SET = 1.15
 # The same, compiled within compiled.KEPT_ACTIVATION_BUDGET (where the block is compiled: no
 # MLP chunks): a Qwen2.5-3B block kept 56.1 KiB a token against the default's 85.6 on the H100,
-# 0.77 of the working set (examples/probe_kept_block.py, 2026-11-23). Inside the whole step the
+# 0.77 of the working set (examples/benchmarks/probe_kept_block.py, 2026-11-23). Inside the whole step the
 # peak grew less: 57.3, 64.6, 63.2 and 71.0 GiB with 12, 14, 15 and 17 blocks kept at 4 x 4,096
 # tokens, which 0.7 plans at 58.3, 65.1, 68.4 and 75.1 (0.8 planned 63.9 and 75.3 for 12 and 15).
 KEPT_GRAPH_PER_WORKING_SET_BUDGETED = 0.7

@@ -7,7 +7,7 @@ partition (save what is cheapest to keep) costs nothing beyond the block's worki
 graph lives from the forward to the backward with the other kept ones, so there the partitioner
 keeps at most KEPT_ACTIVATION_BUDGET of that (torch._functorch's activation_memory_budget) and
 recomputes the cheapest of the rest in backward: pointwise ops such as SwiGLU's product. On the
-H100 (one Qwen2.5-3B block, 4 x 4,096 tokens, 2026-11-23, examples/probe_kept_block.py) the
+H100 (one Qwen2.5-3B block, 4 x 4,096 tokens, 2026-11-23, examples/benchmarks/probe_kept_block.py) the
 default kept 85.6 KiB a token at 14.1 ms forward + backward; a budget of 0.8 kept 56.1 KiB at
 14.4 ms, 0.6 51.0 KiB at 14.9 ms, and 0.4 30.5 KiB at 16.4 ms (a matmul recomputed). Its forward
 alone took 4.5 ms, what a recompute costs: 0.8 spares the most recompute per byte kept.

@@ -2,7 +2,7 @@
 the most kernel time), idle gaps by size and the largest, and kernel time by kind and by name.
 
     megatrain-ray bench ... --steps 1 --warmup 1 --profile /tmp/prof
-    python examples/trace_summary.py /tmp/prof/seq4096-mb4/rank-0/trace.json
+    python examples/benchmarks/trace_summary.py /tmp/prof/seq4096-mb4/rank-0/trace.json
 """
 
 from __future__ import annotations

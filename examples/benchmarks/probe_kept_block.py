@@ -1,7 +1,7 @@
 """What one decoder block's kept forward graph holds on the GPU, and what it costs, per activation
 budget of the kept-graph compilation (streaming/compiled.py); and the pinned PCIe rate.
 
-    python examples/probe_kept_block.py --model qwen2.5-3b --micro-batch 4 --seq-len 4096 --budgets 1.0 0.8 0.6 0.4
+    python examples/benchmarks/probe_kept_block.py --model qwen2.5-3b --micro-batch 4 --seq-len 4096 --budgets 1.0 0.8 0.6 0.4
 
 Each budget compiles the block anew through compile_kept_block, beside the default compilation the
 recompute path uses, so a budget that did not take (a shared compile cache) shows the default's bytes.

@@ -1,7 +1,7 @@
 """The one-pass host AdamW kernel on this node, three ways of sharing a layer among threads, three
 placements of its buffers, per thread count; and torch's own memory bandwidth for scale.
 
-    python examples/host_adamw_probe.py [--params 233057792] [--threads 12 14 16] [--repeats 9]
+    python examples/benchmarks/host_adamw_probe.py [--params 233057792] [--threads 12 14 16] [--repeats 9]
 
 Scheduling: the kernel as shipped (64 Ki-element tiles taken from a shared counter), 16 Ki tiles,
 and one equal static range per thread (the kernel before 2026-11-23). Placement: as a store holds a

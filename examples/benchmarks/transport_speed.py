@@ -1,7 +1,7 @@
 """Layer-sized transfers between two raylets of this machine: Ray objects (the earlier RAM-node
 path) against the TCP link of host/transport.py and a torch.distributed gloo pair.
 
-    python examples/transport_speed.py [--mib 64] [--repeats 12] [--streams 1 4]
+    python examples/benchmarks/transport_speed.py [--mib 64] [--repeats 12] [--streams 1 4]
 
 A head (the "GPU node", where a pinned slot receives) and one raylet offering megatrain_ram (the
 "store") start here through ray.cluster_utils.Cluster and stop at the end. Each line is GB/s of

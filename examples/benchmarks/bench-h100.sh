@@ -90,7 +90,7 @@ $B --model qwen2.5-7b --seq-len 4096 --micro-batch 4 --grad-accum 8 --steps 3 --
 # the kernel's thread scheduling and buffer placement probed alone (host-adamw-probe.log came from
 # an earlier form of the probe), the host AdamW alone per thread count, then the 7B at 98,304 and
 # 65,536 tokens a step
-python examples/host_adamw_probe.py > "$out/host-adamw-probe.log"
+python examples/benchmarks/host_adamw_probe.py > "$out/host-adamw-probe.log"
 $B --model qwen2.5-7b --parts --seq-len 4096 --micro-batch 1 --optimizer-threads 8 12 14 16 \
    --json "$out/qwen2.5-7b-parts-tiles.json"
 $B --model qwen2.5-7b --seq-len 1024 1024 --micro-batch 8 8 --grad-accum 12 8 --steps 3 --warmup 1 \
@@ -123,7 +123,7 @@ python -m megatrain_ray.bench.baseline_process --name deepspeed_offload --model 
 # what one kept block holds per activation budget; ours at 4 x 4 with loss chunks of 2,048 tokens,
 # auto and 15 kept, then DeepSpeed at its best split; ours with 15 kept, then FSDP2 at its best
 # measured split; a profiled step and where its GPU time went; the GPU tests
-python examples/probe_kept_block.py --model qwen2.5-3b --micro-batch 4 --seq-len 4096 --budgets 1.0 0.8 0.6 0.4 \
+python examples/benchmarks/probe_kept_block.py --model qwen2.5-3b --micro-batch 4 --seq-len 4096 --budgets 1.0 0.8 0.6 0.4 \
    > "$out/qwen2.5-3b-kept-block-probe.log"
 $B --model qwen2.5-3b --seq-len 4096 4096 --micro-batch 4 --grad-accum 4 --keep-graphs auto 15 --steps 3 --warmup 1 \
    --loss-chunk-tokens 2048 --json "$out/qwen2.5-3b-65k-4x4-compiled-head.json"
@@ -135,7 +135,7 @@ python -m megatrain_ray.bench.baseline_process --name fsdp2_offload --model qwen
    --micro-batch 16 --grad-accum 1 --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-fsdp2-16x1-after-compiled-head.log"
 $B --model qwen2.5-3b --seq-len 4096 --micro-batch 4 --grad-accum 4 --keep-graphs auto --steps 1 --warmup 1 \
    --loss-chunk-tokens 2048 --profile "$out/profile"
-python examples/trace_summary.py "$out"/profile/seq4096-mb4/rank-0/trace.json > "$out/qwen2.5-3b-65k-4x4-profile-summary.log"
+python examples/benchmarks/trace_summary.py "$out"/profile/seq4096-mb4/rank-0/trace.json > "$out/qwen2.5-3b-65k-4x4-profile-summary.log"
 python -m pytest -q -m gpu -s tests/test_planner.py tests/test_gpu_trainer.py tests/test_moe_parity.py \
    tests/test_transformers_parity.py tests/test_families_parity.py tests/test_eval.py tests/test_compiled.py \
    > "$out/gpu-tests-head-budget.log"
