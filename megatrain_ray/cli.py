@@ -1,4 +1,4 @@
-"""megatrain-ray train | plan | bench | export."""
+"""megatrain-ray train | plan | bench | export | config."""
 
 from __future__ import annotations
 
@@ -39,6 +39,13 @@ def _export(args) -> int:
     return 0
 
 
+def _config(args) -> int:
+    from megatrain_ray.config_reference import reference_table
+
+    print(reference_table(), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatrain-ray", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir")
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     export.set_defaults(func=_export)
+
+    reference = sub.add_parser("config", help="print every config key, its default and what it does (Markdown)")
+    reference.set_defaults(func=_config)
     return parser
 
 

@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    preset: str | None = None  # a name from models.arch.PRESETS
+    preset: str | None = None  # a named model shape, random init (models.registry.PRESETS; README, Models)
     path: str | None = None  # a Hugging Face model directory (config.json + safetensors)
     compute_dtype: str = "bfloat16"  # bfloat16 | float32: the copy the executor streams
     init_std: float = 0.02  # random initialisation when no path is given
@@ -42,12 +42,12 @@ class DataConfig:
     format: str = "auto"  # auto | tokens | text | alpaca | sharegpt
     tokenizer: str | None = None  # tokenizer.json (or its directory, or a Hub name) for text and SFT; default: model.path
     chat_template: str = "auto"  # SFT: auto (the model's, else fallback) | model | fallback (### User:/### Assistant:) | a .jinja file
-    text_column: str = "text"
-    seq_len: int = 128
-    pack: bool = True
-    truncate: bool = True
-    shuffle: bool = True
-    add_eos: bool = True
+    text_column: str = "text"  # column holding the text of format text
+    seq_len: int = 128  # tokens per row (sequence length)
+    pack: bool = True  # several documents per row, each attending only to itself
+    truncate: bool = True  # longer documents: split (text, tokens) or cut (SFT) to seq_len; false: refused
+    shuffle: bool = True  # permute file order per epoch and shuffle documents in a buffer
+    add_eos: bool = True  # end each text document with the tokenizer's EOS
     eos_token_id: int | None = None  # overrides the EOS found in the tokenizer ("</s>", "<|endoftext|>", ...)
     shuffle_buffer: int = 1024  # documents held for the streaming shuffle (bounds memory)
     read_batch_rows: int = 256  # rows read (and tokenized) at a time from a file
@@ -66,29 +66,29 @@ class EvalConfig:
 class MetricsConfig:
     tensorboard: bool = False  # event files under <output_dir>/tensorboard (pip install 'megatrain-ray[tensorboard]')
     wandb: bool = False  # Weights & Biases (pip install 'megatrain-ray[wandb]'); WANDB_MODE=offline works
-    wandb_project: str = "megatrain-ray"
+    wandb_project: str = "megatrain-ray"  # Weights & Biases project
     run_name: str | None = None  # default: the output directory's name
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = 3e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # the cosine schedule decays to lr x this at train.steps
+    warmup_steps: int = 0  # linear warmup steps before the cosine decay
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's beta1, beta2
+    eps: float = 1e-8  # AdamW's epsilon
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 10
-    micro_batch_size: int = 1
+    steps: int = 10  # optimizer steps of the run (the LR schedule's length)
+    micro_batch_size: int = 1  # rows per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step, all streamed layer-major
-    seed: int = 0
-    log_every: int = 1
-    output_dir: str = "runs/default"
+    seed: int = 0  # data order and random initialisation
+    log_every: int = 1  # not used yet: every step writes its progress line and metrics row
+    output_dir: str = "runs/default"  # metrics.jsonl, checkpoints/ and tensorboard/ go here
     max_bad_steps: int = 3  # non-finite loss or gradients in a row before the run stops
     auto_resume: bool | None = None  # after a lost node: wait for room, restore the last checkpoint; None = on under `ray job submit`
     resume_wait_s: float = 600.0  # how long auto-resume waits for the cluster to have room again
@@ -113,9 +113,9 @@ class RuntimeConfig:
     address: str | None = None  # Ray address; None joins RAY_ADDRESS or a running cluster, else starts one; local: starts one
     num_cpus: int | None = None  # for an embedded Ray
     object_store_memory: int | None = None  # bytes, for an embedded Ray
-    store_on_gpu_node: bool = True
-    ram_resource: str = "megatrain_ram"
-    shm_dir: str = "/dev/shm"
+    store_on_gpu_node: bool = True  # the GPU node holds a store too; false: only RAM nodes hold the model
+    ram_resource: str = "megatrain_ram"  # the Ray resource that marks a RAM node
+    shm_dir: str = "/dev/shm"  # tmpfs for the stores' shared buffers on the GPU node
     optimizer_threads: int | None = None  # per store; default: the node's cores less one and one per GPU worker beside it
     remote_window: int = 0  # pinned slots per layer size on the GPU node for layers on other nodes; 0 = from the plan
     transport_streams: int = 4  # TCP connections per store and direction; each layer is split over them
@@ -128,11 +128,11 @@ class RuntimeConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
-    keep: int = 2
+    keep: int = 2  # checkpoints kept; older ones are deleted once a new one is complete
     dir: str | None = None  # default: <output_dir>/checkpoints
     transport: str = "shared"  # shared: stores write to dir (shared storage); driver: stores send shards to the driver
-    export_hf: bool = True
-    export_dtype: str = "float32"
+    export_hf: bool = True  # write the final weights as a Hugging Face directory in the last checkpoint's hf/
+    export_dtype: str = "float32"  # float32 | bfloat16: dtype of that export
 
 
 @dataclass(frozen=True)

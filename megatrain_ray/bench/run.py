@@ -20,7 +20,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_arch, num_params
 from megatrain_ray.planning.plan import PlanError, describe, predict_step
 
-MEASURED_BF16_PEAK_TFLOPS = 799.0  # 8192^3 bf16 matmul on the H100 machine (README, "Performance")
+MEASURED_BF16_PEAK_TFLOPS = 799.0  # 8192^3 bf16 matmul on the H100 machine (examples/benchmarks/README.md)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

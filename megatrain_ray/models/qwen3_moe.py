@@ -40,7 +40,7 @@ class Qwen3MoeFamily(MixtralFamily):
         # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json
         "qwen3-30b-a3b": qwen3_moe(151936, 2048, 6144, 48, 32, 4, 128, 768, max_position_embeddings=40960),
         "qwen3-235b-a22b": qwen3_moe(151936, 4096, 12288, 94, 64, 4, 128, 1536, max_position_embeddings=40960),
-        # The benchmark's MoE (README, "Mixture of experts"): 7.0 B parameters, 14 bytes each fit
+        # The benchmark's MoE (examples/benchmarks/2026-11-23-h100.md, "Mixture of experts"): 7.0 B parameters, 14 bytes each fit
         # 128 GiB of host memory. Qwen3-30B-A3B's attention and router, 64 of its experts
         # (top 8 of 768 each), 20 layers; 1.4 B active parameters per token.
         "qwen3-moe-7b": qwen3_moe(151936, 2048, 6144, 20, 32, 4, 64, 768, max_position_embeddings=40960),

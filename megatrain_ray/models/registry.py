@@ -1,6 +1,6 @@
 """Which family runs a model: model_type -> family, and the lookups everyone else uses.
 
-To add a family, write its file (see models/family.py and the README's "Adding a model family")
+To add a family, write its file (see models/family.py and models/README.md)
 and put its object in FAMILIES.
 """
 

@@ -25,12 +25,12 @@ from megatrain_ray.models.registry import family, model_layouts, num_params
 
 GiB = 1024**3
 
-# Rates measured on the H100 machine (the README's performance section, `megatrain-ray bench --parts`).
+# Rates measured on the H100 machine (examples/benchmarks/, `megatrain-ray bench --parts`).
 LAYER_TFLOPS = 620e12  # one decoder layer's fwd+bwd, compiled
 H2D_BYTES_PER_S = 50e9  # pinned / registered host memory
 # host/adamw_kernel.py's one-pass kernel inside the pipeline on the H100 machine (16 cores, threads: its
 # cores less two), 2026-11-23: 4.6-4.9 G params/s at 1.5B to 7B ("host optimizer ... G params/s"
-# of `bench`; the README's "The host optimizer, measured"). Torch's three-pass AdamW ran 2.9.
+# of `bench`; examples/benchmarks/2026-11-23-h100.md). Torch's three-pass AdamW ran 2.9.
 HOST_ADAMW_PARAMS_PER_S = 4.8e9
 # Not measured directly, a floor inferred from the optimizer: the one-pass AdamW moves 28 bytes a
 # parameter (three fp32 buffers read and written, the bf16 gradient read, the bf16 weight written)

@@ -62,7 +62,7 @@ def started_cluster() -> str | None:
 def connect(cfg: RuntimeConfig) -> None:
     """Join cfg.address, RAY_ADDRESS or the cluster `ray start` made here; else start an embedded
     one (also when the address is `local`: never join whatever runs on the machine). Token
-    authentication is used whenever a token is there (README: Securing a cluster)."""
+    authentication is used whenever a token is there (README: Three ways to run)."""
     if ray.is_initialized():
         return
     try:
