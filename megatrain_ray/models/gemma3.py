@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.family import IGNORE_INDEX, Weights
-from megatrain_ray.models.layout import LayerLayout, ParamSlot, Shapes, decoder_layouts, matmul_params
+from megatrain_ray.models.family import IGNORE_INDEX, ModelFamily, Weights
+from megatrain_ray.models.layout import LayerLayout, ParamSlot, Shapes, decoder_layouts
 from megatrain_ray.models.llama import WORKING_SET_PER_TOKEN, Rope, lm_head_weight
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -227,11 +227,9 @@ def whole(value: float) -> float | int:
 EXTRA_NORMS_PER_HIDDEN = 2 * 3
 
 
-class Gemma3Family:
+class Gemma3Family(ModelFamily):
     model_types = ("gemma3_text",)
     arch_type = Gemma3Arch
-    embed_name = "model.embed_tokens.weight"
-    tied_head_name = "lm_head.weight"
     refused = {
         "gemma3": "it is the multimodal Gemma 3 (a vision tower beside the text model); megatrain-ray trains "
                   "Gemma 3 text models (gemma3_text). Save its text model first, then point model.path at it: "
@@ -362,9 +360,6 @@ class Gemma3Family:
         return final_logits(arch, hidden, lm_head_weight(arch, head, embed))
 
     # -- what the planner and the benchmark count ----------------------------------------------
-    def matmul_params(self, arch: Gemma3Arch) -> int:
-        return matmul_params(arch, self.layouts(arch))
-
     def attention_flops_per_token(self, arch: Gemma3Arch, seq_len: int) -> float:
         """12 x heads x head_dim per key attended, fwd + bwd: seq/2 keys in a global layer (causal),
         at most the window in a sliding one (ops.window_key_count)."""

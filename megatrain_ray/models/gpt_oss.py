@@ -218,8 +218,8 @@ class GptOssFamily(MixtralFamily):
     }
 
     # Kept graphs compile with the default partition: under the activation budget the backward of a
-    # kept GPT-OSS block fed F.grouped_mm group sizes its CUDA kernel asserts on (H100, torch 2.11,
-    # tests/test_moe_parity.py, 2026-11-23); Mixtral and Qwen3-MoE ran.
+    # kept GPT-OSS block fed F.grouped_mm group sizes its CUDA kernel asserts on (torch 2.11, the GPU
+    # case of tests/test_moe_parity.py); Mixtral and Qwen3-MoE ran.
     kept_activation_budget = None
 
     # -- shapes and names ------------------------------------------------------------------------

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch, RopeScaling
-from megatrain_ray.models.family import IGNORE_INDEX, Weights
-from megatrain_ray.models.layout import LayerLayout, ParamSlot, Shapes, decoder_layouts, matmul_params
+from megatrain_ray.models.family import IGNORE_INDEX, ModelFamily, Weights
+from megatrain_ray.models.layout import LayerLayout, Shapes, decoder_layouts
 
 
 
@@ -202,12 +202,8 @@ def rope_scaling_from_hf(config: dict[str, Any]) -> tuple[RopeScaling | None, fl
 WORKING_SET_PER_TOKEN = (13, 1)  # x hidden_size, x intermediate_size (or the MLP chunk)
 
 
-class LlamaFamily:
+class LlamaFamily(ModelFamily):
     model_types = tuple(HF_CLASSES)
-    arch_type = ModelArch
-    embed_name = "model.embed_tokens.weight"
-    tied_head_name = "lm_head.weight"
-    refused: dict[str, str] = {}
     presets: dict[str, ModelArch] = {
         # Tiny shapes for CPU tests: one of each family quirk.
         "tiny-llama": ModelArch("llama", 256, 64, 128, 2, 4, 2, 16, rms_norm_eps=1e-5, rope_theta=10000.0),
@@ -292,21 +288,10 @@ class LlamaFamily:
     def layouts(self, arch: ModelArch) -> tuple[LayerLayout, ...]:
         return decoder_layouts(arch, lambda i: block_shapes(arch))
 
-    def init_param(self, slot: ParamSlot, view: torch.Tensor, gen: torch.Generator, std: float) -> None:
-        if slot.name.endswith("norm.weight"):
-            view.fill_(1.0)
-        elif slot.name.endswith(".bias"):
-            view.zero_()
-        else:
-            view.copy_(torch.randn(slot.numel, generator=gen) * std)
-
     # -- the stateless templates -----------------------------------------------------------------
     def context(self, arch: ModelArch, position_ids: torch.Tensor, dtype: torch.dtype,
                 packed: bool | None = None) -> Rope:
         return rope_context(arch, position_ids, dtype, packed)
-
-    def layer_context(self, arch: ModelArch, ctx: Rope, layer: int) -> Rope:
-        return ctx
 
     def embed(self, arch: ModelArch, w: Weights, input_ids: torch.Tensor) -> torch.Tensor:
         return embed_forward(w, input_ids)
@@ -323,13 +308,6 @@ class LlamaFamily:
         return F.linear(final_norm(arch, head, x), lm_head_weight(arch, head, embed))
 
     # -- what the planner and the benchmark count ----------------------------------------------
-    def matmul_params(self, arch: ModelArch) -> int:
-        return matmul_params(arch, self.layouts(arch))
-
-    def attention_flops_per_token(self, arch: ModelArch, seq_len: int) -> float:
-        """6 x layers x seq x (heads x head_dim): half the full 12, as the causal mask halves the work."""
-        return 6 * arch.num_layers * seq_len * arch.num_heads * arch.head_dim
-
     def working_set_bytes(self, arch: ModelArch, tokens: int, mlp_tokens: int, dtype_bytes: int) -> int:
         per_h, per_i = WORKING_SET_PER_TOKEN
         return (tokens * per_h * arch.hidden_size + mlp_tokens * per_i * arch.intermediate_size) * dtype_bytes

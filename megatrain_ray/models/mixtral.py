@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from megatrain_ray.models import moe
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.family import Weights
+from megatrain_ray.models.family import ModelFamily, Weights
 from megatrain_ray.models.layout import LayerLayout, ParamSlot, Shapes, decoder_layouts
 from megatrain_ray.models.llama import (
     Rope, attention, chunked_cross_entropy, chunked_mlp, embed_forward, final_norm, lm_head_weight, mlp,
@@ -57,12 +57,9 @@ def refuse_sliding_window(config: dict[str, Any]) -> None:
         raise ValueError(f"{config['model_type']}: sliding_window {window} is not supported (only full attention)")
 
 
-class MixtralFamily:
+class MixtralFamily(ModelFamily):
     model_types: tuple[str, ...] = ("mixtral",)
-    refused: dict[str, str] = {}
     arch_type = MoeArch
-    embed_name = "model.embed_tokens.weight"
-    tied_head_name = "lm_head.weight"
     hf_class = "MixtralForCausalLM"
     presets: dict[str, ModelArch] = {
         "tiny-mixtral": MoeArch("mixtral", 256, 64, 128, 2, 4, 2, 16, rms_norm_eps=1e-5, rope_theta=1e6,
@@ -127,20 +124,9 @@ class MixtralFamily:
     def layouts(self, arch: MoeArch) -> tuple[LayerLayout, ...]:
         return decoder_layouts(arch, lambda i: self.block_shapes(arch, i), lambda s: self.stored(arch, s))
 
-    def init_param(self, slot: ParamSlot, view: torch.Tensor, gen: torch.Generator, std: float) -> None:
-        if slot.name.endswith("norm.weight"):
-            view.fill_(1.0)
-        elif slot.name.endswith("bias"):
-            view.zero_()
-        else:
-            view.copy_(torch.randn(slot.numel, generator=gen) * std)
-
     # -- the stateless templates -----------------------------------------------------------------
     def context(self, arch: MoeArch, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool | None = None) -> Any:
         return rope_context(arch, position_ids, dtype, packed)
-
-    def layer_context(self, arch: MoeArch, ctx: Any, layer: int) -> Any:
-        return ctx  # every layer attends alike (GPT-OSS's sliding-window layers override this)
 
     def embed(self, arch: MoeArch, w: Weights, input_ids: torch.Tensor) -> torch.Tensor:
         return embed_forward(w, input_ids)
@@ -184,7 +170,7 @@ class MixtralFamily:
     def logits(self, arch: MoeArch, head: Weights, embed: Weights | None, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.final_norm(arch, head, x), lm_head_weight(arch, head, embed))
 
-    # -- the router's auxiliary loss (models/family.py, OptionalMembers) -------------------------
+    # -- the router's auxiliary loss (models/family.py, ModelFamily.aux_loss_on) -----------------
     def aux_loss_on(self, arch: MoeArch) -> bool:
         return arch.aux_loss_coef > 0 and arch.sparse_layers() > 0
 
@@ -198,9 +184,6 @@ class MixtralFamily:
     def matmul_params(self, arch: MoeArch) -> int:
         """Active parameters: a token's k experts, not all E."""
         return moe.matmul_params(arch, self.layouts(arch))
-
-    def attention_flops_per_token(self, arch: MoeArch, seq_len: int) -> float:
-        return 6 * arch.num_layers * seq_len * arch.num_heads * arch.head_dim
 
     def working_set_bytes(self, arch: MoeArch, tokens: int, mlp_tokens: int, dtype_bytes: int) -> int:
         return moe.working_set_bytes(arch, tokens, mlp_tokens, dtype_bytes)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import Weights
-from megatrain_ray.models.layout import LayerLayout, ParamSlot, Shapes, decoder_layouts
+from megatrain_ray.models.layout import LayerLayout, Shapes, decoder_layouts
 from megatrain_ray.models.llama import WORKING_SET_PER_TOKEN, LlamaFamily, Rope, rms_norm
 
 PHI3_PAD_DEFAULT = 32000  # transformers' Phi3Config pad_token_id when config.json has none
@@ -173,12 +173,12 @@ def rope_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-class Phi3Family:
+class Phi3Family(LlamaFamily):
+    """Llama's final norm, LM head and matmul count (over this family's own layouts); its own
+    fused projections, partial rotary LongRoPE, padding index and sliding window."""
+
     model_types = ("phi3",)
     arch_type = Phi3Arch
-    embed_name = "model.embed_tokens.weight"
-    tied_head_name = "lm_head.weight"
-    refused: dict[str, str] = {}
     presets: dict[str, Phi3Arch] = {
         # Tiny shape for CPU tests: partial rotary (12 of 16) and LongRoPE past 8 positions.
         "tiny-phi3": Phi3Arch("phi3", 256, 64, 128, 2, 4, 2, 16, rms_norm_eps=1e-5, max_position_embeddings=64,
@@ -269,12 +269,6 @@ class Phi3Family:
     def layouts(self, arch: Phi3Arch) -> tuple[LayerLayout, ...]:
         return decoder_layouts(arch, lambda i: block_shapes(arch))
 
-    def init_param(self, slot: ParamSlot, view: torch.Tensor, gen: torch.Generator, std: float) -> None:
-        if slot.name.endswith("norm.weight"):
-            view.fill_(1.0)
-        else:
-            view.copy_(torch.randn(slot.numel, generator=gen) * std)
-
     # -- the stateless templates -----------------------------------------------------------------
     def context(self, arch: Phi3Arch, position_ids: torch.Tensor, dtype: torch.dtype,
                 packed: bool | None = None) -> PhiContext:
@@ -288,11 +282,6 @@ class Phi3Family:
 
     def block(self, arch: Phi3Arch, w: Weights, x: torch.Tensor, ctx: Rope, mlp_chunk: int = 0) -> torch.Tensor:
         return block_forward(arch, w, x, ctx, mlp_chunk)
-
-    # Llama's final norm, LM head and matmul count (over this family's own layouts)
-    head_loss = LlamaFamily.head_loss
-    logits = LlamaFamily.logits
-    matmul_params = LlamaFamily.matmul_params
 
     def attention_flops_per_token(self, arch: Phi3Arch, seq_len: int) -> float:
         """12 x layers x heads x head_dim per key attended (fwd + bwd): seq/2 keys (causal), fewer

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.family import IGNORE_INDEX, aux_loss_on
+from megatrain_ray.models.family import IGNORE_INDEX
 from megatrain_ray.models.layout import BLOCK, EMBED
 from megatrain_ray.models.registry import family, model_layouts
 
@@ -60,7 +60,7 @@ class ReferenceModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, compute_dtype=None) -> torch.Tensor:
         """Logits [B, T, vocab]. A family's auxiliary loss of this call is then `self.aux_loss`."""
         arch, fam = self.arch, family(self.arch)
-        aux = aux_loss_on(fam, arch)
+        aux = fam.aux_loss_on(arch)
         x = fam.embed(arch, self.bound(0), input_ids)
         ctx = fam.context(arch, position_ids, compute_dtype or x.dtype)
         stats = []

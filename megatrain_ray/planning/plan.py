@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatrain_ray.streaming.compiled import kept_activation_budget
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.family import inactive_params
 from megatrain_ray.models.registry import family, model_layouts, num_params
 
 GiB = 1024**3
@@ -63,7 +61,7 @@ KEPT = "kept forward graphs (the last blocks: no recompute)"
 # 7B (seq 1024, 8 x 12 and 8 x 8, 2 and 4 blocks kept) each kept block grew the peak 1.15 times the
 # working set (9.7 GiB against 8.4 at 8 x 8); at 8 x 1,024-wide blocks of 2,048 tokens 1.0 times.
 KEPT_GRAPH_PER_WORKING_SET = 1.15
-# The same, compiled within compiled.KEPT_ACTIVATION_BUDGET (where the block is compiled: no
+# The same, compiled within the family's kept_activation_budget (where the block is compiled: no
 # MLP chunks): a Qwen2.5-3B block kept 56.1 KiB a token against the default's 85.6 on the H100,
 # 0.77 of the working set (examples/benchmarks/probe_kept_block.py, 2026-11-23). Inside the whole step the
 # peak grew less: 57.3, 64.6, 63.2 and 71.0 GiB with 12, 14, 15 and 17 blocks kept at 4 x 4,096
@@ -143,7 +141,7 @@ def kept_graph_bytes(arch: ModelArch, config: Config, num_gpus: int = 1) -> int:
     mb_tokens = config.train.micro_batch_size * config.data.seq_len
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
     working_set = family(arch).working_set_bytes(arch, mb_tokens, mlp_tokens, d)
-    budgeted = config.executor.compile and mlp_tokens >= mb_tokens and kept_activation_budget(family(arch)) is not None
+    budgeted = config.executor.compile and mlp_tokens >= mb_tokens and family(arch).kept_activation_budget is not None
     per_working_set = KEPT_GRAPH_PER_WORKING_SET_BUDGETED if budgeted else KEPT_GRAPH_PER_WORKING_SET
     graph = math.ceil(per_working_set * working_set) * micro_batches_per_gpu(config, num_gpus)
     return graph + max(block_numels(arch)) * d
@@ -480,7 +478,7 @@ def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, netwo
         f"tokens per step that keep {'the ' + str(num_gpus) + ' GPUs' if num_gpus > 1 else 'the GPU'} busy (the host "
         f"optimizer hidden behind the forward, the copies and transfers behind compute): {p.busy_tokens}"
     )
-    inactive = inactive_params(family(arch), arch)
+    inactive = family(arch).inactive_params(arch)
     if inactive:
         params = num_params(arch)
         lines.append(f"mixture of experts: each layer's slot holds all its experts ({params / 1e9:.2f} B parameters "

@@ -5,16 +5,14 @@ chunk of the LM head's loss.
 A recomputing block's graph is differentiated right after it is made, so torch.compile's default
 partition (save what is cheapest to keep) costs nothing beyond the block's working set. A kept
 graph lives from the forward to the backward with the other kept ones, so there the partitioner
-keeps at most KEPT_ACTIVATION_BUDGET of that (torch._functorch's activation_memory_budget) and
-recomputes the cheapest of the rest in backward: pointwise ops such as SwiGLU's product. On the
-H100 (one Qwen2.5-3B block, 4 x 4,096 tokens, 2026-11-23, examples/benchmarks/probe_kept_block.py) the
-default kept 85.6 KiB a token at 14.1 ms forward + backward; a budget of 0.8 kept 56.1 KiB at
-14.4 ms, 0.6 51.0 KiB at 14.9 ms, and 0.4 30.5 KiB at 16.4 ms (a matmul recomputed). Its forward
-alone took 4.5 ms, what a recompute costs: 0.8 spares the most recompute per byte kept.
+keeps at most the family's kept_activation_budget of that (torch._functorch's
+activation_memory_budget) and recomputes the cheapest of the rest in backward: pointwise ops such
+as SwiGLU's product, which cost far less than the block's forward a full recompute would repeat
+(examples/benchmarks/probe_kept_block.py measures the trade at each budget).
 
 The head's chunk loss compiled fuses the fp32 cast, log-softmax and its gradient over the
-[tokens x vocab] logits, which eager runs as separate passes (on the H100 a Qwen2.5-3B step of
-65,536 tokens spent 109 ms in the eager softmax kernels alone; compiled, the step took 0.17 s less).
+[tokens x vocab] logits, which eager runs as separate passes over a tensor of the vocabulary's
+width: at long steps those passes are a visible share of the step.
 
 The two compilations of the block use two backends: torch.compile caches a function's graphs per
 code object, and a different backend is what keeps the second from reusing the first's. Each
@@ -29,20 +27,13 @@ from typing import Callable
 
 import torch
 
-KEPT_ACTIVATION_BUDGET = 0.8
-
-
-def kept_activation_budget(family) -> float | None:
-    """The family's budget for its kept graphs (models/family.py, OptionalMembers), else ours."""
-    return getattr(family, "kept_activation_budget", KEPT_ACTIVATION_BUDGET)
-
 
 def compile_block(block: Callable) -> Callable:
     """The block as the recompute path runs it: torch.compile's defaults."""
     return torch.compile(block, dynamic=False)
 
 
-def compile_kept_block(block: Callable, budget: float = KEPT_ACTIVATION_BUDGET) -> Callable:
+def compile_kept_block(block: Callable, budget: float) -> Callable:
     """The block as a kept graph runs it: its saved tensors within `budget` of the default's."""
     return torch.compile(block, dynamic=False, backend=_inductor_within(budget))
 

@@ -29,11 +29,11 @@ import numpy as np
 import torch
 
 from megatrain_ray.streaming.activation_stash import ActivationStash
-from megatrain_ray.streaming.compiled import compile_block, compile_head_loss, compile_kept_block, kept_activation_budget
+from megatrain_ray.streaming.compiled import compile_block, compile_head_loss, compile_kept_block
 from megatrain_ray.streaming.data_parallel import Group
 from megatrain_ray.streaming.gradient_sink import GradientSink
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.family import IGNORE_INDEX, aux_loss_on
+from megatrain_ray.models.family import IGNORE_INDEX
 from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout
 from megatrain_ray.models.ops import packs_documents
 from megatrain_ray.models.registry import family, model_layouts
@@ -72,7 +72,7 @@ def _leaf(buffer: torch.Tensor) -> torch.Tensor:
 
 
 class AuxLoss:
-    """A family's auxiliary loss over one step (models/family.py, OptionalMembers): forward sums
+    """A family's auxiliary loss over one step (models/family.py, ModelFamily.aux_loss_on): forward sums
     each micro-batch's block statistics; each block's backward adds its share, weighted like the
     micro-batch's token loss: its target tokens over the step's (so one micro-batch of the step
     adds the auxiliary loss exactly as transformers does to its mean token loss)."""
@@ -99,7 +99,7 @@ class BlockGraph:
     x: torch.Tensor  # the input, a leaf
     w: dict[str, torch.Tensor]  # the weights, one leaf each
     y: torch.Tensor
-    stats: torch.Tensor | None  # the block's auxiliary statistics (models/family.py, OptionalMembers)
+    stats: torch.Tensor | None  # the block's auxiliary statistics (models/family.py, ModelFamily.aux_loss_on)
 
 
 class StreamingExecutor:
@@ -133,11 +133,11 @@ class StreamingExecutor:
         self.mlp_chunk = mlp_chunk_tokens
         self.offload_activations = offload_activations
         self.kept = kept_blocks(self.units, keep_graphs)
-        self.aux = aux_loss_on(self.family, arch)  # the block returns (y, stats) for an auxiliary loss
+        self.aux = self.family.aux_loss_on(arch)  # the block returns (y, stats) for an auxiliary loss
         self.compiled_block = self.compiled_kept_block = self.compiled_head_loss = None
         if compile_blocks and self.streams.cuda:
             self.compiled_block = compile_block(self.family.block)
-            budget = kept_activation_budget(self.family)
+            budget = self.family.kept_activation_budget
             self.compiled_kept_block = (compile_kept_block(self.family.block, budget) if budget is not None
                                         else self.compiled_block)
             self.compiled_head_loss = compile_head_loss(self.family.head_loss)
@@ -314,7 +314,7 @@ class StreamingExecutor:
     def _block(self, w: dict, x: torch.Tensor, ctx, keeping: bool = False):
         """Compiled when the micro-batch is short enough to need no MLP chunking; `keeping`: for a
         graph kept until backward (streaming/compiled.py). With an auxiliary loss, (y, stats)
-        (models/family.py, OptionalMembers)."""
+        (models/family.py, ModelFamily.aux_loss_on)."""
         kw = {"aux": True} if self.aux else {}
         if 0 < self.mlp_chunk < x.shape[0] * x.shape[1]:
             return self.family.block(self.arch, w, x, ctx, self.mlp_chunk, **kw)
