@@ -10,7 +10,7 @@ import pytest
 
 from megatrain_ray.bench.run import add_arguments, shapes_from
 from megatrain_ray.bench.workload import Shape
-from megatrain_ray.streaming.layer_order import layer_schedule
+from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.host.window import fetches_per_step, window_bytes
 
@@ -141,7 +141,7 @@ def test_bench_with_every_layer_on_a_ram_node_raylet(tmp_path):
     median = json.loads(out.read_text())["runs"][0]["median"]
     arch = PRESETS["tiny-qwen2"].replace(num_layers=6)
     numels = {layout.index: layout.numel for layout in model_layouts(arch)}
-    fetched = fetches_per_step(numels, layer_schedule(arch), 3)  # 3 of the 6 blocks stay over the turn
+    fetched = fetches_per_step(numels, layer_order(arch), 3)  # 3 of the 6 blocks stay over the turn
     assert median["remote_gb_in_per_step"] * 1e9 == pytest.approx(sum(2 * numels[i] * fetched[i] for i in numels))
     assert median["remote_gb_out_per_step"] * 1e9 == pytest.approx(2 * sum(numels.values()))
     assert median["remote_window_gib"] * 2**30 == window_bytes(list(numels.values()), 3, 2)

@@ -25,7 +25,7 @@ def run_traced(grad_accum: int, steps: int = 2, num_slots: int = 2, arch=ARCH, k
     update = trainer.source.update
 
     def counting_update(layer, hp, landed):
-        updates[(hp.step, layer)] += 1
+        updates[(hp.lr_position, layer)] += 1
         update(layer, hp, landed)
 
     trainer.source.update = counting_update

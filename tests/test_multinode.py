@@ -8,7 +8,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from megatrain_ray.streaming.layer_order import layer_schedule
+from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.runtime.session import Session
@@ -103,7 +103,7 @@ def test_every_layer_on_ram_nodes_streams_through_a_bounded_window_and_trains_li
         # bytes moved per step: each layer's gradient once; weights once, or twice where the window
         # did not hold them from forward to backward, as the plan's traffic says
         plan = step_traffic(arch, run["config"], placement)
-        fetched = fetches_per_step(numels, layer_schedule(arch), 4)
+        fetched = fetches_per_step(numels, layer_order(arch), 4)
         for bytes_in, bytes_out in run["traffic"]:
             assert bytes_in == sum(fetched[i] * numels[i] * 4 for i in numels) == sum(s.weight_bytes for s in plan.stores)
             assert bytes_out == sum(numels.values()) * 4 == sum(s.gradient_bytes for s in plan.stores)

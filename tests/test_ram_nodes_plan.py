@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatrain_ray.config import ConfigError, config_from_dict
-from megatrain_ray.streaming.layer_order import layer_schedule
+from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
 from megatrain_ray.runtime.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement
 from megatrain_ray.planning.plan import EMBEDDING_STEP, describe, embedding_step_as_placed, gpu_plan, predict_step
@@ -85,7 +85,7 @@ def test_raylets_of_one_machine_share_its_memory():
 def test_a_roomy_gpu_node_holds_every_remote_layer_and_each_crosses_once():
     plan = plan_placement(PRESETS["qwen2.5-1.5b"], config(), [gpu_node(120), ram_node(1, 400)], "gpu")
     numels = {layout.index: layout.numel for layout in model_layouts(PRESETS["qwen2.5-1.5b"])}
-    fetched = fetches_per_step(numels, layer_schedule(PRESETS["qwen2.5-1.5b"]), plan.window_slots)
+    fetched = fetches_per_step(numels, layer_order(PRESETS["qwen2.5-1.5b"]), plan.window_slots)
     assert set(fetched.values()) == {1}
     assert plan.window_bytes < 2.5 * mirror_bytes(PRESETS["qwen2.5-1.5b"])  # a mirror plus the outbox
 
@@ -94,19 +94,19 @@ def test_a_roomy_gpu_node_holds_every_remote_layer_and_each_crosses_once():
 def test_the_window_policy_serves_every_use_and_refetches_only_what_it_could_not_hold(slots):
     arch = SEVEN_B
     numels = {layout.index: layout.numel for layout in model_layouts(arch)}
-    schedule = layer_schedule(arch)
+    order = layer_order(arch)
     policy = WindowPolicy(numels, slots)
-    policy.begin_step(schedule)
+    policy.begin_step(order)
     policy.plan()
     held_now = set()
-    for layer in schedule:
+    for layer in order:
         policy.use(layer)
         policy.plan()
         assert layer in policy.where, f"layer {layer} not held at its use"
         held_now = {held for pool in policy.pools.values() for held in pool if held is not None}
         assert len(held_now) <= sum(len(pool) for pool in policy.pools.values())
     blocks = arch.num_layers
-    assert sum(fetches_per_step(numels, schedule, slots).values()) == 2 + blocks + max(0, blocks - slots)
+    assert sum(fetches_per_step(numels, order, slots).values()) == 2 + blocks + max(0, blocks - slots)
     deeper = [[layout.numel for layout in model_layouts(arch.replace(num_layers=k * blocks))] for k in (2, 3)]
     assert window_bytes(deeper[0], slots, 2) == window_bytes(deeper[1], slots, 2)
 
@@ -135,7 +135,7 @@ def test_the_step_model_with_the_network():
 
 def test_kept_blocks_cross_the_network_once():
     """A block that keeps its forward graph is not read again in backward: the traffic model
-    follows the executor's schedule (schedule.step_order), as the window itself does."""
+    follows the executor's layer order (layer_order.step_order), as the window itself does."""
     arch, cfg = SEVEN_B, config()
     plan = plan_placement(arch, cfg, [gpu_node(16), ram_node(1, 400)], "gpu")
     blocks = arch.num_layers

@@ -43,7 +43,7 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 class AdamWStep:
     """One update's hyper-parameters, sent to every store (a small message)."""
 
-    step: int  # 1-based position in the LR schedule; the stores count their own updates for bias correction
+    lr_position: int  # 1-based position in the LR schedule; the stores count their own updates for bias correction
     lr: float
     grad_scale: float  # the clipping coefficient
     betas: tuple[float, float]
@@ -144,8 +144,9 @@ def _adam_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
     p.addcdiv_(m, denom, value=-hp.lr / bias1)
 
 
-class UpdateSchedule:
-    """Turns a step's gradient norm into that step's AdamW message; counts the updates done."""
+class LrSchedule:
+    """Turns a step's gradient norm into that step's AdamW message (its LR, its clipping); counts
+    the updates done, the schedule's position."""
 
     def __init__(self, cfg: OptimConfig, total_steps: int, updates_done: int = 0):
         self.cfg = cfg
@@ -155,7 +156,7 @@ class UpdateSchedule:
     def next(self, grad_norm: float) -> AdamWStep:
         cfg = self.cfg
         hp = AdamWStep(
-            step=self.updates_done + 1,
+            lr_position=self.updates_done + 1,
             lr=learning_rate(cfg, self.updates_done, self.total_steps),
             grad_scale=clip_coefficient(grad_norm, cfg.grad_clip),
             betas=cfg.betas,

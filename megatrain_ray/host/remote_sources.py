@@ -3,7 +3,7 @@
 Each is a LayerSource (host/sources.py) whose `update` is one small actor call. Same node: the store's
 buffers are /dev/shm files mapped here and registered with CUDA once, so copies run at pinned
 speed and no step republishes the model. Other nodes: one bounded window of pinned slots
-(host/window.py) filled over each store's connections (host/transport.py) ahead of the schedule, and an
+(host/window.py) filled over each store's connections (host/transport.py) ahead of the step's layer order, and an
 outbox the gradients leave from as soon as they land.
 
 With several GPU workers only a layer's owner sends its update (`update`); the others learn of it
@@ -106,7 +106,7 @@ class WindowSource(LayerSource):
 
     One per GPU worker whatever the number of stores: its bytes depend on the layer sizes and
     `slots` (host/window.py), not on the model's depth. Layers arrive over each store's LayerLink ahead
-    of their use, as the step's schedule says; a gradient leaves from the outbox as soon as it has
+    of their use, as the step's layer order says; a gradient leaves from the outbox as soon as it has
     landed there; an update is one small actor call, and the store serves the layer's next
     version only once it has applied it.
     """
@@ -137,8 +137,8 @@ class WindowSource(LayerSource):
             slot.copied = None
             self.bytes_in += nbytes(slot.buffer)
 
-    def begin_step(self, schedule: list[int]) -> None:
-        self.policy.begin_step(schedule)
+    def begin_step(self, order: list[int]) -> None:
+        self.policy.begin_step(order)
         self._start_fetches()
 
     def weights(self, layer: int) -> torch.Tensor:
@@ -203,9 +203,9 @@ class RoutedSource(LayerSource):
         self.sources = sources
         self.route = {layer: source for source, layers in zip(sources, layers_of) for layer in layers}
 
-    def begin_step(self, schedule: list[int]) -> None:
+    def begin_step(self, order: list[int]) -> None:
         for source in self.sources:
-            source.begin_step(schedule)
+            source.begin_step(order)
 
     def weights(self, layer: int) -> torch.Tensor:
         return self.route[layer].weights(layer)

@@ -1,7 +1,7 @@
 """The executor's only contact with the stores (LayerSource), and the in-process source.
 
 A source hands the executor host tensors (`weights`, `grad_buffer`) and turns a finished gradient
-into that layer's optimizer step (`update`); the schedule of a step (`begin_step`) and the events
+into that layer's optimizer step (`update`); the layer order of a step (`begin_step`) and the events
 of its copies let a remote source fetch ahead and send gradients off early. In one process (tests, LocalTrainer) the stores are
 plain objects stepped on a background thread; host/remote_sources.py reaches stores in Ray actors.
 """
@@ -21,7 +21,7 @@ class LayerSource(Protocol):
     fetches from afar work ahead of the executor; sources in reach of the stores' memory inherit
     them as no-ops."""
 
-    def begin_step(self, schedule: list[int]) -> None:
+    def begin_step(self, order: list[int]) -> None:
         """The layers this step will ask `weights` for, in order of use: forward, the head, backward.
         The executor serves some uses from its device slots and skips them; the order holds."""
 

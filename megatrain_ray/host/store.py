@@ -40,7 +40,7 @@ class LayerState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     compute: torch.Tensor  # weights the executor reads, then the gradient it writes back
-    step: int = 0  # AdamW updates applied: this layer's bias correction, and what a checkpoint keeps
+    updates: int = 0  # AdamW updates applied: this layer's bias correction, and what a checkpoint keeps
 
 
 def init_layer_weights(fam: ModelFamily, layout: LayerLayout, flat: torch.Tensor, seed: int, std: float) -> None:
@@ -53,7 +53,7 @@ def init_layer_weights(fam: ModelFamily, layout: LayerLayout, flat: torch.Tensor
 class ShardStore:
     """Owns layers [first, last] of a model: their master weights, moments and optimizer step.
 
-    Plain Python so that it runs in process for tests and inside a Ray actor (runtime.py) alike.
+    Plain Python so that it runs in process for tests and inside a Ray actor (runtime/actors.py) alike.
     """
 
     def __init__(
@@ -133,7 +133,7 @@ class ShardStore:
 
     def set_update_count(self, index: int, count: int) -> None:
         """Updates a GPU worker applied to a layer whose state it steps (`share_state`)."""
-        self.layers[index].step = count
+        self.layers[index].updates = count
 
     # ---- the step ----------------------------------------------------------------------------
     def step_layer(self, index: int, hp: AdamWStep | None) -> int:
@@ -146,9 +146,9 @@ class ShardStore:
         if hp is None:
             state.compute.copy_(state.master)
             return index
-        state.step += 1
+        state.updates += 1
         adamw_step(
-            state.master, state.exp_avg, state.exp_avg_sq, state.compute, state.layout.segments(), hp, state.step
+            state.master, state.exp_avg, state.exp_avg_sq, state.compute, state.layout.segments(), hp, state.updates
         )
         self.optimizer_seconds += time.perf_counter() - t0
         return index
@@ -156,7 +156,7 @@ class ShardStore:
     # ---- checkpoints ---------------------------------------------------------------------------
     def update_counts(self) -> dict[int, int]:
         """Updates applied to each layer: Adam's bias correction, saved with a checkpoint."""
-        return {i: state.step for i, state in self.layers.items()}
+        return {i: state.updates for i, state in self.layers.items()}
 
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
         tensors = {}
@@ -174,7 +174,7 @@ class ShardStore:
         for i, state in self.layers.items():
             if i not in files_by_layer:
                 raise checkpoint.CheckpointError(f"the checkpoint has no state for layer {i}")
-            tensors, step = checkpoint.read_layer_state(files_by_layer[i], i)
+            tensors, updates = checkpoint.read_layer_state(files_by_layer[i], i)
             for key in checkpoint.STATE_KEYS:
                 target = getattr(state, key)
                 if tensors[key].shape != target.shape:
@@ -184,7 +184,7 @@ class ShardStore:
                     )
                 target.copy_(tensors[key])
             state.compute.copy_(state.master)
-            state.step = step
+            state.updates = updates
 
     def close(self) -> None:
         for path in [*self.shm_paths.values(), *self.extra_shm_paths]:

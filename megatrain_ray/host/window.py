@@ -2,7 +2,7 @@
 
 A mirror of every remote layer would cost the GPU node 2 bytes per remote parameter, growing with
 the model. The window holds `slots` layers per layer size instead, chosen Belady-style on the
-step's schedule (the slot whose layer is needed furthest ahead, or never again, is refilled
+step's layer order (the slot whose layer is needed furthest ahead, or never again, is refilled
 first): each layer arrives ahead of its forward use and, unless it is still in the window at the
 turn into backward, again ahead of its backward use. Gradients leave through an outbox of
 OUTBOX_SLOTS per size. Pure arithmetic, shared by the source that fills the window
@@ -32,25 +32,25 @@ def window_bytes(numels: list[int], slots: int, element_size: int) -> int:
 
 
 class WindowPolicy:
-    """Which layer each slot holds and what to fetch next, walking the step's schedule.
+    """Which layer each slot holds and what to fetch next, walking the step's layer order.
 
     `use(layer)` moves the cursor to that layer's next use (the executor asks for layers in
-    schedule order, skipping uses it serves from its own device slots); the layer in use keeps its
+    that order, skipping uses it serves from its own device slots); the layer in use keeps its
     slot until the next `use`. `plan()` then returns the fetches to start: every layer of the
-    schedule ahead, in order, for which a slot is free of anything needed sooner.
+    order ahead, in order, for which a slot is free of anything needed sooner.
     """
 
     def __init__(self, numel_of: dict[int, int], slots: int):
         self.numel_of = dict(numel_of)
         self.pools = {numel: [None] * k for numel, k in pool_sizes(self.numel_of.values(), slots).items()}
-        self.schedule: list[int] = []
+        self.order: list[int] = []
         self.current = -1  # the position in use; the ones before it are done
         self.planned = 0  # uses before it are resident or being fetched
         self.where: dict[int, int] = {}  # layer -> slot index in its pool
 
-    def begin_step(self, schedule: list[int]) -> None:
+    def begin_step(self, order: list[int]) -> None:
         """A new step: the weights changed, nothing held is current."""
-        self.schedule = [layer for layer in schedule if layer in self.numel_of]
+        self.order = [layer for layer in order if layer in self.numel_of]
         self.current, self.planned = -1, 0
         self.where.clear()
         for pool in self.pools.values():
@@ -59,16 +59,16 @@ class WindowPolicy:
     def use(self, layer: int) -> None:
         start = self.current + 1
         try:
-            pos = self.schedule.index(layer, start)
-        except ValueError:  # a use the schedule did not announce: serve it now
+            pos = self.order.index(layer, start)
+        except ValueError:  # a use the order did not announce: serve it now
             pos = start
-            self.schedule.insert(pos, layer)
+            self.order.insert(pos, layer)
         self.planned = max(self.planned, pos)
         self.current = pos
 
     def _next_use(self, layer: int) -> float:
         try:
-            return self.schedule.index(layer, max(self.current, 0))
+            return self.order.index(layer, max(self.current, 0))
         except ValueError:
             return math.inf
 
@@ -81,10 +81,10 @@ class WindowPolicy:
         return best
 
     def plan(self) -> list[tuple[int, int]]:
-        """(layer, slot index) for each fetch to start now, in schedule order."""
+        """(layer, slot index) for each fetch to start now, in the step's order."""
         fetches = []
-        while self.planned < len(self.schedule):
-            layer = self.schedule[self.planned]
+        while self.planned < len(self.order):
+            layer = self.order[self.planned]
             if layer not in self.where:
                 numel = self.numel_of[layer]
                 index = self._victim(numel, self.planned)
@@ -100,13 +100,13 @@ class WindowPolicy:
         return fetches
 
 
-def fetches_per_step(numel_of: dict[int, int], schedule: list[int], slots: int) -> Counter:
+def fetches_per_step(numel_of: dict[int, int], order: list[int], slots: int) -> Counter:
     """How often each layer crosses the network in one step, by the policy itself: once where the
     window holds it from its forward to its backward use, else twice."""
     policy = WindowPolicy(numel_of, slots)
-    policy.begin_step(schedule)
+    policy.begin_step(order)
     fetched = Counter(layer for layer, _ in policy.plan())
-    for layer in list(policy.schedule):
+    for layer in list(policy.order):
         policy.use(layer)
         fetched.update(layer for layer, _ in policy.plan())
     return fetched

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain_ray.config import Config
-from megatrain_ray.streaming.layer_order import layer_schedule
+from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
@@ -87,7 +87,7 @@ def step_traffic(arch: ModelArch, config: Config, placement: Placement, kept: in
     layouts = model_layouts(arch)
     esize = element_size(dtype_of(config.model.compute_dtype))
     remote = placement.remote_layers()
-    fetched = fetches_per_step({i: layouts[i].numel for i in remote}, layer_schedule(arch, kept),
+    fetched = fetches_per_step({i: layouts[i].numel for i in remote}, layer_order(arch, kept),
                                placement.window_slots)
     default_gbps = config.runtime.network_gbps
     gpu_ip = placement.gpu.ip

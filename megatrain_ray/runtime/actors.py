@@ -19,7 +19,7 @@ from megatrain_ray.host.memory import (available_memory, dtype_of, element_size,
                                 resident_bytes)
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.host.adamw import AdamWStep, UpdateSchedule
+from megatrain_ray.host.adamw import AdamWStep, LrSchedule
 from megatrain_ray.planning.plan import (check_gpu_fit, check_host_fit, check_parked_fit, embedding_step_as_placed,
                                    embedding_step_on_device)
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, WindowSource
@@ -147,7 +147,7 @@ class GpuWorker:
             state = shared.shared_state(0, model_layouts(arch)[0].segments())
             self.source = DeviceStepSource(self.source, {0: state}, self.device, dtype, shared.report_updates)
         self.kinds = ["shm" if node == here else "stream" for node in store_nodes]
-        self.schedule = UpdateSchedule(config.optim, config.train.steps, updates_done)
+        self.lr_schedule = LrSchedule(config.optim, config.train.steps, updates_done)
         if self.world > 1:
             self.group = Group.join(self.rank, self.world, master_address, master_port, self.device, numels,
                                     config.train.step_timeout_s or 1800.0)
@@ -214,7 +214,7 @@ class GpuWorker:
         layer updates since this worker last ran. Returns the step's result and the references to
         the updates this worker sent (for the others; none when alone)."""
         self._expect(updates_elsewhere)
-        result = self.executor.train_step(micro_batches, self.schedule.next, step_target_tokens)
+        result = self.executor.train_step(micro_batches, self.lr_schedule.next, step_target_tokens)
         if self.world == 1:
             return result, {}
         return result, self.source.updates_in_flight(i for i in range(len(self.group.owners)) if self.group.owns(i))
@@ -259,7 +259,7 @@ class GpuWorker:
         """Wait until every optimizer step this worker sent or expects has landed; returns the LR
         schedule's position."""
         self.source.drain()
-        return self.schedule.updates_done
+        return self.lr_schedule.updates_done
 
     def kept_graphs(self) -> int:
         return len(self.executor.kept)

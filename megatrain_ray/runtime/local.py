@@ -17,7 +17,7 @@ from megatrain_ray.streaming.step_result import EvalResult, StepResult
 from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.host.adamw import UpdateSchedule
+from megatrain_ray.host.adamw import LrSchedule
 from megatrain_ray.planning.plan import choose_kept, embedding_step_on_device
 from megatrain_ray.runtime.placement import split_by_capacity
 from megatrain_ray.host.sources import LocalSource
@@ -40,7 +40,7 @@ class LocalTrainer:
         if embedding_step_on_device(ex.embedding_step, device, 1, in_reach=True):
             self.source = DeviceStepSource(local, {0: host_state(local.owner[0], 0)}, device, dtype,
                                            lambda layer, count: local.owner[layer].set_update_count(layer, count))
-        self.schedule = UpdateSchedule(config.optim, config.train.steps)
+        self.lr_schedule = LrSchedule(config.optim, config.train.steps)
         offload = ex.offload_activations == "on"  # in one process, auto parks nothing
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         as_run = config.replace(executor=dataclasses.replace(ex, offload_activations="on" if offload else "off"))
@@ -50,7 +50,7 @@ class LocalTrainer:
         )
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
-        return self.executor.train_step(micro_batches, self.schedule.next)
+        return self.executor.train_step(micro_batches, self.lr_schedule.next)
 
     def eval_loss(self, micro_batches: list[dict]) -> EvalResult:
         return self.executor.eval_loss(micro_batches)
@@ -67,4 +67,4 @@ def host_state(store: ShardStore, layer: int) -> HostLayerState:
     """A store's buffers of one layer, for its step on the executor's device."""
     state = store.layers[layer]
     return HostLayerState(state.master, state.exp_avg, state.exp_avg_sq, state.compute, state.layout.segments(),
-                          state.step)
+                          state.updates)

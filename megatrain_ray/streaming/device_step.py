@@ -83,9 +83,9 @@ class DeviceStepSource(LayerSource):
         self.reported = {layer: state.updates for layer, state in states.items()}
 
     # -- the protocol, passed through for the other layers ----------------------------------------
-    def begin_step(self, schedule: list[int]) -> None:
+    def begin_step(self, order: list[int]) -> None:
         self.in_flight.clear()  # an upload a failed step left behind is fetched again
-        self.inner.begin_step(schedule)
+        self.inner.begin_step(order)
 
     def weights(self, layer: int) -> torch.Tensor:
         if layer in self.fresh:

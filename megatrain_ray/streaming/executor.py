@@ -144,8 +144,8 @@ class StreamingExecutor:
         self.group = group or Group.solo(len(self.layouts))
         self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, trace, self.group)
 
-    # -- schedule -------------------------------------------------------------------------------
-    def _schedule(self) -> tuple[list[Unit], list[int]]:
+    # -- layer order ----------------------------------------------------------------------------
+    def _order(self) -> tuple[list[Unit], list[int]]:
         """Units in execution order and the flat order in which they need layers."""
         order = step_order(self.units, len(self.kept))
         return order, [layer for unit in order for layer in unit.layers]
@@ -183,8 +183,8 @@ class StreamingExecutor:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.stats = self.prefetcher.stats = self.grads.stats = TransferStats()
         self.stats.step_start = self.streams.record(self.streams.compute, timing=True) if self.streams.cuda else t0
-        order, layer_schedule = self._schedule()
-        self.prefetcher.begin_step(layer_schedule)
+        order, layers = self._order()
+        self.prefetcher.begin_step(layers)
         self.grads.begin_step()
         target = sum(target_tokens(mb) for mb in micro_batches)
         scale = 1.0 / max(1, target if step_target_tokens is None else step_target_tokens)

@@ -1,4 +1,4 @@
-"""A step's schedule: which layers each streamed unit binds, and the order a step visits them
+"""A step's layer order: which layers each streamed unit binds, and the order a step visits them
 (forward, the head, backward). Shared by the executor, the layer sources that fetch ahead of it
 and the planner's traffic model, none of which needs torch for it."""
 
@@ -13,7 +13,7 @@ from megatrain_ray.models.registry import model_layouts
 
 @dataclass(frozen=True)
 class Unit:
-    """One streamed step of the schedule: a kind and the layers whose weights it binds."""
+    """One streamed unit of a step: a kind and the layers whose weights it binds."""
 
     kind: str
     layers: tuple[int, ...]
@@ -42,7 +42,7 @@ def step_order(units: list[Unit], kept: int = 0) -> list[Unit]:
     return units + [u for u in reversed(units[:-1]) if u not in skipped]
 
 
-def layer_schedule(arch: ModelArch, kept: int = 0) -> list[int]:
+def layer_order(arch: ModelArch, kept: int = 0) -> list[int]:
     """The order in which a step whose last `kept` blocks keep their graphs reads layers' weights
     (the traffic model's)."""
     return [layer for unit in step_order(model_units(arch), kept) for layer in unit.layers]

@@ -23,7 +23,7 @@ class Slot:
 
 
 class Prefetcher:
-    """Keeps the next layers of the schedule copying into free slots while the current computes.
+    """Keeps the next layers of the step's order copying into free slots while the current computes.
 
     A slot is chosen Belady-style: the one whose resident layer is needed furthest in the future
     (or never again this step); a layer already resident is reused without a copy, so the last
@@ -47,15 +47,15 @@ class Prefetcher:
                 Slot(next(ids), torch.empty(numel, dtype=dtype, device=streams.device))
                 for _ in range(min(num_slots, count))
             ]
-        self.schedule: list[int] = []
+        self.order: list[int] = []  # the layers a step reads, in the order it reads them
         self.issued_upto = 0
-        self.now = 0  # the schedule position after the compute most recently acquired
+        self.now = 0  # the order's position after the compute most recently acquired
         self.resident: dict[int, Slot] = {}
 
-    def begin_step(self, schedule: list[int]) -> None:
+    def begin_step(self, order: list[int]) -> None:
         """A new step: weights changed on the host, so nothing resident is current."""
-        self.schedule = schedule
-        self.source.begin_step(schedule)
+        self.order = order
+        self.source.begin_step(order)
         self.issued_upto = 0
         self.now = 0
         self.resident.clear()
@@ -64,8 +64,8 @@ class Prefetcher:
                 slot.layer = None
 
     def _next_use(self, layer: int, after: int) -> float:
-        for pos in range(after, len(self.schedule)):
-            if self.schedule[pos] == layer:
+        for pos in range(after, len(self.order)):
+            if self.order[pos] == layer:
                 return pos
         return math.inf
 
@@ -79,12 +79,12 @@ class Prefetcher:
         return best
 
     def _issue(self, now: int, upto: int | None = None) -> None:
-        """Copy in the layers of schedule positions from `issued_upto` on, as far as slots allow
+        """Copy in the layers of the order's positions from `issued_upto` on, as far as slots allow
         (or only up to `upto`); each copy first waits for that layer's optimizer update."""
-        last = len(self.schedule) - 1 if upto is None else min(upto, len(self.schedule) - 1)
+        last = len(self.order) - 1 if upto is None else min(upto, len(self.order) - 1)
         while self.issued_upto <= last:
             pos = self.issued_upto
-            layer = self.schedule[pos]
+            layer = self.order[pos]
             if layer not in self.resident:
                 slot = self._victim(layer, pos, now)
                 if slot is None:
@@ -122,17 +122,17 @@ class Prefetcher:
         self.resident[layer] = slot
 
     def acquire(self, pos: int) -> Slot:
-        """The slot holding schedule[pos], ready for the compute stream.
+        """The slot holding order[pos], ready for the compute stream.
 
-        Only schedule[pos] itself is copied in here if it is missing; the copies further ahead
+        Only order[pos] itself is copied in here if it is missing; the copies further ahead
         are issued in `release`, after this compute is queued, so the device never idles while
         the host waits for a later layer's optimizer update.
         """
         self._issue(pos, upto=pos)
         self.now = pos + 1
-        layer = self.schedule[pos]
+        layer = self.order[pos]
         if layer not in self.resident:
-            raise RuntimeError(f"layer {layer} was not prefetched: too few slots for the schedule")
+            raise RuntimeError(f"layer {layer} was not prefetched: too few slots for the step's order")
         slot = self.resident[layer]
         self.streams.wait(self.streams.compute, slot.ready)
         if self.trace is not None:
