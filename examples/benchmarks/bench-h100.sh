@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind the README's performance figures, on one GPU machine (H100 80GB, 128 GiB host).
+# The runs behind the reports in this folder and the README's performance table, on one GPU machine (H100 80GB, 128 GiB host).
 # Each line is independent and takes 2-8 minutes; a line with several --seq-len values is a sweep
 # on one set of stores (the host state is built once). Ray, and for the DeepSpeed baseline DeepSpeed
 # and its dependencies, must be installed (pip install "ray[default]" deepspeed).
@@ -61,7 +61,7 @@ $B --model qwen2.5-7b --seq-len 131072 --micro-batch 1 --grad-accum 1 --steps 1 
 $B --model qwen2.5-1.5b --seq-len 524288 --micro-batch 1 --grad-accum 1 --steps 1 --warmup 0 \
    --loss-chunk-tokens 4096 --offload-activations on --json "$out/qwen2.5-1.5b-512k.json"
 
-# mixture of experts, qwen3-moe-7b (7.0 B parameters, 1.4 B active a token; README, "Mixture of
+# mixture of experts, qwen3-moe-7b (7.0 B parameters, 1.4 B active a token; 2026-11-23-h100.md, "Mixture of
 # experts"): its layer (64 experts, top 8) beside a dense layer with as many active parameters
 # (intermediate 8 x 768), at the training run's micro-batch (4 x 4096 tokens); then training at
 # 65,536 tokens a step (model TFLOP/s on active parameters)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two GPUs fed by one set of host stores (README "Several GPUs"), on a machine with two H200s
+# Two GPUs fed by one set of host stores (megatrain_ray/README.md, "Several GPUs"), on a machine with two H200s
 # (nvidia-h200-x2: 32 cores, 256 GiB of host memory that reads about 31 GiB at start and grows as
 # it is used). Qwen2.5-7B with the one-GPU headline's 131,072 tokens per GPU per step: one GPU,
 # then two, one after the other on the same machine. Each line builds its own 99 GiB of host state.

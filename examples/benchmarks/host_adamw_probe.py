@@ -7,7 +7,7 @@ Scheduling: the kernel as shipped (64 Ki-element tiles taken from a shared count
 and one equal static range per thread (the kernel before 2026-11-23). Placement: as a store holds a
 layer (torch.empty/zeros, the compute buffer in /dev/shm), anonymous memory first touched by
 torch's threads, and the same with MADV_HUGEPAGE. Each line: median/best G params/s. The default
-size is one Qwen2.5-7B decoder layer. README, "The host optimizer, measured".
+size is one Qwen2.5-7B decoder layer. 2026-11-23-h100.md, "The host optimizer, measured".
 """
 
 from __future__ import annotations
