@@ -10,7 +10,7 @@ import pytest
 from megatrain_ray import cli, config
 from megatrain_ray.config_reference import END, START, field_comments, readme_section, update_readme
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # wherever tests/ puts this file
 README = ROOT / "README.md"
 DOCS = [README, ROOT / "megatrain_ray" / "README.md", ROOT / "megatrain_ray" / "models" / "README.md",
         *sorted((ROOT / "examples" / "benchmarks").glob("*.md"))]
