@@ -31,7 +31,7 @@ STORE = textwrap.dedent('''
 
 
 def start_store(tmp_path: Path, shm: Path, run_id: str) -> subprocess.Popen:
-    script = tmp_path / "host/store.py"
+    script = tmp_path / "store.py"
     script.write_text(STORE)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.Popen([sys.executable, str(script), str(shm), run_id], stdout=subprocess.PIPE, text=True, env=env)
