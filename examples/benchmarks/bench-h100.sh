@@ -109,8 +109,8 @@ done
 # gpu-tests-kept-graphs-*.log): the GPU tests under the default (auto) keep_graphs, the 7B at
 # 98,304 tokens recomputing every block and then keeping what fits, and at 65,536; the 3B at 65,536
 # tokens recomputing, keeping (1 x 16) and keeping at 4 x 4, then DeepSpeed at its best split
-python -m pytest -q -m gpu -s tests/test_planner.py tests/test_gpu_trainer.py tests/test_moe_parity.py \
-   tests/test_transformers_parity.py tests/test_families_parity.py tests/test_eval.py > "$out/gpu-tests-kept-graphs.log"
+python -m pytest -q -m gpu -s tests/planning/test_planner.py tests/streaming/test_gpu_trainer.py tests/models/test_moe_parity.py \
+   tests/models/test_transformers_parity.py tests/models/test_families_parity.py tests/streaming/test_eval.py > "$out/gpu-tests-kept-graphs.log"
 $B --model qwen2.5-7b --seq-len 1024 --micro-batch 8 --grad-accum 12 12 8 --keep-graphs 0 auto auto --steps 3 \
    --warmup 1 --loss-chunk-tokens 2048 --json "$out/qwen2.5-7b-98k-kept.json"
 $B --model qwen2.5-3b --seq-len 4096 --micro-batch 1 1 4 --grad-accum 16 16 4 --keep-graphs 0 auto auto --steps 3 \
@@ -136,8 +136,8 @@ python -m megatrain_ray.bench.baseline_process --name fsdp2_offload --model qwen
 $B --model qwen2.5-3b --seq-len 4096 --micro-batch 4 --grad-accum 4 --keep-graphs auto --steps 1 --warmup 1 \
    --loss-chunk-tokens 2048 --profile "$out/profile"
 python examples/benchmarks/trace_summary.py "$out"/profile/seq4096-mb4/rank-0/trace.json > "$out/qwen2.5-3b-65k-4x4-profile-summary.log"
-python -m pytest -q -m gpu -s tests/test_planner.py tests/test_gpu_trainer.py tests/test_moe_parity.py \
-   tests/test_transformers_parity.py tests/test_families_parity.py tests/test_eval.py tests/test_compiled.py \
+python -m pytest -q -m gpu -s tests/planning/test_planner.py tests/streaming/test_gpu_trainer.py tests/models/test_moe_parity.py \
+   tests/models/test_transformers_parity.py tests/models/test_families_parity.py tests/streaming/test_eval.py tests/streaming/test_compiled.py \
    > "$out/gpu-tests-head-budget.log"
 
 # Issue #14 (2026-11-23, night; results qwen2.5-3b-65k-4x4-auto14-keep17.*, *-embedding-step*,
@@ -159,10 +159,10 @@ $B --model qwen2.5-3b --seq-len 4096 4096 --micro-batch 4 1 --grad-accum 4 4 --s
    --loss-chunk-tokens 2048 --json "$out/qwen2.5-3b-65k-16k-final.json"
 python -m megatrain_ray.bench.baseline_process --name deepspeed_offload --model qwen2.5-3b --seq-len 4096 \
    --micro-batch 16 --grad-accum 1 --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-deepspeed-16x1-final.log"
-python -m pytest -q -m gpu -s tests/test_moe_parity.py tests/test_transformers_parity.py > "$out/gpu-tests-moe-transformers-parity.log"
-python -m pytest -q -m gpu -s tests/test_moe_parity.py tests/test_families_parity.py tests/test_eval.py \
-   tests/test_planner.py tests/test_gpu_trainer.py > "$out/gpu-tests-final-1.log"
-python -m pytest -q -m gpu -s tests/test_planner.py tests/test_gpu_trainer.py -k "peak or embedding" \
+python -m pytest -q -m gpu -s tests/models/test_moe_parity.py tests/models/test_transformers_parity.py > "$out/gpu-tests-moe-transformers-parity.log"
+python -m pytest -q -m gpu -s tests/models/test_moe_parity.py tests/models/test_families_parity.py tests/streaming/test_eval.py \
+   tests/planning/test_planner.py tests/streaming/test_gpu_trainer.py > "$out/gpu-tests-final-1.log"
+python -m pytest -q -m gpu -s tests/planning/test_planner.py tests/streaming/test_gpu_trainer.py -k "peak or embedding" \
    > "$out/gpu-tests-final-2.log"
 
 # Issue #14 (2026-11-23, last session; results qwen2.5-3b-65k-4x4-contexts-from-host.*,
@@ -174,6 +174,6 @@ $B --model qwen2.5-3b --seq-len 4096 --micro-batch 4 --grad-accum 4 --steps 4 --
    --json "$out/qwen2.5-3b-65k-4x4-contexts-from-host.json"
 python -m megatrain_ray.bench.baseline_process --name deepspeed_offload --model qwen2.5-3b --seq-len 4096 \
    --micro-batch 16 --grad-accum 1 --steps 2 --warmup 1 > "$out/qwen2.5-3b-65k-deepspeed-16x1-after-contexts-from-host.log"
-python -m pytest -q -m gpu tests/test_gpu_trainer.py -k embedding_stepped > "$out/gpu-tests-embedding-step-slow-compute.log"
-python -m pytest -q -m gpu tests/test_families_parity.py tests/test_gpu_trainer.py tests/test_compiled.py tests/test_eval.py \
+python -m pytest -q -m gpu tests/streaming/test_gpu_trainer.py -k embedding_stepped > "$out/gpu-tests-embedding-step-slow-compute.log"
+python -m pytest -q -m gpu tests/models/test_families_parity.py tests/streaming/test_gpu_trainer.py tests/streaming/test_compiled.py tests/streaming/test_eval.py \
    > "$out/gpu-tests-contexts-from-host.log"

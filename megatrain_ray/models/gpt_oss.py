@@ -219,7 +219,7 @@ class GptOssFamily(MixtralFamily):
 
     # Kept graphs compile with the default partition: under the activation budget the backward of a
     # kept GPT-OSS block fed F.grouped_mm group sizes its CUDA kernel asserts on (torch 2.11, the GPU
-    # case of tests/test_moe_parity.py); Mixtral and Qwen3-MoE ran.
+    # case of tests/models/test_moe_parity.py); Mixtral and Qwen3-MoE ran.
     kept_activation_budget = None
 
     # -- shapes and names ------------------------------------------------------------------------

@@ -197,7 +197,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
 # to the next step's first layers, when the kept graphs, the loss chunk and the working set are
 # gone: only what exceeds them counts. A small model's step (8 blocks of 1,024, a vocabulary of
 # 8,192, 512 tokens, nothing kept) peaked at the turn on the H100: 415 MiB, 107 above its peak
-# with the step on the host; this plans 371 (tests/test_planner.py allows 15%).
+# with the step on the host; this plans 371 (tests/planning/test_planner.py allows 15%).
 EMBEDDING_STEP = "the embedding's AdamW step on the GPU (new weights between steps, state at the turn)"
 
 

@@ -4,7 +4,7 @@ nothing in the library leans on test harness code."""
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megatrain_ray"
+PACKAGE = Path(__file__).resolve().parents[2] / "megatrain_ray"
 HARNESS = {"megatrain_ray.runtime.local"}  # the in-process trainer, for tests
 TOP = {"megatrain_ray.cli", "megatrain_ray.api", "megatrain_ray"}  # entry points may reach everything
 

@@ -22,7 +22,7 @@ from megatrain_ray.config import load_config  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.files.hub import resolve_names  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "finetune-sft.yaml"
 # The example's ChatML template with {% generation %} around each answer: transformers' own account
 # of which tokens are the assistant's.

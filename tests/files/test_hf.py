@@ -361,7 +361,7 @@ def test_load_peak_memory_is_one_tensor(tmp_path):
     largest = arch.vocab_size * arch.hidden_size * 4
     slack = 32 * 1024**2
     assert total > 2 * (largest + slack)  # otherwise the test could not tell one tensor from all of them
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(model_dir)], capture_output=True, text=True,
                             env=env, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -26,10 +25,10 @@ from megatrain_ray.models.family import IGNORE_INDEX  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
 from megatrain_ray.runtime.training import run_training  # noqa: E402
-from reference_training import adamw_loop, random_micro_batches  # noqa: E402
-from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
-                       bf16_cuda_config, local_steps, on_cuda, randomize, rel, saved, token_loss_sum)
-from test_transformers_parity import hf_batch, parity_config, shifted  # noqa: E402
+from helpers.reference_training import adamw_loop, random_micro_batches  # noqa: E402
+from helpers.hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
+                       bf16_cuda_config, hf_batch, local_steps, on_cuda, parity_config, randomize, rel, saved,
+                               shifted, token_loss_sum)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
             intermediate_size=128)
@@ -160,13 +159,6 @@ def transformers_loss_sum(model, mb, coef: float, autocast_dtype=None) -> torch.
 
 
 # ---------------------------------------------------------------------------------------------- b
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False)  # never a neighbour's cluster
-    yield
-    ray.shutdown()
 
 
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 16

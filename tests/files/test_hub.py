@@ -19,7 +19,7 @@ from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.files.hub import HubError, looks_like_hub_name, resolve_names  # noqa: E402
 from megatrain_ray.models.registry import model_arch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 

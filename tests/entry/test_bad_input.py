@@ -15,9 +15,8 @@ from megatrain_ray.files.checkpoint import checkpoint_meta
 from megatrain_ray.models.registry import model_arch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.host.store import ShardStore
-from test_checkpoint_resume import tiny_raw
+from helpers.runs import tiny_raw
 
-MiB = 1024**2
 
 
 def write_config(tmp_path: Path, **sections) -> Path:
@@ -191,13 +190,6 @@ def test_resume_a_half_written_checkpoint(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 # Runs the cluster cannot hold: refused by the placement plan, before any actor exists
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def test_model_too_big_for_host_memory(local_ray, tmp_path, capsys):

@@ -11,7 +11,7 @@ from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.models import moe
 from megatrain_ray.models.registry import PRESETS, family, model_arch, model_layouts, num_params
 from megatrain_ray.planning.plan import gpu_plan, predict_step
-from reference_training import random_micro_batches, train_both
+from helpers.reference_training import random_micro_batches, train_both
 
 
 # Published sizes (model cards): total parameters, active ones per token, and whether that count

@@ -15,7 +15,7 @@ from megatrain_ray.files.hf import load_hf_weights
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.reference import ReferenceModel, _key
 from megatrain_ray.models.registry import model_layouts
-from reference_training import adamw_loop
+from helpers.reference_training import adamw_loop
 
 RTOL = 1e-5
 
@@ -117,3 +117,34 @@ def train_transformers(model, config, steps_data, autocast_dtype=None) -> list[f
     model.train()
     groups = ([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2])
     return adamw_loop(config, groups, params, steps_data, loss_sum)
+
+
+def hf_batch(seed: int = 1, vocab: int = 256, batch: int = 2, seq: int = 12):
+    """Token ids and transformers-style (unshifted) labels with a few ignored positions."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labels = ids.clone()
+    labels[torch.rand(labels.shape, generator=gen) < 0.15] = -100
+    return ids, labels
+
+
+def shifted(ids: torch.Tensor, hf_labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The project's micro-batch: labels[t] is the target of position t; the last position has none."""
+    labels = torch.full_like(hf_labels, -100)
+    labels[:, :-1] = hf_labels[:, 1:]
+    positions = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+def parity_config(model_dir: Path, steps: int = 5, grad_accum: int = 2, batch: int = 2, **optim):
+    return config_from_dict({
+        "model": {"path": str(model_dir), "compute_dtype": "float32"},
+        # eps 1e-6 as in helpers/runs.py's make_config: the k_proj bias has an exactly-zero true
+        # gradient, and a tiny eps turns both sides' rounding noise there into unequal full steps.
+        # lr 3e-3: weights move by about 0.5% in 5 steps; at 1e-2 these random-token runs diverge
+        # (the loss rises) and Adam amplifies fp32 rounding to ~1e-5 in a few embedding rows.
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1,
+                  "eps": 1e-6, **optim},
+        "train": {"steps": steps, "grad_accum": grad_accum, "micro_batch_size": batch, "seed": 0},
+        "executor": {"device": "cpu", "loss_chunk_tokens": 7, "compile": False},
+    })

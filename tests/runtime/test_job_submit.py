@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 SMALL = ["--set", "train.steps=2", "--set", "checkpoint.every=0", "--set", "checkpoint.export_hf=false"]
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -30,7 +29,7 @@ from megatrain_ray.models.registry import (PRESETS, arch_from_dict, arch_from_hf
 from megatrain_ray.models import ops  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.runtime.training import run_training  # noqa: E402
-from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
+from helpers.hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
                        bf16_cuda_config, local_steps, on_cuda, randomize, rel, saved, token_loss_sum, train_transformers)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -54,7 +53,6 @@ FAMILIES = {
         partial_rotary_factor=0.5, rope_theta=500.0, sliding_window=5, tie_word_embeddings=True), "eager"),
 }
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
-MiB = 1024**2
 
 
 def tiny_hf_model(name: str, seed: int = 0):
@@ -185,14 +183,6 @@ def test_longrope_switches_factors_past_the_original_length(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- b
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    # address="local": a cluster of its own even when another one runs on this machine (ray start)
-    ray.init(address="local", num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def write_documents(path: Path, seed: int, count: int = 48, distinct: int | None = None) -> Path:

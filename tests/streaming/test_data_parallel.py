@@ -18,19 +18,12 @@ from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.runtime.session import Session
 from megatrain_ray.runtime.training import run_training
 from megatrain_ray.runtime.watchdog import ClusterFault, Watchdog
-from reference_training import random_micro_batches
-from test_checkpoint_resume import tensors_of, tiny_raw
-from test_trainer_reference import make_config, relative_error
+from helpers.reference_training import random_micro_batches
+from helpers.runs import tensors_of, tiny_raw
+from helpers.reference_training import relative_error
+from helpers.runs import make_config
 
-MiB = 1024**2
 STEPS, GRAD_ACCUM = 3, 4
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def workers_config(preset: str, num_gpus: int):

@@ -83,6 +83,10 @@ def train_reference(config: Config, arch: ModelArch, init: list[torch.Tensor], s
     return losses, model.layer_weights(), model
 
 
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
 def train_both(config, arch, data, num_stores: int = 1, check=lambda trainer: None):
     """The streaming trainer's steps from its own initial weights, then plain PyTorch's from the
     same: (our step results, the initial weights, our final weights, their losses, their weights)."""

@@ -33,7 +33,7 @@ STORE = textwrap.dedent('''
 def start_store(tmp_path: Path, shm: Path, run_id: str) -> subprocess.Popen:
     script = tmp_path / "store.py"
     script.write_text(STORE)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.Popen([sys.executable, str(script), str(shm), run_id], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "READY"
     return proc

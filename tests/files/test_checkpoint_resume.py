@@ -9,39 +9,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.data import DataPosition, build_dataset
 from megatrain_ray.runtime.training import run_training
+from helpers.runs import tensors_of, tiny_raw
 
-MiB = 1024**2
-
-
-def tiny_raw(out: Path, steps: int = 10, **sections) -> dict:
-    """A small YAML-equivalent config: fp32 on the CPU so that equal means bit-equal."""
-    raw = {
-        "model": {"preset": "tiny-llama", "compute_dtype": "float32", "init_std": 0.2},
-        "data": {"source": "synthetic", "seq_len": 16, "synthetic_docs": 64},
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "train": {"steps": steps, "micro_batch_size": 2, "grad_accum": 2, "output_dir": str(out)},
-        "checkpoint": {"every": 5, "keep": 5, "export_hf": False},
-        "executor": {"device": "cpu", "compile": False},
-    }
-    for section, values in sections.items():
-        raw[section] = {**raw.get(section, {}), **values}
-    return raw
-
-
-def tensors_of(checkpoint: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        out.update(load_file(str(file)))
-    return out
 
 
 def layer_steps(checkpoint: Path) -> dict[str, int]:
@@ -55,13 +31,6 @@ def layer_steps(checkpoint: Path) -> dict[str, int]:
 
 def meta_of(checkpoint: Path) -> dict:
     return json.loads((checkpoint / ckpt.META).read_text())
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.parametrize("embedding_step", ["host", "device"])
@@ -172,7 +141,7 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path, stage):
     script.write_text(WRITER)
     root = tmp_path / "checkpoints"
     proc = subprocess.Popen([sys.executable, str(script), str(root), stage], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).parents[1])
+                            cwd=Path(__file__).parents[2])
     try:
         assert proc.stdout.readline().strip() == "STALLED"
         proc.send_signal(signal.SIGKILL)

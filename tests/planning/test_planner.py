@@ -181,7 +181,7 @@ def test_gpu_peak_is_within_15_percent_of_the_plan(keep):
     """With every block recomputing (0), and with as many kept graphs as fit (None: all 8 here),
     whose estimate must stay on the safe side."""
     from megatrain_ray.runtime.local import LocalTrainer
-    from reference_training import random_micro_batches
+    from helpers.reference_training import random_micro_batches
 
     arch = ModelArch("qwen2", 8192, 1024, 4096, 8, 16, 2, 64, qkv_bias=True)
     for seq, accum in [(512, 1), (2048, 4)]:

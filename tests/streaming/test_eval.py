@@ -9,7 +9,7 @@ from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.models.reference import ReferenceModel
 from megatrain_ray.host.adamw import learning_rate
 from megatrain_ray.runtime.local import LocalTrainer
-from reference_training import random_micro_batches
+from helpers.reference_training import random_micro_batches
 
 
 def make_config(preset: str, steps: int = 3):

@@ -7,7 +7,7 @@ from megatrain_ray.config import config_from_dict
 from megatrain_ray.streaming.executor import Prefetcher
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.runtime.local import LocalTrainer
-from reference_training import random_micro_batches, train_reference
+from helpers.reference_training import random_micro_batches, train_reference
 
 pytestmark = pytest.mark.gpu
 

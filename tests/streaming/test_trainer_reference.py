@@ -3,30 +3,11 @@
 import pytest
 import torch
 
-from megatrain_ray.config import config_from_dict
 from megatrain_ray.streaming.device_step import DeviceStepSource
 from megatrain_ray.planning.plan import PlanError, embedding_step_on_device
 from megatrain_ray.models.registry import PRESETS
-from reference_training import random_micro_batches, train_both
-
-STEPS, GRAD_ACCUM = 3, 2
-
-
-def make_config(preset: str, **executor):
-    return config_from_dict({
-        "model": {"preset": preset, "compute_dtype": "float32", "init_std": 0.2},
-        # A low clip threshold so that clipping is active on every step. eps 1e-6, not 1e-8: the
-        # k_proj bias has an exactly-zero gradient (softmax ignores a per-query shift), and Adam
-        # with a tiny eps turns both sides' rounding noise there into full-size, unequal steps.
-        "optim": {"lr": 1e-2, "warmup_steps": 1, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1,
-                  "eps": 1e-6},
-        "train": {"steps": STEPS, "grad_accum": GRAD_ACCUM, "micro_batch_size": 2, "seed": 3},
-        "executor": {"device": "cpu", "loss_chunk_tokens": 5, **executor},
-    })
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+from helpers.reference_training import random_micro_batches, relative_error, train_both
+from helpers.runs import GRAD_ACCUM, STEPS, make_config
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-phi3", "tiny-mixtral",

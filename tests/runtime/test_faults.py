@@ -22,7 +22,7 @@ from megatrain_ray.runtime.watchdog import ClusterFault
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.host.store import ShardStore
-from test_checkpoint_resume import tensors_of, tiny_raw
+from helpers.runs import tensors_of, tiny_raw
 
 MiB = 1024**2
 RAM = {"megatrain_ram": 1}

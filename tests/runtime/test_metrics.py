@@ -11,18 +11,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 
 import megatrain_ray
 
 STEPS, EVERY = 5, 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    ray.init(num_cpus=2, object_store_memory=150 * 2**20, include_dashboard=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # one Ray cluster for the module (conftest.py)
 
 
 def token_file(path: Path, seed: int, rows: int) -> str:

@@ -9,22 +9,20 @@ compares the project's export, loaded with from_pretrained, with the transformer
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
-from hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
-                       bf16_cuda_config, local_steps, on_cuda, randomize, rel, saved, train_transformers)
-from reference_training import random_micro_batches  # noqa: E402
+from helpers.hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
+                       bf16_cuda_config, hf_batch, local_steps, on_cuda, parity_config, randomize, rel, saved,
+                               shifted, train_transformers)
+from helpers.reference_training import random_micro_batches  # noqa: E402
 
 TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -46,37 +44,6 @@ def tiny_hf_model(family: str, seed: int = 0, dtype=torch.float32):
     torch.manual_seed(seed)
     config = config_class(**TINY, **extra)
     return randomize(AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn))
-
-
-def hf_batch(seed: int = 1):
-    """Token ids and transformers-style (unshifted) labels with a few ignored positions."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=gen)
-    labels = ids.clone()
-    labels[torch.rand(labels.shape, generator=gen) < 0.15] = -100
-    return ids, labels
-
-
-def shifted(ids: torch.Tensor, hf_labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The project's micro-batch: labels[t] is the target of position t; the last position has none."""
-    labels = torch.full_like(hf_labels, -100)
-    labels[:, :-1] = hf_labels[:, 1:]
-    positions = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
-    return {"input_ids": ids, "labels": labels, "position_ids": positions}
-
-
-def parity_config(model_dir: Path, **optim):
-    return config_from_dict({
-        "model": {"path": str(model_dir), "compute_dtype": "float32"},
-        # eps 1e-6 as in tests/test_trainer_reference.py: the k_proj bias has an exactly-zero true
-        # gradient, and a tiny eps turns both sides' rounding noise there into unequal full steps.
-        # lr 3e-3: weights move by about 0.5% in 5 steps; at 1e-2 these random-token runs diverge
-        # (the loss rises) and Adam amplifies fp32 rounding to ~1e-5 in a few embedding rows.
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1,
-                  "eps": 1e-6, **optim},
-        "train": {"steps": STEPS, "grad_accum": GRAD_ACCUM, "micro_batch_size": BATCH, "seed": 0},
-        "executor": {"device": "cpu", "loss_chunk_tokens": 7, "compile": False},
-    })
 
 
 # ---------------------------------------------------------------------------------------------- a

@@ -14,8 +14,8 @@ from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.runtime.session import Session
 from megatrain_ray.planning.traffic import step_traffic
 from megatrain_ray.host.window import fetches_per_step, window_bytes
-from reference_training import random_micro_batches
-from test_trainer_reference import make_config
+from helpers.reference_training import random_micro_batches
+from helpers.runs import make_config
 
 MiB = 1024**2
 

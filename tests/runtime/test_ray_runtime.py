@@ -7,15 +7,8 @@ import torch
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.runtime.session import Session
 from megatrain_ray.runtime.local import LocalTrainer
-from reference_training import random_micro_batches
-from test_trainer_reference import make_config
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False)
-    yield
-    ray.shutdown()
+from helpers.reference_training import random_micro_batches
+from helpers.runs import make_config
 
 
 @pytest.mark.parametrize("preset,embedding_step", [("tiny-llama", "host"), ("tiny-qwen3", "host"),

@@ -8,7 +8,7 @@ from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.runtime.local import LocalTrainer
-from reference_training import random_micro_batches
+from helpers.reference_training import random_micro_batches
 
 ARCH = PRESETS["tiny-llama"].replace(num_layers=5)
 

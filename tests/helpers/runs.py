@@ -1,0 +1,51 @@
+"""The small runs the tests start: the in-process trainer's config, the driver's YAML-equivalent
+config, and the weights a run's checkpoint holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from megatrain_ray.config import Config, config_from_dict
+
+STEPS, GRAD_ACCUM = 3, 2  # make_config's step count and micro-batches per step
+
+
+def make_config(preset: str, **executor) -> Config:
+    """fp32 on the CPU with clipping, weight decay and a decaying LR all active: what the streaming
+    trainer and plain PyTorch must agree on."""
+    return config_from_dict({
+        "model": {"preset": preset, "compute_dtype": "float32", "init_std": 0.2},
+        # A low clip threshold so that clipping is active on every step. eps 1e-6, not 1e-8: the
+        # k_proj bias has an exactly-zero gradient (softmax ignores a per-query shift), and Adam
+        # with a tiny eps turns both sides' rounding noise there into full-size, unequal steps.
+        "optim": {"lr": 1e-2, "warmup_steps": 1, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1,
+                  "eps": 1e-6},
+        "train": {"steps": STEPS, "grad_accum": GRAD_ACCUM, "micro_batch_size": 2, "seed": 3},
+        "executor": {"device": "cpu", "loss_chunk_tokens": 5, **executor},
+    })
+
+
+def tiny_raw(out: Path, steps: int = 10, **sections) -> dict:
+    """A small YAML-equivalent config: fp32 on the CPU so that equal means bit-equal."""
+    raw = {
+        "model": {"preset": "tiny-llama", "compute_dtype": "float32", "init_std": 0.2},
+        "data": {"source": "synthetic", "seq_len": 16, "synthetic_docs": 64},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "train": {"steps": steps, "micro_batch_size": 2, "grad_accum": 2, "output_dir": str(out)},
+        "checkpoint": {"every": 5, "keep": 5, "export_hf": False},
+        "executor": {"device": "cpu", "compile": False},
+    }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return raw
+
+
+def tensors_of(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's safetensors shards, by name."""
+    out = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
