@@ -207,7 +207,7 @@ def train_config(model_dir: Path, data: Path, out: Path, pack: bool):
     return config_from_dict({
         "model": {"path": str(model_dir), "compute_dtype": "float32"},
         "data": {"source": str(data), "format": "tokens", "seq_len": SEQ, "pack": pack},
-        # as tests/test_transformers_parity.py: eps 1e-6, lr 3e-3, clipping active on every step
+        # as helpers/hf_parity.py's parity_config: eps 1e-6, lr 3e-3, clipping active on every step
         "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1,
                   "eps": 1e-6},
         "train": {"steps": STEPS, "grad_accum": GRAD_ACCUM, "micro_batch_size": BATCH, "seed": 0,

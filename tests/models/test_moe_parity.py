@@ -171,7 +171,7 @@ def train_config(model_dir: Path, out: Path, coef: float, pack: bool):
         # document (transformers sees the same from the position ids, except GPT-OSS's model, which
         # builds its masks without them: there one document a row)
         "data": {"source": "synthetic", "seq_len": SEQ, "synthetic_docs": 64, "pack": pack},
-        # eps and lr as tests/test_transformers_parity.py explains
+        # eps and lr as helpers/hf_parity.py's parity_config explains
         "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1,
                   "eps": 1e-6},
         "train": {"steps": STEPS, "grad_accum": GRAD_ACCUM, "micro_batch_size": BATCH, "seed": 0,
