@@ -79,6 +79,8 @@ class OptimConfig:
     eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.1  # AdamW's decoupled weight decay
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    master: str = "fp32"  # fp32 | bf16: master weights; bf16 is updated with stochastic rounding and is the compute copy
+    moments: str = "fp32"  # fp32 | bf16 | int8: AdamW's two moments (int8: a scale per block of 256)
 
 
 @dataclass(frozen=True)
@@ -334,6 +336,13 @@ def validate(config: Config) -> None:
         (_finite(o.eps) and o.eps > 0, "optim.eps must be a finite number > 0"),
         (_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay must be a finite number >= 0"),
         (_finite(o.grad_clip) and o.grad_clip >= 0, "optim.grad_clip must be a finite number >= 0 (0: no clipping)"),
+        (o.master in ("fp32", "bf16"), "optim.master must be fp32 or bf16"),
+        (o.moments in ("fp32", "bf16", "int8"), "optim.moments must be fp32, bf16 or int8"),
+        (o.master != "bf16" or m.compute_dtype == "bfloat16",
+         "optim.master=bf16 is itself the compute copy: it needs model.compute_dtype=bfloat16"),
+        ((o.master, o.moments) == ("fp32", "fp32") or ex.embedding_step != "device",
+         "executor.embedding_step=device steps the embedding's fp32 optimizer state on the GPU; with lean state "
+         "(optim.master/optim.moments) every layer steps on the host: set executor.embedding_step to auto or host"),
         (t.steps >= 0, "train.steps must be >= 0"),
         (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
         (t.grad_accum >= 1, "train.grad_accum must be >= 1"),

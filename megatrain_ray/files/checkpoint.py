@@ -1,7 +1,8 @@
 """Checkpoints that are never half-valid: shards and metadata into a temporary directory,
 fsynced, renamed into place, and a manifest (with each file's hash) written last.
 
-Each store writes its own layers (master weights and AdamW moments) as safetensors; a store on a
+Each store writes its own layers (master weights and AdamW moments, in the dtypes the run holds them:
+fp32, or bf16 and int8 with block scales in the lean modes) as safetensors; a store on a
 RAM node writes straight to the checkpoint path when that path is shared storage
 (`checkpoint.transport: shared`), or sends its tensors to the driver, which writes them
 (`checkpoint.transport: driver`). Loading picks each layer from whichever shard holds it, so a
@@ -11,6 +12,7 @@ run may resume on a different split of layers across nodes.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import random
@@ -25,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain_ray.config import Config
+from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.files.durable import fsync_path, publish_dir, write_json
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
@@ -33,6 +36,7 @@ MANIFEST = "MANIFEST.json"
 META = "meta.json"
 FORMAT_VERSION = 1
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")  # int8 moments' block scales (host/precision.py)
 
 
 class CheckpointError(ValueError):
@@ -155,9 +159,39 @@ def shard_files_by_layer(path: Path, manifest: dict) -> dict[int, str]:
 
 
 def read_layer_state(file: str, layer: int) -> tuple[dict[str, torch.Tensor], int]:
+    """A layer's master, moments and (int8 moments) their scales, as saved; and its update count."""
     with safe_open(file, framework="pt") as f:
         steps = json.loads(f.metadata()["layer_steps"])
-        return {key: f.get_tensor(tensor_name(layer, key)) for key in STATE_KEYS}, int(steps[str(layer)])
+        present = set(f.keys())
+        keys = [*STATE_KEYS, *(k for k in SCALE_KEYS if tensor_name(layer, k) in present)]
+        return {key: f.get_tensor(tensor_name(layer, key)) for key in keys}, int(steps[str(layer)])
+
+
+def saved_format(meta: dict) -> StateFormat:
+    """The optimizer state format a checkpoint's run held (checkpoints from before the lean modes: fp32)."""
+    return format_of_dict((meta.get("config") or {}).get("optim") or {})
+
+
+def format_of_dict(optim: dict) -> StateFormat:
+    return StateFormat(optim.get("master", "fp32"), optim.get("moments", "fp32"))
+
+
+def check_convertible(held: StateFormat, wanted: StateFormat, what: str) -> None:
+    """State may be narrowed on resume (fp32 to bf16 or int8), never widened: the precision a lean run
+    dropped is gone, and an fp32 run from it would not be the exact run it claims to be."""
+    if wanted.narrower_or_same(held):
+        return
+    raise CheckpointError(
+        f"{what} holds its optimizer state as optim.master={held.master}, optim.moments={held.moments}, but this "
+        f"run asks for master={wanted.master}, moments={wanted.moments}: a resume can narrow the state, not widen "
+        f"it (what the lean run rounded away is gone). Resume with optim.master={held.master} "
+        f"optim.moments={held.moments}, or start a new run from its weights (megatrain-ray export, then model.path)"
+    )
+
+
+def check_state_format(meta: dict, config: Config, path: Path) -> None:
+    """Refuse, before anything is allocated, a resume that would widen the saved optimizer state."""
+    check_convertible(saved_format(meta), format_of_dict(dataclasses.asdict(config.optim)), f"checkpoint {path}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 The update is torch.optim.AdamW's, decoupled weight decay applied to matrices only. `adamw_step`
 runs it as one pass (host/adamw_kernel.py's kernel); where that kernel cannot be built, `adamw_update`
 runs torch's fused AdamW in cache-sized chunks: gradient upcast, update, weight cast. The GPU's
-step of the embedding (streaming/device_step.py) runs `adamw_update` on the device.
+step of the embedding (streaming/device_step.py) runs `adamw_update` on the device. Lean state
+(host/precision.py) takes the kernel's second op, or `lean_update` without it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_ray.config import OptimConfig
+from megatrain_ray.host import precision
 from megatrain_ray.host.adamw_kernel import native_kernel
 
-CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 per pass: few thread-pool rounds, still cache-friendly
+CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 per pass: few thread-pool rounds, still cache-friendly; whole int8 blocks
 
 
 def lr_factor(update: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -60,6 +62,10 @@ def adamw_step(
     hp: AdamWStep,
     step: int,
     one_pass: bool = True,
+    *,
+    grad: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rounding_key: int = 0,
 ) -> None:
     """Update `master` and the moments from the gradient in `grad_weights`, then write the new
     compute-dtype weights over it: one pass in the native kernel, or torch's fused AdamW in three
@@ -67,6 +73,10 @@ def adamw_step(
 
     `segments` are (start, end, decays) ranges of the flat buffer, one per parameter, in order;
     `step` is the layer's 1-based update count, for Adam's bias correction.
+
+    Lean state (host/precision.py) is told by its dtypes: bf16 or int8/uint8 moments (int8 with
+    their block `scales`), or a bf16 master, which is itself the compute copy: pass it as
+    `grad_weights` too, with the gradient in its own buffer `grad`, and the update's `rounding_key`.
     """
     ends, at = [], 0
     for start, end, _ in segments:
@@ -76,16 +86,80 @@ def adamw_step(
         at = end
     if at != master.numel():
         raise ValueError(f"parameter segments must tile the buffer: they end at {at}, it has {master.numel()} elements")
+    bf16_master = master.dtype == torch.bfloat16
+    if bf16_master and (grad is None or grad_weights is not master):
+        raise ValueError("a bf16 master is its own compute copy (grad_weights) and needs a gradient buffer (grad)")
+    exact = master.dtype == torch.float32 and exp_avg.dtype == torch.float32 and grad is None
     kernel = native_kernel() if one_pass else None
     if kernel is None:
-        adamw_update(master, grad_weights, exp_avg, exp_avg_sq, segments, hp, step, compute_copy=grad_weights)
+        if exact:
+            adamw_update(master, grad_weights, exp_avg, exp_avg_sq, segments, hp, step, compute_copy=grad_weights)
+        else:
+            lean_update(master, exp_avg, exp_avg_sq, scales, grad if bf16_master else grad_weights,
+                        None if bf16_master else grad_weights, segments, hp, step, rounding_key)
         return
     decays = [1.0 - hp.lr * hp.weight_decay if decays_here else 1.0 for _, _, decays_here in segments]
     beta1, beta2 = hp.betas
-    kernel(
-        master, exp_avg, exp_avg_sq, grad_weights, ends, decays, hp.grad_scale, beta1, beta2,
-        (1 - beta2**step) ** 0.5, hp.eps, hp.lr / (1 - beta1**step),
-    )
+    scalars = (hp.grad_scale, beta1, beta2, (1 - beta2**step) ** 0.5, hp.eps, hp.lr / (1 - beta1**step))
+    if exact:
+        kernel.adamw_step(master, exp_avg, exp_avg_sq, grad_weights, ends, decays, *scalars)
+        return
+    m_scale, v_scale = scales if scales is not None else (None, None)
+    kernel.adamw_step_lean(master, exp_avg, exp_avg_sq, m_scale, v_scale, grad if bf16_master else grad_weights,
+                           None if bf16_master else grad_weights, ends, decays, *scalars, rounding_key)
+
+
+def lean_update(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    grad: torch.Tensor,
+    weights: torch.Tensor | None,
+    segments: list[tuple[int, int, bool]],
+    hp: AdamWStep,
+    step: int,
+    rounding_key: int,
+    chunk: int = CHUNK_ELEMENTS,
+) -> None:
+    """The lean modes without the kernel: each chunk (whole int8 blocks) widened to fp32, stepped by
+    torch's fused AdamW segment by segment, and narrowed again as host/precision.py defines it."""
+    n = master.numel()
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        p = master[lo:hi].to(torch.float32)
+        g = grad[lo:hi].to(torch.float32)
+        m, v = _widen_moments(exp_avg, exp_avg_sq, scales, lo, hi)
+        for start, end, decays in segments:
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                s = slice(a - lo, b - lo)
+                _adam_chunk(p[s], g[s], m[s], v[s], hp, step, hp.weight_decay if decays else 0.0)
+        _narrow_moments(m, v, exp_avg, exp_avg_sq, scales, lo, hi)
+        if master.dtype == torch.bfloat16:
+            master[lo:hi].copy_(precision.stochastic_round_bf16(p, rounding_key, lo))
+        else:
+            master[lo:hi].copy_(p)
+            weights[lo:hi].copy_(p)
+
+
+def _widen_moments(m, v, scales, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if m.dtype == torch.int8:
+        b0, b1 = lo // precision.QUANT_BLOCK, precision.num_blocks(hi)
+        return (precision.dequantize_signed(m[lo:hi], scales[0][b0:b1]),
+                precision.dequantize_sqrt(v[lo:hi], scales[1][b0:b1]))
+    return m[lo:hi].to(torch.float32), v[lo:hi].to(torch.float32)
+
+
+def _narrow_moments(m32, v32, m, v, scales, lo: int, hi: int) -> None:
+    if m.dtype == torch.int8:
+        b0, b1 = lo // precision.QUANT_BLOCK, precision.num_blocks(hi)
+        qm, sm = precision.quantize_signed(m32)
+        qv, sv = precision.quantize_sqrt(v32)
+        m[lo:hi], scales[0][b0:b1], v[lo:hi], scales[1][b0:b1] = qm, sm, qv, sv
+    else:
+        m[lo:hi].copy_(m32)
+        v[lo:hi].copy_(v32)
 
 
 def _has_fused_adamw(device: torch.device) -> bool:

@@ -14,6 +14,12 @@ The kernel is compiled at first use with torch.utils.cpp_extension.load_inline, 
 of the source, flags, torch version and the CPU's model and flags, so nodes of a cluster that
 share a home directory never load a build made for another CPU. Threads are torch's
 (torch.set_num_threads); they share the buffer out in tiles, as each becomes free.
+
+The lean modes (host/precision.py: a bf16 master with stochastic rounding, bf16 or int8 moments) run
+a second op over the same tiles, a block of 256 elements at a time: dequantize the block's moments,
+update in fp32 as above, requantize, the master rounded at random from its element's noise. One pass
+still, reading and writing 10 (6-byte mode) to 20 (10-byte mode) bytes a parameter where the exact
+mode moves 28.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import torch
 
 _SOURCE = r"""
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <atomic>
+#include <initializer_list>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 #include <cmath>
@@ -101,7 +109,206 @@ void step(float* p, float* m, float* v, T* gw, int64_t n, c10::ArrayRef<int64_t>
   });
 }
 
+// ---- lean state (host/precision.py): bf16 master with stochastic rounding, bf16 or int8 moments ----
+
+constexpr int64_t kBlock = 256;  // precision.QUANT_BLOCK: an int8 block's elements; kTile is a multiple
+
+inline uint32_t mix32(uint32_t x) {  // lowbias32: a bijection of 32 bits whose outputs look random
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// x rounded to bf16 up or down at random in proportion (precision.stochastic_round_bf16): 16 bits
+// of the element's noise added under bf16's mantissa, then truncated. NaN stays NaN.
+inline uint16_t round_stochastic(float x, int64_t i, uint32_t key) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t r = mix32(uint32_t(i) * 0x9E3779B9u + key + uint32_t(uint64_t(i) >> 32) * 0x85EBCA6Bu) & 0xFFFFu;
+  return (x != x) ? uint16_t(0x7FC0) : uint16_t((u + r) >> 16);
+}
+
+template <typename W>
+struct MasterF32 {  // fp32 master; the compute copy W (bf16 or fp32) receives the new weights
+  float* p;
+  W* w;
+  float get(int64_t i) const { return p[i]; }
+  void put(int64_t i, float x) const {
+    p[i] = x;
+    store(w, i, x);
+  }
+};
+
+struct MasterBF16 {  // bf16 master, itself the compute copy
+  uint16_t* p;
+  uint32_t key;
+  float get(int64_t i) const { return load(p, i); }
+  void put(int64_t i, float x) const { p[i] = round_stochastic(x, i, key); }
+};
+
+template <typename T>
+struct Plain {  // moments in fp32 or bf16 (rounded to nearest even)
+  T* m;
+  T* v;
+  void get(int64_t lo, int64_t n, float* mo, float* vo) const {
+    for (int64_t k = 0; k < n; ++k) {
+      mo[k] = load(m, lo + k);
+      vo[k] = load(v, lo + k);
+    }
+  }
+  void put(int64_t lo, int64_t n, const float* mi, const float* vi) const {
+    for (int64_t k = 0; k < n; ++k) {
+      store(m, lo + k, mi[k]);
+      store(v, lo + k, vi[k]);
+    }
+  }
+};
+
+struct Int8 {  // precision.quantize_signed / quantize_sqrt, block by block
+  int8_t* m;
+  uint8_t* v;
+  float* m_scale;
+  float* v_scale;
+  void get(int64_t lo, int64_t n, float* mo, float* vo) const {
+    const float a = m_scale[lo / kBlock], c = v_scale[lo / kBlock];
+    for (int64_t k = 0; k < n; ++k) {
+      const float t = float(m[lo + k]) / 127.0f;
+      mo[k] = a * (t * std::fabs(t));
+      const float u = float(v[lo + k]) / 255.0f;
+      const float s = c * (u * u);
+      vo[k] = s * s;
+    }
+  }
+  void put(int64_t lo, int64_t n, const float* mi, float* vi) const {
+    float a = 0.0f, c = 0.0f;
+    for (int64_t k = 0; k < n; ++k) {
+      a = std::max(a, std::fabs(mi[k]));
+      vi[k] = std::sqrt(vi[k]);  // from here on the second moment's square root
+      c = std::max(c, vi[k]);
+    }
+    m_scale[lo / kBlock] = a;
+    v_scale[lo / kBlock] = c;
+    const float sa = a > 0.0f ? a : 1.0f, sc = c > 0.0f ? c : 1.0f;
+    for (int64_t k = 0; k < n; ++k) {
+      const float q = std::nearbyint(std::sqrt(std::fabs(mi[k]) / sa) * 127.0f);
+      m[lo + k] = int8_t(mi[k] < 0.0f ? -q : q);
+      float r = std::nearbyint(std::sqrt(vi[k] / sc) * 255.0f);
+      if (vi[k] > 0.0f && r < 1.0f) r = 1.0f;  // a second moment that was not zero never becomes zero
+      v[lo + k] = uint8_t(r);
+    }
+  }
+};
+
+// The same AdamW arithmetic as `update`, a block of kBlock at a time: its moments dequantized into
+// two small arrays, updated, requantized; the master read and written once. The gradient is read
+// before the new weight is written (with an fp32 master they share the compute buffer).
+template <typename Master, typename Moments, typename G>
+void update_blocks(const Master& P, const Moments& M, const G* g, int64_t lo, int64_t hi,
+                   c10::ArrayRef<int64_t> ends, c10::ArrayRef<double> decays, Scalars s) {
+  float m[kBlock], v[kBlock];
+  size_t k = 0;
+  while (ends[k] <= lo) ++k;
+  for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
+    const int64_t b1 = std::min(hi, b0 + kBlock);
+    M.get(b0, b1 - b0, m, v);
+    for (int64_t i = b0; i < b1;) {
+      while (ends[k] <= i) ++k;
+      const int64_t e = std::min<int64_t>(b1, ends[k]);
+      const float decay = float(decays[k]);
+      for (; i < e; ++i) {
+        const float gi = load(g, i) * s.grad_scale;
+        const float mi = std::fma(s.lerp_weight, gi - m[i - b0], m[i - b0]);
+        const float vi = std::fma(s.one_minus_beta2 * gi, gi, v[i - b0] * s.beta2);
+        const float pi = P.get(i) * decay + s.neg_step_size * mi / (std::sqrt(vi) / s.bias2_sqrt + s.eps);
+        m[i - b0] = mi;
+        v[i - b0] = vi;
+        P.put(i, pi);
+      }
+    }
+    M.put(b0, b1 - b0, m, v);
+  }
+}
+
+template <typename Master, typename Moments, typename G>
+void step_lean(const Master& P, const Moments& M, const G* g, int64_t n, c10::ArrayRef<int64_t> ends,
+               c10::ArrayRef<double> decays, Scalars s) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tiles, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) {
+      update_blocks(P, M, g, t * kTile, std::min(n, (t + 1) * kTile), ends, decays, s);
+    }
+  });
+}
+
+template <typename Master, typename G>
+void with_moments(const Master& P, const G* g, const at::Tensor& m, const at::Tensor& v,
+                  const c10::optional<at::Tensor>& m_scale, const c10::optional<at::Tensor>& v_scale, int64_t n,
+                  c10::ArrayRef<int64_t> ends, c10::ArrayRef<double> decays, Scalars s) {
+  if (m.scalar_type() == at::kFloat) {
+    step_lean(P, Plain<float>{m.data_ptr<float>(), v.data_ptr<float>()}, g, n, ends, decays, s);
+  } else if (m.scalar_type() == at::kBFloat16) {
+    step_lean(P, Plain<uint16_t>{reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>()),
+                                 reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>())}, g, n, ends, decays, s);
+  } else {
+    step_lean(P, Int8{m.data_ptr<int8_t>(), v.data_ptr<uint8_t>(), m_scale->data_ptr<float>(),
+                      v_scale->data_ptr<float>()}, g, n, ends, decays, s);
+  }
+}
+
 }  // namespace
+
+void check_state(const at::Tensor& t, int64_t n, std::initializer_list<at::ScalarType> dtypes, const char* what) {
+  bool ok = false;
+  for (auto d : dtypes) ok = ok || t.scalar_type() == d;
+  TORCH_CHECK(ok && t.device().is_cpu() && t.is_contiguous() && t.numel() == n, what,
+              " must be a contiguous CPU tensor of the expected dtype and size");
+}
+
+// The lean modes' one pass (host/precision.py). master: fp32 or bf16; the moments: fp32, bf16, or
+// int8 (exp_avg) and uint8 (exp_avg_sq) with an fp32 scale per kBlock; grad: the gradient (bf16 or
+// fp32); weights: the compute copy to publish (with an fp32 master: the gradient's own buffer;
+// with a bf16 master: none, the master is the copy). rounding_key: this update's noise.
+void adamw_step_lean(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                     const c10::optional<at::Tensor>& exp_avg_scale, const c10::optional<at::Tensor>& exp_avg_sq_scale,
+                     const at::Tensor& grad, const c10::optional<at::Tensor>& weights, c10::ArrayRef<int64_t> ends,
+                     c10::ArrayRef<double> decays, double grad_scale, double beta1, double beta2, double bias2_sqrt,
+                     double eps, double step_size, int64_t rounding_key) {
+  const int64_t n = master.numel();
+  check_state(master, n, {at::kFloat, at::kBFloat16}, "the master");
+  check_state(grad, n, {at::kFloat, at::kBFloat16}, "the gradient");
+  const bool int8 = exp_avg.scalar_type() == at::kChar;
+  check_state(exp_avg, n, {at::kFloat, at::kBFloat16, at::kChar}, "exp_avg");
+  check_state(exp_avg_sq, n, {int8 ? at::kByte : exp_avg.scalar_type()}, "exp_avg_sq");
+  if (int8) {
+    TORCH_CHECK(exp_avg_scale && exp_avg_sq_scale, "int8 moments need their scales");
+    check_state(*exp_avg_scale, (n + kBlock - 1) / kBlock, {at::kFloat}, "exp_avg_scale");
+    check_state(*exp_avg_sq_scale, (n + kBlock - 1) / kBlock, {at::kFloat}, "exp_avg_sq_scale");
+  }
+  TORCH_CHECK(!ends.empty() && ends.size() == decays.size() && ends.back() == n, "segments must cover the buffer");
+  const Scalars s{float(grad_scale), float(1.0 - beta1), float(beta2), float(1.0 - beta2),
+                  float(bias2_sqrt), float(eps), float(-step_size)};
+  if (master.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(grad.scalar_type() == at::kBFloat16 && !weights, "a bf16 master takes a bf16 gradient and no weights");
+    const MasterBF16 P{reinterpret_cast<uint16_t*>(master.data_ptr<at::BFloat16>()), uint32_t(rounding_key)};
+    with_moments(P, reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()), exp_avg, exp_avg_sq,
+                 exp_avg_scale, exp_avg_sq_scale, n, ends, decays, s);
+    return;
+  }
+  TORCH_CHECK(weights && weights->is_same(grad), "an fp32 master publishes into the gradient's buffer");
+  if (grad.scalar_type() == at::kBFloat16) {
+    uint16_t* w = reinterpret_cast<uint16_t*>(grad.data_ptr<at::BFloat16>());
+    with_moments(MasterF32<uint16_t>{master.data_ptr<float>(), w}, w, exp_avg, exp_avg_sq, exp_avg_scale,
+                 exp_avg_sq_scale, n, ends, decays, s);
+  } else {
+    float* w = grad.data_ptr<float>();
+    with_moments(MasterF32<float>{master.data_ptr<float>(), w}, w, exp_avg, exp_avg_sq, exp_avg_scale,
+                 exp_avg_sq_scale, n, ends, decays, s);
+  }
+}
 
 void adamw_step(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                 const at::Tensor& grad_weights, c10::ArrayRef<int64_t> ends, c10::ArrayRef<double> decays,
@@ -129,6 +336,10 @@ TORCH_LIBRARY(megatrain, library) {
   library.def("adamw_step(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!) grad_weights, "
               "int[] ends, float[] decays, float grad_scale, float beta1, float beta2, float bias2_sqrt, "
               "float eps, float step_size) -> ()", &adamw_step);
+  library.def("adamw_step_lean(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+              "Tensor(d!)? exp_avg_scale, Tensor(e!)? exp_avg_sq_scale, Tensor(f!) grad, Tensor(g!)? weights, "
+              "int[] ends, float[] decays, float grad_scale, float beta1, float beta2, float bias2_sqrt, "
+              "float eps, float step_size, int rounding_key) -> ()", &adamw_step_lean);
 }
 """
 
@@ -174,7 +385,8 @@ def _ensure_ninja_on_path() -> None:
 
 @functools.cache
 def native_kernel():
-    """torch.ops.megatrain.adamw_step for this node (built once, then loaded from the cache), or None."""
+    """torch.ops.megatrain (adamw_step, adamw_step_lean) for this node (built once, then loaded from
+    the cache), or None."""
     return build_kernel(_cache_dir())
 
 
@@ -201,7 +413,7 @@ def build_kernel(cache_dir: Path, extra_cflags: tuple[str, ...] = ()):
                             is_python_module=False)  # a torch op: no pybind, no Python headers, the GIL released
                 shutil.copy(Path(build) / f"{name}.so", Path(build) / "publish.so")
                 os.replace(Path(build) / "publish.so", library)
-        return torch.ops.megatrain.adamw_step
+        return torch.ops.megatrain
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         warnings.warn(f"megatrain-ray: the one-pass host AdamW kernel could not be built ({first}); "

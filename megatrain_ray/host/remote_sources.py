@@ -32,11 +32,16 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 class SharedMemorySource(LayerSource):
-    def __init__(self, store, paths: dict[int, str], numels: dict[int, int], dtype, register: bool):
+    def __init__(self, store, paths: dict[int, str], numels: dict[int, int], dtype, register: bool,
+                 grad_paths: dict[int, str] | None = None):
+        """`grad_paths`: gradient buffers of their own (a bf16 master's, host/store.py), else the
+        gradient lands in the weights' buffer."""
         self.store = store
         self.register = register
         self.registered: list[torch.Tensor] = []
         self.w = {layer: self._map(Path(path), numels[layer], dtype) for layer, path in paths.items()}
+        self.g = {layer: self._map(Path(path), numels[layer], torch.bfloat16)
+                  for layer, path in (grad_paths or {}).items()}
         self.pending: dict[int, ray.ObjectRef] = {}
 
     def _map(self, path: Path, numel: int, dtype) -> torch.Tensor:
@@ -64,7 +69,7 @@ class SharedMemorySource(LayerSource):
         ray.get(self.store.set_update_count.remote(layer, count))
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
-        return self.w[layer]  # the gradient lands where the weights were (see host/store.py)
+        return self.g.get(layer, self.w[layer])  # where the weights were, or its own (see host/store.py)
 
     def update(self, layer: int, hp, gradient_landed) -> None:
         gradient_landed.synchronize()

@@ -74,7 +74,7 @@ class LocalSource(LayerSource):
         return self.owner[layer].layers[layer].compute
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
-        return self.owner[layer].layers[layer].compute  # see host/store.py: the gradient lands there
+        return self.owner[layer].layers[layer].grad  # see host/store.py: the compute buffer, or its own
 
     def update(self, layer: int, hp: AdamWStep | None, gradient_landed) -> None:
         self.pending[layer] = self.pool.submit(self._step, layer, hp, gradient_landed)

@@ -1,13 +1,15 @@
 """Host-memory state of a contiguous range of layers, and their optimizer step.
 
-Per layer, four flat buffers: fp32 master weights and AdamW first and second moments (private
-to the store), and the one buffer the executor touches: the compute copy (bf16, or fp32 for exact
-tests). It also receives the layer's gradient: by the time a gradient leaves the device, that
-layer's weights have been read for the last time in the step, and the optimizer reads the
+Per layer, by default, four flat buffers: fp32 master weights and AdamW first and second moments
+(private to the store), and the one buffer the executor touches: the compute copy (bf16, or fp32
+for exact tests). It also receives the layer's gradient: by the time a gradient leaves the device,
+that layer's weights have been read for the last time in the step, and the optimizer reads the
 gradient chunk by chunk before writing the new weights over it. So 12 + 2 = 14 bytes per
 parameter with bf16 compute, which is what lets a 7B model with fp32 AdamW fit in 128 GiB.
-The shared buffer lives in pinned memory in process, or in a /dev/shm file that a GPU actor on
-the same node maps and registers with CUDA.
+Lean modes (optim.master, optim.moments; host/precision.py) hold the moments in bf16 or int8 and
+the master in bf16, which is then the compute copy itself, with a bf16 gradient buffer beside it.
+The shared buffers live in pinned memory in process, or in /dev/shm files that a GPU actor on the
+same node maps and registers with CUDA.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from pathlib import Path
 import torch
 
 from megatrain_ray.files import checkpoint
+from megatrain_ray.host import precision
 from megatrain_ray.host.memory import element_size, pinned_empty, remove_dead_segments, segment_name, shm_tensor
+from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.host.adamw_kernel import native_kernel
 from megatrain_ray.models.family import ModelFamily
@@ -28,19 +32,28 @@ from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.host.adamw import AdamWStep, adamw_step
 
 
-def bytes_per_param(compute_dtype: torch.dtype) -> int:
-    """Host bytes each parameter costs: master + two moments in fp32, the compute/gradient copy."""
-    return 3 * 4 + element_size(compute_dtype)
+def bytes_per_param(compute_dtype: torch.dtype, state: StateFormat = StateFormat()) -> float:
+    """Host bytes each parameter costs: master, two moments (their int8 scales), the compute/gradient copy."""
+    return state.bytes_per_param(element_size(compute_dtype))
 
 
 @dataclass
 class LayerState:
     layout: LayerLayout
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    compute: torch.Tensor  # weights the executor reads, then the gradient it writes back
+    master: torch.Tensor  # fp32; or bf16, and then the same tensor as `compute`
+    exp_avg: torch.Tensor  # fp32, bf16 or int8 codes
+    exp_avg_sq: torch.Tensor  # fp32, bf16 or uint8 codes of its square root
+    compute: torch.Tensor  # weights the executor reads (with an fp32 master, then the gradient it writes back)
+    grad: torch.Tensor  # where the gradient lands: `compute` itself, or (bf16 master) a buffer of its own
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 moments: a scale per block of each
     updates: int = 0  # AdamW updates applied: this layer's bias correction, and what a checkpoint keeps
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state a checkpoint holds, as it is held (no compute copy: it follows the master)."""
+        out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.scales is not None:
+            out.update(zip(checkpoint.SCALE_KEYS, self.scales))
+        return out
 
 
 def init_layer_weights(fam: ModelFamily, layout: LayerLayout, flat: torch.Tensor, seed: int, std: float) -> None:
@@ -63,10 +76,18 @@ class ShardStore:
         compute_dtype: torch.dtype,
         shm_dir: str | None = None,
         run_id: str = "local",
+        state_format: StateFormat = StateFormat(),
+        seed: int = 0,
     ):
+        """`seed`: train.seed, the stochastic rounding's (a bf16 master's) stream."""
         self.arch = arch
         self.compute_dtype = compute_dtype
+        self.format = state_format
+        self.seed = seed
+        if state_format.master == "bf16" and compute_dtype != torch.bfloat16:
+            raise ValueError("a bf16 master is the compute copy: it needs a bf16 compute dtype")
         self.shm_paths: dict[int, str] = {}
+        self.grad_shm_paths: dict[int, str] = {}  # a bf16 master's gradient buffers
         self.extra_shm_paths: list[str] = []  # state shared with a GPU worker (share_state)
         self._shm_dir = Path(shm_dir) if shm_dir else None
         self._run_id = run_id
@@ -80,27 +101,45 @@ class ShardStore:
         self.optimizer_seconds = 0.0  # summed over steps, for the benchmark's time split
         native_kernel()  # a first build on this node (tens of seconds) while the run starts, not in its first step
 
+    def _shared(self, index: int, n: int, dtype: torch.dtype, key: str | None, paths: dict[int, str]) -> torch.Tensor:
+        """A buffer the executor reaches: a /dev/shm segment, or pinned memory in process."""
+        if self._shm_dir is None:
+            return pinned_empty(n, dtype)
+        path = self._shm_dir / segment_name(self._run_id, index, key)
+        paths[index] = str(path)
+        return shm_tensor(path, n, dtype, create=True)
+
     def _allocate(self, layout: LayerLayout) -> LayerState:
-        n = layout.numel
-        if self._shm_dir is not None:
-            path = self._shm_dir / segment_name(self._run_id, layout.index)
-            compute = shm_tensor(path, n, self.compute_dtype, create=True)
-            self.shm_paths[layout.index] = str(path)
+        n, fmt = layout.numel, self.format
+        compute = self._shared(layout.index, n, self.compute_dtype, None, self.shm_paths)
+        if fmt.master == "bf16":
+            master, grad = compute, self._shared(layout.index, n, torch.bfloat16, "grad", self.grad_shm_paths)
         else:
-            compute = pinned_empty(n, self.compute_dtype)
-        return LayerState(
-            layout,
-            master=torch.empty(n, dtype=torch.float32),
-            exp_avg=torch.zeros(n, dtype=torch.float32),
-            exp_avg_sq=torch.zeros(n, dtype=torch.float32),
-            compute=compute,
-        )
+            master, grad = torch.empty(n, dtype=torch.float32), compute
+        m_dtype, v_dtype = fmt.moment_dtypes()
+        scales = ((torch.zeros(precision.num_blocks(n)), torch.zeros(precision.num_blocks(n)))
+                  if fmt.quantized else None)
+        return LayerState(layout, master=master, exp_avg=torch.zeros(n, dtype=m_dtype),
+                          exp_avg_sq=torch.zeros(n, dtype=v_dtype), compute=compute, grad=grad, scales=scales)
+
+    def host_bytes(self) -> int:
+        """Bytes of every buffer this store holds (a bf16 master is counted once: it is the compute copy)."""
+        seen = {}
+        for s in self.layers.values():
+            for t in (*s.tensors().values(), s.compute, s.grad):
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
 
     # ---- initial weights -------------------------------------------------------------------
     def init_random(self, seed: int, std: float) -> None:
         for state in self.layers.values():
-            init_layer_weights(family(self.arch), state.layout, state.master, seed, std)
-            state.compute.copy_(state.master)
+            if state.master.dtype == torch.float32:
+                init_layer_weights(family(self.arch), state.layout, state.master, seed, std)
+            else:  # drawn in fp32 as an exact run draws them, then rounded as its compute copy is
+                full = torch.empty(state.layout.numel, dtype=torch.float32)
+                init_layer_weights(family(self.arch), state.layout, full, seed, std)
+                state.master.copy_(full)
+            self._publish(state)
 
     def load_hf(self, model_dir: str) -> None:
         """This store's layers from a Hugging Face directory, tensor by tensor (every tensor checked)."""
@@ -108,10 +147,20 @@ class ShardStore:
 
         load_hf_weights(model_dir, self.arch, lambda i: self.layers[i].master, layers=list(self.layers))
         for state in self.layers.values():
+            self._publish(state)
+
+    @staticmethod
+    def _publish(state: LayerState) -> None:
+        """The compute copy from the master (a bf16 master is the copy already)."""
+        if state.compute is not state.master:
             state.compute.copy_(state.master)
 
     def master(self, index: int) -> torch.Tensor:
         return self.layers[index].master
+
+    def gradient_paths(self) -> dict[int, str]:
+        """Shared-memory gradient buffers of their own (a bf16 master's), by layer; else none."""
+        return dict(self.grad_shm_paths)
 
     def share_state(self, index: int) -> dict[str, str]:
         """Move the layer's master and moments into shared memory, for a GPU worker on this node that
@@ -119,6 +168,8 @@ class ShardStore:
         that layer's updates (`set_update_count`) and saves what the worker wrote back."""
         if self._shm_dir is None:
             raise ValueError("share_state needs the store's shared-memory directory (runtime.shm_dir)")
+        if not self.format.exact:
+            raise ValueError("the embedding's step on the device needs the exact (fp32) optimizer state")
         state = self.layers[index]
         paths = {}
         for key in ("master", "exp_avg", "exp_avg_sq"):
@@ -144,11 +195,13 @@ class ShardStore:
         t0 = time.perf_counter()
         state = self.layers[index]
         if hp is None:
-            state.compute.copy_(state.master)
+            self._publish(state)
             return index
         state.updates += 1
         adamw_step(
-            state.master, state.exp_avg, state.exp_avg_sq, state.compute, state.layout.segments(), hp, state.updates
+            state.master, state.exp_avg, state.exp_avg_sq, state.compute, state.layout.segments(), hp, state.updates,
+            grad=None if state.grad is state.compute else state.grad, scales=state.scales,
+            rounding_key=precision.rounding_key(self.seed, index, state.updates),
         )
         self.optimizer_seconds += time.perf_counter() - t0
         return index
@@ -161,8 +214,8 @@ class ShardStore:
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
         tensors = {}
         for i, state in self.layers.items():
-            for key in checkpoint.STATE_KEYS:
-                tensors[checkpoint.tensor_name(i, key)] = getattr(state, key)
+            for key, t in state.tensors().items():
+                tensors[checkpoint.tensor_name(i, key)] = t
         return tensors, self.update_counts()
 
     def save_shard(self, directory: str, name: str) -> dict:
@@ -171,24 +224,30 @@ class ShardStore:
         return checkpoint.write_shard(Path(directory), name, tensors, steps)
 
     def load_layers(self, files_by_layer: dict[int, str]) -> None:
+        """Each layer's state as the checkpoint holds it, or converted to this store's narrower format
+        (host/precision.py); a wider one is refused (checkpoint.check_state_format says why)."""
         for i, state in self.layers.items():
             if i not in files_by_layer:
                 raise checkpoint.CheckpointError(f"the checkpoint has no state for layer {i}")
             tensors, updates = checkpoint.read_layer_state(files_by_layer[i], i)
-            for key in checkpoint.STATE_KEYS:
-                target = getattr(state, key)
+            held = precision.held_format(tensors)
+            checkpoint.check_convertible(held, self.format, f"layer {i}")
+            if held.moments != self.format.moments:
+                tensors.update(precision.convert_moments(*precision.moments_as_fp32(tensors), self.format))
+            for key, target in state.tensors().items():
                 if tensors[key].shape != target.shape:
                     raise checkpoint.CheckpointError(
                         f"layer {i} {key} has {tensors[key].numel()} elements in the checkpoint but the model "
                         f"needs {target.numel()}: the checkpoint is from another model"
                     )
-                target.copy_(tensors[key])
-            state.compute.copy_(state.master)
+                target.copy_(tensors[key])  # an fp32 master into a bf16 one: rounded as the compute copy was
+            self._publish(state)
             state.updates = updates
 
     def close(self) -> None:
-        for path in [*self.shm_paths.values(), *self.extra_shm_paths]:
+        for path in [*self.shm_paths.values(), *self.grad_shm_paths.values(), *self.extra_shm_paths]:
             Path(path).unlink(missing_ok=True)
         self.shm_paths.clear()
+        self.grad_shm_paths.clear()
         self.extra_shm_paths.clear()
 

@@ -72,8 +72,10 @@ class LayerServer:
     request for version v waits until v updates are applied.
     """
 
-    def __init__(self, buffers: dict[int, torch.Tensor], host: str):
+    def __init__(self, buffers: dict[int, torch.Tensor], host: str, grads: dict[int, torch.Tensor] | None = None):
+        """`buffers`: each layer's weights; `grads`: where its gradient lands (default: over the weights)."""
         self.views = {i: byte_view(t) for i, t in buffers.items()}
+        self.grad_views = {i: byte_view(t) for i, t in (grads or buffers).items()}
         self.applied = {i: 0 for i in buffers}
         self.arrived = {i: 0 for i in buffers}  # gradient chunks landed, over all streams
         self.streams = 1
@@ -122,7 +124,7 @@ class LayerServer:
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         while (header := recv_struct(conn, GRADIENT)) is not None:
             (layer,) = header
-            if not recv_exact(conn, chunk(self.views[layer], k, self.streams)):
+            if not recv_exact(conn, chunk(self.grad_views[layer], k, self.streams)):
                 raise ConnectionError("gradient cut short")
             with self.cond:
                 self.arrived[layer] += 1

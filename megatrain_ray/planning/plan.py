@@ -201,11 +201,14 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
 EMBEDDING_STEP = "the embedding's AdamW step on the GPU (new weights between steps, state at the turn)"
 
 
-def embedding_step_on_device(setting: str, device: torch.device, workers: int, in_reach: bool) -> bool:
+def embedding_step_on_device(setting: str, device: torch.device, workers: int, in_reach: bool,
+                             exact_state: bool = True) -> bool:
     """executor.embedding_step: `device` wherever it can run, `auto` on a GPU, `host` never. It can
     run with one worker (several would each need the step's summed gradient) whose process reaches
-    the embedding's store memory (in process, or shared memory on its node: not over the network)."""
-    if setting == "host" or (setting == "auto" and device.type != "cuda"):
+    the embedding's store memory (in process, or shared memory on its node: not over the network).
+    Lean optimizer state (optim.master/optim.moments: `exact_state` False) steps on the host only:
+    the device step moves and updates fp32 state (config validation refuses `device` with it)."""
+    if setting == "host" or (setting == "auto" and (device.type != "cuda" or not exact_state)):
         return False
     possible = workers == 1 and in_reach
     if setting == "device" and not possible:
@@ -220,6 +223,8 @@ def embedding_step_may_run_on_gpu(config: Config, num_gpus: int) -> bool:
     embedding's store is; a plan that knows the latter passes its config through
     `embedding_step_as_placed` first."""
     ex = config.executor
+    if (config.optim.master, config.optim.moments) != ("fp32", "fp32"):
+        return False  # lean state steps on the host only (embedding_step_on_device)
     return num_gpus == 1 and (ex.embedding_step == "device" or (ex.embedding_step == "auto" and ex.device != "cpu"))
 
 

@@ -20,6 +20,7 @@ from megatrain_ray.host.memory import (available_memory, dtype_of, element_size,
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.host.adamw import AdamWStep, LrSchedule
+from megatrain_ray.host.precision import format_of
 from megatrain_ray.planning.plan import (check_gpu_fit, check_host_fit, check_parked_fit, embedding_step_as_placed,
                                    embedding_step_on_device)
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, WindowSource
@@ -52,13 +53,6 @@ class ShardStoreActor(ShardStore):
         """This process's resident memory and the node's, to spot a host that runs out."""
         return {"rss_bytes": resident_bytes(), "node_available_bytes": available_memory(), "major_faults": major_faults()}
 
-    def host_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for s in self.layers.values()
-            for t in (s.master, s.exp_avg, s.exp_avg_sq, s.compute)
-        )
-
     def ready(self) -> bool:
         return True
 
@@ -66,7 +60,8 @@ class ShardStoreActor(ShardStore):
     def open_link(self) -> tuple[str, int]:
         """Where a GPU worker on another node connects to stream this store's layers."""
         if self.server is None:
-            self.server = LayerServer({i: s.compute for i, s in self.layers.items()}, ray.util.get_node_ip_address())
+            self.server = LayerServer({i: s.compute for i, s in self.layers.items()}, ray.util.get_node_ip_address(),
+                                      grads={i: s.grad for i, s in self.layers.items()})
         return self.server.address
 
     def step_streamed(self, index: int, hp: AdamWStep | None) -> int:
@@ -132,9 +127,9 @@ class GpuWorker:
         sources, routes = [], []
         for store, node, layers in zip(stores, store_nodes, layer_lists):
             if node == here:
-                paths = ray.get(store.shared_paths.remote())
+                paths, grad_paths = ray.get([store.shared_paths.remote(), store.gradient_paths.remote()])
                 sources.append(SharedMemorySource(store, paths, {i: numels[i] for i in layers}, dtype,
-                                                  register=self.device.type == "cuda"))
+                                                  register=self.device.type == "cuda", grad_paths=grad_paths))
                 routes.append(layers)
         self.window = self._window_source(stores, store_nodes, layer_lists, here, remote, dtype, slots, config)
         if self.window is not None:
@@ -143,7 +138,7 @@ class GpuWorker:
         self.source = RoutedSource(sources, routes)
         shared = self.source.route.get(0)
         if embedding_step_on_device(config.executor.embedding_step, self.device, self.world,
-                                    isinstance(shared, SharedMemorySource)):
+                                    isinstance(shared, SharedMemorySource), format_of(config.optim).exact):
             state = shared.shared_state(0, model_layouts(arch)[0].segments())
             self.source = DeviceStepSource(self.source, {0: state}, self.device, dtype, shared.report_updates)
         self.kinds = ["shm" if node == here else "stream" for node in store_nodes]

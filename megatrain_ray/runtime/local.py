@@ -15,6 +15,7 @@ from megatrain_ray.streaming.device_step import DeviceStepSource, HostLayerState
 from megatrain_ray.streaming.executor import StreamingExecutor, pick_device
 from megatrain_ray.streaming.step_result import EvalResult, StepResult
 from megatrain_ray.host.memory import dtype_of
+from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.host.adamw import LrSchedule
@@ -30,14 +31,15 @@ class LocalTrainer:
         self.arch = arch
         dtype = dtype_of(config.model.compute_dtype)
         layers = split_by_capacity([layout.numel for layout in model_layouts(arch)], [1.0] * num_stores)
-        self.stores = [ShardStore(arch, ids, dtype) for ids in layers]
+        fmt = format_of(config.optim)
+        self.stores = [ShardStore(arch, ids, dtype, state_format=fmt, seed=config.train.seed) for ids in layers]
         for store in self.stores:
             store.init_random(config.train.seed, config.model.init_std)
         local = LocalSource(self.stores)
         ex = config.executor
         device = pick_device(ex.device)
         self.source = local
-        if embedding_step_on_device(ex.embedding_step, device, 1, in_reach=True):
+        if embedding_step_on_device(ex.embedding_step, device, 1, in_reach=True, exact_state=fmt.exact):
             self.source = DeviceStepSource(local, {0: host_state(local.owner[0], 0)}, device, dtype,
                                            lambda layer, count: local.owner[layer].set_update_count(layer, count))
         self.lr_schedule = LrSchedule(config.optim, config.train.steps)

@@ -22,6 +22,7 @@ from megatrain_ray.streaming.data_parallel import split_micro_batches, split_une
 from megatrain_ray.streaming.executor import target_tokens
 from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_results
 from megatrain_ray.host.memory import dtype_of
+from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.runtime.placement import Placement, executor_node, plan_placement, worker_count
 from megatrain_ray.planning.plan import PlanError, check_gpu_fit, host_parking
@@ -62,7 +63,7 @@ class Session:
             ray.remote(ShardStoreActor)
             .options(num_cpus=0, scheduling_strategy=on_node(plan.node.node_id))
             .remote(arch, list(plan.layers), dtype_of(config.model.compute_dtype), config.runtime.shm_dir, run_id,
-                    threads=config.runtime.optimizer_threads,
+                    format_of(config.optim), config.train.seed, threads=config.runtime.optimizer_threads,
                     reserved_cores=1 + workers if plan.node.node_id == gpu_node else 2)
             for plan in self.placement.stores
         ]
@@ -86,6 +87,7 @@ class Session:
         verify=False: its files were hashed already (a run verifies a checkpoint once: 91 GB at 7B)."""
         manifest, meta = ckpt.read_manifest(path, verify=verify)
         ckpt.check_compatible(meta, self.arch, path, manifest)
+        ckpt.check_state_format(meta, self.config, path)
         files = ckpt.shard_files_by_layer(path, manifest)
         try:
             self.wait([store.load_layers.remote(files) for store in self.stores], f"loading {path}")

@@ -104,6 +104,7 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
     if resume_path is not None:  # the one verification of its files (hashes) in this run
         manifest, meta = ckpt.read_manifest(resume_path)
         ckpt.check_compatible(meta, arch, resume_path, manifest)
+        ckpt.check_state_format(meta, config, resume_path)
     seed_driver(config.train.seed)
     connect(config.runtime)
     out = Path(config.train.output_dir)
