@@ -17,8 +17,8 @@ from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.runtime.local import LocalTrainer
-from reference_training import random_micro_batches
-from runs import tensors_of, tiny_raw
+from helpers.reference_training import random_micro_batches
+from helpers.runs import tensors_of, tiny_raw
 from megatrain_ray.runtime.training import run_training
 
 LEAN = [("fp32", "bf16"), ("fp32", "int8"), ("bf16", "int8"), ("bf16", "fp32"), ("bf16", "bf16")]
