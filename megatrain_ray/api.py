@@ -90,7 +90,7 @@ def plan_live(config: Config) -> bool:
     from megatrain_ray.planning import plan as planner
     from megatrain_ray.runtime.cluster import connect, gpu_free_bytes, gpu_node_headroom
     from megatrain_ray.models.registry import model_arch
-    from megatrain_ray.runtime.session import place
+    from megatrain_ray.runtime.session import largest_models_here, place
     from megatrain_ray.planning.traffic import describe_traffic, step_traffic
 
     arch = model_arch(config.model)
@@ -98,6 +98,7 @@ def plan_live(config: Config) -> bool:
     connect(config.runtime)
     try:
         try:
+            print(largest_models_here(arch, config))
             placement = place(arch, config)
         except ConfigError as e:
             print(f"does not fit in host memory: {e}")

@@ -15,7 +15,8 @@ from pathlib import Path
 from megatrain_ray.planning import plan as planner
 from megatrain_ray.config import Config, ConfigError, from_mapping, load_yaml
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.runtime.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, Placement, plan_placement
+from megatrain_ray.runtime.placement import (GPU_NODE_RESERVE, USABLE, NodeInfo, Placement, largest_models,
+                                             plan_placement, store_room)
 from megatrain_ray.planning.traffic import StepTraffic, describe_traffic, step_traffic
 
 GiB = 1024**3
@@ -84,10 +85,11 @@ def parking_room(spec: ClusterSpec, placement: Placement) -> int:
 def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: list[float]) -> tuple[str, bool]:
     """The plan as text, and whether the run fits; refusals are part of the text."""
     lines = [f"what-if: {spec.gpu_node.gpu} ({spec.gpu_node.gpu_memory_gib:g} GiB) on a node with "
-             f"{spec.gpu_node.host_memory_gib:g} GiB free, "
-             + ", ".join(f"{r.count} x {r.memory_gib:g} GiB RAM node at {r.network_gbps:g} Gbit/s" for r in spec.ram_nodes)]
+             f"{spec.gpu_node.host_memory_gib:g} GiB free"
+             + "".join(f", {r.count} x {r.memory_gib:g} GiB RAM node at {r.network_gbps:g} Gbit/s" for r in spec.ram_nodes)]
     gpu_free = int(spec.gpu_node.gpu_memory_gib * GiB)
     try:
+        lines.append(largest_models(store_room(arch, config, cluster_nodes(spec), GPU_NODE), config))
         placement = plan_placement(arch, config, cluster_nodes(spec), GPU_NODE,
                                    planner.host_parking(arch, config, gpu_free))
     except ConfigError as e:

@@ -10,6 +10,7 @@ runtime/cluster.py found (or on a described cluster, planning/whatif.py), so it 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from megatrain_ray.config import Config, ConfigError, RuntimeConfig, check_divis
 from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts, num_params
+from megatrain_ray.host.precision import StateFormat, format_of
 from megatrain_ray.host.store import bytes_per_param
 from megatrain_ray.host.window import window_bytes
 
@@ -50,11 +52,13 @@ class Placement:
     gpu: NodeInfo
     use_cuda: bool
     stores: tuple[StorePlan, ...]
-    bytes_per_param: int
+    bytes_per_param: float
     window_slots: int = 0  # pinned slots per layer size, each GPU worker's, for remote layers; 0: none remote
     window_bytes: int = 0  # what they (and the gradient outboxes) take on the GPU node, all workers together
     num_gpus: int = 1  # workers on the GPU node, data parallel over a step's micro-batches (CPU workers without CUDA)
     stated_memory: bool = False  # store capacities come from runtime.store_memory_gib
+    state_format: StateFormat = StateFormat()  # optim.master, optim.moments
+    compute_bytes: int = 2  # a weight of the compute copy
 
     def remote_layers(self) -> list[int]:
         """Layers of stores on other nodes than the GPU worker's: they stream over the network."""
@@ -67,7 +71,7 @@ class Placement:
     def describe(self, arch: ModelArch) -> str:
         lines = [
             f"model: {arch.model_type}, {arch.num_layers} blocks, {num_params(arch) / 1e9:.3f} B params, "
-            f"{self.bytes_per_param} host bytes/param (fp32 master + 2 AdamW moments + compute copy, which the gradient reuses)",
+            f"{self.bytes_per_param:g} host bytes/param ({self.state_format.describe()})",
             f"executor on node {self.gpu.ip} ({self.gpu.node_id[:8]}), GPUs there: {self.gpu.gpus:g}; "
             f"{self.num_gpus} {'GPU' if self.use_cuda else 'CPU'} worker(s), data parallel",
         ]
@@ -86,7 +90,7 @@ class Placement:
                 f"GPU node window for the {len(remote)} remote layers: {self.window_slots} pinned slots per layer size "
                 f"+ a gradient outbox{' per GPU worker' if self.num_gpus > 1 else ''}, {self.window_bytes / GiB:.2f} GiB "
                 f"(a mirror{' per worker' if self.num_gpus > 1 else ''} would be "
-                f"{sum(model_layouts(arch)[i].numel for i in remote) * (self.bytes_per_param - 12) / GiB:.2f} GiB)"
+                f"{sum(model_layouts(arch)[i].numel for i in remote) * self.compute_bytes / GiB:.2f} GiB)"
             )
         return "\n".join(lines)
 
@@ -149,10 +153,21 @@ def stated_machines(free: dict[str, int], sharing: Counter, rt: RuntimeConfig) -
     return {ip: max(f, sharing[ip] * rt.store_memory_gib * GiB / USABLE) for ip, f in free.items()}
 
 
-def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_node: str,
-                   parked_bytes: int = 0) -> Placement:
-    """`parked_bytes`: host memory the GPU node will need for parked activations (planner.host_parking),
-    all its workers together."""
+@dataclass(frozen=True)
+class StoreRoom:
+    """The nodes that hold stores and what each may take, before any layer is placed."""
+
+    gpu: NodeInfo
+    use_cuda: bool
+    workers: int
+    holders: list[NodeInfo]
+    capacities: list[float]
+    machines: dict[str, float]  # each machine's memory (free, or as stated)
+    reserve: float  # held back on the GPU machine: its workers and their least windows
+    streams: bool  # some store is on another node than the GPU workers
+
+
+def store_room(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_node: str) -> StoreRoom:
     rt = config.runtime
     cluster_has_gpu = any(n.gpus >= 1 for n in nodes)
     if config.executor.device == "cuda" and not cluster_has_gpu:
@@ -166,22 +181,58 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
     if rt.store_on_gpu_node or not holders:
         holders = [gpu] + holders
     numels = [layout.numel for layout in model_layouts(arch)]
-    bpp = bytes_per_param(dtype_of(config.model.compute_dtype))
     esize = element_size(dtype_of(config.model.compute_dtype))
     streams = any(n.node_id != gpu.node_id for n in holders)
     least_window = workers * window_bytes(numels, least_slots(config), esize) if streams else 0
     reserve = workers * GPU_NODE_RESERVE + least_window
     sharing = Counter(n.ip for n in holders)
-    stated = rt.store_memory_gib is not None
     machines = stated_machines(machine_memory(holders + [gpu]), sharing, rt)
     usable = {ip: USABLE * free for ip, free in machines.items()}
     usable[gpu.ip] -= reserve
-    capacities = ([rt.store_memory_gib * GiB] * len(holders) if stated else
+    capacities = ([rt.store_memory_gib * GiB] * len(holders) if rt.store_memory_gib is not None else
                   [max(0.0, usable[n.ip]) / sharing[n.ip] for n in holders])
+    return StoreRoom(gpu, use_cuda, workers, holders, capacities, machines, reserve, streams)
+
+
+NAMED_MODES = (StateFormat("fp32", "fp32"), StateFormat("fp32", "bf16"), StateFormat("fp32", "int8"),
+               StateFormat("bf16", "int8"))  # 14, 10, 8 and 6 bytes a parameter (with bf16 compute)
+
+
+def largest_models(room: StoreRoom, config: Config) -> str:
+    """The largest model the stores' memory holds in each optimizer state mode, as text: what
+    choosing a lean mode (optim.master, optim.moments) buys on this cluster."""
+    capacity = sum(room.capacities)
+    esize = element_size(dtype_of(config.model.compute_dtype))
+    lines = [f"host memory for the stores: {capacity / GiB:.1f} GiB; the largest dense model per optimizer state mode:"]
+    for fmt in NAMED_MODES:
+        if fmt.master == "bf16" and esize != 2:
+            continue  # a bf16 master is the compute copy: bf16 compute only
+        bpp = fmt.bytes_per_param(esize)
+        chosen = " (this config)" if fmt == format_of(config.optim) else ""
+        lines.append(f"  optim.master={fmt.master} optim.moments={fmt.moments}: {bpp:g} bytes/param -> "
+                     f"{capacity / bpp / 1e9:.1f} B params{chosen}")
+    return "\n".join(lines)
+
+
+def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_node: str,
+                   parked_bytes: int = 0) -> Placement:
+    """`parked_bytes`: host memory the GPU node will need for parked activations (planner.host_parking),
+    all its workers together."""
+    rt = config.runtime
+    room = store_room(arch, config, nodes, driver_node)
+    gpu, use_cuda, workers, holders, capacities = room.gpu, room.use_cuda, room.workers, room.holders, room.capacities
+    numels = [layout.numel for layout in model_layouts(arch)]
+    fmt = format_of(config.optim)
+    bpp = bytes_per_param(dtype_of(config.model.compute_dtype), fmt)
+    esize = element_size(dtype_of(config.model.compute_dtype))
+    stated = rt.store_memory_gib is not None
+    sharing = Counter(n.ip for n in holders)
+    reserve, streams = room.reserve, room.streams
     need, have = sum(numels) * bpp, sum(capacities)
     if need > have:
         raise ConfigError(
-            f"the model needs {need / GiB:.1f} GiB of host memory ({sum(numels) / 1e9:.2f} B params x {bpp} bytes) "
+            f"the model needs {need / GiB:.1f} GiB of host memory ({sum(numels) / 1e9:.2f} B params x {bpp:g} bytes, "
+            f"{fmt.describe()}) "
             + (f"but the {len(holders)} store node(s) may take {have / GiB:.1f} GiB as stated "
                f"(runtime.store_memory_gib={rt.store_memory_gib:g} each)" if stated else
                f"but the {len(holders)} store node(s) can hold {have / GiB:.1f} GiB ({USABLE:.0%} of their machines' "
@@ -191,21 +242,25 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
                + "; a machine whose memory grows as it is used reads too little free: state what a store may take "
                  "with runtime.store_memory_gib")
             + f"): short by {(need - have) / GiB:.1f} GiB; add RAM nodes with at least that much free memory between "
-            f"them (ray start --resources='{{\"{rt.ram_resource}\": 1}}'), or choose a smaller model"
+            f"them (ray start --resources='{{\"{rt.ram_resource}\": 1}}'), "
+            + ("hold the optimizer state in fewer bytes (optim.master: bf16, optim.moments: int8: 6 bytes a "
+               "parameter), " if fmt != NAMED_MODES[-1] and esize == 2 else "")
+            + "or choose a smaller model"
         )
     ranges = split_by_capacity(numels, capacities)
     stores = tuple(
-        StorePlan(node, tuple(r), sum(numels[i] for i in r) * bpp, cap)
+        StorePlan(node, tuple(r), int(sum(numels[i] for i in r) * bpp), cap)
         for node, r, cap in zip(holders, ranges, capacities) if r
     )
-    placement = Placement(gpu, use_cuda, stores, bpp, num_gpus=workers, stated_memory=stated)
+    placement = Placement(gpu, use_cuda, stores, bpp, num_gpus=workers, stated_memory=stated, state_format=fmt,
+                          compute_bytes=esize)
     remote = [numels[i] for i in placement.remote_layers()]
     if not remote:
         return placement
-    spare = (USABLE * machines[gpu.ip] - workers * GPU_NODE_RESERVE
+    spare = (USABLE * room.machines[gpu.ip] - workers * GPU_NODE_RESERVE
              - placement.gpu_machine_state() - parked_bytes)
     slots = window_slots(remote, spare / workers, esize, config)  # every worker has its own window
-    return Placement(gpu, use_cuda, stores, bpp, slots, workers * window_bytes(remote, slots, esize), workers, stated)
+    return dataclasses.replace(placement, window_slots=slots, window_bytes=workers * window_bytes(remote, slots, esize))
 
 
 def least_slots(config: Config) -> int:

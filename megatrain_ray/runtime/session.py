@@ -24,7 +24,8 @@ from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_
 from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.runtime.placement import Placement, executor_node, plan_placement, worker_count
+from megatrain_ray.runtime.placement import (Placement, executor_node, largest_models, plan_placement, store_room,
+                                             worker_count)
 from megatrain_ray.planning.plan import PlanError, check_gpu_fit, host_parking
 
 Wait = Callable[[Any, str], Any]
@@ -43,6 +44,11 @@ def place(arch: ModelArch, config: Config) -> Placement:
         gpu = executor_node(nodes, True, driver, config.runtime.num_gpus)
         parked = host_parking(arch, config, gpu_free_bytes(gpu.node_id), worker_count(config.runtime, gpu, True))
     return plan_placement(arch, config, nodes, driver, parked)
+
+
+def largest_models_here(arch: ModelArch, config: Config) -> str:
+    """The largest model per optimizer state mode the cluster Ray is connected to holds (placement.largest_models)."""
+    return largest_models(store_room(arch, config, discover_nodes(config.runtime), driver_node_id()), config)
 
 
 class Session:
