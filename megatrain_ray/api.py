@@ -88,6 +88,7 @@ def plan_live(config: Config) -> bool:
     import ray
 
     from megatrain_ray.planning import plan as planner
+    from megatrain_ray.planning.step_plan import DeviceFacts, embedding_step_decided, plan_step
     from megatrain_ray.runtime.cluster import connect, gpu_free_bytes, gpu_node_headroom
     from megatrain_ray.models.registry import model_arch
     from megatrain_ray.runtime.session import largest_models_here, place
@@ -104,21 +105,25 @@ def plan_live(config: Config) -> bool:
             print(f"does not fit in host memory: {e}")
             return False
         free = gpu_free_bytes(placement.gpu.node_id) if placement.use_cuda else None
-        config = planner.embedding_step_as_placed(config, on_host=0 in placement.remote_layers())
-        traffic = step_traffic(arch, config, placement, planner.choose_kept(arch, config, free, placement.num_gpus))
+        n = placement.num_gpus
+        try:  # the run's own decisions (planning/step_plan.py), from what the driver can see
+            facts = DeviceFacts("cuda", "the GPU", free, 0) if free is not None else DeviceFacts("cpu", "cpu", None, 0)
+            step = plan_step(arch, config, facts, gpu_node_headroom(placement), n, 0 not in placement.remote_layers())
+            refused = None
+        except planner.PlanError as e:
+            step, refused = None, e
+        if step is not None:
+            config = embedding_step_decided(config, step.embedding_on_device)
+        kept = step.kept if step is not None else planner.choose_kept(arch, config, free, n)
+        traffic = step_traffic(arch, config, placement, kept)
         network, optimizer_s = traffic.times(), traffic.optimizer_seconds()
         print(placement.describe(arch))
-        n = placement.num_gpus
         if placement.remote_layers():
             print(describe_traffic(traffic, planner.predict_step(arch, config, network, optimizer_s, n).compute_s))
-        print(planner.describe(arch, config, free, network, optimizer_s, n))
-        if free is not None:
-            try:
-                if planner.check_gpu_fit(arch, config, free, "the GPU", n).offload:
-                    planner.check_parked_fit(arch, config, gpu_node_headroom(placement), "the GPU node")
-            except planner.PlanError as e:
-                print(f"does not fit: {e}")
-                return False
+        print(planner.describe(arch, config, free, network, optimizer_s, n, None if free is None else kept))
+        if refused is not None:
+            print(f"does not fit: {refused}")
+            return False
         print("fits")
         return True
     finally:

@@ -154,11 +154,14 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda ru
 def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape) -> list[dict]:
     import ray
 
+    from megatrain_ray.runtime.probe import Probe
+
+    probe = Probe(session)
     print(session.placement.describe(arch), flush=True)
     try:
         t0 = time.perf_counter()
         session.init_weights()
-        device = session.start_executor()  # a first shape that cannot fit raises its PlanError
+        device = session.start_executor()  # a first shape that cannot fit raised its PlanError in Session
         print(f"executor device: {device}; init {time.perf_counter() - t0:.1f} s", flush=True)
         results = []
         for i, shape in enumerate(shapes):
@@ -166,27 +169,25 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape) ->
             row = {"shape": dataclasses.asdict(shape), "device": device, "num_gpus": session.placement.num_gpus}
             try:
                 if i > 0:
-                    session.reconfigure(bench_config(args, shape))
-            except (ray.exceptions.RayTaskError, ConfigError) as e:
+                    probe.reconfigure(bench_config(args, shape))
+            except (ray.exceptions.RayTaskError, ConfigError, PlanError) as e:
                 cause = getattr(e, "cause", e)
                 if not isinstance(cause, (PlanError, ConfigError)):
                     raise
                 print(f"refused: {cause}", flush=True)  # a sweep goes on past a shape that does not fit
                 results.append({**row, "refused": str(cause)})
                 continue
-            results.append({**row, **time_shape(session, arch, args, shape)})
+            results.append({**row, **time_shape(session, probe, arch, args, shape)})
             on_shape(results)
         return results
     finally:
         session.close()
 
 
-def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
+def time_shape(session, probe, arch: ModelArch, args, shape: Shape) -> dict:
     """Steady state: each timed step starts while the previous step's optimizer still runs, as in
     a long run; the window closes when the last step returns (its optimizer would overlap the next
     step), and the drain that follows is reported on its own."""
-    import ray
-
     from megatrain_ray.host.memory import available_memory
 
     flops_tok = model_flops_per_token(arch, shape.seq_len)
@@ -197,14 +198,14 @@ def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
     print(f"plan:\n{describe(arch, session.config, num_gpus=gpus, kept=kept)}", flush=True)
     rows = []
     session.drain()
-    ray.get([s.take_optimizer_seconds.remote() for s in session.stores])
-    session.take_traffic()
+    probe.optimizer_seconds()
+    probe.traffic()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             t_timed = time.perf_counter()
         batch = random_micro_batches(arch, shape.seq_len, shape.micro_batch, shape.grad_accum, seed=step)
         if args.profile and step == args.warmup:
-            r = session.profile_step(batch, f"{args.profile}/seq{shape.seq_len}-mb{shape.micro_batch}")
+            r = probe.profile_step(batch, f"{args.profile}/seq{shape.seq_len}-mb{shape.micro_batch}")
         else:
             r = session.train_step(batch)
         row = step_row(r, flops_tok, peak)
@@ -216,9 +217,7 @@ def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
     t_drain = time.perf_counter()
     session.drain()
     drain_s = time.perf_counter() - t_drain
-    optimizer_s = sum(ray.get([s.take_optimizer_seconds.remote() for s in session.stores]))
-    host = ray.get([s.host_bytes.remote() for s in session.stores])
-    memory = ray.get([s.memory_status.remote() for s in session.stores])
+    optimizer_s = probe.optimizer_seconds()
     timed = [r for r in rows if not r["warmup"]]
     summary = {k: statistics.median(r[k] for r in timed) for k in timed[0] if isinstance(timed[0][k], (int, float))}
     tokens = sum(r["tokens"] for r in timed)
@@ -232,12 +231,12 @@ def time_shape(session, arch: ModelArch, args, shape: Shape) -> dict:
     summary["optimizer_gparams_per_s"] = num_params(arch) / summary["optimizer_s_per_step"] / 1e9
     summary["bound"] = bound_by(summary)
     summary["final_drain_s"] = drain_s
-    summary["host_state_bytes"] = sum(host)
-    summary["store_memory"] = memory
-    bytes_in, bytes_out = session.take_traffic()  # from other nodes' stores, all workers
+    summary["host_state_bytes"] = probe.host_state_bytes()
+    summary["store_memory"] = probe.store_memory()
+    bytes_in, bytes_out = probe.traffic()  # from other nodes' stores, all workers
     summary["remote_gb_in_per_step"] = bytes_in / len(rows) / 1e9
     summary["remote_gb_out_per_step"] = bytes_out / len(rows) / 1e9
-    summary["remote_window_gib"] = session.remote_host_bytes() / 2**30
+    summary["remote_window_gib"] = probe.remote_host_bytes() / 2**30
     print(f"timed: {len(timed)} steps, {tokens} tokens in {wall:.2f} s; host optimizer {optimizer_s / len(rows):.2f} s "
           f"per step ({summary['optimizer_gparams_per_s']:.2f} G params/s), overlapped with the next step where it "
           f"can be (the last step's took {drain_s:.2f} s more to drain, outside the window)", flush=True)

@@ -11,7 +11,6 @@ refuses, with what to change, a run that will not fit.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -220,19 +219,12 @@ def embedding_step_on_device(setting: str, device: torch.device, workers: int, i
 
 def embedding_step_may_run_on_gpu(config: Config, num_gpus: int) -> bool:
     """Where `embedding_step_on_device` may say yes, before the run knows its device and where the
-    embedding's store is; a plan that knows the latter passes its config through
-    `embedding_step_as_placed` first."""
+    embedding's store is; a step's plan (planning/step_plan.py) decides, and passes its config with
+    the decision in (embedding_step device or host)."""
     ex = config.executor
     if (config.optim.master, config.optim.moments) != ("fp32", "fp32"):
         return False  # lean state steps on the host only (embedding_step_on_device)
     return num_gpus == 1 and (ex.embedding_step == "device" or (ex.embedding_step == "auto" and ex.device != "cpu"))
-
-
-def embedding_step_as_placed(config: Config, on_host: bool) -> Config:
-    """Where `auto` steps the embedding on the host after all (its store on another node), plan it so."""
-    if on_host and config.executor.embedding_step == "auto":
-        return config.replace(executor=dataclasses.replace(config.executor, embedding_step="host"))
-    return config
 
 
 def embedding_step_line(arch: ModelArch, config: Config, num_gpus: int) -> str | None:

@@ -18,6 +18,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.runtime.placement import (GPU_NODE_RESERVE, USABLE, NodeInfo, Placement, largest_models,
                                              plan_placement, store_room)
 from megatrain_ray.planning.traffic import StepTraffic, describe_traffic, step_traffic
+from megatrain_ray.planning.step_plan import DeviceFacts, embedding_step_decided, plan_step
 
 GiB = 1024**3
 GPU_NODE = "gpu-node"
@@ -95,16 +96,21 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
     except ConfigError as e:
         return "\n".join(lines + [f"does not fit in host memory: {e}"]), False
     lines.append(placement.describe(arch))
-    config = planner.embedding_step_as_placed(config, on_host=0 in placement.remote_layers())
-    traffic = step_traffic(arch, config, placement, planner.choose_kept(arch, config, gpu_free))
+    try:  # the run's own decisions (planning/step_plan.py) on the described GPU
+        step = plan_step(arch, config, DeviceFacts("cuda", spec.gpu_node.gpu, gpu_free, 0),
+                         parking_room(spec, placement), 1, 0 not in placement.remote_layers(), where=spec.gpu_node.gpu)
+        refused = None
+    except planner.PlanError as e:
+        step, refused = None, e
+    if step is not None:
+        config = embedding_step_decided(config, step.embedding_on_device)
+    kept = step.kept if step is not None else planner.choose_kept(arch, config, gpu_free)
+    traffic = step_traffic(arch, config, placement, kept)
     prediction = planner.predict_step(arch, config, traffic.times(), traffic.optimizer_seconds())
     lines.append(describe_traffic(traffic, prediction.compute_s))
-    lines.append(planner.describe(arch, config, gpu_free, traffic.times(), traffic.optimizer_seconds()))
-    try:
-        if planner.check_gpu_fit(arch, config, gpu_free, spec.gpu_node.gpu).offload:
-            planner.check_parked_fit(arch, config, parking_room(spec, placement), "the GPU node")
-    except planner.PlanError as e:
-        return "\n".join(lines + [f"does not fit: {e}"]), False
+    lines.append(planner.describe(arch, config, gpu_free, traffic.times(), traffic.optimizer_seconds(), kept=kept))
+    if refused is not None:
+        return "\n".join(lines + [f"does not fit: {refused}"]), False
     lines.append(speed_table(arch, config, traffic, speeds))
     lines.append("fits")
     return "\n".join(lines), True

@@ -17,6 +17,7 @@ import ray
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
 from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, gpu_free_bytes, on_node
+from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
 from megatrain_ray.config import Config, check_divisible
 from megatrain_ray.streaming.data_parallel import split_micro_batches, split_unevenly
 from megatrain_ray.streaming.executor import target_tokens
@@ -24,9 +25,9 @@ from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_
 from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.runtime.placement import (Placement, executor_node, largest_models, plan_placement, store_room,
-                                             worker_count)
-from megatrain_ray.planning.plan import PlanError, check_gpu_fit, host_parking
+from megatrain_ray.runtime.placement import (Placement, executor_node, largest_models, least_slots, plan_placement,
+                                             store_room, worker_count)
+from megatrain_ray.planning.plan import host_parking
 
 Wait = Callable[[Any, str], Any]
 
@@ -52,7 +53,11 @@ def largest_models_here(arch: ModelArch, config: Config) -> str:
 
 
 class Session:
-    """Stores and the GPU workers of one run, placed on the cluster Ray is connected to."""
+    """Stores and the GPU workers of one run, placed on the cluster Ray is connected to.
+
+    The GPU workers start first and report their devices; the step is planned from that, once
+    (planning/step_plan.py: refused in seconds, not after the stores fill host memory, 90 s at
+    7B); then the stores start. The workers build what the plan says when `start_executor` comes."""
 
     def __init__(self, config: Config, arch: ModelArch, updates_done: int = 0, placement: Placement | None = None,
                  wait: Wait = plain_wait):
@@ -60,23 +65,54 @@ class Session:
         self.arch = arch
         self.wait = wait
         self.placement = placement or place(arch, config)
-        if self.placement.use_cuda:  # refused in seconds, not after the stores fill host memory (90 s at 7B)
-            check_gpu_fit(arch, config, gpu_free_bytes(self.placement.gpu.node_id),
-                          f"the GPU of node {self.placement.gpu.ip}", self.placement.num_gpus)
-        run_id = uuid.uuid4().hex[:8]
-        gpu_node, workers = self.placement.gpu.node_id, self.placement.num_gpus
-        self.stores = [
-            ray.remote(ShardStoreActor)
-            .options(num_cpus=0, scheduling_strategy=on_node(plan.node.node_id))
-            .remote(arch, list(plan.layers), dtype_of(config.model.compute_dtype), config.runtime.shm_dir, run_id,
-                    format_of(config.optim), config.train.seed, threads=config.runtime.optimizer_threads,
-                    reserved_cores=1 + workers if plan.node.node_id == gpu_node else 2)
-            for plan in self.placement.stores
-        ]
-        self.wait([s.ready.remote() for s in self.stores], "starting the stores")
         self._updates_done = updates_done
         self.gpus: list = []
+        self.stores: list = []
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
+        try:
+            facts = self._start_workers()
+            self.plan: StepPlan = self._plan(config, facts, stores_allocated=False)
+            self.stores = self._start_stores()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_workers(self) -> list[DeviceFacts]:
+        """One worker per GPU of the GPU node, each holding one GPU through Ray and shown all of them,
+        rank order; returns their devices' facts."""
+        p = self.placement
+        options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": on_node(p.gpu.node_id)}
+        if p.use_cuda:
+            options["num_gpus"] = 1
+        self.gpus = [ray.remote(GpuWorker).options(**options).remote(self.arch, self.config, rank, p.num_gpus)
+                     for rank in range(p.num_gpus)]
+        ids = self.wait([w.gpu_ids.remote() for w in self.gpus], "starting the GPU workers")
+        visible = [i for worker_ids in ids for i in worker_ids]
+        return self.wait([w.take_device.remote(visible) for w in self.gpus], "starting the GPU workers")
+
+    def _plan(self, config: Config, facts: list[DeviceFacts], stores_allocated: bool) -> StepPlan:
+        """The step's plan for every worker, from the tightest device's facts. The GPU node's headroom
+        leaves room for its stores (not yet allocated when a run starts) and every worker's window."""
+        p = self.placement
+        tightest = min(facts, key=lambda f: f.free_bytes or 0)
+        headroom = tightest.host_headroom - p.window_bytes - (0 if stores_allocated else p.gpu_machine_state())
+        return plan_step(self.arch, config, tightest, max(0, headroom), p.num_gpus, 0 not in p.remote_layers(),
+                         p.window_slots or least_slots(config), f"the {tightest.name} of node {p.gpu.ip}")
+
+    def _start_stores(self) -> list:
+        config, p = self.config, self.placement
+        run_id = uuid.uuid4().hex[:8]
+        stores = [
+            ray.remote(ShardStoreActor)
+            .options(num_cpus=0, scheduling_strategy=on_node(plan.node.node_id))
+            .remote(self.arch, list(plan.layers), dtype_of(config.model.compute_dtype), config.runtime.shm_dir, run_id,
+                    format_of(config.optim), config.train.seed, threads=config.runtime.optimizer_threads,
+                    reserved_cores=1 + p.num_gpus if plan.node.node_id == p.gpu.node_id else 2)
+            for plan in p.stores
+        ]
+        self.stores = stores  # closed with the session if they fail to start
+        self.wait([s.ready.remote() for s in stores], "starting the stores")
+        return stores
 
     # -- the first weights -------------------------------------------------------------------------
     def init_weights(self) -> None:
@@ -106,32 +142,16 @@ class Session:
         return meta
 
     def start_executor(self) -> str:
-        """After the stores hold their first weights: the GPU workers read them from here on.
-        Returns their devices' description; a step that cannot fit raises its PlanError.
-
-        One worker per GPU of the GPU node, each holding one GPU through Ray; every worker is shown
-        all of them, rank order, and rank 0's node holds the process group's rendezvous."""
+        """After the stores hold their first weights: the GPU workers build the planned step and read
+        the weights from here on. Returns their devices' description. Rank 0's node holds the
+        process group's rendezvous."""
         p = self.placement
-        options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": on_node(p.gpu.node_id)}
-        if p.use_cuda:
-            options["num_gpus"] = 1
         nodes = [plan.node.node_id for plan in p.stores]
         self._unseen = [{} for _ in range(p.num_gpus)]
-        self.gpus = [
-            ray.remote(GpuWorker).options(**options).remote(self.arch, self.config, self.stores, nodes,
-                                                            self._updates_done, p.window_slots, rank, p.num_gpus)
-            for rank in range(p.num_gpus)
-        ]
-        ids = self.wait([w.gpu_ids.remote() for w in self.gpus], "starting the GPU workers")
-        visible = [i for worker_ids in ids for i in worker_ids]
         port = self.wait(free_port.options(scheduling_strategy=on_node(p.gpu.node_id)).remote(),
                          "starting the GPU workers") if p.num_gpus > 1 else 0
-        try:
-            names = self.wait([w.start.remote(visible, p.gpu.ip, port) for w in self.gpus], "starting the GPU workers")
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, PlanError):  # bad input, not a lost actor: never retried
-                raise e.cause from None
-            raise
+        names = self.wait([w.start.remote(self.plan, self.stores, nodes, self._updates_done, p.gpu.ip, port)
+                           for w in self.gpus], "starting the GPU workers")
         return names[0] if len(names) == 1 else f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
 
     def transports(self) -> list[str]:
@@ -139,34 +159,23 @@ class Session:
         return self.wait(self.gpus[0].transports.remote(), "reading the transports")
 
     def kept_graphs(self) -> int:
-        """Blocks that keep their forward graphs for backward (planner.choose_kept): rank 0's, which
-        workers on GPUs alike in model and free memory share."""
-        return self.wait(self.gpus[0].kept_graphs.remote(), "reading the workers' plan")
+        """Blocks that keep their forward graphs for backward (the step's plan)."""
+        return self.plan.kept
 
-    def take_traffic(self) -> tuple[int, int]:
-        """Bytes the workers received from and sent to other nodes' stores since the last call."""
-        traffic = self.wait([w.take_traffic.remote() for w in self.gpus], "reading the workers' traffic")
-        return sum(t[0] for t in traffic), sum(t[1] for t in traffic)
-
-    def remote_host_bytes(self) -> int:
-        """Host bytes the workers hold for layers on other nodes (their windows and outboxes)."""
-        return sum(self.wait([w.remote_host_bytes.remote() for w in self.gpus], "reading the workers' windows"))
-
-    def reconfigure(self, config: Config) -> None:
-        """A new step shape on the same stores and workers (the benchmark's sweep)."""
+    def replan(self, config: Config) -> None:
+        """A new step shape on the same stores and workers (runtime/probe.py: the benchmark's sweep):
+        planned from the devices as the last executor left them, then built by every worker."""
         check_divisible(config.train.grad_accum, len(self.gpus))
-        self.wait([w.reconfigure.remote(config) for w in self.gpus], "reconfiguring the GPU workers")
-        self.config = config
+        facts = self.wait([w.drop_executor.remote() for w in self.gpus], "reconfiguring the GPU workers")
+        plan = self._plan(config, facts, stores_allocated=True)
+        self.wait([w.rebuild.remote(config, plan) for w in self.gpus], "reconfiguring the GPU workers")
+        self.config, self.plan = config, plan
 
     # -- running -----------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[dict], what: str = "a step") -> StepResult:
-        return self._step("train_step", micro_batches, what)
+        return self.run_step("train_step", micro_batches, what)
 
-    def profile_step(self, micro_batches: list[dict], out_dir: str) -> StepResult:
-        """A step under torch.profiler, one trace per worker under out_dir/rank-R."""
-        return self._step("profile_step", micro_batches, "a profiled step", out_dir)
-
-    def _step(self, method: str, micro_batches: list[dict], what: str, out_dir: str | None = None) -> StepResult:
+    def run_step(self, method: str, micro_batches: list[dict], what: str, out_dir: str | None = None) -> StepResult:
         """Each worker its share of the micro-batches, the step's target count for the loss, and the
         other workers' references to the updates it has not been told of; the result is the step's,
         combined. Each worker's reads of a layer then wait for that layer's update only."""

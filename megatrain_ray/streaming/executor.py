@@ -32,6 +32,7 @@ from megatrain_ray.streaming.activation_stash import ActivationStash
 from megatrain_ray.streaming.compiled import compile_block, compile_head_loss, compile_kept_block
 from megatrain_ray.streaming.data_parallel import Group
 from megatrain_ray.streaming.gradient_sink import GradientSink
+from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX
 from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout
@@ -111,12 +112,12 @@ class StreamingExecutor:
         compute_dtype: torch.dtype,
         num_slots: int = 3,
         loss_chunk_tokens: int = 4096,
-        trace: list | None = None,
         compile_blocks: bool = False,
         mlp_chunk_tokens: int = 0,
         offload_activations: bool = False,
         group: Group | None = None,
         keep_graphs: int = 0,
+        hooks: StepHooks = NO_HOOKS,
     ):
         self.arch = arch
         self.source = source
@@ -128,8 +129,7 @@ class StreamingExecutor:
         self.units = model_units(arch)
         self.streams = Streams(device)
         self.stats = TransferStats()
-        self.trace = trace
-        self.prefetcher = Prefetcher(self.layouts, source, self.streams, compute_dtype, num_slots, self.stats, trace)
+        self.prefetcher = Prefetcher(self.layouts, source, self.streams, compute_dtype, num_slots, self.stats, hooks)
         self.mlp_chunk = mlp_chunk_tokens
         self.offload_activations = offload_activations
         self.kept = kept_blocks(self.units, keep_graphs)
@@ -142,7 +142,7 @@ class StreamingExecutor:
                                         else self.compiled_block)
             self.compiled_head_loss = compile_head_loss(self.family.head_loss)
         self.group = group or Group.solo(len(self.layouts))
-        self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, trace, self.group)
+        self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, self.group, hooks)
 
     # -- layer order ----------------------------------------------------------------------------
     def _order(self) -> tuple[list[Unit], list[int]]:

@@ -14,18 +14,19 @@ import torch
 
 from megatrain_ray.streaming.data_parallel import Group
 from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 from megatrain_ray.streaming.streams import Streams
 
 
 class GradientSink:
-    def __init__(self, layouts, source: LayerSource, streams: Streams, dtype, stats, trace=None,
-                 group: Group | None = None):
+    def __init__(self, layouts, source: LayerSource, streams: Streams, dtype, stats, group: Group | None = None,
+                 hooks: StepHooks = NO_HOOKS):
         self.layouts = layouts
         self.source = source
         self.streams = streams
         self.dtype = dtype
         self.stats = stats
-        self.trace = trace
+        self.hooks = hooks
         self.group = group or Group.solo(len(layouts))
         self.acc: dict[int, torch.Tensor] = {}
         self.landed: dict[int, object] = {}
@@ -92,5 +93,4 @@ class GradientSink:
         self.stats.d2h_bytes += host.numel() * host.element_size()
         self.landed[layer] = done
         self.source.gradient_ready(layer, done)
-        if self.trace is not None:
-            self.trace.append(("grad", None, layer, None))
+        self.hooks.gradient(layer)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 from megatrain_ray.streaming.streams import Streams
 
 
@@ -30,13 +31,14 @@ class Prefetcher:
     blocks of forward are not fetched again at the turn into backward.
     """
 
-    def __init__(self, layouts, source: LayerSource, streams: Streams, dtype, num_slots: int, stats, trace=None):
+    def __init__(self, layouts, source: LayerSource, streams: Streams, dtype, num_slots: int, stats,
+                 hooks: StepHooks = NO_HOOKS):
         self.layouts = layouts
         self.source = source
         self.streams = streams
         self.dtype = dtype
         self.stats = stats
-        self.trace = trace
+        self.hooks = hooks
         self.pools: dict[int, list[Slot]] = {}
         counts: dict[int, int] = {}
         for layout in layouts:
@@ -116,8 +118,7 @@ class Prefetcher:
                 self.stats.h2d_seconds += time.perf_counter() - t1
             self.stats.h2d_bytes += host.numel() * host.element_size()
         self.stats.copies += 1
-        if self.trace is not None:
-            self.trace.append(("copy", slot.id, layer, getattr(waited, "id", None)))
+        self.hooks.copy(slot.id, layer, waited)
         slot.layer = layer
         self.resident[layer] = slot
 
@@ -135,13 +136,11 @@ class Prefetcher:
             raise RuntimeError(f"layer {layer} was not prefetched: too few slots for the step's order")
         slot = self.resident[layer]
         self.streams.wait(self.streams.compute, slot.ready)
-        if self.trace is not None:
-            self.trace.append(("compute", slot.id, layer, None))
+        self.hooks.compute(slot.id, layer)
         return slot
 
     def release(self, slot: Slot) -> None:
         """The compute that reads the slot is queued: mark when it ends, then look ahead."""
         slot.free = self.streams.record(self.streams.compute)
-        if self.trace is not None:
-            self.trace.append(("free", slot.id, slot.layer, getattr(slot.free, "id", None)))
+        self.hooks.free(slot.id, slot.layer, slot.free)
         self._issue(self.now)

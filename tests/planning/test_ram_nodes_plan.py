@@ -12,7 +12,8 @@ from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
 from megatrain_ray.runtime.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement
-from megatrain_ray.planning.plan import EMBEDDING_STEP, describe, embedding_step_as_placed, gpu_plan, predict_step
+from megatrain_ray.planning.plan import EMBEDDING_STEP, PlanError, describe, gpu_plan, predict_step
+from megatrain_ray.planning.step_plan import DeviceFacts, embedding_step_decided, plan_step
 from megatrain_ray.planning.traffic import step_traffic
 from megatrain_ray.host.window import WindowPolicy, fetches_per_step, window_bytes
 
@@ -156,12 +157,16 @@ def test_an_embedding_on_a_ram_node_is_planned_with_its_step_on_the_host():
     cfg = config().replace(executor=dataclasses.replace(config().executor, device="cuda"))
     plan = plan_placement(arch, cfg, [gpu_node(16), ram_node(1, 400)], "gpu")
     assert 0 in plan.remote_layers()
-    placed = embedding_step_as_placed(cfg, on_host=0 in plan.remote_layers())
+    gpu = DeviceFacts("cuda", "a GPU", 2**50, 0)  # room for anything: only the embedding's place is asked
+    step = plan_step(arch, cfg, gpu, 2**50, embedding_in_reach=0 not in plan.remote_layers())
+    placed = embedding_step_decided(cfg, step.embedding_on_device)
+    assert not step.embedding_on_device and EMBEDDING_STEP not in step.memory.by_use
     assert EMBEDDING_STEP in gpu_plan(arch, cfg).by_use and EMBEDDING_STEP not in gpu_plan(arch, placed).by_use
     assert "AdamW step runs on the GPU" in describe(arch, cfg)
     assert "AdamW step runs on the GPU" not in describe(arch, placed)
     forced = cfg.replace(executor=dataclasses.replace(cfg.executor, embedding_step="device"))
-    assert embedding_step_as_placed(forced, on_host=True) == forced  # the worker refuses it, naming why
+    with pytest.raises(PlanError, match="its store on another node"):
+        plan_step(arch, forced, gpu, 2**50, embedding_in_reach=False)
 
 
 def run_plan(*args):

@@ -1,4 +1,5 @@
-"""The executor's ordering rules, read off its trace of copies, computes, releases and gradients."""
+"""The executor's ordering rules, read off what it tells its hooks: copies, computes, releases
+and gradients."""
 
 from collections import Counter
 
@@ -8,9 +9,29 @@ from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.runtime.local import LocalTrainer
+from megatrain_ray.streaming.hooks import StepHooks
 from helpers.reference_training import random_micro_batches
 
 ARCH = PRESETS["tiny-llama"].replace(num_layers=5)
+
+
+class Recorder(StepHooks):
+    """Each event as (kind, slot, layer, the id of the event it names)."""
+
+    def __init__(self):
+        self.trace: list[tuple] = []
+
+    def copy(self, slot, layer, waited_for):
+        self.trace.append(("copy", slot, layer, getattr(waited_for, "id", None)))
+
+    def compute(self, slot, layer):
+        self.trace.append(("compute", slot, layer, None))
+
+    def free(self, slot, layer, freed):
+        self.trace.append(("free", slot, layer, getattr(freed, "id", None)))
+
+    def gradient(self, layer):
+        self.trace.append(("grad", None, layer, None))
 
 
 def run_traced(grad_accum: int, steps: int = 2, num_slots: int = 2, arch=ARCH, keep_graphs: int = 0):
@@ -19,8 +40,9 @@ def run_traced(grad_accum: int, steps: int = 2, num_slots: int = 2, arch=ARCH, k
         "train": {"steps": steps, "grad_accum": grad_accum},
         "executor": {"device": "cpu", "num_slots": num_slots, "keep_graphs": keep_graphs},
     })
-    trace = []
-    trainer = LocalTrainer(config, arch, trace=trace)
+    hooks = Recorder()
+    trace = hooks.trace
+    trainer = LocalTrainer(config, arch, hooks=hooks)
     updates = Counter()
     update = trainer.source.update
 
