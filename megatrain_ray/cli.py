@@ -46,7 +46,9 @@ def _config(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The commands; the bench command's options only when `argv` runs it (the benchmark is loaded
+    for that command alone)."""
     parser = argparse.ArgumentParser(prog="megatrain-ray", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -73,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="throughput benchmark, optionally beside baselines")
-    from megatrain_ray.bench.run import add_arguments
+    if argv and argv[0] == "bench":
+        from megatrain_ray.bench.run import add_arguments
 
-    add_arguments(bench)
+        add_arguments(bench)
     bench.set_defaults(func=_bench)
 
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     each with one paragraph on stderr, never a traceback."""
     from megatrain_ray.runtime.watchdog import RunStopped
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:

@@ -1,5 +1,6 @@
-"""The package's shape: imports flow one way (no circles, function-level imports included) and
-nothing in the library leans on test harness code."""
+"""The package's shape: imports flow one way (no circles, function-level imports included), the
+benchmark and the test harness stay out of the core, the top level holds only the entry points,
+the config and the subpackages, and one function builds every executor."""
 
 import ast
 from pathlib import Path
@@ -7,6 +8,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "megatrain_ray"
 HARNESS = {"megatrain_ray.runtime.local"}  # the in-process trainer, for tests
 TOP = {"megatrain_ray.cli", "megatrain_ray.api", "megatrain_ray"}  # entry points may reach everything
+TOP_FILES = {"__init__.py", "cli.py", "api.py", "config.py", "config_reference.py"}  # entry points, the config and its reference
+TEST_CODE = {"pytest", "tests", "conftest", "helpers", "reference_training", "hf_parity"}
 
 
 def module_name(path: Path) -> str:
@@ -69,3 +72,87 @@ def test_no_library_module_imports_test_harness_or_the_benchmark():
             continue
         assert not deps & HARNESS, f"{name} imports {deps & HARNESS}"
         assert not {d for d in deps if d.startswith("megatrain_ray.bench")}, f"{name} imports the benchmark"
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """Every module this file imports when it is imported (not inside a function)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def test_only_the_benchmark_imports_the_benchmark():
+    """cli.py reaches it inside the bench command alone: no other command loads it."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    for name, deps in import_graph().items():
+        if name.startswith("megatrain_ray.bench"):
+            continue
+        bench = {d for d in deps if d.startswith("megatrain_ray.bench")}
+        if name == "megatrain_ray.cli":
+            assert not {d for d in module_level_imports(files[name]) if d.startswith("megatrain_ray.bench")}, \
+                "cli.py imports the benchmark for every command"
+            continue
+        assert not bench, f"{name} imports the benchmark: {bench}"
+
+
+def test_the_cli_runs_without_loading_the_benchmark():
+    import subprocess
+    import sys
+
+    code = ("import sys; from megatrain_ray import cli; cli.build_parser(['plan']).parse_args(['plan', 'x.yaml']); "
+            "print(sorted(m for m in sys.modules if m.startswith('megatrain_ray.bench')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_no_library_module_imports_test_code():
+    for path in PACKAGE.rglob("*.py"):
+        tops = {name.split(".")[0] for name in imports_of_any(path)}
+        assert not tops & TEST_CODE, f"{module_name(path)} imports test code: {tops & TEST_CODE}"
+
+
+def imports_of_any(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_top_of_the_package_holds_entry_points_config_and_subpackages():
+    files = {p.name for p in PACKAGE.iterdir() if p.is_file() and p.suffix == ".py"}
+    assert files == TOP_FILES, f"modules at the top beside the entry points and the config: {files - TOP_FILES}"
+    for folder in (p for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        if any(folder.glob("*.py")):
+            assert (folder / "__init__.py").exists(), f"{folder.name}/ holds modules but is not a package"
+
+
+def constructed(path: Path, cls: str) -> bool:
+    return any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == cls
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_one_function_builds_every_executor():
+    """streaming/build.py alone constructs the executor; the GPU worker and the in-process trainer
+    both call its build_executor (tests/test_step_plan.py watches them do it)."""
+    builders = {module_name(p) for p in PACKAGE.rglob("*.py") if constructed(p, "StreamingExecutor")}
+    assert builders == {"megatrain_ray.streaming.build"}, builders
+    for name in ("runtime/actors.py", "runtime/local.py"):
+        assert constructed(PACKAGE / name, "build_executor"), f"{name} does not build through build_executor"
+
+
+def test_the_workers_decide_nothing_about_the_step():
+    """The step's decisions live in planning/step_plan.py (and the planner it calls); the GPU worker
+    and the benchmark's probe receive a plan and never call the deciding functions."""
+    deciding = {"plan_step", "check_gpu_fit", "check_host_fit", "check_parked_fit", "choose_kept", "choose_offload",
+                "embedding_step_on_device"}
+    for name in ("runtime/actors.py", "runtime/probe.py", "streaming/build.py"):
+        called = {getattr(n.func, "id", getattr(n.func, "attr", None))
+                  for n in ast.walk(ast.parse((PACKAGE / name).read_text())) if isinstance(n, ast.Call)}
+        assert not called & deciding, f"{name} decides {called & deciding}"
