@@ -45,11 +45,10 @@ def to_config(config: str | Path | Mapping[str, Any] | Config, sets: Iterable[st
 
 
 def prepare(config: Config) -> Config:
-    """What a run needs settled before it starts: Hub names as local paths, the trackers' packages."""
+    """What a run needs settled before it starts: Hub names as local paths (run_training checks the
+    rest before it joins the cluster)."""
     from megatrain_ray.files.hub import resolve_names
-    from megatrain_ray.runtime.trackers import check_trackers
 
-    check_trackers(config.metrics)
     return resolve_names(config)
 
 

@@ -80,7 +80,7 @@ def check_trackers(cfg: MetricsConfig) -> None:
 
 
 def open_trackers(cfg: MetricsConfig, out: Path, run_config: dict[str, Any]) -> list[Tracker]:
-    check_trackers(cfg)
+    """The trackers metrics.* asks for (their packages were checked when the run started: check_trackers)."""
     trackers: list[Tracker] = []
     if cfg.tensorboard:
         trackers.append(TensorBoardTracker(out / "tensorboard"))

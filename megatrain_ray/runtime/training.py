@@ -98,7 +98,7 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
     is checked first, so a mistake costs seconds, not a cluster start.
     """
     arch = model_arch(config.model)
-    datasets(config, arch.vocab_size)  # DataError before any Ray work, for the validation data too
+    data = datasets(config, arch.vocab_size)  # DataError before any Ray work, for the validation data too
     check_trackers(config.metrics)
     resume_path = ckpt.resolve(resume, ckpt.checkpoint_root(config)) if resume else None
     if resume_path is not None:  # the one verification of its files (hashes) in this run
@@ -114,7 +114,7 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
     restarts = 0
     while True:
         try:
-            return train_session(config, arch, progress, out, until_step)
+            return train_session(config, arch, data, progress, out, until_step)
         except ClusterFault as fault:
             last = progress.checkpoint
             where = f"last good checkpoint: {last}" if last else "no checkpoint yet (a restart begins at step 0)"
@@ -137,7 +137,7 @@ def seed_driver(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train_session(config: Config, arch: ModelArch, progress: Progress, out: Path,
+def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progress, out: Path,
                   until_step: int | None = None) -> dict[str, Any]:
     """Place stores and the executor, load the starting state, run the loop; always releases the actors."""
     placement = progress.placement or place(arch, config)
@@ -156,7 +156,7 @@ def train_session(config: Config, arch: ModelArch, progress: Progress, out: Path
         else:
             session.init_weights()
         print(f"executor device: {session.start_executor()}", flush=True)
-        return _loop(session, config, meta, progress, out, until_step)
+        return _loop(session, config, data, meta, progress, out, until_step)
     finally:
         session.close()
 
@@ -180,12 +180,12 @@ def validate(session: Session, batches: list[dict], group: int, step: int) -> Ev
                       sum(p.tokens for p in parts), sum(p.seconds for p in parts))
 
 
-def _loop(session: Session, config: Config, meta: dict | None, progress: Progress, out: Path,
+def _loop(session: Session, config: Config, data: tuple, meta: dict | None, progress: Progress, out: Path,
           until_step: int | None = None) -> dict[str, Any]:
     from megatrain_ray.data import DataPosition
 
     t = config.train
-    dataset, eval_batches = datasets(config, session.arch.vocab_size)
+    dataset, eval_batches = data  # datasets(): a pure function of the config, reread from any position
     start_step = meta["step"] if meta else 0
     start_pos = DataPosition.from_dict(meta["data_position"]) if meta and meta.get("data_position") else None
     log = MetricsLog(out / "metrics.jsonl", t.steps, open_trackers(config.metrics, out, config.to_dict()))
