@@ -287,8 +287,8 @@ class _LossModule(nn.Module):
 
 # DeepSpeed's documented ZeRO-3 knobs for throughput (docs: "ZeRO-3 Offload", config-json
 # stage3_*): larger prefetch and reduce buckets and keeping small parameters resident. On the H100
-# machine (2026-11-23, qwen2.5-3b, 4 x 4 x 4096) they gave 10,645 tokens/s against 10,164 with
-# the defaults.
+# machine they ran faster than the defaults (qwen2.5-3b, 4 x 4 x 4096; examples/benchmarks/), so
+# the comparison is with DeepSpeed at its best.
 DEEPSPEED_TUNED = {"stage3_prefetch_bucket_size": int(5e8), "reduce_bucket_size": int(5e8),
                    "stage3_param_persistence_threshold": int(1e6)}
 

@@ -21,9 +21,8 @@ import torch.utils.checkpoint
 def packs_documents(position_ids) -> bool:
     """Whether some row packs several documents (its positions restart at 0), of a tensor or of
     the host's numpy copy of a batch. The executor asks the host's: asking a GPU tensor waits for
-    everything queued before it (the 16 contexts of a Qwen2.5-3B step of 4 x 4,096-token micro-
-    batches took 35-50 ms of host time on the H100 that way, nearly all of the step's wait before
-    its first layer, 2026-11-23)."""
+    everything queued before it, once per micro-batch, and those waits were nearly all of a step's
+    wait before its first layer."""
     if isinstance(position_ids, torch.Tensor):
         return bool((position_ids[:, 1:] == 0).any())
     return bool((np.asarray(position_ids)[:, 1:] == 0).any())

@@ -26,8 +26,8 @@ GiB = 1024**3
 LAYER_TFLOPS = 620e12  # one decoder layer's fwd+bwd, compiled
 H2D_BYTES_PER_S = 50e9  # pinned / registered host memory
 # host/adamw_kernel.py's one-pass kernel inside the pipeline on the H100 machine (16 cores, threads: its
-# cores less two), 2026-11-23: 4.6-4.9 G params/s at 1.5B to 7B ("host optimizer ... G params/s"
-# of `bench`; examples/benchmarks/2026-11-23-h100.md). Torch's three-pass AdamW ran 2.9.
+# cores less two), as `bench` reports it ("host optimizer ... G params/s") at 1.5B to 7B: one pass
+# over the state is what makes it faster than torch's three-pass AdamW (examples/benchmarks/).
 HOST_ADAMW_PARAMS_PER_S = 4.8e9
 # Not measured directly, a floor inferred from the optimizer: the one-pass AdamW moves 28 bytes a
 # parameter (three fp32 buffers read and written, the bf16 gradient read, the bf16 weight written)
@@ -41,13 +41,11 @@ GPU_LINK_BYTES_PER_S = 100e9
 # NCCL's own buffers on each GPU (outside torch's allocator): an allowance, not a measurement.
 NCCL_BUFFER_BYTES = GiB // 2
 # bytes per element of a loss chunk's [tokens x vocab] tensors at their peak (bf16 logits, fp32
-# log-softmax and its gradient, not all alive at once). These constants were fitted to ten peaks
-# measured on the H100 (7B and 1.5B shapes at 4k, 128k and 512k tokens, small models): all within
-# 7%; the 1.5B shape at 512k without offload predicts 75 GiB, and it ran out of memory. Checked
-# again on 25 peaks of 2026-11-23 (examples/benchmarks/results): within 8% for steps of several
-# micro-batches, and up to a third over for steps of one short sequence (the safe side).
-# micro-batches, and up to a third over for steps of one short sequence (the safe side). A block's
-# working set is its family's to say (ModelFamily.working_set_bytes), fitted to the same peaks.
+# log-softmax and its gradient, not all alive at once). These constants are fitted to peaks measured
+# on the H100 (7B and 1.5B shapes from 4k to 512k tokens, small models; examples/benchmarks/results):
+# within 8% for steps of several micro-batches, and over (the safe side) for steps of one short
+# sequence. A block's working set is its family's to say (ModelFamily.working_set_bytes), fitted to
+# the same peaks.
 LOSS_BYTES_PER_LOGIT = 9
 
 
@@ -56,15 +54,14 @@ BOUNDARY = "boundary activations (input of every layer, every micro-batch)"
 
 AUTO_OFFLOAD_MARGIN = 0.85  # offload before the prediction comes close to the free memory
 KEPT = "kept forward graphs (the last blocks: no recompute)"
-# A kept graph per micro-batch against the block's working set. Fitted on the H100, 2026-11-23: at
-# 7B (seq 1024, 8 x 12 and 8 x 8, 2 and 4 blocks kept) each kept block grew the peak 1.15 times the
-# working set (9.7 GiB against 8.4 at 8 x 8); at 8 x 1,024-wide blocks of 2,048 tokens 1.0 times.
+# A kept graph per micro-batch against the block's working set: what each kept block added to the
+# measured peak (7B at seq 1024 with 2 and 4 blocks kept; smaller blocks added less), the larger
+# kept so that the plan errs on the safe side.
 KEPT_GRAPH_PER_WORKING_SET = 1.15
 # The same, compiled within the family's kept_activation_budget (where the block is compiled: no
-# MLP chunks): a Qwen2.5-3B block kept 56.1 KiB a token against the default's 85.6 on the H100,
-# 0.77 of the working set (examples/benchmarks/probe_kept_block.py, 2026-11-23). Inside the whole step the
-# peak grew less: 57.3, 64.6, 63.2 and 71.0 GiB with 12, 14, 15 and 17 blocks kept at 4 x 4,096
-# tokens, which 0.7 plans at 58.3, 65.1, 68.4 and 75.1 (0.8 planned 63.9 and 75.3 for 12 and 15).
+# MLP chunks): the partition keeps about three quarters of the working set for one block alone
+# (examples/benchmarks/probe_kept_block.py), and less inside a whole step, where 0.7 plans the
+# measured peaks of Qwen2.5-3B with 12 to 17 blocks kept just above each.
 KEPT_GRAPH_PER_WORKING_SET_BUDGETED = 0.7
 HOST_PARK_RESERVE = 1 * GiB  # the GPU actor's own growth beside its parked activations
 
@@ -194,9 +191,8 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
 # The new weights stay on the device between steps (two copies at the turn: the last step's and
 # the next's); the fp32 state (12 bytes a parameter) is there only from the last blocks' backward
 # to the next step's first layers, when the kept graphs, the loss chunk and the working set are
-# gone: only what exceeds them counts. A small model's step (8 blocks of 1,024, a vocabulary of
-# 8,192, 512 tokens, nothing kept) peaked at the turn on the H100: 415 MiB, 107 above its peak
-# with the step on the host; this plans 371 (tests/planning/test_planner.py allows 15%).
+# gone: only what exceeds them counts (tests/planning/test_planner.py holds it to a small model's
+# measured peak at the turn).
 EMBEDDING_STEP = "the embedding's AdamW step on the GPU (new weights between steps, state at the turn)"
 
 

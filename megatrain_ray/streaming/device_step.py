@@ -8,9 +8,10 @@ the host would see it; the new weights stay on the device for the next step, and
 back to the store's buffers while the next forward runs. The arithmetic is optim.adamw_update's
 (torch's fused AdamW), so the layer trains as on the host, up to a last bit of rounding.
 
-It pays where the host optimizer is the wall: Qwen2.5-3B at 16,384 tokens a step ran 14,207
-tokens/s against 13,226 with the step on the host (H100, examples/benchmarks/2026-11-23-h100-night.md);
-where compute bounds the step (65,536 tokens) it changed nothing measurable.
+It pays where the host optimizer is the wall: the embedding is the step's largest layer and its
+update the last the next step waits for, so taking it off the host shortens that wait; where
+compute bounds the step, the host's update was hidden already and nothing changes
+(examples/benchmarks/ holds the measurements).
 
 It wraps the source that reaches the stores; every other layer passes through untouched.
 """
