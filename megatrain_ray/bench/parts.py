@@ -51,29 +51,65 @@ def bench_parts(arch: ModelArch, args, shape: Shape) -> dict:
 
 def bench_host_adamw(arch: ModelArch, args) -> dict:
     """The host AdamW on one decoder layer held as a store holds it (its compute buffer in /dev/shm),
-    one pass (what the stores run) against torch's fused AdamW in three, per thread count."""
+    one pass (what the stores run) against torch's fused AdamW in three, per thread count; then the
+    one pass in each lean optimizer state mode asked for (--optim-modes: host/precision.py)."""
     import os
 
     import torch
 
-    from megatrain_ray.host.memory import DTYPES
     from megatrain_ray.host.adamw_kernel import native_kernel
     from megatrain_ray.host.adamw import AdamWStep, adamw_step
-    from megatrain_ray.host.store import ShardStore
+    from megatrain_ray.host.precision import StateFormat
 
     cores = os.cpu_count() or 1
     threads = sorted({t for t in (args.optimizer_threads or [4, 8, 12, cores - 2, cores]) if 1 <= t <= cores})
-    store = ShardStore(arch, [1], DTYPES[args.compute_dtype], shm_dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    named = ["fp32/fp32", "fp32/bf16", "fp32/int8"] + (["bf16/int8"] if args.compute_dtype == "bfloat16" else [])
+    modes = [StateFormat(*m.split("/")) for m in args.optim_modes or named]  # a bf16 master needs bf16 compute
+    hp = AdamWStep(1, 1e-4, 0.5, (0.9, 0.95), 1e-8, 0.1)
+    out = {"host_adamw_kernel": "one pass" if native_kernel() else
+           "unavailable: one_pass fell back to torch's three passes", "host_cores": cores, "host_adamw_modes": {}}
+    for fmt in modes:
+        store, state = _bench_store(arch, args, fmt)
+        n = state.layout.numel
+        ways = {"one_pass": lambda: store.step_layer(1, hp)}
+        if fmt.exact:
+            ways["torch_three_pass"] = lambda: adamw_step(state.master, state.exp_avg, state.exp_avg_sq, state.compute,
+                                                          state.layout.segments(), hp, 1, one_pass=False)
+        try:
+            rates = _rates_by_threads(ways, threads, n, f"{fmt.master} master, {fmt.moments} moments")
+        finally:
+            store.close()
+        out["host_adamw_layer_params"] = n
+        label = f"{fmt.master}/{fmt.moments}"
+        out["host_adamw_modes"][label] = {"bytes_per_param": store.host_bytes() / n, **_best(rates["one_pass"])}
+        if fmt.exact:  # the keys earlier reports used
+            for way, by_threads in rates.items():
+                out[f"host_adamw_{way}_gparams_per_s"] = by_threads
+                out[f"host_adamw_{way}_best"] = _best(by_threads)
+    return out
+
+
+def _bench_store(arch: ModelArch, args, fmt):
+    """A store of layer 1 alone in `fmt`, with finite normal weights and a gradient in place."""
+    import os
+
+    from megatrain_ray.host.memory import DTYPES
+    from megatrain_ray.host.store import ShardStore
+
+    store = ShardStore(arch, [1], DTYPES[args.compute_dtype], shm_dir="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                       state_format=fmt)
     state = store.layers[1]
     state.master.normal_(0.0, 0.02)  # finite, normal numbers: no subnormal slow paths
-    state.compute.copy_(state.master)
-    hp = AdamWStep(1, 1e-4, 0.5, (0.9, 0.95), 1e-8, 0.1)
-    n = state.layout.numel
-    ways = {
-        "one_pass": lambda: store.step_layer(1, hp),
-        "torch_three_pass": lambda: adamw_step(state.master, state.exp_avg, state.exp_avg_sq, state.compute,
-                                               state.layout.segments(), hp, 1, one_pass=False),
-    }
+    if state.compute is not state.master:
+        state.compute.copy_(state.master)
+    if state.grad is not state.compute:
+        state.grad.normal_(0.0, 1e-3)
+    return store, state
+
+
+def _rates_by_threads(ways: dict, threads: list[int], n: int, what: str) -> dict[str, dict[int, float]]:
+    import torch
+
     rates: dict[str, dict[int, float]] = {way: {} for way in ways}
     default_threads = torch.get_num_threads()
     try:
@@ -81,17 +117,15 @@ def bench_host_adamw(arch: ModelArch, args) -> dict:
             torch.set_num_threads(t)
             for way, fn in ways.items():
                 rates[way][t] = n / median_seconds(fn, 5, lambda: None) / 1e9
-                print(f"host AdamW, {way}, {t} threads: {rates[way][t]:.2f} G params/s", flush=True)
+                print(f"host AdamW, {what}, {way}, {t} threads: {rates[way][t]:.2f} G params/s", flush=True)
     finally:
         torch.set_num_threads(default_threads)
-        store.close()
-    out = {"host_adamw_layer_params": n, "host_adamw_kernel": "one pass" if native_kernel() else
-           "unavailable: one_pass fell back to torch's three passes", "host_cores": cores}
-    for way, by_threads in rates.items():
-        best = max(by_threads, key=by_threads.get)
-        out[f"host_adamw_{way}_gparams_per_s"] = by_threads
-        out[f"host_adamw_{way}_best"] = {"gparams_per_s": by_threads[best], "threads": best}
-    return out
+    return rates
+
+
+def _best(by_threads: dict[int, float]) -> dict:
+    best = max(by_threads, key=by_threads.get)
+    return {"gparams_per_s": by_threads[best], "threads": best}
 
 
 def first_sparse_layer(arch: ModelArch) -> int:

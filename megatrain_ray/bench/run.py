@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host optimizer threads per store (runtime.optimizer_threads; default: cores less one and one per GPU worker); "
                         "with --parts, the thread counts to time (default: 4 8 12, cores less two, cores)")
     p.add_argument("--no-compile", action="store_true", help="run the decoder blocks eagerly (executor.compile: false)")
+    p.add_argument("--optim-modes", nargs="+", default=None, metavar="MASTER/MOMENTS", type=optim_mode,
+                   help="optimizer state modes, optim.master/optim.moments (fp32/fp32: 14 bytes a parameter, "
+                        "fp32/bf16: 10, fp32/int8: 8, bf16/int8: 6): the run's (the first; default fp32/fp32), or "
+                        "with --parts every one to time (default: those four)")
 
 
 def keep_graphs_arg(text: str) -> int | None:
@@ -117,12 +121,21 @@ def baseline_splits(spec: str, shape: Shape) -> list[tuple[int, int]]:
     return pairs
 
 
+def optim_mode(text: str) -> str:
+    """MASTER/MOMENTS, as optim.master and optim.moments take them."""
+    master, _, moments = text.partition("/")
+    if master not in ("fp32", "bf16") or moments not in ("fp32", "bf16", "int8"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give MASTER/MOMENTS, MASTER fp32 or bf16, MOMENTS fp32, bf16 or int8")
+    return text
+
+
 def bench_config(args, shape: Shape):
     """The run's config, the model it trains included (--model, --layers)."""
     overrides = {"num_layers": args.layers} if args.layers else {}
+    master, moments = (args.optim_modes or ["fp32/fp32"])[0].split("/")
     return config_from_dict({
         "model": {"preset": args.model, "compute_dtype": args.compute_dtype, "overrides": overrides},
-        "optim": {"lr": 1e-5, "warmup_steps": 0},
+        "optim": {"lr": 1e-5, "warmup_steps": 0, "master": master, "moments": moments},
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": shape.micro_batch,
                   "grad_accum": shape.grad_accum},
         "executor": {"device": args.device, "num_slots": args.num_slots, "loss_chunk_tokens": args.loss_chunk_tokens,

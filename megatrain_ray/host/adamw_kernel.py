@@ -167,37 +167,63 @@ struct Plain {  // moments in fp32 or bf16 (rounded to nearest even)
   }
 };
 
-struct Int8 {  // precision.quantize_signed / quantize_sqrt, block by block
+// Round to nearest, ties to even, for 0 <= x < 2**22: adding 1.5 * 2**23 leaves no bits below the
+// unit, and the hardware's rounding of that sum is the rounding wanted (no libm call, vectorises).
+inline float round_even(float x) { return (x + 12582912.0f) - 12582912.0f; }
+
+struct Int8 {  // precision.quantize_signed / quantize_sqrt, block by block; loops the compiler vectorises
   int8_t* m;
   uint8_t* v;
   float* m_scale;
   float* v_scale;
-  void get(int64_t lo, int64_t n, float* mo, float* vo) const {
+  // Local restrict pointers: a store through an int8 pointer may alias anything, members included,
+  // which would keep every loop below scalar.
+  void get(int64_t lo, int64_t n, float* __restrict__ mo, float* __restrict__ vo) const {
+    const int8_t* __restrict__ qm = m + lo;
+    const uint8_t* __restrict__ qv = v + lo;
     const float a = m_scale[lo / kBlock], c = v_scale[lo / kBlock];
+#pragma omp simd
     for (int64_t k = 0; k < n; ++k) {
-      const float t = float(m[lo + k]) / 127.0f;
+      const float t = float(qm[k]) * (1.0f / 127.0f);
       mo[k] = a * (t * std::fabs(t));
-      const float u = float(v[lo + k]) / 255.0f;
+      const float u = float(qv[k]) * (1.0f / 255.0f);
       const float s = c * (u * u);
       vo[k] = s * s;
     }
   }
-  void put(int64_t lo, int64_t n, const float* mi, float* vi) const {
+  void put(int64_t lo, int64_t n, const float* __restrict__ mi, float* __restrict__ vi) const {
+    int8_t* __restrict__ qm = m + lo;
+    uint8_t* __restrict__ qv = v + lo;
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) vi[k] = std::sqrt(vi[k]);  // from here on the second moment's square root
+    float am[16] = {}, cm[16] = {};  // the block's largest magnitudes, 16 lanes at a time (max is exact in any order)
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+      for (int j = 0; j < 16; ++j) {
+        const float x = std::fabs(mi[k + j]), y = vi[k + j];
+        am[j] = am[j] < x ? x : am[j];
+        cm[j] = cm[j] < y ? y : cm[j];
+      }
+    }
+    for (; k < n; ++k) {
+      am[0] = std::max(am[0], std::fabs(mi[k]));
+      cm[0] = std::max(cm[0], vi[k]);
+    }
     float a = 0.0f, c = 0.0f;
-    for (int64_t k = 0; k < n; ++k) {
-      a = std::max(a, std::fabs(mi[k]));
-      vi[k] = std::sqrt(vi[k]);  // from here on the second moment's square root
-      c = std::max(c, vi[k]);
+    for (int j = 0; j < 16; ++j) {
+      a = std::max(a, am[j]);
+      c = std::max(c, cm[j]);
     }
     m_scale[lo / kBlock] = a;
     v_scale[lo / kBlock] = c;
-    const float sa = a > 0.0f ? a : 1.0f, sc = c > 0.0f ? c : 1.0f;
+    const float ra = 1.0f / (a > 0.0f ? a : 1.0f), rc = 1.0f / (c > 0.0f ? c : 1.0f);
+#pragma omp simd
     for (int64_t k = 0; k < n; ++k) {
-      const float q = std::nearbyint(std::sqrt(std::fabs(mi[k]) / sa) * 127.0f);
-      m[lo + k] = int8_t(mi[k] < 0.0f ? -q : q);
-      float r = std::nearbyint(std::sqrt(vi[k] / sc) * 255.0f);
-      if (vi[k] > 0.0f && r < 1.0f) r = 1.0f;  // a second moment that was not zero never becomes zero
-      v[lo + k] = uint8_t(r);
+      const float q = round_even(std::sqrt(std::fabs(mi[k]) * ra) * 127.0f);
+      qm[k] = int8_t(int32_t(mi[k] < 0.0f ? -q : q));
+      float r = round_even(std::sqrt(vi[k] * rc) * 255.0f);
+      r = (vi[k] > 0.0f && r < 1.0f) ? 1.0f : r;  // a second moment that was not zero never becomes zero
+      qv[k] = uint8_t(int32_t(r));
     }
   }
 };
@@ -218,15 +244,17 @@ void update_blocks(const Master& P, const Moments& M, const G* g, int64_t lo, in
       while (ends[k] <= i) ++k;
       const int64_t e = std::min<int64_t>(b1, ends[k]);
       const float decay = float(decays[k]);
-      for (; i < e; ++i) {
-        const float gi = load(g, i) * s.grad_scale;
-        const float mi = std::fma(s.lerp_weight, gi - m[i - b0], m[i - b0]);
-        const float vi = std::fma(s.one_minus_beta2 * gi, gi, v[i - b0] * s.beta2);
-        const float pi = P.get(i) * decay + s.neg_step_size * mi / (std::sqrt(vi) / s.bias2_sqrt + s.eps);
-        m[i - b0] = mi;
-        v[i - b0] = vi;
-        P.put(i, pi);
+#pragma omp simd
+      for (int64_t j = i; j < e; ++j) {
+        const float gi = load(g, j) * s.grad_scale;
+        const float mi = std::fma(s.lerp_weight, gi - m[j - b0], m[j - b0]);
+        const float vi = std::fma(s.one_minus_beta2 * gi, gi, v[j - b0] * s.beta2);
+        const float pi = P.get(j) * decay + s.neg_step_size * mi / (std::sqrt(vi) / s.bias2_sqrt + s.eps);
+        m[j - b0] = mi;
+        v[j - b0] = vi;
+        P.put(j, pi);
       }
+      i = e;
     }
     M.put(b0, b1 - b0, m, v);
   }

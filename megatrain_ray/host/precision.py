@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 QUANT_BLOCK = 256  # elements per int8 block: each block's scale costs 4 bytes, 1/64 byte a parameter
@@ -34,6 +35,9 @@ SQRT_LEVELS = 255  # second moment's square root: codes 0..255
 MASTERS = ("fp32", "bf16")
 MOMENTS = ("fp32", "bf16", "int8")  # widest first
 MASK32 = 0xFFFFFFFF
+# The kernel multiplies by these fp32 reciprocals (1.0f / 127.0f, 1.0f / 255.0f), exact in a Python float.
+INV_SIGNED = float(np.float32(1.0) / np.float32(SIGNED_LEVELS))
+INV_SQRT = float(np.float32(1.0) / np.float32(SQRT_LEVELS))
 
 
 @dataclass(frozen=True)
@@ -108,13 +112,13 @@ def quantize_signed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = _blocks(x)
     scale = rows.abs().amax(dim=1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(torch.sqrt(rows.abs() / safe[:, None]) * float(SIGNED_LEVELS))
+    q = torch.round(torch.sqrt(rows.abs() * (1.0 / safe)[:, None]) * float(SIGNED_LEVELS))
     q = torch.where(rows < 0, -q, q)
     return q.to(torch.int8).flatten()[: x.numel()], scale
 
 
 def dequantize_signed(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    t = _blocks(q.to(torch.float32)) / float(SIGNED_LEVELS)
+    t = _blocks(q.to(torch.float32)) * INV_SIGNED
     return (scale[:, None] * (t * t.abs())).flatten()[: q.numel()]
 
 
@@ -124,13 +128,13 @@ def quantize_sqrt(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.sqrt(_blocks(v))
     scale = s.amax(dim=1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(torch.sqrt(s / safe[:, None]) * float(SQRT_LEVELS))
+    q = torch.round(torch.sqrt(s * (1.0 / safe)[:, None]) * float(SQRT_LEVELS))
     q = torch.where((s > 0) & (q < 1), torch.ones_like(q), q)
     return q.to(torch.uint8).flatten()[: v.numel()], scale
 
 
 def dequantize_sqrt(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    t = _blocks(q.to(torch.float32)) / float(SQRT_LEVELS)
+    t = _blocks(q.to(torch.float32)) * INV_SQRT
     s = scale[:, None] * (t * t)
     return (s * s).flatten()[: q.numel()]
 

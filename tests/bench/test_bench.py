@@ -108,6 +108,10 @@ def test_parts_times_the_host_adamw_both_ways_per_thread_count(tmp_path):
         rates = parts[f"host_adamw_{way}_gparams_per_s"]
         assert set(rates) == threads and all(r > 0 for r in rates.values())
         assert str(parts[f"host_adamw_{way}_best"]["threads"]) in threads
+    modes = parts["host_adamw_modes"]  # the one pass in each optimizer state mode (--optim-modes)
+    assert {m: round(modes[m]["bytes_per_param"]) for m in modes} == {"fp32/fp32": 14, "fp32/bf16": 10,
+                                                                      "fp32/int8": 8, "bf16/int8": 6}
+    assert all(modes[m]["gparams_per_s"] > 0 and str(modes[m]["threads"]) in threads for m in modes)
 
 
 def test_several_optimizer_thread_counts_need_parts():
