@@ -36,6 +36,12 @@ def test_shapes_of_different_lengths_are_refused():
         shapes_from(parse("--seq-len", "64", "128", "256", "--micro-batch", "1", "2"))
 
 
+def steps_rate(timed: list[dict]) -> float:
+    """Tokens per second of the timed steps' own seconds: the run's rate, whose clock also holds
+    the driver's time between them, cannot be higher."""
+    return sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed)
+
+
 def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "megatrain_ray.cli", "bench", "--model", "tiny-qwen2", "--device", "cpu",
@@ -54,7 +60,8 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
     for run, tokens in zip(runs, (128, 192)):
         timed = [s for s in run["steps"] if not s["warmup"]]
         assert len(timed) == 2 and all(s["tokens"] == tokens and s["finite"] for s in timed)
-        assert run["median"]["tokens_per_s"] > 0 and run["median"]["optimizer_gparams_per_s"] > 0
+        assert run["median"]["tokens_per_s"] <= steps_rate(timed), "the rate's window holds every timed step"
+        assert run["median"]["optimizer_gparams_per_s"] > 0, "the stores' optimizer time reached the report"
     assert "| megatrain-ray | 1 | 64 | 1 x 3 |" in proc.stdout
     assert "| megatrain-ray, 1 kept | 1 | 32 | 2 x 2 |" in proc.stdout
     assert [r["median"]["kept_graphs"] for r in runs] == [1, 0]
@@ -90,9 +97,9 @@ def test_parts_times_each_named_layer_of_a_family(model, layers):
                  "--seq-len", "32", "--parts-layers", *layers, "--optimizer-threads", "1")
     out = bench_parts(PRESETS[model], args, shapes_from(args)[0])
     assert sorted(out["layers"]) == sorted(map(int, layers))
-    assert all(v["layer_fwd_bwd_eager_tflops"] > 0 for v in out["layers"].values())
     assert out["layer_fwd_bwd_eager_tflops"] == out["layers"][int(layers[0])]["layer_fwd_bwd_eager_tflops"]
-    assert all(r > 0 for r in out["host_adamw_one_pass_gparams_per_s"].values())
+    rates = out["host_adamw_one_pass_gparams_per_s"]
+    assert out["host_adamw_one_pass_best"] == {"gparams_per_s": max(rates.values()), "threads": max(rates, key=rates.get)}
 
 
 def test_parts_times_the_host_adamw_both_ways_per_thread_count(tmp_path):
@@ -106,8 +113,9 @@ def test_parts_times_the_host_adamw_both_ways_per_thread_count(tmp_path):
     threads = {str(t) for t in (1, 2) if t <= (os.cpu_count() or 1)}
     for way in ("one_pass", "torch_three_pass"):
         rates = parts[f"host_adamw_{way}_gparams_per_s"]
-        assert set(rates) == threads and all(r > 0 for r in rates.values())
-        assert str(parts[f"host_adamw_{way}_best"]["threads"]) in threads
+        assert set(rates) == threads
+        best = parts[f"host_adamw_{way}_best"]
+        assert rates[str(best["threads"])] == best["gparams_per_s"] == max(rates.values())
     modes = parts["host_adamw_modes"]  # the one pass in each optimizer state mode (--optim-modes)
     assert {m: round(modes[m]["bytes_per_param"]) for m in modes} == {"fp32/fp32": 14, "fp32/bf16": 10,
                                                                       "fp32/int8": 8, "bf16/int8": 6}
@@ -142,14 +150,15 @@ def test_bench_with_every_layer_on_a_ram_node_raylet(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "streamed over TCP" in proc.stdout and "shared memory" not in proc.stdout, proc.stdout[-3000:]
-    median = json.loads(out.read_text())["runs"][0]["median"]
+    run = json.loads(out.read_text())["runs"][0]
+    median = run["median"]
     arch = PRESETS["tiny-qwen2"].replace(num_layers=6)
     numels = {layout.index: layout.numel for layout in model_layouts(arch)}
     fetched = fetches_per_step(numels, layer_order(arch), 3)  # 3 of the 6 blocks stay over the turn
     assert median["remote_gb_in_per_step"] * 1e9 == pytest.approx(sum(2 * numels[i] * fetched[i] for i in numels))
     assert median["remote_gb_out_per_step"] * 1e9 == pytest.approx(2 * sum(numels.values()))
     assert median["remote_window_gib"] * 2**30 == window_bytes(list(numels.values()), 3, 2)
-    assert median["tokens_per_s"] > 0
+    assert median["tokens_per_s"] <= steps_rate([s for s in run["steps"] if not s["warmup"]])
 
 
 def test_two_workers_and_stated_host_memory_and_a_shape_that_does_not_split(tmp_path):

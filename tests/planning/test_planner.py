@@ -1,5 +1,6 @@
 """The planner's predictions against what the stores and the GPU really take."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -160,9 +161,25 @@ def test_kept_blocks_beyond_those_resident_across_the_turn_cross_once():
     assert read(0) - read(99) == 2 * (blocks[0] + blocks[1])
 
 
-def test_prediction_names_what_bounds_the_step():
-    p = predict_step(ARCH, config())
-    assert p.step_s >= max(p.compute_s, p.h2d_s) and p.bound in ("compute", "PCIe", "host optimizer")
+def with_tokens(grad_accum: int, seq_len: int = 1024):
+    c = config()
+    return c.replace(train=dataclasses.replace(c.train, grad_accum=grad_accum),
+                     data=dataclasses.replace(c.data, seq_len=seq_len))
+
+
+def test_the_step_takes_its_slowest_part_and_names_it():
+    """Many tokens: the compute, which doubles with them. Few tokens and no optimizer time: the
+    weights' two crossings of PCIe, whatever the tokens. A slow host optimizer: each second more of
+    it is a second more of step."""
+    many, twice = predict_step(ARCH, with_tokens(64)), predict_step(ARCH, with_tokens(128))
+    assert many.bound == twice.bound == "compute"
+    assert many.step_s == pytest.approx(many.compute_s) and twice.step_s == pytest.approx(2 * many.step_s)
+    few, fewer = (predict_step(ARCH, with_tokens(1, seq), optimizer_s=0.0) for seq in (64, 16))
+    assert few.bound == fewer.bound == "PCIe"
+    assert few.step_s == pytest.approx(few.h2d_s) and fewer.step_s == pytest.approx(few.step_s)
+    slow, slower = (predict_step(ARCH, config(), optimizer_s=s) for s in (1.0, 2.0))
+    assert slow.bound == slower.bound == "host optimizer"
+    assert slower.step_s - slow.step_s == pytest.approx(1.0)
 
 
 def test_plan_command_prints_the_plan(tmp_path):

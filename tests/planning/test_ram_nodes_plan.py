@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from megatrain_ray.cli import main
 from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
@@ -169,12 +170,18 @@ def test_an_embedding_on_a_ram_node_is_planned_with_its_step_on_the_host():
         plan_step(arch, forced, gpu, 2**50, embedding_in_reach=False)
 
 
-def run_plan(*args):
-    return subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=120)
+@pytest.fixture
+def run_plan(capsys):
+    """`megatrain-ray plan ARGS` in this process (a plan of a described cluster starts no Ray):
+    its exit status and what it printed."""
+    def run(*args) -> subprocess.CompletedProcess:
+        code = main(["plan", *args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["megatrain-ray", "plan", *args], code, out, err)
+    return run
 
 
-def test_whatif_plan_for_the_120b_example():
+def test_whatif_plan_for_the_120b_example(run_plan):
     out = run_plan("examples/dense-120b.yaml", "--cluster", "examples/cluster-4x512.yaml", "--network-gbps", "10", "25", "100")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert out.stdout.strip().endswith("fits") and "122.610 B params" in out.stdout
@@ -182,7 +189,7 @@ def test_whatif_plan_for_the_120b_example():
     assert set(rows) == {10, 25, 100} and rows[10] > rows[25] > rows[100], out.stdout
 
 
-def test_whatif_plans_for_the_large_mixtures_of_experts():
+def test_whatif_plans_for_the_large_mixtures_of_experts(run_plan):
     """The README's plans: gpt-oss-120b on four RAM nodes; qwen3-235b-a22b refused on four
     (naming the shortfall), spread over eight."""
     moe = ("examples/dense-120b.yaml", "--set", "train.grad_accum=16", "--set")
@@ -197,7 +204,7 @@ def test_whatif_plans_for_the_large_mixtures_of_experts():
     assert len(re.findall(r"^store on ram-node-\d \(RAM node\)", qwen.stdout, re.M)) == 8
 
 
-def test_whatif_refuses_ram_nodes_too_small_for_the_state(tmp_path):
+def test_whatif_refuses_ram_nodes_too_small_for_the_state(tmp_path, run_plan):
     cluster = tmp_path / "small.yaml"
     cluster.write_text("gpu_node: {host_memory_gib: 120}\nram_nodes:\n  - {memory_gib: 256, count: 4}\n")
     out = run_plan("examples/dense-120b.yaml", "--cluster", str(cluster))

@@ -13,6 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import megatrain_ray
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.host.adamw import learning_rate
 
 STEPS, EVERY = 5, 2
 
@@ -45,9 +47,13 @@ def test_metrics_reach_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch, capsys
     )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    optim = config_from_dict({"model": {"preset": "tiny-llama"}, "optim": {"lr": 1e-2, "warmup_steps": 2}}).optim
+    assert [r["lr"] for r in records] == pytest.approx([learning_rate(optim, k, STEPS) for k in range(STEPS)])
+    assert records[0]["lr"] < records[1]["lr"] > records[-1]["lr"]  # warmup, then decay
     for r in records:
-        assert r["lr"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and np.isfinite(r["loss"])
-    assert records[0]["lr"] < records[1]["lr"]  # warmup
+        assert 0 < r["target_tokens"] <= r["tokens"] <= 2 * 2 * 16  # micro-batches x rows x seq_len
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+        assert np.isfinite(r["grad_norm"]) and np.isfinite(r["loss"])
     validated = [r["step"] for r in records if "eval_loss" in r]
     assert validated == [2, 4, 5]  # every 2 steps and after the last
     assert summary["eval_loss"] == records[-1]["eval_loss"]

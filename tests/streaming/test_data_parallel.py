@@ -3,7 +3,6 @@ that runs over NCCL on GPUs. Two workers, each taking half of a step's micro-bat
 one worker taking all of them; each layer's gradient leaves once and each layer is updated once."""
 
 import dataclasses
-import time
 from pathlib import Path
 
 import pytest
@@ -205,10 +204,9 @@ def test_a_lost_worker_stops_the_step(local_ray):
         session.start_executor()
         session.train_step(data[0], "step 1")
         ray.kill(session.gpus[1])
-        t0 = time.monotonic()
+        # "died", not the watchdog's "took longer than": the death itself stopped the step.
         with pytest.raises(ClusterFault, match="a process of the run died during step 2"):
             session.train_step(data[1], "step 2")
-        assert time.monotonic() - t0 < 30
     finally:
         session.close()
 
