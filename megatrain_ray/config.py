@@ -34,6 +34,7 @@ class ModelConfig:
     init_std: float = 0.02  # random initialisation when no path is given
     overrides: dict[str, Any] = field(default_factory=dict)  # ModelArch fields to change, e.g. num_layers
     router_aux_loss_coef: float | None = None  # MoE load-balancing loss; None: as config.json says, 0: off
+    implementation: str = "auto"  # auto | native | transformers: a hand-written family, or transformers' own modules (auto: hand-written where one exists)
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,7 @@ def validate(config: Config) -> None:
     ev, mt = config.eval, config.metrics
     checks = [
         (m.compute_dtype in ("bfloat16", "float32"), "model.compute_dtype must be bfloat16 or float32"),
+        (m.implementation in ("auto", "native", "transformers"), "model.implementation must be auto, native or transformers"),
         (m.preset is not None or m.path is not None, "set model.preset or model.path"),
         (_finite(m.init_std) and m.init_std >= 0, "model.init_std must be a finite number >= 0"),
         (m.router_aux_loss_coef is None or (_finite(m.router_aux_loss_coef) and m.router_aux_loss_coef >= 0),

@@ -26,6 +26,9 @@ MEASURED_BF16_PEAK_TFLOPS = 799.0  # 8192^3 bf16 matmul on the H100 machine (exa
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2.5-1.5b", help="preset name or a Hugging Face config.json / model dir")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder blocks")
+    p.add_argument("--implementation", default="auto", choices=["auto", "native", "transformers"],
+                   help="model.implementation: a hand-written family (native), transformers' own modules "
+                        "(transformers), or the hand-written one where it exists (auto)")
     p.add_argument("--seq-len", type=int, nargs="+", default=[4096],
                    help="one or more: several run one after another on the same host state (a sweep)")
     p.add_argument("--micro-batch", type=int, nargs="+", default=[1], help="one, or one per --seq-len")
@@ -134,7 +137,8 @@ def bench_config(args, shape: Shape):
     overrides = {"num_layers": args.layers} if args.layers else {}
     master, moments = (args.optim_modes or ["fp32/fp32"])[0].split("/")
     return config_from_dict({
-        "model": {"preset": args.model, "compute_dtype": args.compute_dtype, "overrides": overrides},
+        "model": {"preset": args.model, "compute_dtype": args.compute_dtype, "overrides": overrides,
+                  "implementation": getattr(args, "implementation", "auto")},
         "optim": {"lr": 1e-5, "warmup_steps": 0, "master": master, "moments": moments},
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": shape.micro_batch,
                   "grad_accum": shape.grad_accum},

@@ -22,7 +22,8 @@ from safetensors import safe_open
 from megatrain_ray.files.durable import publish_dir, write_json
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.layout import ParamSlot
-from megatrain_ray.models.registry import arch_from_hf_config, arch_to_hf_config, family, hf_names, model_layouts
+from megatrain_ray.models.registry import (arch_from_hf_config, arch_to_hf_config, family, hf_names,
+                                           implementation_of, model_layouts)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -65,7 +66,7 @@ def check_config(model_dir: Path, arch: ModelArch) -> None:
     path = model_dir / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no config.json in {model_dir}")
-    found = arch_from_hf_config(json.loads(path.read_text()))
+    found = arch_from_hf_config(json.loads(path.read_text()), implementation_of(arch))
     diffs = [
         f"{name}: expected {getattr(arch, name)!r}, found {getattr(found, name)!r}"
         for name in arch.model_fields()

@@ -16,6 +16,7 @@ from megatrain_ray.config import ConfigError, ModelConfig, nearest_hint
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import ModelFamily
 from megatrain_ray.models.gemma3 import GEMMA3
+from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 from megatrain_ray.models.gpt_oss import GPT_OSS
 from megatrain_ray.models.llama import LLAMA
@@ -36,7 +37,17 @@ def family_of(model_type: str) -> ModelFamily:
 
 
 def family(arch: ModelArch) -> ModelFamily:
+    if isinstance(arch, TransformersArch):
+        return TRANSFORMERS
     return family_of(arch.model_type)
+
+
+IMPLEMENTATIONS = ("auto", "native", "transformers")
+
+
+def implementation_of(arch: ModelArch) -> str:
+    """How `arch` runs: 'transformers' (transformers' own modules) or 'native' (a hand-written family)."""
+    return "transformers" if isinstance(arch, TransformersArch) else "native"
 
 
 @lru_cache(maxsize=32)
@@ -53,16 +64,37 @@ def hf_names(arch: ModelArch) -> dict[str, tuple[int, ParamSlot]]:
     return {layout.hf_name(p.name): (layout.index, p) for layout in model_layouts(arch) for p in layout.stored_params()}
 
 
-def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
-    """A transformers config.json dict as an arch, refusing what no family can run."""
+def arch_from_hf_config(config: dict[str, Any], implementation: str = "auto") -> ModelArch:
+    """A transformers config.json dict as an arch, refusing what no family can run.
+    `implementation` (model.implementation): auto takes the hand-written family where one runs
+    the model_type, else transformers' own modules; native and transformers insist on one."""
     model_type = config.get("model_type")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"model.implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+    native = model_type in SUPPORTED_MODEL_TYPES
+    if implementation == "transformers" or (implementation == "auto" and not native):
+        return transformers_arch(config)
     try:
         fam = family_of(model_type)
     except ValueError:
         why = next((f.refused[model_type] for f in FAMILIES if model_type in f.refused), None)
-        raise ValueError(f"config.json model_type {model_type!r} is not supported"
-                         + (f": {why}" if why else f"; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")) from None
+        raise ValueError(f"config.json model_type {model_type!r} has no hand-written family"
+                         + (f": {why}" if why else f"; those with one: {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                            "model.implementation auto or transformers runs it through transformers' "
+                            "own modules")) from None
     return fam.arch_from_hf(config)
+
+
+def transformers_arch(config: dict[str, Any]) -> ModelArch:
+    """The arch of the transformers family, or a ValueError that says in one paragraph why the
+    model cannot run that way (models/generic_check.py)."""
+    from megatrain_ray.models.generic_check import refusal
+
+    model_type = config.get("model_type")
+    why = refusal(config)
+    if why:
+        raise ValueError(f"model_type {model_type!r} cannot be trained: {why}")
+    return TRANSFORMERS.arch_from_hf(config)
 
 
 def arch_to_hf_config(arch: ModelArch, torch_dtype: str = "float32") -> dict[str, Any]:
@@ -71,33 +103,44 @@ def arch_to_hf_config(arch: ModelArch, torch_dtype: str = "float32") -> dict[str
 
 def arch_from_dict(fields: dict[str, Any]) -> ModelArch:
     """An arch as a checkpoint's meta.json (ModelArch.to_dict) recorded it."""
+    if "hf_config" in fields:
+        return TransformersArch.from_dict(fields)
     return family_of(fields["model_type"]).arch_type.from_dict(fields)
 
 
-def load_hf_arch(model_dir: str | Path) -> ModelArch:
+def load_hf_arch(model_dir: str | Path, implementation: str = "auto") -> ModelArch:
     path = Path(model_dir) / "config.json" if Path(model_dir).is_dir() else Path(model_dir)
     if not path.exists():
         raise FileNotFoundError(f"no config.json at {path}")
-    return arch_from_hf_config(json.loads(path.read_text()))
+    return arch_from_hf_config(json.loads(path.read_text()), implementation)
 
 
-def resolve_arch(preset: str | None = None, path: str | None = None) -> ModelArch:
-    """A preset name, or a Hugging Face model directory / config.json path."""
+def resolve_arch(preset: str | None = None, path: str | None = None, implementation: str = "auto") -> ModelArch:
+    """A preset name, or a Hugging Face model directory / config.json path; a hand-written
+    family's preset with implementation transformers runs through transformers' modules."""
     if path:
-        return load_hf_arch(path)
+        return load_hf_arch(path, implementation)
     if preset is None:
         raise ValueError("set model.preset or model.path")
     if preset in PRESETS:
-        return PRESETS[preset]
+        arch = PRESETS[preset]
+        return transformers_arch(arch_to_hf_config(arch)) if implementation == "transformers" else arch
     if Path(preset).exists():
-        return load_hf_arch(preset)
+        return load_hf_arch(preset, implementation)
     raise ValueError(f"unknown model preset {preset!r}; presets: {', '.join(PRESETS)}")
 
 
 def model_arch(cfg: ModelConfig) -> ModelArch:
-    """The preset or HF config with model.overrides applied; a bad name or value is a ConfigError."""
+    """The preset or HF config with model.overrides applied; a bad name or value is a ConfigError.
+    A model run through transformers' modules is first checked against transformers itself
+    (models/generic_check.py)."""
     try:
-        arch = resolve_arch(cfg.preset, cfg.path)
+        arch = resolve_arch(cfg.preset, cfg.path, cfg.implementation)
+        if isinstance(arch, TransformersArch):
+            from megatrain_ray.models.generic_check import checked
+
+            arch = checked(with_config_overrides(arch, cfg.overrides, cfg.router_aux_loss_coef))
+            return arch
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
     arch = with_router_aux_loss(arch, cfg.router_aux_loss_coef)
@@ -113,6 +156,38 @@ def model_arch(cfg: ModelConfig) -> ModelArch:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"model.overrides: {e}") from None
     return arch
+
+
+# ModelArch field names that model.overrides may use for a transformers-family model, as the
+# config.json keys they stand for
+CONFIG_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads"}
+
+
+def with_config_overrides(arch: TransformersArch, overrides: dict[str, Any], aux_coef: float | None) -> ModelArch:
+    """model.overrides on a transformers-family model change its config.json keys (the shared
+    field names num_layers, num_heads, ... stand for theirs); a list per layer (layer_types) is cut
+    to a smaller num_hidden_layers. model.router_aux_loss_coef as for the hand-written families."""
+    if not overrides and aux_coef is None:
+        return arch
+    config = arch.config
+    for key, value in overrides.items():
+        key = CONFIG_KEYS.get(key, key)
+        if key not in config:
+            raise ConfigError(f"unknown key model.overrides.{key}: {arch.model_type}'s config.json has no such key"
+                              f"{nearest_hint(key, list(config))}")
+        config[key] = value
+    layers = config.get("num_hidden_layers")
+    for key, value in list(config.items()):
+        if isinstance(value, list) and isinstance(layers, int) and len(value) > layers and key.startswith("layer"):
+            config[key] = value[:layers]
+    if aux_coef is not None:
+        if "output_router_logits" not in config:
+            raise ConfigError(f"model.router_aux_loss_coef: {arch.model_type} has no router (mixture-of-experts models only)")
+        config["output_router_logits"] = aux_coef != 0
+        if aux_coef:
+            config["router_aux_loss_coef"] = aux_coef
+    return transformers_arch(config)
 
 
 def with_router_aux_loss(arch: ModelArch, coef: float | None) -> ModelArch:

@@ -341,7 +341,8 @@ class StreamingExecutor:
                 x_chunk = _leaf(flat_x[chunk])
                 loss = head_loss(self.arch, head_w, embed_w, x_chunk, flat_labels[chunk], self.loss_chunk_tokens,
                                  1.0) * scale
-                dx_chunk, *grads = torch.autograd.grad(loss, [x_chunk, *params])
+                dx_chunk, *grads = torch.autograd.grad(loss, [x_chunk, *params], allow_unused=True,
+                                                       materialize_grads=True)
                 dx[chunk] = dx_chunk
                 loss_sum += loss.detach()
                 per_param = iter(grads)
@@ -358,7 +359,7 @@ class StreamingExecutor:
             w = self._bind_leaves(slot.buffer, layer)
             if unit.kind == EMBED:
                 y = self.family.embed(self.arch, w, x)
-                grads = torch.autograd.grad(y, list(w.values()), dy)
+                grads = torch.autograd.grad(y, list(w.values()), dy, allow_unused=True, materialize_grads=True)
                 self.grads.add(layer, dict(zip(w, grads)))
                 dxs.append(None)
             else:
@@ -397,7 +398,9 @@ class StreamingExecutor:
             term = aux.term(self.family, self.arch, mb, g.stats)
             outputs.append(term)
             out_grads.append(torch.ones_like(term))
-        dx, *grads = torch.autograd.grad(outputs, [g.x, *g.w.values()], out_grads)
+        # a tensor no output depends on (a router's bias that only picks experts) gets a zero gradient
+        dx, *grads = torch.autograd.grad(outputs, [g.x, *g.w.values()], out_grads, allow_unused=True,
+                                         materialize_grads=True)
         self.grads.add(layer, dict(zip(g.w, grads)))
         return dx
 

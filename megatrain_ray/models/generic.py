@@ -1,0 +1,387 @@
+"""The transformers family: any decoder-only causal LM that transformers builds, run through its
+own modules as stateless templates.
+
+Its arch carries the model's whole config.json; its layers are the model's own: the embedding
+(everything of the decoder before its layers), one block per decoder layer with its parameters
+flat under their Hugging Face names, and the head (the final norm and the LM head). Layers of one
+structure share a template module (models/hf_modules.py), called with torch.func.functional_call
+on views of the streamed slot, so weights stay streamed and owned by the stores. It is chosen for
+every model_type without a hand-written family (model.implementation auto), or for any with
+model.implementation transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatrain_ray.models import hf_modules as hm
+from megatrain_ray.models import ops
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.family import IGNORE_INDEX, Weights
+from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, ParamSlot, lay_out
+from megatrain_ray.models.moe import stored_as, stored_per_expert
+
+# config.json keys that say nothing about the model's tensors or arithmetic
+VOLATILE_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures",
+                 "_attn_implementation_autoset", "_commit_hash", "use_cache")
+
+
+@dataclass(frozen=True)
+class TransformersArch(ModelArch):
+    """The shared fields (for the planner and the data), read from the config; `hf_config` is the
+    whole config.json as canonical JSON (its class's defaults filled in): it decides the model."""
+
+    hf_config: str = "{}"
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return json.loads(self.hf_config)
+
+
+def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
+    cfg = hm.config_object(config)
+    full = json.loads(cfg.to_json_string(use_diff=False))
+    return {k: v for k, v in sorted(full.items()) if k not in VOLATILE_KEYS}
+
+
+def arch_from_config(config: dict[str, Any]) -> TransformersArch:
+    canon = canonical_config(config)
+    cfg = hm.config_object(canon)
+    hidden, heads = int(cfg.hidden_size), int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    intermediate = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "moe_intermediate_size", None)
+                    or 4 * hidden)
+    tied = hm.parts_of(json.dumps(canon, sort_keys=True)).tied
+    return TransformersArch(
+        model_type=canon["model_type"], vocab_size=int(cfg.vocab_size), hidden_size=hidden,
+        intermediate_size=int(intermediate), num_layers=int(cfg.num_hidden_layers), num_heads=heads,
+        num_kv_heads=kv if heads % kv == 0 else heads, head_dim=int(head_dim),
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
+        tie_word_embeddings=tied,
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", None) or 4096),
+        hf_config=json.dumps(canon, sort_keys=True),
+    )
+
+
+def parts(arch: TransformersArch) -> hm.Parts:
+    return hm.parts_of(arch.hf_config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts: the model's own tensors, flat per layer
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_shapes(tensors: dict[str, torch.Tensor], keep=lambda name: True) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, tuple(t.shape)) for name, t in tensors.items() if keep(name)]
+
+
+@functools.lru_cache(maxsize=8)
+def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
+    p = parts(arch)
+    base_tensors = hm.persistent_tensors(p.base)
+    norm = p.final_norm + "."
+    embed = _local_shapes(base_tensors, lambda n: not n.startswith("layers.") and not n.startswith(norm))
+    layouts = [lay_out(0, EMBED, p.base_prefix, embed)]
+    for i, layer in enumerate(p.layers):
+        layouts.append(lay_out(i + 1, BLOCK, f"{p.base_prefix}layers.{i}.", _local_shapes(hm.persistent_tensors(layer))))
+    outer = _local_shapes(hm.persistent_tensors(p.model), lambda n: not n.startswith(p.base_prefix))
+    head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(norm))]
+    if p.tied:
+        outer = [(n, s) for n, s in outer if n != output_embedding_name(p)]
+    layouts.append(lay_out(len(p.layers) + 1, HEAD, "", head + outer))
+    return with_stored_names(arch, p, tuple(layouts))
+
+
+def output_embedding_name(p: hm.Parts) -> str:
+    out = p.model.get_output_embeddings()
+    return next(n for n, m in p.model.named_modules() if m is out) + ".weight"
+
+
+def input_embedding_name(p: hm.Parts) -> str:
+    inp = p.model.get_input_embeddings()
+    return next(n for n, m in p.base.named_modules() if m is inp) + ".weight"
+
+
+def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerLayout, ...]) -> tuple[LayerLayout, ...]:
+    """Each slot that transformers stores in pieces (stacked experts stored one by one) says so
+    (ParamSlot.stored_as), as a small instance of the same structure shows (hf_modules.expert_pieces)."""
+    pieces = _expert_pieces(arch.hf_config, p.kinds)
+    if not pieces:
+        return layouts
+    out = []
+    for layout in layouts:
+        # a block is stored as the small instance's first block of its structure
+        small_prefix = layout.prefix
+        if layout.kind == BLOCK:
+            small_prefix = f"{p.base_prefix}layers.{p.kinds[layout.index - 1]}."
+        params = []
+        for s in layout.params:
+            templates = pieces.get(small_prefix + s.name)
+            if templates:
+                local = tuple(_local(small_prefix, t) for t in templates)
+                if "{}" in local[0]:
+                    s = stored_per_expert(s, lambda e, local=local: [t.format(e) for t in local])
+                else:
+                    s = stored_as(s, local[0])
+            params.append(s)
+        out.append(LayerLayout(layout.index, layout.kind, layout.prefix, tuple(params)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _expert_pieces(config_json: str, kinds: tuple[int, ...]) -> dict[str, tuple[str, ...]]:
+    config = json.loads(config_json)
+    return hm.expert_pieces(hm.build_small(hm.small_config(config, kinds)))
+
+
+def _local(prefix: str, name: str) -> str:
+    if not name.startswith(prefix):
+        raise hm.Unsupported(f"transformers stores a tensor of {prefix or 'the head'} as {name}, outside it")
+    return name[len(prefix):]
+
+
+# ---------------------------------------------------------------------------------------------
+# The stateless templates
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerCall:
+    """What one decoder layer is called with beside its hidden states: its template and the
+    arguments the model's own forward passed it (masks, rotary tables, position ids)."""
+
+    template: int
+    args: tuple
+    kwargs: dict
+
+
+@functools.lru_cache(maxsize=64)
+def _buffers_on(config_json: str, where: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """A module's non-persistent buffers (rotary frequencies) on `device`, made once per device.
+    `where`: "base" (the decoder) or a template's layer index."""
+    p = hm.parts_of(config_json)
+    module = p.base if where == "base" else p.layers[int(where)]
+    return {n: b.to(device) for n, b in hm.transient_buffers(module).items() if not n.startswith("layers.")}
+
+
+@functools.lru_cache(maxsize=8)
+def _recording_decoder(config_json: str, stop_after: int):
+    calls: list = []
+    return hm.recording_decoder(hm.parts_of(config_json).base, calls, stop_after), calls
+
+
+@functools.lru_cache(maxsize=8)
+def _head(config_json: str):
+    return hm.head_model(hm.parts_of(config_json))
+
+
+def embed_forward(arch: TransformersArch, w: Weights, input_ids: torch.Tensor) -> torch.Tensor:
+    """The decoder's own forward from the token ids to its first layer's input (scaling included)."""
+    decoder, calls = _recording_decoder(arch.hf_config, 0)
+    calls.clear()
+    w = frozen(w, _buffer_names(arch.hf_config, "embed"))
+    hm.run_until_layers(decoder, {**w, **_buffers_on(arch.hf_config, "base", input_ids.device)}, calls,
+                        input_ids=input_ids)
+    hidden, args, _ = calls.pop()
+    if args:
+        raise hm.Unsupported("its decoder passes its layers per-layer inputs beside the hidden states")
+    return hidden
+
+
+def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch.dtype) -> list[LayerCall]:
+    """Per decoder layer, the arguments its decoder passes it for these positions, recorded from
+    the decoder's own forward on a stand-in input (so masks, windows, chunks and rotary tables are
+    the model's own; packed documents are told from the position ids as transformers tells them)."""
+    p = parts(arch)
+    decoder, calls = _recording_decoder(arch.hf_config, len(p.layers) - 1)
+    calls.clear()
+    b, t = position_ids.shape
+    stand_in = torch.zeros((), dtype=dtype, device=position_ids.device).expand(b, t, arch.hidden_size)
+    with torch.no_grad():
+        hm.run_until_layers(decoder, _buffers_on(arch.hf_config, "base", position_ids.device), calls,
+                            inputs_embeds=stand_in, position_ids=position_ids)
+    recorded = list(calls)
+    calls.clear()
+    if len(recorded) != len(p.layers):
+        raise hm.Unsupported(f"its decoder called {len(recorded)} of its {len(p.layers)} layers")
+    out = []
+    for kind, (_, args, kwargs) in zip(p.kinds, recorded):
+        if args:
+            raise hm.Unsupported("its decoder passes its layers per-layer inputs beside the hidden states")
+        out.append(LayerCall(kind, args, kwargs))
+    return out
+
+
+def frozen(w: Weights, names: frozenset[str]) -> Weights:
+    """The weights with the model's persistent buffers (a router's score bias, an activation's
+    constants) detached: checkpoints hold them and they stream with their layer, but they are no
+    parameters, so no gradient reaches them and AdamW, given zero, leaves them as they are."""
+    return {k: (v.detach() if k in names else v) for k, v in w.items()} if names else w
+
+
+@functools.lru_cache(maxsize=64)
+def _buffer_names(config_json: str, where: str) -> frozenset[str]:
+    """Local names of a part's persistent buffers: "embed", "head", or a template's layer index."""
+    p = hm.parts_of(config_json)
+    if where == "embed":
+        module, prefix = p.base, ""
+    elif where == "head":
+        module, prefix = p.model, ""
+    else:
+        module, prefix = p.layers[int(where)], ""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return frozenset(prefix + n for n in hm.persistent_tensors(module) if n not in params)
+
+
+def block_forward(arch: TransformersArch, w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
+    p = parts(arch)
+    template = p.layers[call.template]
+    w = frozen(w, _buffer_names(arch.hf_config, str(call.template)))
+    state = {**w, **_buffers_on(arch.hf_config, str(call.template), x.device)} if _has_buffers(arch, call.template) else w
+    out = torch.func.functional_call(template, state, (x, *call.args), call.kwargs, strict=False)
+    return hm.layer_output(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _has_buffers_cached(config_json: str, template: int) -> bool:
+    return bool(hm.transient_buffers(hm.parts_of(config_json).layers[template]))
+
+
+def _has_buffers(arch: TransformersArch, template: int) -> bool:
+    return _has_buffers_cached(arch.hf_config, template)
+
+
+def head_state(arch: TransformersArch, head: Weights, embed: Weights | None) -> dict[str, torch.Tensor]:
+    p = parts(arch)
+    head = frozen(head, _buffer_names(arch.hf_config, "head"))
+    if not p.tied:
+        return head
+    assert embed is not None, "tied embeddings: the head needs the embedding's weights"
+    return {**head, output_embedding_name(p): embed[input_embedding_name(p)]}
+
+
+def head_logits(arch: TransformersArch, state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The causal LM's own head on hidden states [..., H]: final norm, LM head, its scaling and
+    soft-capping; logits [..., vocab]."""
+    flat = x.reshape(1, -1, x.shape[-1])
+    out = torch.func.functional_call(_head(arch.hf_config), state, (), {"inputs_embeds": flat, "use_cache": False},
+                                     strict=False)
+    return out.logits.reshape(*x.shape[:-1], -1)
+
+
+def _chunk_loss(arch: TransformersArch, state: dict, hidden: torch.Tensor, _unused: torch.Tensor,
+                labels: torch.Tensor) -> torch.Tensor:
+    logits = head_logits(arch, state, hidden).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+# ---------------------------------------------------------------------------------------------
+# The family
+# ---------------------------------------------------------------------------------------------
+
+EXPERT = re.compile(r"(^|\.)experts\.")
+
+
+def expert_counts(config: dict[str, Any]) -> tuple[int, int]:
+    """(routed experts, experts per token) of a mixture-of-experts config; (0, 0) for a dense one."""
+    experts = next((config[k] for k in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+                    if isinstance(config.get(k), int) and config[k] > 0), 0)
+    per_token = next((config[k] for k in ("num_experts_per_tok", "moe_k", "top_k", "experts_per_token")
+                      if isinstance(config.get(k), int) and config[k] > 0), 0)
+    return experts, per_token
+
+
+# Per token, a dense decoder layer's tensors alive during its recompute and backward, in units of
+# the compute dtype: the Llama family's fit (models/llama.py). An estimate for other structures
+# until the probe measures them (planning/probe.py).
+WORKING_SET_PER_TOKEN = (13, 1)  # x hidden_size, x intermediate_size
+
+
+class TransformersFamily:
+    model_types: tuple[str, ...] = ()  # any: chosen by the registry, not by model_type
+    arch_type = TransformersArch
+    embed_name = "model.embed_tokens.weight"
+    tied_head_name = "lm_head.weight"
+    refused: dict[str, str] = {}
+    presets: dict[str, ModelArch] = {}
+
+    # -- shapes and names ------------------------------------------------------------------------
+    def arch_from_hf(self, config: dict[str, Any]) -> TransformersArch:
+        return arch_from_config(config)
+
+    def hf_config(self, arch: TransformersArch, torch_dtype: str) -> dict[str, Any]:
+        return {**arch.config, "architectures": [type(parts(arch).model).__name__], "torch_dtype": torch_dtype}
+
+    def layouts(self, arch: TransformersArch) -> tuple[LayerLayout, ...]:
+        return layouts_of(arch)
+
+    def init_param(self, slot: ParamSlot, view: torch.Tensor, gen: torch.Generator, std: float) -> None:
+        """Random init for benchmarks: matrices normal, biases zero, other vectors (norms) one."""
+        if slot.name.endswith("bias"):
+            view.zero_()
+        elif len(slot.shape) < 2:
+            view.fill_(1.0)
+        else:
+            view.copy_(torch.randn(slot.numel, generator=gen) * std)
+
+    # -- the stateless templates -----------------------------------------------------------------
+    def context(self, arch: TransformersArch, position_ids: torch.Tensor, dtype: torch.dtype,
+                packed: bool | None = None) -> list[LayerCall]:
+        return layer_calls(arch, position_ids, dtype)
+
+    def layer_context(self, arch: TransformersArch, ctx: list[LayerCall], layer: int) -> LayerCall:
+        return ctx[layer - 1]
+
+    def embed(self, arch: TransformersArch, w: Weights, input_ids: torch.Tensor) -> torch.Tensor:
+        return embed_forward(arch, w, input_ids)
+
+    def block(self, arch: TransformersArch, w: Weights, x: torch.Tensor, ctx: LayerCall,
+              mlp_chunk: int = 0) -> torch.Tensor:
+        return block_forward(arch, w, x, ctx)
+
+    def head_loss(self, arch: TransformersArch, head: Weights, embed: Weights | None, x: torch.Tensor,
+                  labels: torch.Tensor, chunk_tokens: int, scale: float) -> torch.Tensor:
+        state = head_state(arch, head, embed)
+        hidden = x.reshape(-1, x.shape[-1])
+        dummy = hidden.new_empty(0)
+        return ops.chunked_cross_entropy(functools.partial(_chunk_loss, arch, state), hidden, dummy, labels,
+                                         chunk_tokens, scale)
+
+    def logits(self, arch: TransformersArch, head: Weights, embed: Weights | None, x: torch.Tensor) -> torch.Tensor:
+        return head_logits(arch, head_state(arch, head, embed), x)
+
+    # -- what the planner and the benchmark count ----------------------------------------------
+    def matmul_params(self, arch: TransformersArch) -> int:
+        layouts = self.layouts(arch)
+        total = sum(layout.numel for layout in layouts)
+        embed = 0 if arch.tie_word_embeddings else layouts[0].numel
+        return total - embed - self.inactive_params(arch)
+
+    def inactive_params(self, arch: TransformersArch) -> int:
+        """Expert parameters a token does not use: (E - k) / E of every routed expert's tensors."""
+        experts, per_token = expert_counts(arch.config)
+        if not experts:
+            return 0
+        routed = sum(p.numel for layout in self.layouts(arch) for p in layout.params if EXPERT.search(p.name))
+        return routed * (experts - per_token) // experts
+
+    def attention_flops_per_token(self, arch: TransformersArch, seq_len: int) -> float:
+        return 6 * arch.num_layers * seq_len * arch.num_heads * arch.head_dim
+
+    def working_set_bytes(self, arch: TransformersArch, tokens: int, mlp_tokens: int, dtype_bytes: int) -> int:
+        per_h, per_i = WORKING_SET_PER_TOKEN
+        experts, per_token = expert_counts(arch.config)
+        rows = tokens * max(1, per_token if experts else 1)
+        return (tokens * per_h * arch.hidden_size + rows * per_i * arch.intermediate_size) * dtype_bytes
+
+
+TRANSFORMERS = TransformersFamily()

@@ -1,0 +1,164 @@
+"""Before a model trains through transformers' modules: structures the family does not run are
+refused by name, and a small random instance of the same config class (one layer of each
+structure, small widths) runs through both paths, the family's streamed templates and
+transformers' own full forward and backward, which must agree.
+
+Both paths run the same modules, so what the check catches is what the family takes apart around
+them: an argument the decoder passes its layers that the recording missed, a scaling in the
+decoder's forward, a head that is not the final norm and LM head, names that do not line up.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatrain_ray.models import hf_modules as hm
+
+RANDOM_KEYS = ("dropout", "jitter")  # config keys of what a training forward draws at random
+MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "num_mtp_modules")
+RTOL = 1e-4  # fp32, the same modules on the same weights: only summation order differs
+
+
+def refusal(config: dict[str, Any]) -> str | None:
+    """Why the transformers family cannot run this config.json, in one paragraph; None if it can."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return (f"the installed transformers has no causal language model for model_type {model_type!r} "
+                "(AutoModelForCausalLM does not know it); a newer transformers may")
+    try:
+        config = {**hm.config_object(config).to_dict(), **config}  # the config class's defaults filled in
+    except Exception as e:  # transformers refusing its own config: say what it said
+        return f"transformers cannot read this config: {type(e).__name__}: {e}"
+    if config.get("is_encoder_decoder"):
+        return "it is an encoder-decoder model; megatrain-ray trains decoder-only causal language models"
+    random = {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS)
+              and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    if random:
+        settings = ", ".join(f"{k}: {v}" for k, v in random.items())
+        return (f"it draws random numbers in training ({settings}), and megatrain-ray recomputes each layer in "
+                "backward, where it would not draw the same ones again; set them to 0 in config.json to train it")
+    for key in MTP_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return (f"it has multi-token-prediction layers ({key}: {config[key]}), which transformers' model does "
+                    f"not run and megatrain-ray does not train; set {key} to 0 in config.json (and leave their "
+                    "tensors out of the weights) to train the model without them")
+    try:
+        hm.decoder_parts(hm.build_empty(config))
+    except hm.Unsupported as e:
+        return f"{e}; megatrain-ray runs decoder-only models whose decoder is an embedding, a list of layers, " \
+               "a final norm and an LM head"
+    except Exception as e:  # transformers refusing its own config: say what it said
+        return f"transformers cannot build it from this config: {type(e).__name__}: {e}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Both paths on the small instance
+# ---------------------------------------------------------------------------------------------
+
+
+def random_model(config: dict[str, Any], seed: int = 0):
+    """transformers' model of `config` in fp32 with random weights: matrices as the model draws
+    them, vectors (norms, biases) off their usual 1 or 0, so that a misplaced one shows."""
+    torch.manual_seed(seed)
+    model = hm.build_small(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def sample_batch(vocab: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Two rows of 12 tokens; the second packs two documents (positions restart)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 12), generator=gen)
+    positions = torch.stack([torch.arange(12), torch.cat([torch.arange(5), torch.arange(7)])])
+    labels = torch.randint(0, vocab, (2, 12), generator=gen)
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+def transformers_path(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum").backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return logits.detach(), grads
+
+
+def streamed_path(arch, model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The family's templates, layer after layer, on the model's weights."""
+    from megatrain_ray.models.generic import TRANSFORMERS
+
+    fam = TRANSFORMERS
+    state = model.state_dict()
+    layouts = fam.layouts(arch)
+    bound = [{p.name: state[layout.hf_name(p.name)].detach().clone().requires_grad_(True) for p in layout.params}
+             for layout in layouts]
+    x = fam.embed(arch, bound[0], batch["input_ids"])
+    ctx = fam.context(arch, batch["position_ids"], x.dtype)
+    for layout in layouts[1:-1]:
+        x = fam.block(arch, bound[layout.index], x, fam.layer_context(arch, ctx, layout.index))
+    logits = fam.logits(arch, bound[-1], bound[0], x)
+    F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum").backward()
+    grads = {}
+    for layout, w in zip(layouts, bound):
+        for name, t in w.items():
+            g = t.grad if t.grad is not None else torch.zeros_like(t)
+            grads[layout.hf_name(name)] = grads[layout.hf_name(name)] + g if layout.hf_name(name) in grads else g
+    return logits.detach(), grads
+
+
+def differences(arch, model, batch) -> list[str]:
+    theirs_logits, theirs = transformers_path(model, batch)
+    ours_logits, ours = streamed_path(arch, model, batch)
+    out = []
+    if _rel(ours_logits, theirs_logits) > RTOL:
+        out.append(f"the logits differ (relative difference {_rel(ours_logits, theirs_logits):.1e})")
+    named = dict(model.named_parameters())
+    for name in named:
+        if name not in ours:
+            out.append(f"{name} has no place in the streamed layers")
+            continue
+        if _rel(ours[name], theirs[name]) > RTOL and float((ours[name] - theirs[name]).norm()) > 1e-6:
+            out.append(f"the gradient of {name} differs (relative difference {_rel(ours[name], theirs[name]):.1e})")
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@functools.lru_cache(maxsize=16)
+def check_config(config_json: str) -> str | None:
+    """The reason the two paths differ on a small instance of this config, or None."""
+    from megatrain_ray.models.generic import arch_from_config
+
+    config = json.loads(config_json)
+    parts = hm.parts_of(config_json)
+    small = hm.small_config(config, parts.kinds)
+    try:
+        arch = arch_from_config(small)
+        model = random_model(arch.config)
+        found = differences(arch, model, sample_batch(arch.vocab_size))
+    except Exception as e:
+        return f"running a small instance of it failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if found:
+        return "on a small random instance, its streamed layers and transformers' own model disagree: " + "; ".join(found[:3])
+    return None
+
+
+def checked(arch):
+    """`arch` once a small instance of its config ran alike through both paths; a ValueError that
+    says how they differed otherwise."""
+    why = check_config(arch.hf_config)
+    if why:
+        raise ValueError(f"model_type {arch.model_type!r} cannot be trained through transformers' modules: {why}")
+    return arch

@@ -1,0 +1,351 @@
+"""A transformers causal language model taken apart for streaming: its classes built with no
+memory (on the meta device), its decoder layers grouped by structure, its tensors' names, and what its own forward
+passes to each layer.
+
+The model is built from its config on the meta device, then its non-persistent buffers (rotary
+frequencies) are computed on the CPU: the modules hold no weights, only code and shapes.
+Weights arrive per call through torch.func.functional_call, as views of a streamed buffer. The
+parts around the layers run the model's own code: the embedding is its forward stopped at the
+first layer; the masks, rotary tables and any other per-layer arguments are recorded from its
+forward on a stand-in input; the head is its causal-LM forward with the decoder cut down to the
+final norm (so logit scaling and soft-capping are the model's own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Unsupported(ValueError):
+    """A model whose structure the transformers family does not run; the message says which part."""
+
+
+def config_object(config: dict[str, Any]):
+    """The transformers config of a config.json dict (its own class, defaults filled in)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    return AutoConfig.for_model(config["model_type"], **fields)
+
+
+def build_empty(config: dict[str, Any]) -> nn.Module:
+    """The causal LM with parameters on meta, in fp32, attention through SDPA where the model offers
+    it (eager where it does not: soft-capped attention)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = config_object(config)
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise Unsupported("it is an encoder-decoder model")
+    last_error = None
+    for attn in ("sdpa", "eager"):
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+            return with_real_buffers(model)
+        except ValueError as e:  # transformers refuses an attention implementation the model lacks
+            last_error = e
+            if "attention" not in str(e).lower() and "sdpa" not in str(e).lower():
+                break
+    raise Unsupported(f"transformers cannot build it as a causal LM: {last_error}")
+
+
+def with_real_buffers(model: nn.Module) -> nn.Module:
+    """Non-persistent buffers (rotary frequencies, embedding scales) computed on the CPU as
+    transformers computes them after building a model on meta: its own _init_weights."""
+    for module in model.modules():
+        names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
+        for n in names:
+            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
+        if names:
+            model._init_weights(module)
+    return model
+
+
+def build_small(config: dict[str, Any]) -> nn.Module:
+    """transformers' model of a small config, with real (CPU, fp32) weights as the model draws
+    them, its attention as build_empty picks it."""
+    from transformers import AutoModelForCausalLM
+
+    attn = build_empty(config).config._attn_implementation
+    return AutoModelForCausalLM.from_config(config_object(config), attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# A small instance of the same structure
+# ---------------------------------------------------------------------------------------------
+
+SMALL = {
+    "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "ffn_hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4, "head_dim": 16,
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "sliding_window": 8, "attention_chunk_size": 8,
+}
+
+
+def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, Any]:
+    """The config with small widths and only the layers up to the last first-of-its-kind."""
+    small = dict(config)
+    for key, value in SMALL.items():
+        if isinstance(small.get(key), int) and not isinstance(small[key], bool) and small[key] > value:
+            small[key] = value
+    if config.get("head_dim") is not None and config.get("head_dim") == config.get("qk_rope_head_dim"):
+        small["head_dim"] = small["qk_rope_head_dim"]  # MLA: the rotary part's width
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if isinstance(kv, int) and isinstance(heads, int):
+        small["num_key_value_heads"] = 1 if kv == 1 else (small["num_attention_heads"] if kv == heads else 2)
+    vocab = small.get("vocab_size")
+    for key, value in config.items():
+        if key.endswith("token_id") and isinstance(value, int) and isinstance(vocab, int) and value >= vocab:
+            small[key] = vocab - 1
+    layers = max(kinds.index(k) for k in set(kinds)) + 1
+    small["num_hidden_layers"] = layers
+    for key, value in config.items():
+        if isinstance(value, list) and len(value) == len(kinds):
+            small[key] = value[:layers]
+    return small
+
+
+
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_norm", "ln_f", "norm_f")
+
+
+@dataclass
+class Parts:
+    """The model as the streaming layers see it."""
+
+    model: nn.Module  # the causal LM (parameters on meta)
+    base: nn.Module  # its decoder (`model.model`)
+    base_prefix: str  # "model."
+    layers: list[nn.Module]
+    final_norm: str  # the decoder's child applied after the layers
+    kinds: tuple[int, ...]  # per decoder layer: the index of its template (first layer of its structure)
+    tied: bool  # the LM head is the input embedding
+
+    @property
+    def templates(self) -> list[int]:
+        return sorted(set(self.kinds))
+
+
+def decoder_parts(model: nn.Module) -> Parts:
+    prefix = next((name for name in ("model", getattr(model, "base_model_prefix", "model"))
+                   if isinstance(getattr(getattr(model, name, None), "layers", None), nn.ModuleList)), None)
+    if prefix is None:
+        raise Unsupported("its decoder layers are not at model.layers (a list of layers)")
+    base = getattr(model, prefix)
+    layers = base.layers
+    norm = next((name for name in FINAL_NORM_NAMES if isinstance(getattr(base, name, None), nn.Module)), None)
+    if norm is None:
+        raise Unsupported(f"its decoder has no final norm under a known name ({', '.join(FINAL_NORM_NAMES)})")
+    for name, module in layers.named_modules():
+        if any(word in name for word in ("cross_attn", "encoder_attn", "crossattention")):
+            raise Unsupported(f"its layers have cross-attention ({name})")
+    keys: dict[str, int] = {}
+    kinds = tuple(keys.setdefault(structure_key(layer), i) for i, layer in enumerate(layers))
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = out is not None and inp is not None and out.weight is inp.weight
+    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied)
+
+
+SIMPLE = (int, float, str, bool, type(None))
+
+
+def structure_key(layer: nn.Module) -> str:
+    """What makes two layers run the same code on the same shapes: their modules' classes, plain
+    attributes (all but the layer's index) and tensor shapes. Layers with one key share a template."""
+    parts = []
+    for name, module in layer.named_modules():
+        attrs = sorted((k, v) for k, v in vars(module).items()
+                       if not k.startswith("_") and k not in ("layer_idx", "training") and _plain(v))
+        parts.append((name, type(module).__qualname__, attrs))
+    tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in layer.state_dict(keep_vars=True).items()]
+    return repr((parts, tensors))
+
+
+def _plain(v) -> bool:
+    if isinstance(v, (tuple, list)):
+        return all(_plain(x) for x in v)
+    return isinstance(v, SIMPLE)
+
+
+def persistent_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers (what a checkpoint holds), by local name, in module order."""
+    return dict(module.state_dict(keep_vars=True))
+
+
+def transient_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Non-persistent buffers (rotary frequencies): computed at construction, never stored."""
+    stored = set(module.state_dict(keep_vars=True))
+    return {n: b for n, b in module.named_buffers() if n not in stored}
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint names: how save_pretrained stores each in-memory tensor
+# ---------------------------------------------------------------------------------------------
+
+
+def expert_pieces(small_model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """In-memory tensors that transformers stores otherwise: full name -> the stored names of expert
+    e's pieces, with "{}" for e, in the order they lie in the tensor (stacked experts stored as
+    `experts.{e}.gate_proj.weight`, ...), or the one name of a tensor stored whole under another. Found by giving every value of a small model a
+    number of its own and running transformers' own reverse conversion (what save_pretrained runs):
+    each stored piece must be a contiguous block, expert e's k pieces its rows in k equal parts."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without load-time conversions stores tensors as they are
+        return {}
+    state, start, total = {}, {}, 0
+    for name, t in small_model.state_dict().items():
+        start[name] = total
+        state[name] = torch.arange(total, total + t.numel(), dtype=torch.float64).view(t.shape)
+        total += t.numel()
+    stored = revert_weight_conversion(small_model, dict(state))
+    found: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
+    for name, t in stored.items():
+        if name in state and torch.equal(t, state[name]):
+            continue
+        first = int(t.reshape(-1)[0])
+        owner = max((n for n in start if start[n] <= first), key=start.get)
+        offset = first - start[owner]
+        if not torch.equal(t.reshape(-1), torch.arange(first, first + t.numel(), dtype=torch.float64)):
+            raise Unsupported(f"transformers stores {owner} in pieces that are not contiguous blocks of it")
+        found.setdefault(owner, []).append((offset, name, t))
+    out = {}
+    for owner, pieces in found.items():
+        if len(pieces) == 1 and pieces[0][2].numel() == state[owner].numel():
+            out[owner] = (pieces[0][1],)  # stored whole under another name
+        else:
+            out[owner] = per_expert_names(owner, tuple(state[owner].shape), sorted(pieces, key=lambda p: p[0]))
+    return out
+
+
+def per_expert_names(owner: str, shape: tuple[int, ...], pieces: list) -> tuple[str, ...]:
+    """The stored-name templates of one expert's k pieces, after checking that the pieces are the
+    experts' rows in k equal parts, in order (models/moe.py, stored_per_expert, is that layout)."""
+    if len(shape) != 3 or len(pieces) % shape[0]:
+        raise Unsupported(f"transformers stores {owner} in pieces that are not one set per expert")
+    experts, rows, cols = shape
+    k = len(pieces) // experts
+    templates = []
+    for i, (offset, name, t) in enumerate(pieces):
+        e, j = divmod(i, k)
+        marker = f".{e}."
+        if offset != (e * rows + j * rows // k) * cols or t.numel() != rows // k * cols or marker not in name:
+            raise Unsupported(f"transformers stores {owner} in pieces that are not its experts' rows in order")
+        head, _, tail = name.rpartition(marker)
+        template = f"{head}.{{}}.{tail}"
+        if e == 0:
+            templates.append(template)
+        elif template != templates[j]:
+            raise Unsupported(f"transformers stores {owner}'s experts under names without one pattern")
+    return tuple(templates)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the model's own code around the layers
+# ---------------------------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """Raised by a recording layer to leave the decoder's forward early."""
+
+
+class Recorder(nn.Module):
+    """Stands in for a decoder layer: records what the decoder passes it and hands the hidden
+    states on unchanged. Reads of the layer's attributes (attention_type, layer_type, ...) go to
+    the layer it stands for."""
+
+    def __init__(self, layer: nn.Module, calls: list, last: bool):
+        super().__init__()
+        object.__setattr__(self, "_layer", layer)
+        object.__setattr__(self, "_calls", calls)
+        object.__setattr__(self, "_last", last)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_layer"), name)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self._calls.append((hidden_states, args, kwargs))
+        if self._last:
+            raise _Stop
+        return hidden_states
+
+
+def recording_decoder(base: nn.Module, calls: list, stop_after: int) -> nn.Module:
+    """A shallow copy of the decoder whose layers record their calls and stop after `stop_after`."""
+    clone = copy.copy(base)
+    clone._modules = dict(base._modules)
+    clone._modules["layers"] = nn.ModuleList(
+        [Recorder(layer, calls, i == stop_after) for i, layer in enumerate(base.layers)])
+    return clone
+
+
+def run_until_layers(decoder: nn.Module, state: dict[str, torch.Tensor], calls: list, **inputs) -> None:
+    with contextlib.suppress(_Stop):
+        torch.func.functional_call(decoder, state, args=(), kwargs={**inputs, "use_cache": False}, strict=False)
+
+
+class _HiddenOnly(dict):
+    """The decoder's output as the causal-LM forward reads it: the hidden states, None for the rest."""
+
+    def __getattr__(self, name):
+        return self.get(name)
+
+    def __getitem__(self, key):
+        return self["last_hidden_state"] if key == 0 else dict.__getitem__(self, key)
+
+    def to_tuple(self):
+        return (self["last_hidden_state"],)
+
+
+class FinalNorm(nn.Module):
+    """Stands in for the decoder inside the causal LM: applies the final norm to `inputs_embeds`."""
+
+    def __init__(self, norm: nn.Module, name: str, config):
+        super().__init__()
+        self.add_module(name, norm)
+        self.norm_name = name
+        self.config = config
+
+    def forward(self, inputs_embeds=None, **kwargs):
+        out = _HiddenOnly()
+        dict.__setitem__(out, "last_hidden_state", getattr(self, self.norm_name)(inputs_embeds))
+        return out
+
+
+def head_model(parts: Parts) -> nn.Module:
+    """A shallow copy of the causal LM whose decoder is only the final norm."""
+    head = copy.copy(parts.model)
+    head._modules = dict(parts.model._modules)
+    prefix = parts.base_prefix[:-1]
+    head._modules[prefix] = FinalNorm(getattr(parts.base, parts.final_norm), parts.final_norm, parts.model.config)
+    return head
+
+
+def layer_output(out) -> torch.Tensor:
+    """A decoder layer's hidden states, whether it returns them alone or first in a tuple."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@lru_cache(maxsize=8)
+def parts_of(config_json: str) -> Parts:
+    return decoder_parts(build_empty(json.loads(config_json)))

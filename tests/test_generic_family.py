@@ -1,0 +1,190 @@
+"""Model types without a hand-written family, run through transformers' own modules: a small
+random model from transformers' own config class (its defaults, small widths, one layer of each
+structure), saved as a Hugging Face directory, 5 AdamW steps through `megatrain-ray train`
+(run_training on one real Ray cluster for the module) on packed rows, the export against the
+transformers model trained by torch.optim.AdamW on the same micro-batches. And what the family
+refuses: before Ray starts, in one paragraph, exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import ray  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from megatrain_ray.cli import main as cli_main  # noqa: E402
+from megatrain_ray.config import ConfigError, ModelConfig, config_from_dict  # noqa: E402
+from megatrain_ray.data import build_dataset  # noqa: E402
+from megatrain_ray.models import hf_modules as hm  # noqa: E402
+from megatrain_ray.models.generic import TransformersArch  # noqa: E402
+from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
+from megatrain_ray.runtime.training import run_training  # noqa: E402
+from hf_parity import RTOL, randomize, rel, saved, train_transformers  # noqa: E402
+
+MiB = 1024**2
+STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
+# model_type -> what its defaults need to be trainable here: no multi-token-prediction layers, no
+# dropout, and the sizes some defaults leave unset
+MODEL_TYPES = {
+    "deepseek_v3": {"num_nextn_predict_layers": 0},
+    "glm4_moe": {"num_nextn_predict_layers": 0},
+    "qwen3_next": {},
+    "llama4_text": {},
+    "olmo2": {},
+    "olmo": {},
+    "olmoe": {},
+    "qwen2_moe": {},
+    "granite": {},
+    "granitemoe": {},
+    "smollm3": {},
+    "exaone4": {},
+    "seed_oss": {"attention_dropout": 0.0, "residual_dropout": 0.0},
+    "ernie4_5": {},
+    "ernie4_5_moe": {},
+    "hunyuan_v1_dense": {"head_dim": 128},
+    "hunyuan_v1_moe": {"head_dim": 128, "num_experts": 8, "moe_topk": 2},
+    "cohere": {},
+    "cohere2": {},
+    "glm": {},
+    "glm4": {},
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    "starcoder2": {},
+    "gemma": {},
+    "gemma2": {},
+    "helium": {},
+    "arcee": {},
+    "apertus": {},
+    "dots1": {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "ministral": {"head_dim": 128, "num_key_value_heads": 8},
+    "nemotron": {"num_key_value_heads": 8},
+    "stablelm": {},
+}
+
+
+def small_model_config(model_type: str) -> dict:
+    """transformers' defaults for the model_type, small (hf_modules.small_config)."""
+    full = {**AutoConfig.for_model(model_type).to_dict(), **MODEL_TYPES[model_type]}
+    full = {k: v for k, v in full.items() if k not in ("transformers_version", "architectures")}
+    kinds = hm.decoder_parts(hm.build_empty(full)).kinds
+    return hm.small_config(full, kinds)
+
+
+def small_model(model_type: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return randomize(hm.build_small(small_model_config(model_type)))
+
+
+def write_documents(path: Path, vocab: int, seed: int, count: int = 48) -> Path:
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            f.write(json.dumps({"input_ids": rng.integers(0, vocab, size=int(rng.integers(3, 12))).tolist()}) + "\n")
+    return path
+
+
+def train_config(model_dir: Path, data: Path, out: Path):
+    return config_from_dict({
+        "model": {"path": str(model_dir), "compute_dtype": "float32"},
+        "data": {"source": str(data), "format": "tokens", "seq_len": SEQ, "pack": True},
+        # as tests/test_transformers_parity.py: eps 1e-6, lr 3e-3, clipping active on every step
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1,
+                  "eps": 1e-6},
+        "train": {"steps": STEPS, "grad_accum": GRAD_ACCUM, "micro_batch_size": BATCH, "seed": 0,
+                  "output_dir": str(out)},
+        "checkpoint": {"export_hf": True, "export_dtype": "float32"},
+        "executor": {"device": "cpu", "loss_chunk_tokens": 7, "compile": False},
+        "runtime": {"shm_dir": str(out.parent / "shm")},
+    })
+
+
+def the_runs_batches(config, vocab_size: int) -> list[list[dict[str, torch.Tensor]]]:
+    """The micro-batches run_training draws: the dataset is a pure function of (config, seed)."""
+    batches = build_dataset(config.data, vocab_size, config.train.seed).batches(
+        config.train.micro_batch_size, config.train.grad_accum)
+    steps = []
+    for _ in range(config.train.steps):
+        step, _position = next(batches)
+        steps.append([{k: torch.as_tensor(np.asarray(v)) for k, v in mb.items()} for mb in step])
+    return steps
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_train_export_equals_transformers_adamw(local_ray, tmp_path, model_type):
+    model = small_model(model_type)
+    model_dir = saved(model, tmp_path / "hf")
+    arch = load_hf_arch(model_dir)
+    assert isinstance(arch, TransformersArch), "no hand-written family: transformers' modules run it"
+    config = train_config(model_dir, write_documents(tmp_path / "docs.jsonl", arch.vocab_size, seed=5), tmp_path / "run")
+    (tmp_path / "shm").mkdir()
+    data = the_runs_batches(config, arch.vocab_size)
+    assert any(int((mb["position_ids"][:, 1:] == 0).sum()) for step in data for mb in step), "rows pack documents"
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+
+    summary = run_training(config)
+    ref_losses = train_transformers(model, config, data)
+
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=RTOL)
+    export = Path(summary["checkpoint"]) / "hf"
+    assert load_hf_arch(export) == arch, "the exported config.json reads back as the same model"
+    exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    ours, theirs = exported.state_dict(), model.state_dict()
+    assert set(ours) == set(theirs)
+    learned = dict(model.named_parameters())
+    for key, expected in theirs.items():
+        assert rel(ours[key], expected) < RTOL, key
+        if key in learned and learned[key].grad is not None and learned[key].grad.abs().sum() > 0:
+            assert not torch.equal(ours[key], initial[key]), f"{key} did not train"
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"model_type": "deepseek_v3"}, "multi-token-prediction layers (num_nextn_predict_layers: 1)"),
+    ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
+    ({"model_type": "mamba"}, "model.layers"),
+])
+def test_a_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
+    model_dir = write_config(tmp_path / "hf", config)
+    with pytest.raises(ConfigError, match="cannot be trained") as refused:
+        model_arch(ModelConfig(path=str(model_dir)))
+    assert named in str(refused.value) and "\n" not in str(refused.value), "one paragraph naming it"
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(f"model:\n  path: {model_dir}\n")
+    assert not ray.is_initialized()
+    assert cli_main(["train", str(run_yaml)]) == 2
+    err = capsys.readouterr().err
+    assert named in err and err.count("\n") == 1
+    assert not ray.is_initialized(), "refused before Ray starts"
+
+
+def test_implementation_native_refuses_what_has_no_hand_written_family(tmp_path):
+    model_dir = write_config(tmp_path / "hf", {"model_type": "olmo2"})
+    with pytest.raises(ConfigError, match="no hand-written family"):
+        model_arch(ModelConfig(path=str(model_dir), implementation="native"))
+
+
+def test_implementation_transformers_runs_a_hand_written_familys_model(tmp_path):
+    arch = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers"))
+    assert isinstance(arch, TransformersArch) and arch.model_type == "qwen2"
+    assert arch.num_layers == 2 and arch.hidden_size == 64
