@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from megatrain_ray.models import hf_modules as hm
 from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.family import IGNORE_INDEX, Weights
+from megatrain_ray.models.family import IGNORE_INDEX, ModelFamily, Weights
 from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, ParamSlot, lay_out
 from megatrain_ray.models.moe import stored_as, stored_per_expert
 
@@ -306,13 +306,10 @@ def expert_counts(config: dict[str, Any]) -> tuple[int, int]:
 WORKING_SET_PER_TOKEN = (13, 1)  # x hidden_size, x intermediate_size
 
 
-class TransformersFamily:
-    model_types: tuple[str, ...] = ()  # any: chosen by the registry, not by model_type
+class TransformersFamily(ModelFamily):
+    """Chosen by the registry for an arch of its own type (TransformersArch), not by model_type."""
+
     arch_type = TransformersArch
-    embed_name = "model.embed_tokens.weight"
-    tied_head_name = "lm_head.weight"
-    refused: dict[str, str] = {}
-    presets: dict[str, ModelArch] = {}
 
     # -- shapes and names ------------------------------------------------------------------------
     def arch_from_hf(self, config: dict[str, Any]) -> TransformersArch:
@@ -348,6 +345,10 @@ class TransformersFamily:
               mlp_chunk: int = 0) -> torch.Tensor:
         return block_forward(arch, w, x, ctx)
 
+    def template_of(self, arch: TransformersArch, ctx: LayerCall) -> int:
+        """Which template a block call runs (streaming/compiled.py falls back per template)."""
+        return ctx.template
+
     def head_loss(self, arch: TransformersArch, head: Weights, embed: Weights | None, x: torch.Tensor,
                   labels: torch.Tensor, chunk_tokens: int, scale: float) -> torch.Tensor:
         state = head_state(arch, head, embed)
@@ -373,9 +374,6 @@ class TransformersFamily:
             return 0
         routed = sum(p.numel for layout in self.layouts(arch) for p in layout.params if EXPERT.search(p.name))
         return routed * (experts - per_token) // experts
-
-    def attention_flops_per_token(self, arch: TransformersArch, seq_len: int) -> float:
-        return 6 * arch.num_layers * seq_len * arch.num_heads * arch.head_dim
 
     def working_set_bytes(self, arch: TransformersArch, tokens: int, mlp_tokens: int, dtype_bytes: int) -> int:
         per_h, per_i = WORKING_SET_PER_TOKEN

@@ -53,3 +53,31 @@ def _inductor_within(budget: float) -> Callable:
             return compile_fx(gm, example_inputs)
 
     return backend
+
+
+class EagerWhereItFails:
+    """A compiled block that runs a layer template eagerly once compiling it failed, and says so
+    once: for a family of several templates (models/generic.py, `template_of`), where one layer
+    structure that torch.compile cannot take must not stop the others from being compiled."""
+
+    def __init__(self, compiled: Callable, eager: Callable, template_of: Callable):
+        self.compiled, self.eager, self.template_of = compiled, eager, template_of
+        self.failed: set = set()
+
+    def __call__(self, arch, w, x, ctx, **kw):
+        template = self.template_of(arch, ctx)
+        if template not in self.failed:
+            try:
+                return self.compiled(arch, w, x, ctx, **kw)
+            except Exception as e:  # torch.compile's failures have no common type
+                self.failed.add(template)
+                reason = (str(e).strip().splitlines() or [""])[0][:200]
+                print(f"torch.compile failed on layer template {template} ({type(e).__name__}: {reason}); "
+                      "layers of that structure run eagerly", flush=True)
+        return self.eager(arch, w, x, ctx, **kw)
+
+
+def per_template(compiled: Callable, family) -> Callable:
+    """`compiled`, falling back per template for a family that names its layers' templates."""
+    template_of = getattr(family, "template_of", None)
+    return compiled if template_of is None else EagerWhereItFails(compiled, family.block, template_of)
