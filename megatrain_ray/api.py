@@ -83,6 +83,27 @@ def plan_described(config: Config, cluster: str | Path, speeds: list[float] | No
     return fits
 
 
+def measured(arch, config: Config):
+    """A model run through transformers' modules with its layers' working set measured on this
+    machine's GPU (planning/probe.py) where it has one; the plan prints which figures it used."""
+    from megatrain_ray.models.generic import TransformersArch
+
+    if not isinstance(arch, TransformersArch):
+        return arch
+    import torch
+
+    from megatrain_ray.planning.probe import with_measured_working_set
+
+    if not torch.cuda.is_available():
+        print("working set: an estimate (the Llama family's fit); no GPU here to measure this model's layers on")
+        return arch
+    dtype = getattr(torch, config.model.compute_dtype)
+    arch, text = with_measured_working_set(arch, config.train.micro_batch_size, config.data.seq_len, dtype,
+                                           torch.device("cuda"))
+    print(text)
+    return arch
+
+
 def plan_live(config: Config) -> bool:
     import ray
 
@@ -93,7 +114,7 @@ def plan_live(config: Config) -> bool:
     from megatrain_ray.runtime.session import largest_models_here, place
     from megatrain_ray.planning.traffic import describe_traffic, step_traffic
 
-    arch = model_arch(config.model)
+    arch = measured(model_arch(config.model), config)
     joined = ray.is_initialized()
     connect(config.runtime)
     try:

@@ -39,10 +39,16 @@ class TransformersArch(ModelArch):
     whole config.json as canonical JSON (its class's defaults filled in): it decides the model."""
 
     hf_config: str = "{}"
+    # A layer's working set per token in units of the compute dtype, the largest of its kinds as
+    # planning/probe.py measured it on the run's device; 0: the estimate (WORKING_SET_PER_TOKEN)
+    measured_working_set: float = 0.0
 
     @property
     def config(self) -> dict[str, Any]:
         return json.loads(self.hf_config)
+
+    def model_fields(self) -> list[str]:
+        return [name for name in super().model_fields() if name != "measured_working_set"]
 
 
 def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +60,8 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
 def arch_from_config(config: dict[str, Any]) -> TransformersArch:
     canon = canonical_config(config)
     cfg = hm.config_object(canon)
-    hidden, heads = int(cfg.hidden_size), int(cfg.num_attention_heads)
+    hidden = int(cfg.hidden_size)
+    heads = int(getattr(cfg, "num_attention_heads", None) or 1)  # none: a recurrent model
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     intermediate = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "moe_intermediate_size", None)
@@ -156,12 +163,40 @@ def _local(prefix: str, name: str) -> str:
 
 @dataclass
 class LayerCall:
-    """What one decoder layer is called with beside its hidden states: its template and the
-    arguments the model's own forward passed it (masks, rotary tables, position ids)."""
+    """What one decoder layer is called with beside its hidden states: its template module, the
+    arguments the model's own forward passed it (masks, rotary tables, position ids), which of its
+    tensors are buffers, and its non-persistent buffers on the device. Made outside the compiled
+    block, so that the block looks nothing up."""
 
     template: int
     args: tuple
     kwargs: dict
+    module: torch.nn.Module | None = None
+    frozen: frozenset[str] = frozenset()
+    buffers: dict | None = None
+
+
+@dataclass
+class HeadCall:
+    """The head as the causal LM runs it: the model with its decoder cut to the final norm, its
+    buffers' names, and (tied) the LM head's name and the input embedding's it takes."""
+
+    module: torch.nn.Module
+    frozen: frozenset[str]
+    tied: tuple[str, str] | None
+
+
+def buffer_names(module: torch.nn.Module) -> frozenset[str]:
+    """Local names of a module's persistent buffers (in checkpoints, not parameters)."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return frozenset(n for n in hm.persistent_tensors(module) if n not in params)
+
+
+def frozen(w: Weights, names: frozenset[str]) -> Weights:
+    """The weights with the model's persistent buffers (a router's score bias, an activation's
+    constants) detached: checkpoints hold them and they stream with their layer, but they are no
+    parameters, so no gradient reaches them and AdamW, given zero, leaves them as they are."""
+    return {k: (v.detach() if k in names else v) for k, v in w.items()} if names else w
 
 
 @functools.lru_cache(maxsize=64)
@@ -173,6 +208,11 @@ def _buffers_on(config_json: str, where: str, device: torch.device) -> dict[str,
     return {n: b.to(device) for n, b in hm.transient_buffers(module).items() if not n.startswith("layers.")}
 
 
+@functools.lru_cache(maxsize=64)
+def _template_frozen(config_json: str, template: int) -> frozenset[str]:
+    return buffer_names(hm.parts_of(config_json).layers[template])
+
+
 @functools.lru_cache(maxsize=8)
 def _recording_decoder(config_json: str, stop_after: int):
     calls: list = []
@@ -180,15 +220,17 @@ def _recording_decoder(config_json: str, stop_after: int):
 
 
 @functools.lru_cache(maxsize=8)
-def _head(config_json: str):
-    return hm.head_model(hm.parts_of(config_json))
+def head_call(config_json: str) -> HeadCall:
+    p = hm.parts_of(config_json)
+    tied = (output_embedding_name(p), input_embedding_name(p)) if p.tied else None
+    return HeadCall(hm.head_model(p), buffer_names(p.model), tied)
 
 
 def embed_forward(arch: TransformersArch, w: Weights, input_ids: torch.Tensor) -> torch.Tensor:
     """The decoder's own forward from the token ids to its first layer's input (scaling included)."""
     decoder, calls = _recording_decoder(arch.hf_config, 0)
     calls.clear()
-    w = frozen(w, _buffer_names(arch.hf_config, "embed"))
+    w = frozen(w, buffer_names(hm.parts_of(arch.hf_config).base))
     hm.run_until_layers(decoder, {**w, **_buffers_on(arch.hf_config, "base", input_ids.device)}, calls,
                         input_ids=input_ids)
     hidden, args, _ = calls.pop()
@@ -221,66 +263,43 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     return out
 
 
-def frozen(w: Weights, names: frozenset[str]) -> Weights:
-    """The weights with the model's persistent buffers (a router's score bias, an activation's
-    constants) detached: checkpoints hold them and they stream with their layer, but they are no
-    parameters, so no gradient reaches them and AdamW, given zero, leaves them as they are."""
-    return {k: (v.detach() if k in names else v) for k, v in w.items()} if names else w
+def bound_call(arch: TransformersArch, call: LayerCall, device: torch.device) -> LayerCall:
+    """`call` with its template's module, buffer names and device buffers filled in."""
+    t = call.template
+    buffers = _buffers_on(arch.hf_config, str(t), device)
+    return LayerCall(t, call.args, call.kwargs, parts(arch).layers[t], _template_frozen(arch.hf_config, t),
+                     buffers or None)
 
 
-@functools.lru_cache(maxsize=64)
-def _buffer_names(config_json: str, where: str) -> frozenset[str]:
-    """Local names of a part's persistent buffers: "embed", "head", or a template's layer index."""
-    p = hm.parts_of(config_json)
-    if where == "embed":
-        module, prefix = p.base, ""
-    elif where == "head":
-        module, prefix = p.model, ""
-    else:
-        module, prefix = p.layers[int(where)], ""
-    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    return frozenset(prefix + n for n in hm.persistent_tensors(module) if n not in params)
-
-
-def block_forward(arch: TransformersArch, w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
-    p = parts(arch)
-    template = p.layers[call.template]
-    w = frozen(w, _buffer_names(arch.hf_config, str(call.template)))
-    state = {**w, **_buffers_on(arch.hf_config, str(call.template), x.device)} if _has_buffers(arch, call.template) else w
-    out = torch.func.functional_call(template, state, (x, *call.args), call.kwargs, strict=False)
+def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
+    state = frozen(w, call.frozen)
+    if call.buffers:
+        state = {**state, **call.buffers}
+    out = torch.func.functional_call(call.module, state, (x, *call.args), call.kwargs, strict=False)
     return hm.layer_output(out)
 
 
-@functools.lru_cache(maxsize=64)
-def _has_buffers_cached(config_json: str, template: int) -> bool:
-    return bool(hm.transient_buffers(hm.parts_of(config_json).layers[template]))
-
-
-def _has_buffers(arch: TransformersArch, template: int) -> bool:
-    return _has_buffers_cached(arch.hf_config, template)
-
-
-def head_state(arch: TransformersArch, head: Weights, embed: Weights | None) -> dict[str, torch.Tensor]:
-    p = parts(arch)
-    head = frozen(head, _buffer_names(arch.hf_config, "head"))
-    if not p.tied:
+def head_state(head_call: HeadCall, head: Weights, embed: Weights | None) -> dict[str, torch.Tensor]:
+    head = frozen(head, head_call.frozen)
+    if head_call.tied is None:
         return head
     assert embed is not None, "tied embeddings: the head needs the embedding's weights"
-    return {**head, output_embedding_name(p): embed[input_embedding_name(p)]}
+    out_name, in_name = head_call.tied
+    return {**head, out_name: embed[in_name]}
 
 
-def head_logits(arch: TransformersArch, state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def head_logits(head_call: HeadCall, state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """The causal LM's own head on hidden states [..., H]: final norm, LM head, its scaling and
     soft-capping; logits [..., vocab]."""
     flat = x.reshape(1, -1, x.shape[-1])
-    out = torch.func.functional_call(_head(arch.hf_config), state, (), {"inputs_embeds": flat, "use_cache": False},
+    out = torch.func.functional_call(head_call.module, state, (), {"inputs_embeds": flat, "use_cache": False},
                                      strict=False)
     return out.logits.reshape(*x.shape[:-1], -1)
 
 
-def _chunk_loss(arch: TransformersArch, state: dict, hidden: torch.Tensor, _unused: torch.Tensor,
+def _chunk_loss(head_call: HeadCall, state: dict, hidden: torch.Tensor, _unused: torch.Tensor,
                 labels: torch.Tensor) -> torch.Tensor:
-    logits = head_logits(arch, state, hidden).float()
+    logits = head_logits(head_call, state, hidden).float()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -300,10 +319,28 @@ def expert_counts(config: dict[str, Any]) -> tuple[int, int]:
     return experts, per_token
 
 
+def inactive_in(arch: TransformersArch, layout: LayerLayout) -> int:
+    """A layer's expert parameters a token does not use: (E - k) / E of its routed experts' tensors."""
+    experts, per_token = expert_counts(arch.config)
+    if not experts:
+        return 0
+    routed = sum(p.numel for p in layout.params if EXPERT.search(p.name))
+    return routed * (experts - per_token) // experts
+
+
 # Per token, a dense decoder layer's tensors alive during its recompute and backward, in units of
 # the compute dtype: the Llama family's fit (models/llama.py). An estimate for other structures
 # until the probe measures them (planning/probe.py).
 WORKING_SET_PER_TOKEN = (13, 1)  # x hidden_size, x intermediate_size
+
+
+def _device_of(call: LayerCall) -> torch.device:
+    """The device of a recorded call's tensors (its rotary tables, mask, position ids)."""
+    for value in [*call.args, *call.kwargs.values()]:
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return torch.device("cpu")
 
 
 class TransformersFamily(ModelFamily):
@@ -331,19 +368,32 @@ class TransformersFamily(ModelFamily):
             view.copy_(torch.randn(slot.numel, generator=gen) * std)
 
     # -- the stateless templates -----------------------------------------------------------------
+    def __init__(self):
+        # config.json -> its HeadCall, read inside the compiled head by a plain dict lookup (a
+        # cached function there would be traced into); filled by `context`, outside it
+        self._heads: dict[str, HeadCall] = {}
+
+    def _head(self, arch: TransformersArch) -> HeadCall:
+        found = self._heads.get(arch.hf_config)
+        if found is None:
+            found = self._heads[arch.hf_config] = head_call(arch.hf_config)
+        return found
+
     def context(self, arch: TransformersArch, position_ids: torch.Tensor, dtype: torch.dtype,
                 packed: bool | None = None) -> list[LayerCall]:
+        self._head(arch)
         return layer_calls(arch, position_ids, dtype)
 
     def layer_context(self, arch: TransformersArch, ctx: list[LayerCall], layer: int) -> LayerCall:
-        return ctx[layer - 1]
+        call = ctx[layer - 1]
+        return bound_call(arch, call, _device_of(call))
 
     def embed(self, arch: TransformersArch, w: Weights, input_ids: torch.Tensor) -> torch.Tensor:
         return embed_forward(arch, w, input_ids)
 
     def block(self, arch: TransformersArch, w: Weights, x: torch.Tensor, ctx: LayerCall,
               mlp_chunk: int = 0) -> torch.Tensor:
-        return block_forward(arch, w, x, ctx)
+        return block_forward(w, x, ctx)
 
     def template_of(self, arch: TransformersArch, ctx: LayerCall) -> int:
         """Which template a block call runs (streaming/compiled.py falls back per template)."""
@@ -351,14 +401,16 @@ class TransformersFamily(ModelFamily):
 
     def head_loss(self, arch: TransformersArch, head: Weights, embed: Weights | None, x: torch.Tensor,
                   labels: torch.Tensor, chunk_tokens: int, scale: float) -> torch.Tensor:
-        state = head_state(arch, head, embed)
+        call = self._head(arch)
+        state = head_state(call, head, embed)
         hidden = x.reshape(-1, x.shape[-1])
         dummy = hidden.new_empty(0)
-        return ops.chunked_cross_entropy(functools.partial(_chunk_loss, arch, state), hidden, dummy, labels,
+        return ops.chunked_cross_entropy(functools.partial(_chunk_loss, call, state), hidden, dummy, labels,
                                          chunk_tokens, scale)
 
     def logits(self, arch: TransformersArch, head: Weights, embed: Weights | None, x: torch.Tensor) -> torch.Tensor:
-        return head_logits(arch, head_state(arch, head, embed), x)
+        call = self._head(arch)
+        return head_logits(call, head_state(call, head, embed), x)
 
     # -- what the planner and the benchmark count ----------------------------------------------
     def matmul_params(self, arch: TransformersArch) -> int:
@@ -368,14 +420,15 @@ class TransformersFamily(ModelFamily):
         return total - embed - self.inactive_params(arch)
 
     def inactive_params(self, arch: TransformersArch) -> int:
-        """Expert parameters a token does not use: (E - k) / E of every routed expert's tensors."""
-        experts, per_token = expert_counts(arch.config)
-        if not experts:
-            return 0
-        routed = sum(p.numel for layout in self.layouts(arch) for p in layout.params if EXPERT.search(p.name))
-        return routed * (experts - per_token) // experts
+        return sum(inactive_in(arch, layout) for layout in self.layouts(arch))
+
+    def template_kinds(self, arch: TransformersArch) -> tuple[int, ...]:
+        """Per decoder layer, its template (the first layer of its structure): planning/probe.py's kinds."""
+        return parts(arch).kinds
 
     def working_set_bytes(self, arch: TransformersArch, tokens: int, mlp_tokens: int, dtype_bytes: int) -> int:
+        if arch.measured_working_set > 0:
+            return int(tokens * arch.measured_working_set * dtype_bytes)
         per_h, per_i = WORKING_SET_PER_TOKEN
         experts, per_token = expert_counts(arch.config)
         rows = tokens * max(1, per_token if experts else 1)

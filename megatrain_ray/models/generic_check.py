@@ -38,17 +38,6 @@ def refusal(config: dict[str, Any]) -> str | None:
         return f"transformers cannot read this config: {type(e).__name__}: {e}"
     if config.get("is_encoder_decoder"):
         return "it is an encoder-decoder model; megatrain-ray trains decoder-only causal language models"
-    random = {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS)
-              and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
-    if random:
-        settings = ", ".join(f"{k}: {v}" for k, v in random.items())
-        return (f"it draws random numbers in training ({settings}), and megatrain-ray recomputes each layer in "
-                "backward, where it would not draw the same ones again; set them to 0 in config.json to train it")
-    for key in MTP_KEYS:
-        if isinstance(config.get(key), int) and config[key] > 0:
-            return (f"it has multi-token-prediction layers ({key}: {config[key]}), which transformers' model does "
-                    f"not run and megatrain-ray does not train; set {key} to 0 in config.json (and leave their "
-                    "tensors out of the weights) to train the model without them")
     try:
         hm.decoder_parts(hm.build_empty(config))
     except hm.Unsupported as e:
@@ -56,6 +45,21 @@ def refusal(config: dict[str, Any]) -> str | None:
                "a final norm and an LM head"
     except Exception as e:  # transformers refusing its own config: say what it said
         return f"transformers cannot build it from this config: {type(e).__name__}: {e}"
+    if config.get("output_router_logits"):
+        return ("its router's load-balancing loss is on (output_router_logits: true), which megatrain-ray does not "
+                "compute through transformers' modules; set model.router_aux_loss_coef to 0 (or "
+                "output_router_logits to false in config.json) to train without it")
+    for key in MTP_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return (f"it has multi-token-prediction layers ({key}: {config[key]}), which transformers' model does "
+                    f"not run and megatrain-ray does not train; set {key} to 0 in config.json (and leave their "
+                    "tensors out of the weights) to train the model without them")
+    random = {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS)
+              and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    if random:
+        settings = ", ".join(f"{k}: {v}" for k, v in random.items())
+        return (f"it draws random numbers in training ({settings}), and megatrain-ray recomputes each layer in "
+                "backward, where it would not draw the same ones again; set them to 0 in config.json to train it")
     return None
 
 
@@ -160,5 +164,6 @@ def checked(arch):
     says how they differed otherwise."""
     why = check_config(arch.hf_config)
     if why:
-        raise ValueError(f"model_type {arch.model_type!r} cannot be trained through transformers' modules: {why}")
+        raise ValueError(" ".join(f"model_type {arch.model_type!r} cannot be trained through transformers' modules: "
+                                  f"{why}".split()))
     return arch

@@ -71,7 +71,7 @@ def arch_from_hf_config(config: dict[str, Any], implementation: str = "auto") ->
     model_type = config.get("model_type")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"model.implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
-    native = model_type in SUPPORTED_MODEL_TYPES
+    native = model_type in SUPPORTED_MODEL_TYPES or any(model_type in f.refused for f in FAMILIES)
     if implementation == "transformers" or (implementation == "auto" and not native):
         return transformers_arch(config)
     try:
@@ -93,7 +93,7 @@ def transformers_arch(config: dict[str, Any]) -> ModelArch:
     model_type = config.get("model_type")
     why = refusal(config)
     if why:
-        raise ValueError(f"model_type {model_type!r} cannot be trained: {why}")
+        raise ValueError(" ".join(f"model_type {model_type!r} cannot be trained: {why}".split()))  # one paragraph
     return TRANSFORMERS.arch_from_hf(config)
 
 

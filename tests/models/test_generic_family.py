@@ -25,9 +25,8 @@ from megatrain_ray.models import hf_modules as hm  # noqa: E402
 from megatrain_ray.models.generic import TransformersArch  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
 from megatrain_ray.runtime.training import run_training  # noqa: E402
-from hf_parity import RTOL, randomize, rel, saved, train_transformers  # noqa: E402
+from helpers.hf_parity import RTOL, randomize, rel, saved, train_transformers  # noqa: E402
 
-MiB = 1024**2
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
 # model_type -> what its defaults need to be trainable here: no multi-token-prediction layers, no
 # dropout, and the sizes some defaults leave unset
@@ -114,13 +113,6 @@ def the_runs_batches(config, vocab_size: int) -> list[list[dict[str, torch.Tenso
     return steps
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_train_export_equals_transformers_adamw(local_ray, tmp_path, model_type):
     model = small_model(model_type)
@@ -162,7 +154,9 @@ def write_config(path: Path, config: dict) -> Path:
 @pytest.mark.parametrize("config, named", [
     ({"model_type": "deepseek_v3"}, "multi-token-prediction layers (num_nextn_predict_layers: 1)"),
     ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
-    ({"model_type": "mamba"}, "model.layers"),
+    ({"model_type": "gpt2"}, "its decoder layers are not at model.layers"),
+    ({"model_type": "mllama"}, "its layers have cross-attention"),
+    ({"model_type": "seed_oss"}, "it draws random numbers in training (attention_dropout: 0.1"),
 ])
 def test_a_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
     model_dir = write_config(tmp_path / "hf", config)
@@ -188,3 +182,47 @@ def test_implementation_transformers_runs_a_hand_written_familys_model(tmp_path)
     arch = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers"))
     assert isinstance(arch, TransformersArch) and arch.model_type == "qwen2"
     assert arch.num_layers == 2 and arch.hidden_size == 64
+
+
+# ---------------------------------------------------------------------------------------------- the probe
+
+
+def test_the_probe_measures_one_layer_of_each_kind(tmp_path):
+    from megatrain_ray.planning.probe import layer_kinds, probe_layers
+
+    arch = load_hf_arch(saved(small_model("deepseek_v3"), tmp_path / "hf"))
+    kinds = layer_kinds(arch)
+    dense, sparse = hm.parts_of(arch.hf_config).kinds.count(0), arch.num_layers - hm.parts_of(arch.hf_config).kinds.count(0)
+    assert [len(m) for m in kinds.values()] == [dense, sparse] and dense and sparse, "dense layers, then experts"
+    probes = probe_layers(arch, 2, 16, torch.float32, torch.device("cpu"))
+    assert [p.layer for p in probes] == list(kinds) and all(p.seconds > 0 and p.flops > 0 for p in probes)
+    assert all(p.working_set_bytes is None for p in probes), "the CPU does not count its memory"
+
+
+@pytest.mark.gpu
+def test_the_probe_measures_a_working_set_on_the_gpu_and_the_plan_uses_it(tmp_path):
+    from megatrain_ray.models.registry import family
+    from megatrain_ray.planning.probe import with_measured_working_set
+
+    arch = load_hf_arch(saved(small_model("qwen3_next"), tmp_path / "hf"))
+    measured, text = with_measured_working_set(arch, 2, 256, torch.bfloat16, torch.device("cuda"))
+    assert measured.measured_working_set > 0 and "as measured above" in text
+    assert family(measured).working_set_bytes(measured, 512, 512, 2) == int(512 * measured.measured_working_set * 2)
+    assert measured.model_fields() == arch.model_fields(), "a measurement does not make another model"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next", "llama4_text"])
+def test_bf16_on_the_gpu_compiled_tracks_transformers_autocast(tmp_path, model_type):
+    from helpers.hf_parity import assert_bf16_tracks, bf16_cuda_config, local_steps, on_cuda
+    from helpers.reference_training import random_micro_batches
+
+    steps = 6
+    model = small_model(model_type)
+    model_dir = saved(model, tmp_path / "hf")
+    arch = load_hf_arch(model_dir)
+    config = bf16_cuda_config(model_dir, steps, GRAD_ACCUM)
+    data = random_micro_batches(arch, steps, GRAD_ACCUM, batch=2, seq=128, seed=0, distinct=4)
+    ours = [r.loss for r in local_steps(config, arch, model_dir, data)]
+    theirs = train_transformers(model.to("cuda"), config, on_cuda(data), autocast_dtype=torch.bfloat16)
+    assert_bf16_tracks(model_type, ours, theirs)
