@@ -2,8 +2,8 @@
 random model from transformers' own config class (its defaults, small widths, one layer of each
 structure), saved as a Hugging Face directory, 5 AdamW steps through `megatrain-ray train`
 (run_training on one real Ray cluster for the module) on packed rows, the export against the
-transformers model trained by torch.optim.AdamW on the same micro-batches. And what the family
-refuses: before Ray starts, in one paragraph, exit 2."""
+transformers model trained by torch.optim.AdamW on the same micro-batches. What the family refuses
+is in test_generic_refusals.py (a module without a Ray cluster); the probe of its layers here."""
 
 from __future__ import annotations
 
@@ -15,15 +15,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-import ray  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from megatrain_ray.cli import main as cli_main  # noqa: E402
-from megatrain_ray.config import ConfigError, ModelConfig, config_from_dict  # noqa: E402
+from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.models import hf_modules as hm  # noqa: E402
 from megatrain_ray.models.generic import TransformersArch  # noqa: E402
-from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
+from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
 from megatrain_ray.runtime.training import run_training  # noqa: E402
 from helpers.hf_parity import RTOL, randomize, rel, saved, train_transformers  # noqa: E402
 
@@ -140,48 +138,6 @@ def test_train_export_equals_transformers_adamw(local_ray, tmp_path, model_type)
         assert rel(ours[key], expected) < RTOL, key
         if key in learned and learned[key].grad is not None and learned[key].grad.abs().sum() > 0:
             assert not torch.equal(ours[key], initial[key]), f"{key} did not train"
-
-
-# ---------------------------------------------------------------------------------------------- refusals
-
-
-def write_config(path: Path, config: dict) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
-@pytest.mark.parametrize("config, named", [
-    ({"model_type": "deepseek_v3"}, "multi-token-prediction layers (num_nextn_predict_layers: 1)"),
-    ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
-    ({"model_type": "gpt2"}, "its decoder layers are not at model.layers"),
-    ({"model_type": "mllama"}, "its layers have cross-attention"),
-    ({"model_type": "seed_oss"}, "it draws random numbers in training (attention_dropout: 0.1"),
-])
-def test_a_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
-    model_dir = write_config(tmp_path / "hf", config)
-    with pytest.raises(ConfigError, match="cannot be trained") as refused:
-        model_arch(ModelConfig(path=str(model_dir)))
-    assert named in str(refused.value) and "\n" not in str(refused.value), "one paragraph naming it"
-    run_yaml = tmp_path / "run.yaml"
-    run_yaml.write_text(f"model:\n  path: {model_dir}\n")
-    assert not ray.is_initialized()
-    assert cli_main(["train", str(run_yaml)]) == 2
-    err = capsys.readouterr().err
-    assert named in err and err.count("\n") == 1
-    assert not ray.is_initialized(), "refused before Ray starts"
-
-
-def test_implementation_native_refuses_what_has_no_hand_written_family(tmp_path):
-    model_dir = write_config(tmp_path / "hf", {"model_type": "olmo2"})
-    with pytest.raises(ConfigError, match="no hand-written family"):
-        model_arch(ModelConfig(path=str(model_dir), implementation="native"))
-
-
-def test_implementation_transformers_runs_a_hand_written_familys_model(tmp_path):
-    arch = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers"))
-    assert isinstance(arch, TransformersArch) and arch.model_type == "qwen2"
-    assert arch.num_layers == 2 and arch.hidden_size == 64
 
 
 # ---------------------------------------------------------------------------------------------- the probe

@@ -1,0 +1,58 @@
+"""What the transformers family cannot run is refused before Ray starts, in one paragraph that
+names it, with exit status 2; model.implementation picks or refuses a path. No Ray cluster in this
+module: the refusals must come before one starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+import ray  # noqa: E402
+
+from megatrain_ray.cli import main as cli_main  # noqa: E402
+from megatrain_ray.config import ConfigError, ModelConfig  # noqa: E402
+from megatrain_ray.models.generic import TransformersArch  # noqa: E402
+from megatrain_ray.models.registry import model_arch  # noqa: E402
+
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"model_type": "deepseek_v3"}, "multi-token-prediction layers (num_nextn_predict_layers: 1)"),
+    ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
+    ({"model_type": "gpt2"}, "its decoder layers are not at model.layers"),
+    ({"model_type": "mllama"}, "its layers have cross-attention"),
+    ({"model_type": "seed_oss"}, "it draws random numbers in training (attention_dropout: 0.1"),
+])
+def test_a_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
+    model_dir = write_config(tmp_path / "hf", config)
+    with pytest.raises(ConfigError, match="cannot be trained") as refused:
+        model_arch(ModelConfig(path=str(model_dir)))
+    assert named in str(refused.value) and "\n" not in str(refused.value), "one paragraph naming it"
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(f"model:\n  path: {model_dir}\n")
+    assert not ray.is_initialized()
+    assert cli_main(["train", str(run_yaml)]) == 2
+    err = capsys.readouterr().err
+    assert named in err and err.count("\n") == 1
+    assert not ray.is_initialized(), "refused before Ray starts"
+
+
+def test_implementation_native_refuses_what_has_no_hand_written_family(tmp_path):
+    model_dir = write_config(tmp_path / "hf", {"model_type": "olmo2"})
+    with pytest.raises(ConfigError, match="no hand-written family"):
+        model_arch(ModelConfig(path=str(model_dir), implementation="native"))
+
+
+def test_implementation_transformers_runs_a_hand_written_familys_model(tmp_path):
+    arch = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers"))
+    assert isinstance(arch, TransformersArch) and arch.model_type == "qwen2"
+    assert arch.num_layers == 2 and arch.hidden_size == 64
