@@ -71,7 +71,7 @@ class Placement:
     def describe(self, arch: ModelArch) -> str:
         lines = [
             f"model: {arch.model_type}, {arch.num_layers} blocks, {num_params(arch) / 1e9:.3f} B params, "
-            f"{self.bytes_per_param:g} host bytes/param ({self.state_format.describe()})",
+            f"{self.bytes_per_param:.4g} host bytes/param ({self.state_format.describe()})",
             f"executor on node {self.gpu.ip} ({self.gpu.node_id[:8]}), GPUs there: {self.gpu.gpus:g}; "
             f"{self.num_gpus} {'GPU' if self.use_cuda else 'CPU'} worker(s), data parallel",
         ]
@@ -209,7 +209,7 @@ def largest_models(room: StoreRoom, config: Config) -> str:
             continue  # a bf16 master is the compute copy: bf16 compute only
         bpp = fmt.bytes_per_param(esize)
         chosen = " (this config)" if fmt == format_of(config.optim) else ""
-        lines.append(f"  optim.master={fmt.master} optim.moments={fmt.moments}: {bpp:g} bytes/param -> "
+        lines.append(f"  optim.master={fmt.master} optim.moments={fmt.moments}: {bpp:.4g} bytes/param -> "
                      f"{capacity / bpp / 1e9:.1f} B params{chosen}")
     return "\n".join(lines)
 
@@ -231,7 +231,7 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
     need, have = sum(numels) * bpp, sum(capacities)
     if need > have:
         raise ConfigError(
-            f"the model needs {need / GiB:.1f} GiB of host memory ({sum(numels) / 1e9:.2f} B params x {bpp:g} bytes, "
+            f"the model needs {need / GiB:.1f} GiB of host memory ({sum(numels) / 1e9:.2f} B params x {bpp:.4g} bytes, "
             f"{fmt.describe()}) "
             + (f"but the {len(holders)} store node(s) may take {have / GiB:.1f} GiB as stated "
                f"(runtime.store_memory_gib={rt.store_memory_gib:g} each)" if stated else
