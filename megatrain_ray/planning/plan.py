@@ -5,8 +5,8 @@ the loss chunk, the forward graphs the last blocks keep where memory is left ove
 when several GPUs share a step, host memory per node (from the placement), and a step-time
 prediction from the measured rates of the GPU machine: what bounds the step (compute, PCIe, host
 memory bandwidth, the host optimizer) and how many tokens a step keeps N GPUs busy.
-`megatrain-ray plan` prints it; each GPU worker checks it before it allocates its slots and
-refuses, with what to change, a run that will not fit.
+`megatrain-ray plan` prints it; a run's step plan (planning/step_plan.py) checks it once, before
+anything is allocated, and refuses with what to change a run that will not fit.
 """
 
 from __future__ import annotations
