@@ -29,9 +29,11 @@ def counting(monkeypatch, module, name: str) -> list:
     return calls
 
 
-def test_a_run_plans_its_step_once_and_both_workers_build_that_plan(local_ray, monkeypatch, tmp_path):
-    """`megatrain-ray train`'s own loop with two CPU workers: plan_step runs once in the driver, and
-    each worker's executor keeps the blocks and parks what that one plan says."""
+@pytest.mark.parametrize("device, workers", [("cpu", 2), pytest.param("cuda", 1, marks=pytest.mark.gpu)])
+def test_a_run_plans_its_step_once_and_its_workers_build_that_plan(local_ray, monkeypatch, tmp_path, device, workers):
+    """`megatrain-ray train`'s own loop (two CPU workers, or one GPU): plan_step runs once in the
+    driver, and each worker's executor keeps the blocks and parks what that one plan says; on a GPU
+    the embedding's AdamW step runs there, from the same plan."""
     plans = counting(monkeypatch, session_module, "plan_step")
     built = []
     start = Session.start_executor
@@ -42,14 +44,15 @@ def test_a_run_plans_its_step_once_and_both_workers_build_that_plan(local_ray, m
         return described
 
     monkeypatch.setattr(Session, "start_executor", start_and_look)
-    raw = tiny_raw(tmp_path / "run", steps=2, executor={"keep_graphs": 1},
-                   runtime={"num_gpus": 2, "worker_threads": 1})
+    raw = tiny_raw(tmp_path / "run", steps=2, executor={"keep_graphs": 1, "device": device},
+                   runtime={"num_gpus": workers, "worker_threads": 1})
     summary = run_training(config_from_dict(raw))
     assert summary["final_loss"] is not None
     assert len(plans) == 1, f"the step was planned {len(plans)} times"
     plan = plans[0][2]
-    assert plan.workers == 2 and plan.micro_batches_per_worker == 1 and plan.kept == 1 and not plan.offload
-    assert built == [(plan, 1, False)] * 2
+    assert (plan.device, plan.workers, plan.micro_batches_per_worker) == (device, workers, 2 // workers)
+    assert plan.kept == 1 and not plan.offload and plan.embedding_on_device == (device == "cuda")
+    assert built == [(plan, 1, False)] * workers
 
 
 def test_the_in_process_trainer_plans_and_builds_through_the_same_functions(monkeypatch, tmp_path):
