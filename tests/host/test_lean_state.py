@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.files import checkpoint as ckpt
@@ -398,12 +399,13 @@ def test_six_bytes_a_parameter_resume_exactly_through_the_driver(local_ray, tmp_
     fp32 run is refused before anything starts."""
     lean = {"model": {"compute_dtype": "bfloat16"}, "optim": {"master": "bf16", "moments": "int8"}}
 
-    def config(run: str, **optim):
+    def config(run: str, export: bool = False, **optim):
         raw = tiny_raw(tmp_path / run, **lean)
         raw["optim"].update(optim)
+        raw["checkpoint"]["export_hf"] = export
         return config_from_dict(raw)
 
-    whole = run_training(config("whole"))
+    whole = run_training(config("whole", export=True))
     run_training(config("split"), until_step=5)
     resumed = run_training(config("split"), resume="latest")
     a, b = Path(whole["checkpoint"]), Path(resumed["checkpoint"])
@@ -414,6 +416,11 @@ def test_six_bytes_a_parameter_resume_exactly_through_the_driver(local_ray, tmp_
     for name in ta:
         assert torch.equal(ta[name].view(torch.uint8), tb[name].view(torch.uint8)), name
     assert whole["final_loss"] == resumed["final_loss"]
+    exported = {}  # the Hugging Face export: the bf16 master, in checkpoint.export_dtype (float32)
+    for file in (a / "hf").glob("*.safetensors"):
+        exported.update(load_file(str(file)))
+    embed = exported["model.embed_tokens.weight"]
+    assert embed.dtype == torch.float32 and torch.equal(embed.flatten(), ta["layers.0.master"].float())
     with pytest.raises(ckpt.CheckpointError, match="not widen"):
         run_training(config("split", master="fp32", moments="fp32", lr=1e-3), resume="latest")
 
