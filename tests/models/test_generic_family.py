@@ -1,8 +1,9 @@
 """Model types without a hand-written family, run through transformers' own modules: a small
 random model from transformers' own config class (its defaults, small widths, one layer of each
-structure), saved as a Hugging Face directory, 5 AdamW steps through `megatrain-ray train`
-(run_training on one real Ray cluster for the module) on packed rows, the export against the
-transformers model trained by torch.optim.AdamW on the same micro-batches. What the family refuses
+structure), saved as a Hugging Face directory, 5 AdamW steps on packed rows, the export against the
+transformers model trained by torch.optim.AdamW on the same micro-batches: the model types the
+issue names through `megatrain-ray train` (run_training on one real Ray cluster for the module),
+the others through the same stores, executor and export in one process. What the family refuses
 is in test_generic_refusals.py (a module without a Ray cluster); the probe of its layers here."""
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.models import hf_modules as hm  # noqa: E402
 from megatrain_ray.models.generic import TransformersArch  # noqa: E402
-from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
+from megatrain_ray.files.hf import export_hf  # noqa: E402
+from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
+from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from megatrain_ray.runtime.training import run_training  # noqa: E402
 from helpers.hf_parity import RTOL, randomize, rel, saved, train_transformers  # noqa: E402
 
@@ -111,24 +114,8 @@ def the_runs_batches(config, vocab_size: int) -> list[list[dict[str, torch.Tenso
     return steps
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_train_export_equals_transformers_adamw(local_ray, tmp_path, model_type):
-    model = small_model(model_type)
-    model_dir = saved(model, tmp_path / "hf")
-    arch = load_hf_arch(model_dir)
-    assert isinstance(arch, TransformersArch), "no hand-written family: transformers' modules run it"
-    config = train_config(model_dir, write_documents(tmp_path / "docs.jsonl", arch.vocab_size, seed=5), tmp_path / "run")
-    (tmp_path / "shm").mkdir()
-    data = the_runs_batches(config, arch.vocab_size)
-    assert any(int((mb["position_ids"][:, 1:] == 0).sum()) for step in data for mb in step), "rows pack documents"
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-
-    summary = run_training(config)
-    ref_losses = train_transformers(model, config, data)
-
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=RTOL)
-    export = Path(summary["checkpoint"]) / "hf"
+def check_export(export: Path, arch, model, initial: dict) -> None:
+    """The export reads back as the same model and holds transformers' trained weights."""
     assert load_hf_arch(export) == arch, "the exported config.json reads back as the same model"
     exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     ours, theirs = exported.state_dict(), model.state_dict()
@@ -138,6 +125,56 @@ def test_train_export_equals_transformers_adamw(local_ray, tmp_path, model_type)
         assert rel(ours[key], expected) < RTOL, key
         if key in learned and learned[key].grad is not None and learned[key].grad.abs().sum() > 0:
             assert not torch.equal(ours[key], initial[key]), f"{key} did not train"
+
+
+def prepared(model_type: str, tmp_path: Path):
+    """The saved small model, its arch, the run's config and the micro-batches it will draw."""
+    model = small_model(model_type)
+    model_dir = saved(model, tmp_path / "hf")
+    arch = load_hf_arch(model_dir)
+    assert isinstance(arch, TransformersArch), "no hand-written family: transformers' modules run it"
+    (tmp_path / "shm").mkdir()
+    config = train_config(model_dir, write_documents(tmp_path / "docs.jsonl", arch.vocab_size, seed=5), tmp_path / "run")
+    data = the_runs_batches(config, arch.vocab_size)
+    assert any(int((mb["position_ids"][:, 1:] == 0).sum()) for step in data for mb in step), "rows pack documents"
+    return model, model_dir, arch, config, data
+
+
+# Through `megatrain-ray train` on Ray: the model types the issue names. Starting a run's actors
+# costs seconds (each a process importing torch and transformers), so the others run below in one
+# process, on the same stores, executor and export.
+RAY_TYPES = ("deepseek_v3", "glm4_moe", "qwen3_next", "llama4_text", "olmo2")
+
+
+@pytest.mark.parametrize("model_type", RAY_TYPES)
+def test_train_export_equals_transformers_adamw(local_ray, tmp_path, model_type):
+    model, model_dir, arch, config, data = prepared(model_type, tmp_path)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+
+    summary = run_training(config)
+    ref_losses = train_transformers(model, config, data)
+
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=RTOL)
+    check_export(Path(summary["checkpoint"]) / "hf", arch, model, initial)
+
+
+@pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in RAY_TYPES])
+def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type):
+    model, model_dir, arch, config, data = prepared(model_type, tmp_path)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    model_arch(config.model)  # what `train` checks first: a small instance against transformers
+
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            store.load_hf(str(model_dir))
+        losses = [trainer.train_step(step).loss for step in data]
+        export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
+    finally:
+        trainer.close()
+    assert losses == pytest.approx(train_transformers(model, config, data), rel=RTOL)
+    check_export(export, arch, model, initial)
 
 
 # ---------------------------------------------------------------------------------------------- the probe
