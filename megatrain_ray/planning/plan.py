@@ -466,6 +466,8 @@ def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, netwo
         f"compute {p.compute_s:.2f} s, host->GPU {p.h2d_s:.2f} s{' per GPU' if num_gpus > 1 else ''} (overlapped), "
         f"host optimizer {p.optimizer_s:.2f} s of which {p.optimizer_exposed_s:.2f} s not hidden -> "
         f"{p.step_s:.2f} s/step, {p.tokens / p.step_s:.0f} tokens/s, bound by {p.bound}"
+        + ("; the host optimizer at the exact mode's rate (the lean modes' own: `megatrain-ray bench --parts`)"
+           if (config.optim.master, config.optim.moments) != ("fp32", "fp32") else "")
     )
     lines.append(
         f"tokens per step that keep {'the ' + str(num_gpus) + ' GPUs' if num_gpus > 1 else 'the GPU'} busy (the host "
