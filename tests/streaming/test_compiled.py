@@ -83,3 +83,29 @@ def test_compiled_head_loss_matches_eager_with_ignored_targets(name):
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
     for compiled, eager in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
+
+
+def test_a_template_that_fails_to_compile_runs_eagerly_and_the_others_stay_compiled(capsys):
+    """streaming/compiled.py's per-template fallback, with a stand-in for torch.compile that fails on
+    one template: that template's calls run the eager block from then on, said once."""
+    from megatrain_ray.streaming.compiled import EagerWhereItFails
+
+    calls = []
+
+    def compiled(arch, w, x, ctx):
+        calls.append(("compiled", ctx))
+        if ctx == 1:
+            raise RuntimeError("inductor cannot lower this\nsecond line")
+        return x + 1
+
+    def eager(arch, w, x, ctx):
+        calls.append(("eager", ctx))
+        return x + 1
+
+    block = EagerWhereItFails(compiled, eager, lambda arch, ctx: ctx)
+    x = torch.zeros(2)
+    for ctx in (0, 1, 0, 1, 1):
+        assert torch.equal(block(ARCH, {}, x, ctx), x + 1)
+    assert calls == [("compiled", 0), ("compiled", 1), ("eager", 1), ("compiled", 0), ("eager", 1), ("eager", 1)]
+    out = capsys.readouterr().out
+    assert out.count("torch.compile failed on layer template 1") == 1 and "inductor cannot lower this" in out
