@@ -38,6 +38,9 @@ def refusal(config: dict[str, Any]) -> str | None:
         return f"transformers cannot read this config: {type(e).__name__}: {e}"
     if config.get("is_encoder_decoder"):
         return "it is an encoder-decoder model; megatrain-ray trains decoder-only causal language models"
+    if config.get("hidden_size_per_layer_input"):
+        return ("it feeds each layer an input embedding of its own beside the hidden states (Gemma 3n/4's "
+                "per-layer inputs), which megatrain-ray does not stream yet")
     try:
         hm.decoder_parts(hm.build_empty(config))
     except hm.Unsupported as e:

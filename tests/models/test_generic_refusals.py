@@ -30,6 +30,7 @@ def write_config(path: Path, config: dict) -> Path:
     ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
     ({"model_type": "gpt2"}, "its decoder layers are not at model.layers"),
     ({"model_type": "mllama"}, "its layers have cross-attention"),
+    ({"model_type": "gemma3n_text"}, "Gemma 3n/4's per-layer inputs"),
     ({"model_type": "seed_oss"}, "it draws random numbers in training (attention_dropout: 0.1"),
 ])
 def test_a_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
