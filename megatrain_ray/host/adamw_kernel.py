@@ -151,6 +151,7 @@ struct MasterBF16 {  // bf16 master, itself the compute copy
 
 template <typename T>
 struct Plain {  // moments in fp32 or bf16 (rounded to nearest even)
+  static constexpr bool kTakesRoot = false;  // `put` takes the second moment itself
   T* m;
   T* v;
   void get(int64_t lo, int64_t n, float* mo, float* vo) const {
@@ -172,6 +173,7 @@ struct Plain {  // moments in fp32 or bf16 (rounded to nearest even)
 inline float round_even(float x) { return (x + 12582912.0f) - 12582912.0f; }
 
 struct Int8 {  // precision.quantize_signed / quantize_sqrt, block by block; loops the compiler vectorises
+  static constexpr bool kTakesRoot = true;  // `put` takes the second moment's square root, the update's own
   int8_t* m;
   uint8_t* v;
   float* m_scale;
@@ -191,11 +193,9 @@ struct Int8 {  // precision.quantize_signed / quantize_sqrt, block by block; loo
       vo[k] = s * s;
     }
   }
-  void put(int64_t lo, int64_t n, const float* __restrict__ mi, float* __restrict__ vi) const {
+  void put(int64_t lo, int64_t n, const float* __restrict__ mi, const float* __restrict__ vi) const {
     int8_t* __restrict__ qm = m + lo;
     uint8_t* __restrict__ qv = v + lo;
-#pragma omp simd
-    for (int64_t k = 0; k < n; ++k) vi[k] = std::sqrt(vi[k]);  // from here on the second moment's square root
     float am[16] = {}, cm[16] = {};  // the block's largest magnitudes, 16 lanes at a time (max is exact in any order)
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
@@ -249,9 +249,10 @@ void update_blocks(const Master& P, const Moments& M, const G* g, int64_t lo, in
         const float gi = load(g, j) * s.grad_scale;
         const float mi = std::fma(s.lerp_weight, gi - m[j - b0], m[j - b0]);
         const float vi = std::fma(s.one_minus_beta2 * gi, gi, v[j - b0] * s.beta2);
-        const float pi = P.get(j) * decay + s.neg_step_size * mi / (std::sqrt(vi) / s.bias2_sqrt + s.eps);
+        const float root = std::sqrt(vi);
+        const float pi = P.get(j) * decay + s.neg_step_size * mi / (root / s.bias2_sqrt + s.eps);
         m[j - b0] = mi;
-        v[j - b0] = vi;
+        v[j - b0] = Moments::kTakesRoot ? root : vi;
         P.put(j, pi);
       }
       i = e;
