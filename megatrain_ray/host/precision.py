@@ -88,8 +88,8 @@ class StateFormat:
 
 
 def format_of(optim) -> StateFormat:
-    """The state format an OptimConfig asks for (older configs, without the keys, are fp32)."""
-    return StateFormat(getattr(optim, "master", "fp32"), getattr(optim, "moments", "fp32"))
+    """The state format an OptimConfig asks for (optim.master, optim.moments)."""
+    return StateFormat(optim.master, optim.moments)
 
 
 def num_blocks(numel: int) -> int:
