@@ -131,9 +131,6 @@ class Parts:
     kinds: tuple[int, ...]  # per decoder layer: the index of its template (first layer of its structure)
     tied: bool  # the LM head is the input embedding
 
-    @property
-    def templates(self) -> list[int]:
-        return sorted(set(self.kinds))
 
 
 def decoder_parts(model: nn.Module) -> Parts:
@@ -250,13 +247,6 @@ def per_expert_names(owner: str, shape: tuple[int, ...], pieces: list) -> tuple[
     return tuple(templates)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 # ---------------------------------------------------------------------------------------------
 # Running the model's own code around the layers
 # ---------------------------------------------------------------------------------------------
@@ -300,6 +290,7 @@ def recording_decoder(base: nn.Module, calls: list, stop_after: int) -> nn.Modul
 
 
 def run_until_layers(decoder: nn.Module, state: dict[str, torch.Tensor], calls: list, **inputs) -> None:
+    """The decoder's forward on `state` (the weights and buffers it reads) until a recording layer stops it."""
     with contextlib.suppress(_Stop):
         torch.func.functional_call(decoder, state, args=(), kwargs={**inputs, "use_cache": False}, strict=False)
 
@@ -348,4 +339,5 @@ def layer_output(out) -> torch.Tensor:
 
 @lru_cache(maxsize=8)
 def parts_of(config_json: str) -> Parts:
+    """The parts of the model of a canonical config.json (built once per process)."""
     return decoder_parts(build_empty(json.loads(config_json)))
