@@ -41,7 +41,7 @@ def test_kept_compilation_saves_less_and_differentiates_as_eager():
 
     y_eager, grads_eager, _ = run(fam.block, w, x, ctx, dy)
     _, _, default_bytes = run(compile_block(fam.block), w, x, ctx, dy)
-    y_kept, grads_kept, kept_bytes = run(compile_kept_block(fam.block), w, x, ctx, dy)
+    y_kept, grads_kept, kept_bytes = run(compile_kept_block(fam.block, fam.kept_activation_budget), w, x, ctx, dy)
 
     assert kept_bytes < default_bytes
     torch.testing.assert_close(y_kept, y_eager, rtol=1e-5, atol=1e-5)
