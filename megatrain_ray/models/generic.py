@@ -174,6 +174,7 @@ class LayerCall:
     module: torch.nn.Module | None = None
     frozen: frozenset[str] = frozenset()
     buffers: dict | None = None
+    routers: tuple = ()  # its routers' modules, whose logits the load-balancing loss reads
 
 
 @dataclass
@@ -267,8 +268,9 @@ def bound_call(arch: TransformersArch, call: LayerCall, device: torch.device) ->
     """`call` with its template's module, buffer names and device buffers filled in."""
     t = call.template
     buffers = _buffers_on(arch.hf_config, str(t), device)
-    return LayerCall(t, call.args, call.kwargs, parts(arch).layers[t], _template_frozen(arch.hf_config, t),
-                     buffers or None)
+    module = parts(arch).layers[t]
+    return LayerCall(t, call.args, call.kwargs, module, _template_frozen(arch.hf_config, t), buffers or None,
+                     routers_in(arch, module))
 
 
 def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
@@ -277,6 +279,82 @@ def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
         state = {**state, **call.buffers}
     out = torch.func.functional_call(call.module, state, (x, *call.args), call.kwargs, strict=False)
     return hm.layer_output(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The router's load-balancing loss (transformers' load_balancing_loss_func)
+# ---------------------------------------------------------------------------------------------
+
+
+def router_recorder(model: torch.nn.Module) -> tuple[type, int] | None:
+    """(router class, index of its logits in its output) as the model records router logits for
+    its load-balancing loss; None for a model that records none."""
+    spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    if spec is None:
+        return None
+    if isinstance(spec, type):
+        return spec, 0
+    target = getattr(spec, "target_class", None)
+    return (target, getattr(spec, "index", None) or 0) if isinstance(target, type) else None
+
+
+def aux_settings(arch: TransformersArch) -> tuple[int, int, float] | None:
+    """(experts, experts per token, coefficient) of the causal LM's own loss, where it computes one."""
+    p = parts(arch)
+    values = [getattr(p.model, name, None) for name in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]
+    if router_recorder(p.model) is None or not all(isinstance(v, (int, float)) for v in values):
+        return None
+    return int(values[0]), int(values[1]), float(values[2])
+
+
+@functools.lru_cache(maxsize=64)
+def _router_names(config_json: str, template: int) -> tuple[str, ...]:
+    p = hm.parts_of(config_json)
+    spec = router_recorder(p.model)
+    if spec is None:
+        return ()
+    return tuple(n for n, m in p.layers[template].named_modules() if isinstance(m, spec[0]))
+
+
+def routers_in(arch: TransformersArch, module: torch.nn.Module) -> tuple:
+    if not arch.config.get("output_router_logits"):
+        return ()
+    template = parts(arch).layers.index(module)
+    return tuple(module.get_submodule(n) for n in _router_names(arch.hf_config, template))
+
+
+def block_with_router_stats(arch: TransformersArch, w: Weights, x: torch.Tensor, call: LayerCall):
+    """The block and its routers' statistics [2, E]: each expert's top-k assignments (no gradient)
+    and its routing probabilities summed over tokens; None for a layer without a router."""
+    if not call.routers:
+        return block_forward(w, x, call), None
+    index = router_recorder(parts(arch).model)[1]
+    logits: list[torch.Tensor] = []
+
+    def keep(module, inputs, output):
+        logits.append(output[index] if isinstance(output, (tuple, list)) else output)
+
+    hooks = [router.register_forward_hook(keep) for router in call.routers]
+    try:
+        y = block_forward(w, x, call)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    experts, per_token, _ = aux_settings(arch)
+    probs = F.softmax(torch.cat([t.reshape(-1, t.shape[-1]) for t in logits]).float(), dim=-1)
+    chosen = torch.topk(probs, per_token, dim=-1).indices
+    counts = F.one_hot(chosen, experts).sum(dim=(0, 1)).float()
+    return y, torch.stack([counts.detach(), probs.sum(dim=0)])
+
+
+def router_aux_term(arch: TransformersArch, stats: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
+    """One layer's share of coef x load_balancing_loss_func over all layers' router logits:
+    E x sum_e C_e p_e / rows^2, with C all layers' assignment counts (constants), p this layer's
+    probability sums and rows the tokens times the layers with a router (models/moe.py derives it)."""
+    experts, per_token, coef = aux_settings(arch)
+    counts = totals[0].detach()
+    rows = counts.sum() / per_token
+    return coef * experts * (counts * stats[1]).sum() / (rows * rows)
 
 
 def head_state(head_call: HeadCall, head: Weights, embed: Weights | None) -> dict[str, torch.Tensor]:
@@ -392,8 +470,16 @@ class TransformersFamily(ModelFamily):
         return embed_forward(arch, w, input_ids)
 
     def block(self, arch: TransformersArch, w: Weights, x: torch.Tensor, ctx: LayerCall,
-              mlp_chunk: int = 0) -> torch.Tensor:
+              mlp_chunk: int = 0, aux: bool = False):
+        if aux:
+            return block_with_router_stats(arch, w, x, ctx)
         return block_forward(w, x, ctx)
+
+    def aux_loss_on(self, arch: TransformersArch) -> bool:
+        return bool(arch.config.get("output_router_logits")) and aux_settings(arch) is not None
+
+    def aux_loss_term(self, arch: TransformersArch, stats: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
+        return router_aux_term(arch, stats, totals)
 
     def template_of(self, arch: TransformersArch, ctx: LayerCall) -> int:
         """Which template a block call runs (streaming/compiled.py falls back per template)."""

@@ -48,10 +48,10 @@ def refusal(config: dict[str, Any]) -> str | None:
                "a final norm and an LM head"
     except Exception as e:  # transformers refusing its own config: say what it said
         return f"transformers cannot build it from this config: {type(e).__name__}: {e}"
-    if config.get("output_router_logits"):
-        return ("its router's load-balancing loss is on (output_router_logits: true), which megatrain-ray does not "
-                "compute through transformers' modules; set model.router_aux_loss_coef to 0 (or "
-                "output_router_logits to false in config.json) to train without it")
+    if config.get("output_router_logits") and not records_router_logits(config):
+        return ("its router's load-balancing loss is on (output_router_logits: true), but transformers' model "
+                "records no router logits for it; set model.router_aux_loss_coef to 0 (or output_router_logits "
+                "to false in config.json) to train without it")
     for key in MTP_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
             return (f"it has multi-token-prediction layers ({key}: {config[key]}), which transformers' model does "
@@ -64,6 +64,15 @@ def refusal(config: dict[str, Any]) -> str | None:
         return (f"it draws random numbers in training ({settings}), and megatrain-ray recomputes each layer in "
                 "backward, where it would not draw the same ones again; set them to 0 in config.json to train it")
     return None
+
+
+def records_router_logits(config: dict[str, Any]) -> bool:
+    from megatrain_ray.models.generic import router_recorder
+
+    try:
+        return router_recorder(hm.build_empty(config)) is not None
+    except Exception:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,9 +102,15 @@ def sample_batch(vocab: int, seed: int = 1) -> dict[str, torch.Tensor]:
 
 
 def transformers_path(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits and the gradients of the summed token loss (plus the router's loss, where on, weighted
+    by the tokens as a mean loss would weigh it)."""
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum").backward()
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    logits = out.logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum")
+    if getattr(out, "aux_loss", None) is not None:
+        loss = loss + model.router_aux_loss_coef * out.aux_loss * batch["labels"].numel()
+    loss.backward()
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
     return logits.detach(), grads
 
@@ -111,10 +126,20 @@ def streamed_path(arch, model, batch) -> tuple[torch.Tensor, dict[str, torch.Ten
              for layout in layouts]
     x = fam.embed(arch, bound[0], batch["input_ids"])
     ctx = fam.context(arch, batch["position_ids"], x.dtype)
+    aux, stats = fam.aux_loss_on(arch), []
     for layout in layouts[1:-1]:
-        x = fam.block(arch, bound[layout.index], x, fam.layer_context(arch, ctx, layout.index))
+        call = fam.layer_context(arch, ctx, layout.index)
+        if aux:
+            x, s = fam.block(arch, bound[layout.index], x, call, aux=True)
+            stats += [] if s is None else [s]
+        else:
+            x = fam.block(arch, bound[layout.index], x, call)
     logits = fam.logits(arch, bound[-1], bound[0], x)
-    F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum").backward()
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum")
+    if stats:
+        totals = sum(s.detach() for s in stats)
+        loss = loss + sum(fam.aux_loss_term(arch, s, totals) for s in stats) * batch["labels"].numel()
+    loss.backward()
     grads = {}
     for layout, w in zip(layouts, bound):
         for name, t in w.items():

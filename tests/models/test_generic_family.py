@@ -177,6 +177,45 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     check_export(export, arch, model, initial)
 
 
+def test_the_routers_load_balancing_loss_trains_as_transformers_adds_it(tmp_path):
+    """output_router_logits on: each micro-batch's loss is transformers' mean token loss plus
+    coef x load_balancing_loss_func over its layers' router logits, streamed layer by layer."""
+    from helpers.hf_parity import token_loss_sum
+    from helpers.reference_training import adamw_loop
+
+    config_dict = {**small_model_config("qwen2_moe"), "output_router_logits": True, "router_aux_loss_coef": 0.05}
+    torch.manual_seed(0)
+    model = randomize(hm.build_small(config_dict))
+    model_dir = saved(model, tmp_path / "hf")
+    arch = load_hf_arch(model_dir)
+    config = train_config(model_dir, write_documents(tmp_path / "docs.jsonl", arch.vocab_size, seed=5), tmp_path / "run")
+    data = the_runs_batches(config, arch.vocab_size)
+    assert model_arch(config.model).config["output_router_logits"]
+
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            store.load_hf(str(model_dir))
+        losses = [trainer.train_step(step).loss for step in data]
+        export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
+    finally:
+        trainer.close()
+
+    def loss_sum(mb):
+        out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False)
+        targets = int((mb["labels"] != -100).sum())
+        return token_loss_sum(out.logits, mb["labels"]) + model.router_aux_loss_coef * out.aux_loss * targets
+
+    model.train()
+    params = list(model.parameters())
+    theirs = adamw_loop(config, ([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]), params,
+                        data, loss_sum)
+    assert losses == pytest.approx(theirs, rel=RTOL)
+    exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
+    for key, expected in model.state_dict().items():
+        assert rel(exported[key], expected) < RTOL, key
+
+
 # ---------------------------------------------------------------------------------------------- the probe
 
 
