@@ -53,12 +53,15 @@ def prepare(config: Config) -> Config:
 
 
 def train(config: str | Path | Mapping[str, Any] | Config, *, resume: str | None = None,
-          auto_resume: bool | None = None, sets: Iterable[str] = (), **sections: Mapping[str, Any]) -> dict[str, Any]:
+          auto_resume: bool | None = None, overwrite: bool = False, sets: Iterable[str] = (),
+          **sections: Mapping[str, Any]) -> dict[str, Any]:
     """Train as `megatrain-ray train` does; returns the run's summary (final loss, last validation
-    loss, checkpoint, metrics file). `resume`: a checkpoint path or "latest"."""
+    loss, checkpoint, metrics file). `resume`: a checkpoint path or "latest"; `overwrite`: delete
+    an earlier run in the output directory first (else such a directory is refused)."""
     from megatrain_ray.runtime.training import run_training
 
-    return run_training(prepare(to_config(config, sets, **sections)), resume=resume, auto_resume=auto_resume)
+    return run_training(prepare(to_config(config, sets, **sections)), resume=resume, auto_resume=auto_resume,
+                        overwrite=overwrite)
 
 
 def plan(config: str | Path | Mapping[str, Any] | Config, *, sets: Iterable[str] = (), cluster: str | Path | None = None,

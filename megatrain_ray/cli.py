@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -12,11 +13,30 @@ from megatrain_ray.config import ConfigError
 def _train(args) -> int:
     from megatrain_ray import api
 
-    summary = api.train(args.config, sets=args.set, resume=args.resume, auto_resume=args.auto_resume)
+    from megatrain_ray.runtime.signals import RunInterrupted
+
+    try:
+        summary = api.train(args.config, sets=args.set, resume=args.resume, auto_resume=args.auto_resume,
+                            overwrite=args.overwrite)
+    except RunInterrupted as e:
+        print(f"megatrain-ray: {e}", file=sys.stderr)
+        if e.checkpoint is not None:
+            print(f"continue with: {resume_command(args, e.checkpoint)}", file=sys.stderr)
+        return e.exit_code
+    if summary.get("finished_already"):
+        return 0
     val = f", validation loss {summary['eval_loss']}" if summary.get("eval_loss") is not None else ""
     print(f"done: final loss {summary['final_loss']}{val}, checkpoint {summary['checkpoint']}, "
           f"metrics {summary['metrics']}")
     return 0
+
+
+def resume_command(args, checkpoint: Path) -> str:
+    """The command that continues this run from `checkpoint`: this one's config and --set, and --resume."""
+    words = ["megatrain-ray", "train", args.config]
+    for setting in args.set:
+        words += ["--set", setting]
+    return shlex.join(words + ["--resume", str(checkpoint)])
 
 
 def _plan(args) -> int:
@@ -50,6 +70,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The commands; the bench command's options only when `argv` runs it (the benchmark is loaded
     for that command alone)."""
     parser = argparse.ArgumentParser(prog="megatrain-ray", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p):
@@ -61,6 +82,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     train = with_config(sub.add_parser("train", help="train a model"))
     train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH|latest",
                        help="continue from a checkpoint (default: the latest under the run's checkpoint dir)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="delete an earlier run in train.output_dir (its metrics.jsonl and checkpoints) and start "
+                            "again; without it such a directory is refused")
     train.add_argument("--auto-resume", action=argparse.BooleanOptionalAction, default=None,
                        help="when a node is lost, wait for the cluster to have room and continue from the last "
                             "checkpoint (default: train.auto_resume, else on under `ray job submit`)")
@@ -92,18 +116,32 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatrain-ray")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def input_errors() -> tuple[type[Exception], ...]:
-    """Mistakes in what the user gave us (config, data, checkpoint, a plan that cannot fit): exit 2."""
+    """Mistakes in what the user gave us (config, data, checkpoint, output directory, a plan that
+    cannot fit): exit 2."""
     from megatrain_ray.files.checkpoint import CheckpointError
     from megatrain_ray.data import DataError
     from megatrain_ray.planning.plan import PlanError
+    from megatrain_ray.runtime.output_dir import OutputDirError
 
-    return CheckpointError, DataError, PlanError
+    return CheckpointError, DataError, PlanError, OutputDirError
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit 0 on success, 2 for bad input, 3 for a run that stopped (a lost node, a diverging loss):
-    each with one paragraph on stderr, never a traceback."""
+    """Exit 0 on success, 2 for bad input or a file-system error, 3 for a run that stopped (a lost
+    node, a diverging loss), 130 / 143 for a run stopped by SIGINT / SIGTERM: each with one
+    paragraph on stderr, never a traceback."""
+    from megatrain_ray.runtime.output_dir import FileSystemError, describe_os_error
+    from megatrain_ray.runtime.signals import StoppedAtOnce
     from megatrain_ray.runtime.watchdog import RunStopped
 
     argv = sys.argv[1:] if argv is None else argv
@@ -119,6 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as e:
         print(f"megatrain-ray: {type(e).__name__}: {e}", file=sys.stderr)
         return 3
+    except FileSystemError as e:
+        print(f"megatrain-ray: file-system error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno is None:  # not the file system's (a socket, a library's own OSError): keep its traceback
+            raise
+        print(f"megatrain-ray: file-system error: {describe_os_error(e)}", file=sys.stderr)
+        return 2
+    except StoppedAtOnce as e:
+        print(f"megatrain-ray: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside a run's own handler (its start-up, plan, bench, export)
+        print("megatrain-ray: interrupted (SIGINT)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

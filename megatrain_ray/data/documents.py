@@ -59,6 +59,7 @@ class Document:
     input_ids: np.ndarray
     labels: np.ndarray
     origin: Origin
+    skip: str | None = None  # why a row gives nothing to train on, when that is known before tokenizing
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -68,6 +69,12 @@ class Document:
 
     def piece(self, start: int, stop: int) -> "Document":
         return Document(self.input_ids[start:stop], self.labels[start:stop], self.origin)
+
+    @classmethod
+    def skipped(cls, origin: Origin, reason: str) -> "Document":
+        """A row that trains nothing, and why (data/summary.py counts them by reason)."""
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(empty, empty, origin, reason)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,18 @@ def conversation(row: dict[str, Any], fmt: str, origin: Origin, strict: bool) ->
     return alpaca_messages(row, origin) if fmt == "alpaca" else sharegpt_messages(row, origin, strict)
 
 
+def skip_reason(messages: list[dict[str, Any]]) -> str | None:
+    """Why a conversation would train nothing: no turns, no assistant turn, or only empty answers."""
+    if not messages:
+        return "empty conversation"
+    answers = [m.get("content") for m in messages if m.get("role") == "assistant"]
+    if not answers:
+        return "no assistant turn"
+    if all(isinstance(a, str) and not a.strip() for a in answers):
+        return "empty answer"
+    return None
+
+
 def fallback_pieces(messages: list[dict[str, Any]]) -> list[tuple[str, bool]]:
     """The fallback template (see the module docstring) as (text, trained) pieces; "" + True is the EOS."""
     pieces: list[tuple[str, bool]] = []
@@ -98,12 +110,17 @@ def fallback_pieces(messages: list[dict[str, Any]]) -> list[tuple[str, bool]]:
 
 
 def fallback_documents(batch: RowBatch, fmt: str, encoder: TextEncoder, vocab_size: int) -> list[Document]:
-    examples = [fallback_pieces(conversation(row, fmt, origin, strict=True)) for origin, row in batch]
+    chats = [conversation(row, fmt, origin, strict=True) for origin, row in batch]
+    skips = [skip_reason(chat) for chat in chats]
+    examples = [fallback_pieces(chat) if skip is None else [] for chat, skip in zip(chats, skips)]
     texts = [text for pieces in examples for text, _ in pieces if text]
     encoded = iter(encoder.encode(texts))
     eos = [] if encoder.eos_id is None else [encoder.eos_id]
     docs = []
-    for (origin, _), pieces in zip(batch, examples):
+    for (origin, _), pieces, skip in zip(batch, examples, skips):
+        if skip is not None:
+            docs.append(Document.skipped(origin, skip))
+            continue
         tokens, trained = [list(encoder.prefix)], [[False] * len(encoder.prefix)]
         for text, train in pieces:
             ids = list(next(encoded)) if text else (eos if train else [])
@@ -120,12 +137,14 @@ def template_documents(batch: RowBatch, fmt: str, encoder: TextEncoder, template
                        vocab_size: int) -> list[Document]:
     """Render each conversation with the model's template, tokenize the text whole, and train on
     the tokens of the assistant's spans."""
-    rendered = [template.render_chat(conversation(row, fmt, origin, strict=False), origin) for origin, row in batch]
-    docs = []
-    for (origin, _), (_, spans), encoding in zip(batch, rendered, encoder.encodings([t for t, _ in rendered])):
+    chats = [(origin, conversation(row, fmt, origin, strict=False)) for origin, row in batch]
+    docs: list[Document | None] = [None if (skip := skip_reason(chat)) is None else Document.skipped(origin, skip)
+                                   for origin, chat in chats]
+    todo = [(i, origin, template.render_chat(chat, origin)) for i, (origin, chat) in enumerate(chats) if docs[i] is None]
+    for (i, origin, (_, spans)), encoding in zip(todo, encoder.encodings([text for _, _, (text, _) in todo])):
         ids = np.asarray(encoding.ids, dtype=np.int64)
         check_token_ids(ids, vocab_size, origin, "tokens")
-        docs.append(masked_document(ids, np.asarray(trained_tokens(encoding.offsets, spans), dtype=bool), origin))
+        docs[i] = masked_document(ids, np.asarray(trained_tokens(encoding.offsets, spans), dtype=bool), origin)
     return docs
 
 

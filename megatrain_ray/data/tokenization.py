@@ -117,8 +117,14 @@ def special_prefix(tokenizer: Any) -> tuple[int, ...]:
 
 def text_documents(batch: RowBatch, column: str, encoder: TextEncoder, vocab_size: int) -> list[Document]:
     texts = [text_of(row, column, origin) for origin, row in batch]
+    kept = [(origin, text) for (origin, _), text in zip(batch, texts) if text.strip()]
+    encoded = iter(encoder.encode([text for _, text in kept]))
     docs = []
-    for (origin, _), ids in zip(batch, encoder.encode(texts)):
+    for (origin, _), text in zip(batch, texts):
+        if not text.strip():
+            docs.append(Document.skipped(origin, "empty text"))
+            continue
+        ids = next(encoded)
         pieces = [np.asarray(encoder.prefix, dtype=np.int64), ids]
         if encoder.eos_id is not None:
             pieces.append(np.asarray([encoder.eos_id], dtype=np.int64))

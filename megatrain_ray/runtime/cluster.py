@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Callable
 
 import ray
 import torch
@@ -59,28 +60,32 @@ def started_cluster() -> str | None:
     return canonicalize_bootstrap_address(None)
 
 
-def connect(cfg: RuntimeConfig) -> None:
+def connect(cfg: RuntimeConfig, say: Callable[[str], None] = lambda text: None) -> None:
     """Join cfg.address, RAY_ADDRESS or the cluster `ray start` made here; else start an embedded
     one (also when the address is `local`: never join whatever runs on the machine). Token
-    authentication is used whenever a token is there (README: Three ways to run)."""
+    authentication is used whenever a token is there (README: Three ways to run). `say` hears
+    which of them it does."""
     if ray.is_initialized():
         return
     try:
-        _connect(cfg, {"env_vars": {"PYTHONUNBUFFERED": "1"}})
+        _connect(cfg, {"env_vars": {"PYTHONUNBUFFERED": "1"}}, say)
     finally:
         keep_token_private()
 
 
-def _connect(cfg: RuntimeConfig, env: dict) -> None:
+def _connect(cfg: RuntimeConfig, env: dict, say: Callable[[str], None]) -> None:
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address and address != "local":
+        say(f"joining the Ray cluster at {address}")
         use_token_auth_if_token_available()
         ray.init(address=cfg.address, runtime_env=env, log_to_driver=True)
         return
     if not address and started_cluster() is not None:
+        say(f"joining the Ray cluster that `ray start` made on this machine ({started_cluster()})")
         use_token_auth_if_token_available()
         ray.init(runtime_env=env)
         return
+    say(f"starting Ray on this machine ({cfg.num_cpus or os.cpu_count()} CPUs)")
     ray.init(
         num_cpus=cfg.num_cpus or os.cpu_count(),
         object_store_memory=cfg.object_store_memory,

@@ -8,6 +8,7 @@ a lost node into a ClusterFault instead of a hang.
 
 from __future__ import annotations
 
+import errno
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -233,6 +234,8 @@ class Session:
             try:
                 shards = self.wait([s.save_shard.remote(str(staging), n) for s, n in zip(self.stores, names)], what)
             except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, OSError) and e.cause.errno not in (None, errno.ENOENT):
+                    raise e.cause from None  # the disk's own error (full, read-only), whatever the transport
                 raise ckpt.CheckpointError(f"a store could not write its shard into {staging} ({e.cause!r}); with "
                                            f"checkpoint.transport=shared the checkpoint dir must be storage every "
                                            f"node sees, else set checkpoint.transport=driver") from None

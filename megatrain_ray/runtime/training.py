@@ -18,7 +18,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,11 @@ from megatrain_ray.runtime.cluster import alive_node_ids, connect
 from megatrain_ray.config import Config, ConfigError
 from megatrain_ray.streaming.step_result import EvalResult
 from megatrain_ray.runtime.metrics import MetricsLog
+from megatrain_ray.runtime.output_dir import claim
+from megatrain_ray.runtime.progress import StartupPhases
+from megatrain_ray.runtime.signals import RunInterrupted, StopRequest
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.registry import model_arch
+from megatrain_ray.models.registry import model_arch, num_params
 from megatrain_ray.runtime.placement import Placement
 from megatrain_ray.runtime.session import Session, place
 from megatrain_ray.runtime.trackers import check_trackers, open_trackers
@@ -69,6 +72,8 @@ class Progress:
 
     checkpoint: Path | None
     placement: Placement | None = None
+    data_summary: dict | None = None  # data/summary.py's counts, for metrics.jsonl
+    phase: StartupPhases = field(default_factory=StartupPhases)  # says what the start-up is doing
 
 
 def wait_for_room(arch: ModelArch, config: Config, lost: tuple[str, ...]) -> Placement:
@@ -88,33 +93,55 @@ def wait_for_room(arch: ModelArch, config: Config, lost: tuple[str, ...]) -> Pla
 
 
 def run_training(config: Config, resume: str | None = None, auto_resume: bool | None = None,
-                 until_step: int | None = None) -> dict[str, Any]:
+                 until_step: int | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Train as the config says; returns a summary (final loss, checkpoint path, metrics path).
 
     `until_step` stops (with a checkpoint) before train.steps, without changing the LR schedule:
     the run continues later with --resume exactly as if it had not stopped.
 
-    Everything that can be checked without the cluster (model, data, the checkpoint to resume)
-    is checked first, so a mistake costs seconds, not a cluster start.
+    Everything that can be checked without the cluster (model, data, the checkpoint to resume,
+    the output directory: runtime/output_dir.py) is checked first, so a mistake costs seconds, not
+    a cluster start. SIGINT and SIGTERM stop it at a step boundary (runtime/signals.py).
     """
+    from megatrain_ray.data.summary import summarize_data
+
     arch = model_arch(config.model)
-    data = datasets(config, arch.vocab_size)  # DataError before any Ray work, for the validation data too
+    counted = summarize_data(config.data, config.eval, arch.vocab_size, config.train.seed)  # DataError before Ray
+    data = datasets(config, arch.vocab_size)  # the validation batches too
     check_trackers(config.metrics)
     resume_path = ckpt.resolve(resume, ckpt.checkpoint_root(config)) if resume else None
     if resume_path is not None:  # the one verification of its files (hashes) in this run
         manifest, meta = ckpt.read_manifest(resume_path)
         ckpt.check_compatible(meta, arch, resume_path, manifest)
         ckpt.check_state_format(meta, config, resume_path)
+        last_step = config.train.steps if until_step is None else min(config.train.steps, until_step)
+        if meta["step"] >= last_step:
+            return finished_already(config, resume_path, meta["step"], last_step)
+    out = claim(config, resume, overwrite)
     seed_driver(config.train.seed)
-    connect(config.runtime)
-    out = Path(config.train.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    progress = Progress(resume_path, data_summary=counted)
+    with StopRequest() as stop:
+        connect(config.runtime, progress.phase)
+        stop.install()  # ray.init sets its own SIGTERM handler
+        return train_with_restarts(config, arch, data, progress, out, auto_resume, until_step, stop)
+
+
+def finished_already(config: Config, checkpoint: Path, step: int, last_step: int) -> dict[str, Any]:
+    """--resume of a run that has trained all its steps: say so, write nothing."""
+    print(f"the run in {config.train.output_dir} is finished: {checkpoint} is step {step} of {last_step}; "
+          f"nothing to train (to train further, raise train.steps, e.g. --set train.steps={2 * last_step})", flush=True)
+    return {"final_loss": None, "eval_loss": None, "checkpoint": str(checkpoint),
+            "metrics": str(Path(config.train.output_dir) / "metrics.jsonl"), "finished_already": True}
+
+
+def train_with_restarts(config: Config, arch: ModelArch, data: tuple, progress: Progress, out: Path,
+                        auto_resume: bool | None, until_step: int | None, stop: StopRequest) -> dict[str, Any]:
+    """Sessions one after another: after a lost node, with auto-resume, from the last checkpoint."""
     auto = auto_resume_enabled(config, auto_resume)
-    progress = Progress(resume_path)
     restarts = 0
     while True:
         try:
-            return train_session(config, arch, data, progress, out, until_step)
+            return train_session(config, arch, data, progress, out, until_step, stop)
         except ClusterFault as fault:
             last = progress.checkpoint
             where = f"last good checkpoint: {last}" if last else "no checkpoint yet (a restart begins at step 0)"
@@ -138,11 +165,15 @@ def seed_driver(seed: int) -> None:
 
 
 def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progress, out: Path,
-                  until_step: int | None = None) -> dict[str, Any]:
+                  until_step: int | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
     """Place stores and the executor, load the starting state, run the loop; always releases the actors."""
+    say = progress.phase
+    say("reading the cluster's nodes and placing the model")
     placement = progress.placement or place(arch, config)
     progress.placement = None
     watch = Watchdog(placement, config.train.step_timeout_s)
+    say(f"starting {len(placement.stores)} store(s)" + ("" if host_kernel_built() else
+        " (they build the host AdamW kernel: once per machine, about a minute)"))
     try:
         session = Session(config, arch, placement=placement, wait=watch.get)
     except FAULTS as e:  # a node left between the plan and the actors' start
@@ -151,14 +182,34 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
     meta = None
     try:
         if progress.checkpoint is not None:
+            say(f"loading {checkpoint_gb(progress.checkpoint):.1f} GB of weights and optimizer state from "
+                f"{progress.checkpoint}")
             meta = session.restore(progress.checkpoint, verify=False)  # run_training verified it, or this run wrote it
             print(f"resumed from {progress.checkpoint} at step {meta['step']}", flush=True)
         else:
+            gb = num_params(arch) * 4 / 1e9
+            say(f"loading {gb:.1f} GB of weights (fp32) from {config.model.path}" if config.model.path
+                else f"initialising {gb:.1f} GB of weights (fp32, random)")
             session.init_weights()
+        say("starting the executor")
         print(f"executor device: {session.start_executor()}", flush=True)
-        return _loop(session, config, data, meta, progress, out, until_step)
+        if placement.use_cuda and config.executor.compile:
+            say("the first step compiles the decoder blocks (torch.compile): it takes longer than the others")
+        return _loop(session, config, data, meta, progress, out, until_step, stop)
     finally:
         session.close()
+
+
+def host_kernel_built() -> bool:
+    """Whether this machine's cache holds the host AdamW kernel's build (a store on another machine may not)."""
+    from megatrain_ray.host.adamw_kernel import _build_name, _cache_dir
+
+    return (_cache_dir() / f"{_build_name()}.so").exists()
+
+
+def checkpoint_gb(path: Path) -> float:
+    manifest, _ = ckpt.read_manifest(path, verify=False)
+    return sum(s["bytes"] for s in manifest["shards"]) / 1e9
 
 
 def datasets(config: Config, vocab_size: int):
@@ -181,18 +232,22 @@ def validate(session: Session, batches: list[dict], group: int, step: int) -> Ev
 
 
 def _loop(session: Session, config: Config, data: tuple, meta: dict | None, progress: Progress, out: Path,
-          until_step: int | None = None) -> dict[str, Any]:
+          until_step: int | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
     from megatrain_ray.data import DataPosition
 
     t = config.train
     dataset, eval_batches = data  # datasets(): a pure function of the config, reread from any position
     start_step = meta["step"] if meta else 0
     start_pos = DataPosition.from_dict(meta["data_position"]) if meta and meta.get("data_position") else None
-    log = MetricsLog(out / "metrics.jsonl", t.steps, open_trackers(config.metrics, out, config.to_dict()))
+    log = MetricsLog(out / "metrics.jsonl", t.steps, open_trackers(config.metrics, out, config.to_dict()), start_step,
+                     progress.data_summary)
     bad_in_a_row, last, position, step, evaluation = 0, None, start_pos, start_step, None
     batches = dataset.batches(t.micro_batch_size, t.grad_accum, start_pos)
     try:
         last_step = t.steps if until_step is None else min(t.steps, until_step)
+        saved = start_step if progress.checkpoint is not None else None
+        if stop is not None and stop.requested:  # during the start-up: nothing new to save
+            raise RunInterrupted(stop.signum, start_step, progress.checkpoint)
         for step in range(start_step + 1, last_step + 1):
             micro_batches, position = next(batches)
             last = session.train_step(micro_batches, f"step {step}")
@@ -211,7 +266,11 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
                     f"{progress.checkpoint or 'none'}. Lower optim.lr or model.init_std, or check the data."
                 )
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step < last_step:
-                progress.checkpoint = session.save_checkpoint(step, position.to_dict())
+                progress.checkpoint, saved = session.save_checkpoint(step, position.to_dict()), step
+            if stop is not None and stop.requested and step < last_step:
+                if saved != step:
+                    progress.checkpoint = session.save_checkpoint(step, position.to_dict())
+                raise RunInterrupted(stop.signum, step, progress.checkpoint)
     finally:
         log.close()
     if step == start_step and progress.checkpoint is not None:

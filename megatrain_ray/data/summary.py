@@ -1,0 +1,129 @@
+"""What a data source holds for training, counted before the run starts: files, rows read, rows
+held out for validation, rows skipped by reason, rows truncated, tokens and the tokens that carry
+loss. Printed at start and written into the first row of metrics.jsonl that a run writes.
+
+The count reads the source once in file order through the same steps as the training stream
+(reader, hold-out split, tokenizer and chat template, data.seq_len), up to SCAN_ROWS rows (then it
+says it read a first part); a source without a single trainable row is read to its end and
+refused with the reasons (DataError, exit 2), before Ray starts. Skip reasons: the SFT formats'
+"empty conversation", "no assistant turn" and "empty answer" and the text format's "empty text"
+(known before tokenizing), "answer cut off by data.seq_len" (an SFT example whose trained tokens
+all lie past the cut) and "no loss tokens" (any other row without a target, such as a tokens row
+whose labels are all -100).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from megatrain_ray.data.dataset import SPLITTABLE_FORMATS, Dataset
+from megatrain_ray.data.documents import IGNORE_INDEX, DataError, Document
+from megatrain_ray.data.packing import fit_length
+from megatrain_ray.data.readers import column_spec, read_rows
+
+SCAN_ROWS = 10_000
+
+
+@dataclass
+class DataSummary:
+    files: int = 0
+    rows_read: int = 0
+    rows_split_off: int = 0  # on the other side of eval.holdout_fraction's split
+    rows_skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows
+    rows_truncated: int = 0  # SFT examples cut at data.seq_len
+    rows_trainable: int = 0
+    tokens: int = 0  # of the trainable rows, after truncation
+    loss_tokens: int = 0  # positions whose next token is a target
+    complete: bool = True  # False: the first SCAN_ROWS rows were counted
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def skip(self, reason: str) -> None:
+        self.rows_skipped[reason] = self.rows_skipped.get(reason, 0) + 1
+
+    def count(self, doc: Document, seq_len: int, truncate: bool, splittable: bool) -> None:
+        if doc.skip is not None:
+            self.skip(doc.skip)
+            return
+        fitted = fit_length(doc, seq_len, truncate, splittable)  # a too-long row without truncate: its DataError
+        cut = len(fitted) < len(doc)
+        self.rows_truncated += cut
+        loss = int((fitted.labels != IGNORE_INDEX).sum())
+        if not loss:
+            self.skip("answer cut off by data.seq_len" if cut and (doc.labels != IGNORE_INDEX).any() else "no loss tokens")
+            return
+        self.rows_trainable += 1
+        self.tokens += len(fitted)
+        self.loss_tokens += loss
+
+    def skipped_text(self) -> str:
+        if not self.rows_skipped:
+            return "none skipped"
+        reasons = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.rows_skipped.items(), key=lambda kv: -kv[1]))
+        return f"{sum(self.rows_skipped.values()):,} skipped ({reasons})"
+
+    def describe(self, what: str = "training data") -> str:
+        part = "" if self.complete else f" (the first {self.rows_read:,} rows; the rest is not counted)"
+        side = "held out for validation" if what == "training data" else "left to training"
+        held = f", {self.rows_split_off:,} {side}" if self.rows_split_off else ""
+        source = f"{self.files} file(s)" if self.files else "synthetic"
+        return (f"{what}: {source}, {self.rows_read:,} rows read{part}{held}, {self.skipped_text()}, "
+                f"{self.rows_truncated:,} truncated at data.seq_len; {self.rows_trainable:,} trainable rows, "
+                f"{self.tokens:,} tokens, {self.loss_tokens:,} carrying loss")
+
+
+def summarize(dataset: Dataset, what: str = "training data", max_rows: int = SCAN_ROWS) -> DataSummary:
+    """Count the source (see the module docstring); refuses one without a trainable row."""
+    cfg = dataset.cfg
+    splittable = dataset.format in SPLITTABLE_FORMATS
+    summary = DataSummary(files=len(dataset.files))
+    batches = source_batches(dataset)
+    for batch in batches:
+        summary.rows_read += len(batch)
+        kept = batch if dataset.holdout is None else [(o, r) for o, r in batch if dataset.holdout.admits(o)]
+        summary.rows_split_off += len(batch) - len(kept)
+        for doc in documents_of(dataset, kept):
+            summary.count(doc, cfg.seq_len, cfg.truncate, splittable)
+        if summary.rows_read >= max_rows and summary.rows_trainable:
+            summary.complete = next(batches, None) is None
+            break
+    if not summary.rows_trainable:
+        raise DataError(f"no trainable rows in {what} ({dataset.describe()}): {summary.rows_read:,} rows read, "
+                        f"{summary.skipped_text()}" + (f", {summary.rows_split_off:,} on the other side of "
+                                                       f"eval.holdout_fraction" if summary.rows_split_off else ""))
+    return summary
+
+
+def source_batches(dataset: Dataset):
+    """Epoch 0's rows in file order, in the reader's batches (synthetic data: its documents)."""
+    if dataset.format == "synthetic":
+        from megatrain_ray.data.synthetic import synthetic_documents
+
+        yield [(d.origin, d) for d in synthetic_documents(dataset.cfg, dataset.vocab_size, dataset.seed, 0)]
+        return
+    columns = column_spec(dataset.format, dataset.cfg.text_column)
+    for path in dataset.files:
+        yield from read_rows(path, columns, max(1, dataset.cfg.read_batch_rows))
+
+
+def documents_of(dataset: Dataset, batch) -> list[Document]:
+    if not batch:
+        return []
+    if dataset.format == "synthetic":
+        return [doc for _, doc in batch]
+    return dataset.to_documents(batch)
+
+
+def summarize_data(data_cfg, eval_cfg, vocab_size: int, seed: int) -> dict:
+    """The training data and the validation data (when `eval` is on), counted and printed; the
+    counts as metrics.jsonl records them."""
+    from megatrain_ray.data.dataset import build_datasets
+
+    train, held_out = build_datasets(data_cfg, eval_cfg, vocab_size, seed)
+    counted = {"train": summarize(train)}
+    if held_out is not None:
+        counted["validation"] = summarize(held_out, "validation data")
+    for name, summary in counted.items():
+        print(summary.describe("training data" if name == "train" else "validation data"), flush=True)
+    return {name: summary.to_dict() for name, summary in counted.items()}

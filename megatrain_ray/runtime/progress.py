@@ -1,0 +1,102 @@
+"""What a person watching a run sees: the start-up's phases as they begin, then one line per step.
+
+On a terminal the step line is redrawn in place (carriage return, the line, then "erase to the
+end of the line", so a shorter line leaves nothing of the longer one before it) and cut to the
+terminal's width; elsewhere (a file, a pipe, `ray job logs`) every step is a plain line. The line
+holds step/total, percent, loss, the last validation loss and its step, grad norm, learning rate,
+tokens/s over the last steps (one step's own rate jumps with the host's load), elapsed time and
+the time left at the mean step time so far (the first step, which compiles, left out).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections import deque
+from typing import TextIO
+
+from megatrain_ray.streaming.step_result import EvalResult, StepResult
+
+ERASE_TO_END = "\x1b[K"
+RATE_WINDOW = 10  # steps that tokens/s is taken over
+
+
+def clock(seconds: float) -> str:
+    """1:02:03, 2:03, 0:04."""
+    s = int(round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+
+
+class StartupPhases:
+    """The start-up's phases as plain lines when each begins, with the seconds since the first."""
+
+    def __init__(self, stream: TextIO | None = None):
+        self.stream = stream or sys.stdout
+        self.t0 = time.monotonic()
+
+    def __call__(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.1f} s] {text}", file=self.stream, flush=True)
+
+
+class ProgressLine:
+    """The step line; see the module docstring."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, stream: TextIO | None = None, live: bool | None = None):
+        self.stream = stream or sys.stdout
+        self.live = self.stream.isatty() if live is None else live
+        self.total, self.start_step = total_steps, start_step
+        self.t0 = time.monotonic()
+        self.after_first: float | None = None  # when this session's first step ended
+        self.recent: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (tokens, seconds)
+        self.last_eval: tuple[int, float] | None = None
+        self.drawn = False
+
+    def text(self, step: int, r: StepResult, evaluation: EvalResult | None = None) -> str:
+        now = time.monotonic()
+        done = step - self.start_step
+        if done == 1:
+            self.after_first = now
+        self.recent.append((r.tokens, r.seconds))
+        if evaluation is not None:
+            self.last_eval = (step, evaluation.loss)
+        tokens, seconds = map(sum, zip(*self.recent))
+        parts = [f"step {step}/{self.total} ({100 * step / self.total:.0f}%)", f"loss {r.loss:.4f}"]
+        if self.last_eval is not None:
+            at = "" if self.last_eval[0] == step else f" @{self.last_eval[0]}"
+            parts.append(f"val_loss {self.last_eval[1]:.4f}{at}")
+        parts.append(f"grad_norm {r.grad_norm:.3f}")
+        if r.lr is not None:
+            parts.append(f"lr {r.lr:.2e}")
+        parts.append(f"{tokens / seconds if seconds else 0:,.0f} tok/s")
+        parts.append(f"elapsed {clock(now - self.t0)}")
+        parts.append(f"ETA {self.eta(step, now)}")
+        line = " | ".join(parts)
+        if not r.finite:
+            line += " (non-finite: update skipped)"
+        return line
+
+    def eta(self, step: int, now: float) -> str:
+        later = step - self.start_step - 1  # steps after the first (which compiles)
+        if self.after_first is None or later < 1:
+            return "?"
+        return clock((now - self.after_first) / later * (self.total - step))
+
+    def show(self, step: int, r: StepResult, evaluation: EvalResult | None = None) -> str:
+        line = self.text(step, r, evaluation)
+        if self.live:
+            width = shutil.get_terminal_size((200, 24)).columns - 1
+            self.stream.write("\r" + line[:width] + ERASE_TO_END)
+            self.drawn = True
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        return line
+
+    def close(self) -> None:
+        """Leave the live line as it is, on a line of its own."""
+        if self.live and self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = False

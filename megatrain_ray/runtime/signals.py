@@ -1,0 +1,92 @@
+"""Stopping a run on SIGINT (Ctrl-C) or SIGTERM (`ray job stop`, a spot preemption, `kill`).
+
+The first signal asks the training loop to stop at the next step boundary: it writes a checkpoint
+of that step (unless it has just written one) and raises RunInterrupted, which the CLI turns into
+the resume command and exit status 128 + the signal's number (130, 143), without a traceback. A
+second signal stops at once: the handler raises a KeyboardInterrupt where the driver is (Ray's
+waits turn any other exception from a handler into nothing, and a KeyboardInterrupt into a fresh
+one), which `stopping_at_once` names as StoppedAtOnce; the session's actors are still closed on the
+way out, so their shared memory is released.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunInterrupted(Exception):
+    """The run stopped at a step boundary on a signal; `checkpoint` continues it (None: nothing to continue)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        where = (f"checkpoint {checkpoint}" if checkpoint is not None
+                 else "no checkpoint (it stopped before its first step)")
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {where}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StoppedAtOnce(Exception):
+    """A second signal: the run stopped where it was, without a checkpoint of the current step."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}, without a checkpoint "
+                         f"of the step under way")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StopRequest:
+    """Holds the first signal received while installed; see the module docstring. Installed only in
+    the main thread (Python delivers signals there); elsewhere it never fires and the default
+    handlers stay."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.second: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def install(self) -> None:
+        """(Again) make this the handler: `ray.init` sets its own SIGTERM handler, so call it after."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in SIGNALS:
+            previous = signal.signal(signum, self._handle)
+            self._previous.setdefault(signum, previous)
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            self.second = signum
+            raise KeyboardInterrupt
+        self.signum = signum
+        name = signal.Signals(signum).name
+        print(f"\n{name}: stopping after the step under way, with a checkpoint; {name} again stops at once",
+              file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "StopRequest":
+        self.install()
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.restore()
+        if kind is not None and issubclass(kind, KeyboardInterrupt) and self.second is not None:
+            raise StoppedAtOnce(self.second) from None

@@ -1,0 +1,301 @@
+"""A run's life through the CLI, as a user meets it: an output directory that holds a run is never
+reused unasked (exit 2, the first run untouched; --resume of a finished run writes nothing;
+--overwrite starts again), file-system mistakes are one paragraph before Ray starts, and SIGTERM /
+SIGINT stop at a step boundary with a checkpoint of that step (exit 143 / 130, no traceback,
+nothing left in shared memory) from which the printed resume command continues exactly as the
+run that was never stopped (fp32 on the CPU: bit for bit). The run that is never stopped runs on a
+pseudo-terminal: its progress line, replayed as a terminal draws it, holds its fields and nothing
+of the line it overwrote; the others write to pipes: plain lines.
+
+The runs join one `ray start --head` cluster of the module (its own temp dir, ended by pid), so
+each costs a driver's connection instead of a Ray start."""
+
+import fcntl
+import hashlib
+import json
+import os
+import pty
+import re
+import select
+import struct
+import termios
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_checkpoint_resume import tensors_of, tiny_raw
+from test_job_submit import end_processes_under, free_port
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).parents[1]
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A one-node cluster for the module's drivers; the environment that joins it."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(HOME=str(tmp_path_factory.mktemp("home")), RAY_TMPDIR=str(ray_tmp), RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=str(REPO), PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    port = free_port()
+    try:
+        subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                        "--num-cpus=2", "--object-store-memory=100000000", "--include-dashboard=false",
+                        "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=180)
+        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    finally:
+        end_processes_under(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_dir():
+    """The run's shared memory in a directory of its own: what is left there is this run's."""
+    path = Path(tempfile.mkdtemp(prefix="mr-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write_config(directory: Path, out: Path, shm: Path | None = None) -> Path:
+    validation = directory / "validation.jsonl"  # token rows: validation beside synthetic training data
+    validation.write_text("".join(json.dumps({"input_ids": [(3 * i + j) % 64 for j in range(16)]}) + "\n"
+                                  for i in range(4)))
+    raw = tiny_raw(out, steps=STEPS, checkpoint={"every": 0, "keep": 5, "export_hf": False},
+                   eval={"source": str(validation), "every": 4, "batches": 1},
+                   runtime={"num_cpus": 1, "object_store_memory": 100_000_000,
+                            **({"shm_dir": str(shm)} if shm else {})})
+    path = directory / f"{out.name}.yaml"
+    path.write_text(json.dumps(raw))  # JSON is YAML
+    return path
+
+
+def train(args: list[str], env: dict, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "megatrain-ray"), "train", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def steps_of(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+COLUMNS = 150
+
+
+def run_on_a_terminal(argv: list[str], env: dict, cwd: Path, timeout: float = 300) -> tuple[int, str]:
+    """argv with a pseudo-terminal of COLUMNS columns as its stdout and stderr; (exit status, what it wrote)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: exec at once
+        os.chdir(cwd)
+        os.execve(argv[0], argv, env)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, COLUMNS, 0, 0))
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not select.select([fd], [], [], 1.0)[0]:
+            continue
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    else:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace")
+
+
+def redraws(raw: str) -> list[tuple[str, str]]:
+    """Replay carriage returns, newlines and erase-to-end-of-line as a terminal does; for every line
+    drawn after a carriage return: (the text written, what the terminal's line then reads)."""
+    out, line, cursor, written = [], [], 0, None
+    for token in re.split(r"(\r\n|\n|\r|\x1b\[K|\x1b\[[0-9;]*m)", raw):
+        if token in ("\r\n", "\n", "\r"):
+            if written is not None:
+                out.append((written, "".join(line)))
+            written = "" if token == "\r" else None
+            if token != "\r":
+                line = []
+            cursor = 0
+        elif token == "\x1b[K":
+            del line[cursor:]
+        elif token and not token.startswith("\x1b"):
+            line[cursor:cursor + len(token)] = token
+            cursor += len(token)
+            if written is not None:
+                written += token
+    return out
+
+
+@pytest.fixture(scope="module")
+def whole(head, tmp_path_factory) -> tuple[Path, str]:
+    """The run that is never stopped, on a terminal: its output directory and what it showed."""
+    work = tmp_path_factory.mktemp("whole")
+    out = work / "run"
+    code, shown = run_on_a_terminal([str(BIN / "megatrain-ray"), "train", str(write_config(work, out))], head, work)
+    assert code == 0, shown[-4000:]
+    assert steps_of(out) == list(range(1, STEPS + 1))
+    return out, shown
+
+
+def test_the_progress_line_on_a_terminal(whole):
+    out, shown = whole
+    drawn = [(written, line) for written, line in redraws(shown) if written.startswith("step ")]
+    assert len(drawn) == STEPS
+    for written, line in drawn:
+        assert line == written and len(line) < COLUMNS  # nothing left of a longer line before it
+    number, clock_ = r"\d+\.\d{4}", r"\d+:\d\d"
+    field = {"val": rf"val_loss {number}( @\d+)?", "rate": r"[\d,]+ tok/s", "elapsed": rf"elapsed {clock_}",
+             "eta": rf"ETA ({clock_}|\?)"}
+    pattern = (rf"step (\d+)/{STEPS} \((\d+)%\) \| loss {number}( \| {field['val']})? \| grad_norm \d+\.\d{{3}} \| "
+               rf"lr \S+ \| {field['rate']} \| {field['elapsed']} \| {field['eta']}")
+    for step, (_, line) in enumerate(drawn, start=1):
+        match = re.fullmatch(pattern, line)
+        assert match, line
+        assert int(match[1]) == step and int(match[2]) == round(100 * step / STEPS)
+        if step >= 4:  # validated every 4 steps: the last validation loss stays on the line, with its step
+            assert "val_loss" in line and (step % 4 == 0) == ("@" not in line), line
+        if step >= 3:
+            assert "ETA ?" not in line
+    # the start-up's phases, each as it began, before the first step
+    before = shown[:shown.index("step 1/")]
+    for phase in ("joining the Ray cluster", "placing the model", "starting 1 store", "initialising", "executor"):
+        assert phase in before, before[-3000:]
+    # the data summary at start and in the first row of metrics.jsonl
+    assert "training data: synthetic, 64 rows read" in before and "validation data: 1 file(s), 4 rows read" in before
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["data"]["train"]["rows_read"] == 64 and first["data"]["validation"]["rows_trainable"] == 4
+
+
+def test_a_used_output_dir_is_refused_and_left_untouched(head, whole, tmp_path):
+    whole, _ = whole
+    config = write_config(tmp_path, whole)
+    before = digests(whole)
+    done = train([str(config)], head, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--resume" in done.stderr and "--overwrite" in done.stderr and str(whole) in done.stderr
+    assert "Traceback" not in done.stderr
+    # --resume of the finished run says so and writes nothing
+    done = train([str(config), "--resume"], head, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "is finished" in done.stdout and f"step {STEPS} of {STEPS}" in done.stdout
+    assert digests(whole) == before
+
+
+def test_file_system_errors_are_one_paragraph_before_ray(head, tmp_path):
+    """The first with no cluster to join: the error comes before Ray would start."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": "local"}
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    config = write_config(tmp_path, blocker / "run")
+    done = train([str(config)], env, tmp_path, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("megatrain-ray: file-system error:") and "Traceback" not in done.stderr
+    assert str(blocker / "run") in done.stderr and "Not a directory" in done.stderr
+    assert "Ray" not in done.stdout  # nothing started
+    # A checkpoint that no disk here holds (about 50 TB: fp32 weights and two moments)
+    huge = tmp_path / "huge.yaml"
+    raw = json.loads(config.read_text())
+    raw["train"]["output_dir"] = str(tmp_path / "huge")
+    raw["model"]["overrides"] = {"hidden_size": 16384, "intermediate_size": 65536, "num_layers": 1000,
+                                 "num_heads": 128, "num_kv_heads": 8}
+    huge.write_text(json.dumps(raw))
+    done = train([str(huge)], head, tmp_path, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr  # the host memory refuses it after the warning
+    warning = next(line for line in done.stderr.splitlines() if line.startswith("warning: "))
+    assert "one checkpoint of this model needs" in warning and str(tmp_path / "huge" / "checkpoints") in warning
+    assert "Traceback" not in done.stderr
+
+
+def wait_for_steps(out: Path, proc: subprocess.Popen, count: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(steps_of(out)) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {count}: {proc.poll()=}")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_at_a_step_with_its_checkpoint_and_resume_is_exact(head, whole, tmp_path, shm_dir, signum):
+    out = tmp_path / "run"
+    config = write_config(tmp_path, out, shm_dir)
+    proc = subprocess.Popen([str(BIN / "megatrain-ray"), "train", str(config)], env=head, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(out, proc, 1)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, stdout + stderr
+    assert "Traceback" not in stdout + stderr
+    k = steps_of(out)[-1]
+    assert steps_of(out) == list(range(1, k + 1)) and k < STEPS
+    checkpoint = out / "checkpoints" / f"step-{k:08d}"
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == [checkpoint.name]  # checkpoint.every=0
+    assert f"after step {k}" in stderr
+    assert list(shm_dir.iterdir()) == []  # the stores released their segments
+    assert "\r" not in stdout and re.search(rf"^step 1/{STEPS} \(8%\) \| loss", stdout, re.M)  # plain lines
+
+    command = next(line for line in stderr.splitlines() if line.startswith("continue with: "))
+    argv = shlex.split(command.removeprefix("continue with: "))
+    assert argv[:2] == ["megatrain-ray", "train"] and argv[-2:] == ["--resume", str(checkpoint)]
+    done = train(argv[2:], head, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert steps_of(out) == list(range(1, STEPS + 1))
+    final = out / "checkpoints" / f"step-{STEPS:08d}"
+    a, b = tensors_of(final), tensors_of(whole[0] / "checkpoints" / f"step-{STEPS:08d}")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_a_second_signal_stops_at_once(head, tmp_path, shm_dir):
+    out = tmp_path / "run"
+    config = write_config(tmp_path, out, shm_dir)
+    slow = ["--set", "train.steps=1000", "--set", "data.seq_len=512", "--set", "train.micro_batch_size=2"]
+    proc = subprocess.Popen([str(BIN / "megatrain-ray"), "train", str(config), *slow],  # steps of about a second
+                            env=head, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    wait_for_steps(out, proc, 1)
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60  # signals before the handler ran would be one signal to it
+    while not any("again stops at once" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    stdout = proc.stdout.read()
+    proc.wait(timeout=300)
+    reader.join(timeout=60)
+    stderr = "".join(lines)
+    assert proc.returncode == 143, stdout + stderr
+    assert "stopped at once" in stderr and "Traceback" not in stdout + stderr
+    assert not list((out / "checkpoints").glob("step-*"))  # the step under way was not finished
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_overwrite_starts_the_run_again(head, whole, tmp_path):
+    """Last: it replaces the module's uninterrupted run."""
+    whole, _ = whole
+    (whole / "notes.txt").write_text("the user's own file")
+    done = train([str(write_config(tmp_path, whole)), "--set", "train.steps=2", "--overwrite"], head, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert steps_of(whole) == [1, 2]  # one run's rows, not two runs' mixed
+    assert [p.name for p in sorted((whole / "checkpoints").glob("step-*"))] == ["step-00000002"]
+    assert (whole / "notes.txt").read_text() == "the user's own file"
