@@ -65,14 +65,15 @@ def train(config: str | Path | Mapping[str, Any] | Config, *, resume: str | None
 
 
 def plan(config: str | Path | Mapping[str, Any] | Config, *, sets: Iterable[str] = (), cluster: str | Path | None = None,
-         network_gbps: list[float] | None = None, **sections: Mapping[str, Any]) -> bool:
+         network_gbps: list[float] | None = None, gpu: str | None = None, **sections: Mapping[str, Any]) -> bool:
     """Read the cluster and the model and print where memory goes, as `megatrain-ray plan` does;
     True when the run fits. With `cluster` (a description, see examples/cluster-4x512.yaml) plan
-    for that cluster instead, without Ray, at each link speed of `network_gbps`."""
+    for that cluster instead, without Ray, at each link speed of `network_gbps`. Step times use the
+    rates of the cluster's GPU (planning/rates.py), or of `gpu`, a model of the rates table."""
     config = prepare(to_config(config, sets, **sections))
     if cluster is not None:
         return plan_described(config, cluster, network_gbps)
-    return plan_live(config)
+    return plan_live(config, gpu)
 
 
 def plan_described(config: Config, cluster: str | Path, speeds: list[float] | None) -> bool:
@@ -107,7 +108,22 @@ def measured(arch, config: Config):
     return arch
 
 
-def plan_live(config: Config) -> bool:
+def step_rates(placement, gpu: str | None):
+    """(rates, None), or (None, why no step time is predicted): the named table model's rates, else
+    the cluster's GPU's, else none."""
+    from megatrain_ray.planning.rates import NO_GPU, TABLE
+    from megatrain_ray.runtime.cluster import gpu_rates
+
+    if gpu is not None:
+        if gpu not in TABLE:
+            raise ConfigError(f"--gpu {gpu}: the rates table holds {', '.join(TABLE)}")
+        return TABLE[gpu], None
+    if placement.use_cuda:
+        return gpu_rates(placement.gpu.node_id), None
+    return None, NO_GPU
+
+
+def plan_live(config: Config, gpu: str | None = None) -> bool:
     import ray
 
     from megatrain_ray.planning import plan as planner
@@ -141,9 +157,12 @@ def plan_live(config: Config) -> bool:
         traffic = step_traffic(arch, config, placement, kept)
         network, optimizer_s = traffic.times(), traffic.optimizer_seconds()
         print(placement.describe(arch))
+        rates, no_prediction = step_rates(placement, gpu)
         if placement.remote_layers():
-            print(describe_traffic(traffic, planner.predict_step(arch, config, network, optimizer_s, n).compute_s))
-        print(planner.describe(arch, config, free, network, optimizer_s, n, None if free is None else kept))
+            compute_s = planner.predict_step(arch, config, network, optimizer_s, n, rates=rates).compute_s if rates else None
+            print(describe_traffic(traffic, compute_s))
+        print(planner.describe(arch, config, free, network, optimizer_s, n, None if free is None else kept, rates=rates,
+                               no_prediction=no_prediction))
         if refused is not None:
             print(f"does not fit: {refused}")
             return False

@@ -42,7 +42,8 @@ def resume_command(args, checkpoint: Path) -> str:
 def _plan(args) -> int:
     from megatrain_ray import api
 
-    return 0 if api.plan(args.config, sets=args.set, cluster=args.cluster, network_gbps=args.network_gbps) else 1
+    return 0 if api.plan(args.config, sets=args.set, cluster=args.cluster, network_gbps=args.network_gbps,
+                         gpu=args.gpu) else 1
 
 
 def _bench(args) -> int:
@@ -96,6 +97,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                            "see examples/cluster-4x512.yaml")
     plan.add_argument("--network-gbps", type=float, nargs="+", default=None, metavar="GBIT",
                       help="with --cluster: the step time with every link at each of these speeds")
+    plan.add_argument("--gpu", default=None, metavar="MODEL",
+                      help="predict the step on this GPU model's rates from the rates table (H100), e.g. on a machine "
+                           "without the GPU; default: the cluster's GPU (the table's rates, else probed there)")
     plan.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="throughput benchmark, optionally beside baselines")

@@ -20,7 +20,8 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_arch, num_params
 from megatrain_ray.planning.plan import PlanError, describe, predict_step
 
-MEASURED_BF16_PEAK_TFLOPS = 799.0  # 8192^3 bf16 matmul on the H100 machine (examples/benchmarks/README.md)
+NO_GPU = ("the executor runs on the CPU (no GPU, or --device cpu): bench is timing the CPU, the same schedule; "
+          "no GPU figure is quoted: no MFU (unless --peak-tflops), no step time on a GPU's rates")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-memory-gib", type=float, default=None,
                    help="host memory a store may take on its node (runtime.store_memory_gib), instead of what the "
                         "node reads free at start: for a machine whose memory grows as it is used")
-    p.add_argument("--peak-tflops", type=float, default=MEASURED_BF16_PEAK_TFLOPS, help="one GPU's")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="one GPU's bf16 matmul peak, the MFU denominator (default: the GPU's rates: the rates "
+                        "table's, e.g. 799 on the H100, else probed on it)")
     p.add_argument("--baseline", nargs="*", default=None, metavar="NAME",
                    help="also run baselines (plain fsdp2_offload deepspeed_offload; none named = all)")
     p.add_argument("--baseline-splits", default="same", metavar="same|best|MBxGA,...",
@@ -171,6 +174,7 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda ru
 def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape) -> list[dict]:
     import ray
 
+    from megatrain_ray.runtime.cluster import gpu_rates
     from megatrain_ray.runtime.probe import Probe
 
     probe = Probe(session)
@@ -178,6 +182,8 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape) ->
     try:
         t0 = time.perf_counter()
         session.init_weights()
+        rates = gpu_rates(session.placement.gpu.node_id) if session.placement.use_cuda else None  # before the
+        print(f"step-time rates: {rates.describe()}" if rates else NO_GPU, flush=True)  # workers hold the GPUs
         device = session.start_executor()  # a first shape that cannot fit raised its PlanError in Session
         print(f"executor device: {device}; init {time.perf_counter() - t0:.1f} s", flush=True)
         results = []
@@ -194,25 +200,28 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape) ->
                 print(f"refused: {cause}", flush=True)  # a sweep goes on past a shape that does not fit
                 results.append({**row, "refused": str(cause)})
                 continue
-            results.append({**row, **time_shape(session, probe, arch, args, shape)})
+            results.append({**row, **time_shape(session, probe, arch, args, shape, rates)})
             on_shape(results)
         return results
     finally:
         session.close()
 
 
-def time_shape(session, probe, arch: ModelArch, args, shape: Shape) -> dict:
+def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) -> dict:
     """Steady state: each timed step starts while the previous step's optimizer still runs, as in
     a long run; the window closes when the last step returns (its optimizer would overlap the next
-    step), and the drain that follows is reported on its own."""
+    step), and the drain that follows is reported on its own. `rates`: the GPU's (planning/rates.py);
+    None on the CPU: no prediction, no MFU unless --peak-tflops."""
     from megatrain_ray.host.memory import available_memory
 
     flops_tok = model_flops_per_token(arch, shape.seq_len)
     gpus = session.placement.num_gpus
-    peak = args.peak_tflops * gpus
+    one = args.peak_tflops or (rates.matmul_flops_per_s / 1e12 if rates else None)
+    peak = one * gpus if one else None
     kept = session.kept_graphs()
-    predicted = predict_step(arch, session.config, num_gpus=gpus, kept=kept)
-    print(f"plan:\n{describe(arch, session.config, num_gpus=gpus, kept=kept)}", flush=True)
+    predicted = predict_step(arch, session.config, num_gpus=gpus, kept=kept, rates=rates) if rates else None
+    print(f"plan:\n{describe(arch, session.config, num_gpus=gpus, kept=kept, rates=rates, no_prediction=None if rates else NO_GPU)}",
+          flush=True)
     rows = []
     session.drain()
     probe.optimizer_seconds()
@@ -240,10 +249,11 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape) -> dict:
     tokens = sum(r["tokens"] for r in timed)
     summary["tokens_per_s"] = tokens / wall
     summary["model_tflops"] = summary["tokens_per_s"] * flops_tok / 1e12
-    summary["mfu"] = summary["model_tflops"] / peak
+    summary["mfu"] = summary["model_tflops"] / peak if peak else None
     summary["num_gpus"] = gpus
     summary["kept_graphs"] = kept
-    summary["predicted"] = dataclasses.asdict(predicted)
+    summary["predicted"] = dataclasses.asdict(predicted) if predicted else None
+    summary["rates"] = rates.describe() if rates else "none: the CPU"
     summary["optimizer_s_per_step"] = optimizer_s / len(rows)
     summary["optimizer_gparams_per_s"] = num_params(arch) / summary["optimizer_s_per_step"] / 1e9
     summary["bound"] = bound_by(summary)
@@ -273,12 +283,12 @@ def bound_by(summary: dict) -> str:
     return "PCIe" if summary["h2d_s"] > summary["optimizer_s_per_step"] else "host optimizer"
 
 
-def step_row(r, flops_per_token: float, peak_tflops: float) -> dict:
+def step_row(r, flops_per_token: float, peak_tflops: float | None) -> dict:
     row = dataclasses.asdict(r)
     tps = r.tokens / r.seconds
     row["tokens_per_s"] = tps
     row["model_tflops"] = tps * flops_per_token / 1e12
-    row["mfu"] = row["model_tflops"] / peak_tflops
+    row["mfu"] = row["model_tflops"] / peak_tflops if peak_tflops else None
     row["exposed_wait_s"] = max(0.0, r.seconds - r.compute_s)
     row["h2d_s"] = r.h2d_bytes / (r.h2d_gbps * 1e9) if r.h2d_gbps else 0.0
     row["peak_gpu_gib"] = r.peak_device_bytes / 2**30
@@ -287,13 +297,17 @@ def step_row(r, flops_per_token: float, peak_tflops: float) -> dict:
 
 def format_row(step: int, row: dict) -> str:
     return (f"step {step}{' (warm-up)' if row['warmup'] else ''}: {row['seconds']:.2f} s, "
-            f"{row['tokens_per_s']:.0f} tok/s, {row['model_tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), "
+            f"{row['tokens_per_s']:.0f} tok/s, {row['model_tflops']:.0f} TFLOP/s{mfu_text(row['mfu'], ' (MFU {})')}, "
             f"loss {row['loss']:.3f}, h2d {row['h2d_gbps']:.1f} GB/s, d2h {row['d2h_gbps']:.1f} GB/s, "
             f"compute {row['compute_s']:.2f} s, exposed wait {row['exposed_wait_s']:.2f} s "
             f"(before the first layer {row['wait_before_s']:.2f}, between layers {row['wait_between_s']:.2f}, after "
             f"the last {row['wait_after_s']:.2f}; the host blocked on the optimizer {row['prefetch_wait_s']:.2f} s), "
             f"peak GPU {row['peak_gpu_gib']:.1f} GiB, "
             f"host available {row['driver_node_available_gib']:.1f} GiB")
+
+
+def mfu_text(mfu: float | None, form: str = "{}") -> str:
+    return form.format(f"{mfu:.1%}") if mfu is not None else ""
 
 
 def main(args) -> int:
@@ -306,7 +320,7 @@ def main(args) -> int:
     arch = model_arch(bench_config(args, shapes[0]).model)
     print(f"bench: {args.model} ({num_params(arch) / 1e9:.2f} B params), {'; '.join(map(str, shapes))}; "
           f"model FLOPs = 6 x {matmul_params(arch) / 1e9:.2f} B params x tokens + causal attention "
-          f"6 x layers x seq x heads x head_dim per token (a sliding-window layer: its window's keys only); MFU against {args.peak_tflops:.0f} TFLOP/s", flush=True)
+          f"6 x layers x seq x heads x head_dim per token (a sliding-window layer: its window's keys only); MFU against the GPU's bf16 matmul peak", flush=True)
     if args.parts:
         parts = bench_parts(arch, args, shapes[0])
         print(json.dumps(parts, indent=2))
@@ -364,11 +378,12 @@ def print_table(results: dict) -> None:
         m = run["median"]
         ours = m["tokens_per_s"]
         p = m["predicted"]
+        plan_cell = f"{p['tokens'] / p['step_s']:.0f}, {p['bound']}" if p else "- (no GPU)"
         kept = f", {m['kept_graphs']} kept" if m.get("kept_graphs") else ""
         print(f"| megatrain-ray{kept} | {m['num_gpus']} | {shape.seq_len} | {shape.micro_batch} x {shape.grad_accum} | {ours:.0f} | "
-              f"{m['model_tflops']:.0f} | {m['mfu']:.1%} | {m['seconds']:.2f} | {m['compute_s']:.2f} | {m['h2d_s']:.2f} | "
+              f"{m['model_tflops']:.0f} | {mfu_text(m['mfu']) or '-'} | {m['seconds']:.2f} | {m['compute_s']:.2f} | {m['h2d_s']:.2f} | "
               f"{m['optimizer_s_per_step']:.2f} | {m['bound']} | {m['h2d_gbps']:.1f} | {m['peak_gpu_gib']:.1f} | "
-              f"{p['tokens'] / p['step_s']:.0f}, {p['bound']} | 1.00 |")
+              f"{plan_cell} | 1.00 |")
         for b in run.get("baselines", []):
             tps = b.get("tokens_per_s") or 0.0
             ratio = f"{ours / tps:.2f}" if tps else "-"

@@ -271,7 +271,7 @@ def shared_network(net: NetworkTimes, num_gpus: int) -> NetworkTimes:
 
 
 def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None = None,
-                 optimizer_s: float | None = None, num_gpus: int = 1, kept: int = 0) -> StepPrediction:
+                 optimizer_s: float | None = None, num_gpus: int = 1, kept: int = 0, rates=None) -> StepPrediction:
     """Step time from the measured rates, in two phases. Compute with recompute is 8 FLOP per
     parameter a token uses, per token (a mixture of experts counts its routed experts only), 2 of
     them forward; the LM head 6 (streaming/executor.py differentiates it chunk by chunk: no recompute). The
@@ -283,6 +283,7 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     backward for the slowest of its compute, the weights coming again and the gradients leaving.
     All weights cross PCIe twice (the kept blocks once), overlapped with everything.
     `optimizer_s`: the slowest store machine's AdamW time (default: the whole model on one).
+    `rates`: the GPU's (planning/rates.py; default: the H100 machine's, the constants above).
 
     With `num_gpus` GPUs each computes its share of the tokens and reads every layer (PCIe: its own
     link; host memory and the network's weights: shared, N times the bytes), each gradient is summed
@@ -300,10 +301,10 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     attention = family(arch).attention_flops_per_token(arch, config.data.seq_len)  # forward 2 of its 6
     step_flops = flops * (active - head) + 6 * head + attention * flops / 6  # per token
     forward_share = (2 * active + attention / 3) / step_flops
-    per_token = step_flops / LAYER_TFLOPS  # one GPU's seconds per token
+    per_token = step_flops / (rates.layer_flops_per_s if rates else LAYER_TFLOPS)  # one GPU's seconds per token
     compute = per_token * tokens / num_gpus
     read = 2 * params - kept_reads_saved(arch, config, kept)
-    h2d = read * d / H2D_BYTES_PER_S  # weights in twice, some kept blocks once
+    h2d = read * d / (rates.h2d_bytes_per_s if rates else H2D_BYTES_PER_S)  # weights in twice, some kept blocks once
     host_read = num_gpus * read * d
     host_memory = (host_read + params * d) / HOST_MEMORY_BYTES_PER_S
     reduce = 4 * params / GPU_LINK_BYTES_PER_S if num_gpus > 1 else 0.0
@@ -426,14 +427,17 @@ def format_gpu_plan(plan: GpuPlan, inline: bool = False) -> str:
 
 
 def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, network: NetworkTimes | None = None,
-             optimizer_s: float | None = None, num_gpus: int = 1, kept: int | None = None) -> str:
-    """The plan as text; `kept`: the blocks the GPU workers keep graphs for, where they have decided."""
+             optimizer_s: float | None = None, num_gpus: int = 1, kept: int | None = None, rates=None,
+             no_prediction: str | None = None) -> str:
+    """The plan as text; `kept`: the blocks the GPU workers keep graphs for, where they have decided.
+    `rates` (planning/rates.py) name whose rates predict the step (default: the H100 machine's);
+    `no_prediction`, where no GPU's rates apply, says so instead of any step time."""
     offload = (choose_offload(arch, config, gpu_free, num_gpus) if gpu_free is not None
                else config.executor.offload_activations == "on")
     undecided = kept is None and gpu_free is None
     kept = choose_kept(arch, config, gpu_free, num_gpus) if kept is None else kept
     plan = gpu_plan(arch, config, offload, num_gpus, kept)
-    p = predict_step(arch, config, network, optimizer_s, num_gpus, kept)
+    p = predict_step(arch, config, network, optimizer_s, num_gpus, kept, rates)
     net = shared_network(network or NetworkTimes(), num_gpus)
     each = "each GPU's " if num_gpus > 1 else ""
     lines = [
@@ -454,6 +458,8 @@ def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, netwo
             f"each layer's fp32 gradient is summed across the GPUs ({p.reduce_s:.2f} s at an assumed "
             f"{GPU_LINK_BYTES_PER_S / 1e9:.0f} GB/s, overlapping backward) and leaves from one GPU"
         )
+    if no_prediction is not None:
+        return "\n".join(lines + [no_prediction])
     if network is not None and (net.forward_in_s or net.out_s):
         lines.append(
             f"network: weights in {net.forward_in_s:.2f} s before the forward (beside {p.forward_s:.2f} s of "
@@ -461,8 +467,9 @@ def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, netwo
             f"{net.out_s:.2f} s (beside {p.compute_s - p.forward_s:.2f} s of backward compute), {net.boundary_s:.2f} s for "
             f"the first layer between steps; {p.network_exposed_s:.2f} s not hidden"
         )
+    whose = rates.describe() if rates else "the H100 machine's measured rates"
     lines.append(
-        f"predicted step on the H100 machine's measured rates ({p.tokens} tokens{f', {p.tokens // num_gpus} per GPU' if num_gpus > 1 else ''}): "
+        f"predicted step on {whose} ({p.tokens} tokens{f', {p.tokens // num_gpus} per GPU' if num_gpus > 1 else ''}): "
         f"compute {p.compute_s:.2f} s, host->GPU {p.h2d_s:.2f} s{' per GPU' if num_gpus > 1 else ''} (overlapped), "
         f"host optimizer {p.optimizer_s:.2f} s of which {p.optimizer_exposed_s:.2f} s not hidden -> "
         f"{p.step_s:.2f} s/step, {p.tokens / p.step_s:.0f} tokens/s, bound by {p.bound}"

@@ -122,8 +122,9 @@ def step_traffic(arch: ModelArch, config: Config, placement: Placement, kept: in
                        min(gpu.gbps, first.node.gbps or default_gbps) if crosses else gpu.gbps)
 
 
-def describe_traffic(traffic: StepTraffic, compute_s: float) -> str:
-    """Per node: state, pinned bytes, bytes each way per step, and the link speed that hides them."""
+def describe_traffic(traffic: StepTraffic, compute_s: float | None) -> str:
+    """Per node: state, pinned bytes, bytes each way per step, and the link speed that hides them
+    (`compute_s`: the step's compute on the GPU's rates; None without a GPU's rates: not said)."""
     lines = ["per node and step (weights in two phases, gradients once; links full duplex):"]
     for n in (traffic.gpu, *traffic.stores):
         role = "receives weights" if n is traffic.gpu else "sends weights"
@@ -134,6 +135,6 @@ def describe_traffic(traffic: StepTraffic, compute_s: float) -> str:
             f"{n.forward_bytes / 1e9:.1f} GB before the forward + {n.backward_bytes / 1e9:.1f} GB before the backward, "
             f"{grads} {n.gradient_bytes / 1e9:.1f} GB"
             + (f"; hidden behind {compute_s:.1f} s of compute from {n.hiding_gbps(compute_s):.1f} Gbit/s "
-               f"(link {n.gbps:g} Gbit/s)" if n.over_network and n.weight_bytes else "")
+               f"(link {n.gbps:g} Gbit/s)" if n.over_network and n.weight_bytes and compute_s is not None else "")
         )
     return "\n".join(lines)

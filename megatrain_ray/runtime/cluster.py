@@ -129,6 +129,27 @@ def _gpu_free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+@ray.remote(num_cpus=0, num_gpus=1)
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name()
+
+
+@ray.remote(num_cpus=0, num_gpus=1)
+def _probe_gpu() -> tuple[str, float, float]:
+    from megatrain_ray.planning.rates import probe_gpu
+
+    return probe_gpu()
+
+
+def gpu_rates(node_id: str):
+    """The step-time rates of the GPU node's GPU model (planning/rates.py: the table's, else probed there)."""
+    from megatrain_ray.planning.rates import rates_for_gpu
+
+    where = on_node(node_id)
+    name = ray.get(_gpu_name.options(scheduling_strategy=where).remote())
+    return rates_for_gpu(name, probe=lambda: ray.get(_probe_gpu.options(scheduling_strategy=where).remote()))
+
+
 def discover_nodes(cfg: RuntimeConfig) -> list[NodeInfo]:
     alive = [n for n in ray.nodes() if n["Alive"]]
     free = ray.get([_node_free_memory.options(scheduling_strategy=on_node(n["NodeID"])).remote() for n in alive])

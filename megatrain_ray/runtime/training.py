@@ -30,6 +30,7 @@ from megatrain_ray.runtime.cluster import alive_node_ids, connect
 from megatrain_ray.config import Config, ConfigError
 from megatrain_ray.streaming.step_result import EvalResult
 from megatrain_ray.runtime.metrics import MetricsLog
+from megatrain_ray.runtime.job_paths import for_this_run, in_job_copy, resume_moved, where
 from megatrain_ray.runtime.output_dir import claim
 from megatrain_ray.runtime.progress import StartupPhases
 from megatrain_ray.runtime.signals import RunInterrupted, StopRequest
@@ -105,6 +106,8 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
     """
     from megatrain_ray.data.summary import summarize_data
 
+    in_job = under_ray_job() or in_job_copy(Path.cwd())  # outputs outside Ray's copy of the working dir
+    config, resume = for_this_run(config, in_job), resume_moved(resume, in_job)
     arch = model_arch(config.model)
     counted = summarize_data(config.data, config.eval, arch.vocab_size, config.train.seed)  # DataError before Ray
     data = datasets(config, arch.vocab_size)  # the validation batches too
@@ -118,12 +121,15 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
         if meta["step"] >= last_step:
             return finished_already(config, resume_path, meta["step"], last_step)
     out = claim(config, resume, overwrite)
+    print(f"output directory: {where(out)}", flush=True)
     seed_driver(config.train.seed)
     progress = Progress(resume_path, data_summary=counted)
     with StopRequest() as stop:
         connect(config.runtime, progress.phase)
         stop.install()  # ray.init sets its own SIGTERM handler
-        return train_with_restarts(config, arch, data, progress, out, auto_resume, until_step, stop)
+        summary = train_with_restarts(config, arch, data, progress, out, auto_resume, until_step, stop)
+    print(f"outputs in {where(out)}", flush=True)
+    return summary
 
 
 def finished_already(config: Config, checkpoint: Path, step: int, last_step: int) -> dict[str, Any]:

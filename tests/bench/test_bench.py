@@ -67,6 +67,11 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
     assert "| megatrain-ray, 1 kept | 1 | 32 | 2 x 2 |" in proc.stdout
     assert [r["median"]["kept_graphs"] for r in runs] == [1, 0]
     assert all(r["median"]["bound"] in ("compute", "PCIe", "host optimizer") for r in runs)
+    # on the CPU: said, and no GPU's figure (MFU against a GPU's peak, a prediction on its rates)
+    assert "bench is timing the CPU" in proc.stdout
+    assert "MFU" not in "".join(line for line in proc.stdout.splitlines() if line.startswith("step "))
+    assert all(r["median"]["mfu"] is None and r["median"]["predicted"] is None for r in runs)
+    assert "predicted step on" not in proc.stdout and "- (no GPU) |" in proc.stdout
 
 
 def test_baselines_run_once_per_split_and_serve_shapes_that_differ_only_in_kept_graphs(tmp_path):

@@ -190,6 +190,9 @@ def test_plan_command_prints_the_plan(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "host bytes/param" in out.stdout and "device memory, predicted peak" in out.stdout
     assert out.stdout.strip().endswith("fits")
+    if not torch.cuda.is_available():  # no GPU's figure on a machine without one
+        assert "no GPU here: no step time is predicted" in out.stdout
+        assert "predicted step" not in out.stdout and "tokens/s" not in out.stdout and "busy" not in out.stdout
 
 
 @pytest.mark.gpu

@@ -10,7 +10,6 @@ every Ray on the machine)."""
 import json
 import os
 import shutil
-import signal
 import socket
 import stat
 import subprocess
@@ -22,6 +21,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from helpers.ray_processes import end_processes_under
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).parents[2]
@@ -38,34 +39,6 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
-
-
-def pids_under(directory: Path) -> list[int]:
-    """Our processes whose command line names `directory`: Ray's daemons and agents of a cluster
-    started with that temp dir."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if entry.stat().st_uid == os.getuid() and str(directory).encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            pass
-    return found
-
-
-def end_processes_under(directory: Path) -> None:
-    """SIGTERM, then SIGKILL what is left after 15 s."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids_under(directory):
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 15
-        while pids_under(directory) and time.monotonic() < deadline:
-            time.sleep(0.5)
 
 
 @pytest.fixture

@@ -14,10 +14,32 @@ import pytest
 from megatrain_ray.config import DataConfig, EvalConfig
 from megatrain_ray.data import DataError, build_dataset
 from megatrain_ray.data.summary import summarize, summarize_data
-from test_data import ids, tokenizer_path, write_jsonl  # noqa: F401 (a fixture)
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 SEQ_LEN = 16
+WORDS = ["[UNK]", "</s>", "###", "User", "Assistant", ":", "what", "is", "two", "plus", "four", "hello", "yes", "ok"]
+
+
+@pytest.fixture
+def tokenizer_path(tmp_path: Path) -> str:
+    """One token a word (and a token for ':'), so that counts can be made here by splitting."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    return str(tmp_path / "tokenizer.json")
+
+
+def ids(text: str) -> list[str]:
+    return text.replace(":", " : ").split()
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def chat(user: str, answer: str | None) -> dict:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 
 
 def quick_start_commands(readme: str) -> list[str]:

@@ -32,11 +32,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_checkpoint_resume import tensors_of, tiny_raw
-from test_job_submit import end_processes_under, free_port
+from helpers.ray_processes import end_processes_under, free_port
+from helpers.runs import tensors_of, tiny_raw
 
 BIN = Path(sys.executable).parent
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 STEPS = 12
 
 
