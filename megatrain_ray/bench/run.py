@@ -168,13 +168,25 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda ru
         if args.ram_nodes:
             stack.enter_context(local_ram_nodes(args.ram_nodes))
         connect(config.runtime)
-        return run_shapes(arch, args, shapes, Session(config, arch), on_shape)
+        rates = step_rates(config)  # before the session's workers hold the GPUs
+        print(f"step-time rates: {rates.describe()}" if rates else NO_GPU, flush=True)
+        return run_shapes(arch, args, shapes, Session(config, arch), on_shape, rates)
 
 
-def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape) -> list[dict]:
+def step_rates(config):
+    """The rates of the GPU the workers will run on (planning/rates.py); None where they run on the CPU."""
+    from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, gpu_rates
+    from megatrain_ray.runtime.placement import executor_node
+
+    nodes = discover_nodes(config.runtime)
+    if config.executor.device == "cpu" or not any(n.gpus >= 1 for n in nodes):
+        return None
+    return gpu_rates(executor_node(nodes, True, driver_node_id(), config.runtime.num_gpus).node_id)
+
+
+def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, rates=None) -> list[dict]:
     import ray
 
-    from megatrain_ray.runtime.cluster import gpu_rates
     from megatrain_ray.runtime.probe import Probe
 
     probe = Probe(session)
@@ -182,8 +194,6 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape) ->
     try:
         t0 = time.perf_counter()
         session.init_weights()
-        rates = gpu_rates(session.placement.gpu.node_id) if session.placement.use_cuda else None  # before the
-        print(f"step-time rates: {rates.describe()}" if rates else NO_GPU, flush=True)  # workers hold the GPUs
         device = session.start_executor()  # a first shape that cannot fit raised its PlanError in Session
         print(f"executor device: {device}; init {time.perf_counter() - t0:.1f} s", flush=True)
         results = []

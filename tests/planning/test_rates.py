@@ -2,10 +2,13 @@
 the probes' for another (a layer at the H100's ratio of layer rate to matmul rate), and the text
 names them."""
 
+import pytest
+import torch
+
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import model_arch
 from megatrain_ray.planning import plan as planner
-from megatrain_ray.planning.rates import H100, probed_rates, rates_for_gpu, table_rates
+from megatrain_ray.planning.rates import H100, probe_gpu, probed_rates, rates_for_gpu, table_rates
 
 CONFIG = config_from_dict({"model": {"preset": "qwen2.5-1.5b"}, "train": {"micro_batch_size": 1, "grad_accum": 8},
                            "data": {"seq_len": 4096}})
@@ -33,3 +36,12 @@ def test_the_prediction_follows_the_rates_and_names_them():
     assert "predicted step on the H100's rates (measured on the H100" in planner.describe(ARCH, CONFIG, rates=H100)
     text = planner.describe(ARCH, CONFIG, no_prediction="no GPU here")
     assert text.endswith("no GPU here") and "predicted step" not in text and "tokens/s" not in text
+
+
+@pytest.mark.gpu
+def test_the_probes_measure_this_gpu():
+    """Within what any GPU of the last decade and its PCIe or NVLink-C2C link can do."""
+    name, matmul, h2d = probe_gpu()
+    assert name == torch.cuda.get_device_name() and 10e12 < matmul < 5000e12 and 1e9 < h2d < 1000e9
+    rates = rates_for_gpu(name)
+    print(rates.describe())  # the GPU run's record of whose rates this machine gets
