@@ -57,3 +57,18 @@ def test_implementation_transformers_runs_a_hand_written_familys_model(tmp_path)
     arch = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers"))
     assert isinstance(arch, TransformersArch) and arch.model_type == "qwen2"
     assert arch.num_layers == 2 and arch.hidden_size == 64
+
+
+def test_a_transformers_arch_survives_a_checkpoint_and_a_measurement(tmp_path):
+    """What a checkpoint's meta.json records reads back as the same model; a measured working set
+    (planning/probe.py) does not make it another model, a changed config does."""
+    from megatrain_ray.files.checkpoint import CheckpointError, check_compatible
+    from megatrain_ray.models.registry import arch_from_dict
+
+    arch = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers"))
+    meta = {"arch": json.loads(json.dumps(arch.to_dict()))}
+    assert arch_from_dict(meta["arch"]) == arch
+    check_compatible(meta, arch.replace(measured_working_set=21.5), tmp_path)
+    other = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers", overrides={"num_layers": 1}))
+    with pytest.raises(CheckpointError, match="from another model"):
+        check_compatible(meta, other, tmp_path)
