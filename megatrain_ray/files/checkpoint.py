@@ -15,7 +15,9 @@ import base64
 import dataclasses
 import hashlib
 import json
+import os
 import random
+import re
 import shutil
 import time
 import uuid
@@ -55,9 +57,22 @@ def file_digest(path: Path) -> str:
 def write_shard(directory: Path, name: str, tensors: dict[str, torch.Tensor], steps: dict[int, int]) -> dict:
     """One store's layers into `directory/name`, fsynced; returns its manifest entry."""
     path = directory / name
-    save_file(tensors, str(path), metadata={"layer_steps": json.dumps(steps)})
+    try:
+        save_file(tensors, str(path), metadata={"layer_steps": json.dumps(steps)})
+    except Exception as e:  # safetensors reports the OS's I/O errors (a full disk) as its own exception
+        raise os_error(e, path) from None
     fsync_path(path)
     return {"file": name, "sha256": file_digest(path), "bytes": path.stat().st_size, "layers": sorted(steps)}
+
+
+def os_error(e: Exception, path: Path) -> Exception:
+    """safetensors' "I/O error: ... (os error N)" as the OSError it stands for, naming the file, so
+    that it reads as one paragraph with its cause (a full disk: exit 2); any other error as it is."""
+    found = re.search(r"I/O error: .*\(os error (\d+)\)", str(e))
+    if found is None:
+        return e
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def new_staging_dir(root: Path, step: int) -> Path:

@@ -91,15 +91,7 @@ def _connect(cfg: RuntimeConfig, env: dict, say: Callable[[str], None]) -> None:
         object_store_memory=cfg.object_store_memory,
         include_dashboard=False,
         runtime_env=env,
-        _temp_dir=embedded_temp_dir(),
     )
-
-
-def embedded_temp_dir() -> str:
-    """An embedded Ray's sessions and sockets apart from those of `ray start` (Ray's temp dir,
-    RAY_TMPDIR or /tmp, then ray/): a cluster and its job agent on the same machine never meet the
-    embedded one's files, and `ray status` or `ray job submit` there never take it for the cluster."""
-    return os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp", "megatrain-ray")
 
 
 def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:

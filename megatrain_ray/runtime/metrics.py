@@ -24,6 +24,7 @@ class MetricsLog:
                  data_summary: dict | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         trim_metrics(path, start_step)  # rows of steps this run is about to train again
+        self.path = path
         self.file = open(path, "a")
         self.progress = ProgressLine(total_steps, start_step)
         self.trackers = list(trackers)
@@ -37,8 +38,12 @@ class MetricsLog:
         if evaluation is not None:
             record.update(eval_loss=evaluation.loss, eval_target_tokens=evaluation.target_tokens,
                           eval_seconds=evaluation.seconds)
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: name the file (CLI: a file-system error, exit 2)
+            e.filename = e.filename or str(self.path)
+            raise
         for tracker in self.trackers:
             tracker.log(step, scalars_of(record))
         self.progress.show(step, r, evaluation)

@@ -10,6 +10,7 @@ of the line it overwrote; the others write to pipes: plain lines.
 The runs join one `ray start --head` cluster of the module (its own temp dir, ended by pid), so
 each costs a driver's connection instead of a Ray start."""
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -299,3 +300,17 @@ def test_overwrite_starts_the_run_again(head, whole, tmp_path):
     assert steps_of(whole) == [1, 2]  # one run's rows, not two runs' mixed
     assert [p.name for p in sorted((whole / "checkpoints").glob("step-*"))] == ["step-00000002"]
     assert (whole / "notes.txt").read_text() == "the user's own file"
+
+
+def test_the_version_and_a_full_disk_in_one_paragraph(capsys):
+    from importlib.metadata import version
+
+    from megatrain_ray import cli
+    from megatrain_ray.runtime.output_dir import describe_os_error
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"megatrain-ray {version('megatrain-ray')}"
+    text = describe_os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/run/metrics.jsonl"))
+    assert "No space left on device (ENOSPC) at /data/run/metrics.jsonl" in text and "checkpoint.keep" in text
+    assert "\n" not in text

@@ -171,3 +171,12 @@ def test_rewriting_the_same_step_keeps_a_complete_checkpoint(tmp_path):
     state, _ = ckpt.read_layer_state(ckpt.shard_files_by_layer(latest, manifest)[0], 0)
     assert torch.equal(state["master"], torch.full((4,), 2.0))
     assert [p.name for p in root.iterdir()] == ["step-00000007"]
+
+
+def test_a_shard_the_disk_refuses_is_an_os_error_naming_the_file(tmp_path):
+    """safetensors' own I/O error becomes the OSError it stands for (the CLI's file-system error,
+    exit 2); here the directory is gone, as a full disk would refuse the write."""
+    gone = tmp_path / "gone"
+    with pytest.raises(OSError) as e:
+        ckpt.write_shard(gone, "shard-000.safetensors", {"layers.0.master": torch.zeros(4)}, {0: 1})
+    assert e.value.errno == 2 and e.value.filename == str(gone / "shard-000.safetensors")

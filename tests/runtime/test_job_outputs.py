@@ -40,7 +40,9 @@ def head(tmp_path):
     try:
         subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={free_port()}", "--node-ip-address=127.0.0.1",
                         "--num-cpus=2", "--object-store-memory=100000000", "--include-dashboard=true",
-                        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats"],
+                        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats",
+                        # not the default 52365, which another Ray on the machine may hold (README)
+                        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}"],
                        env=env, check=True, capture_output=True, timeout=180)
         yield env, f"http://127.0.0.1:{dash}"
     finally:
@@ -69,8 +71,10 @@ def test_a_jobs_outputs_land_in_the_run_home_beside_a_local_run(head, tmp_path):
 
     # A local run in a terminal beside it, with its own embedded Ray (the cluster is not its to join).
     local_out = tmp_path / "local-run"
-    local = subprocess.Popen([str(BIN / "megatrain-ray"), "train", "tiny.yaml", "--set", "train.steps=1000",
-                              "--set", f"train.output_dir={local_out}", "--set", "checkpoint.every=0"],
+    light = ["--set", "data.seq_len=16", "--set", "train.micro_batch_size=1", "--set", "train.grad_accum=1",
+             "--set", "runtime.num_cpus=1"]  # small steps: the machine stays free for the cluster
+    local = subprocess.Popen([str(BIN / "megatrain-ray"), "train", "tiny.yaml", "--set", "train.steps=100000",
+                              "--set", f"train.output_dir={local_out}", "--set", "checkpoint.every=0", *light],
                              env={**env, "RAY_ADDRESS": "local"}, cwd=work, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
