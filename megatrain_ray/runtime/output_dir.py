@@ -131,13 +131,22 @@ def clear(out: Path, root: Path) -> None:
         shutil.rmtree(out / name, ignore_errors=True)
 
 
+def step_of(line: str) -> float:
+    """A metrics row's step; a row torn by a crash mid-write counts as after every step (dropped)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")
+
+
 def trim_metrics(path: Path, last_step: int) -> None:
     """A resumed run rewrites the steps after its checkpoint: their earlier rows (a run stopped
-    between checkpoints) are dropped, so each step has one row. Rewritten atomically."""
+    between checkpoints) are dropped, so each step has one row; so is a row torn by a crash.
+    Rewritten atomically."""
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= last_step]
+    kept = [line for line in lines if line.endswith("\n") and step_of(line) <= last_step]
     if len(kept) == len(lines):
         return
     tmp = path.with_name(path.name + ".tmp")
