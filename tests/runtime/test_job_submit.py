@@ -2,6 +2,12 @@
 local run, then `ray start --head` and `ray job submit`, then a head with RAM nodes
 (cluster/local-cluster.sh) that `megatrain-ray train` joins by address.
 
+Under `ray job submit --working-dir .` a run's outputs go where the user finds them, not into
+Ray's temporary copy of the working directory: a relative train.output_dir lands under
+~/megatrain-ray/ on the node that runs the job, the job prints that path, and a relative data
+path that Ray did not upload (git-ignored) is refused with what Ray uploads. All of it beside a
+local `megatrain-ray train` that runs its own embedded Ray on the same machine.
+
 "Fresh machine": the test's own HOME (no token yet: the local run makes it, never in the user's
 ~/.ray), its own Ray temp dir (no cluster to join), RAY_AUTH_MODE unset as a user has it. Every Ray
 process started under that temp dir is ended by pid at the end (never `ray stop`, which would end
@@ -10,6 +16,7 @@ every Ray on the machine)."""
 import json
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -64,19 +71,33 @@ def run(argv: list[str], env: dict, cwd: Path, timeout: int = 420) -> str:
     return out
 
 
-def submit_job(dashboard: str, work: Path, entrypoint: list[str], env: dict) -> str:
-    """`ray job submit`; again while the head's job agent has not registered yet (Ray answers
-    'No available agent' for a while after `ray start`, longer on a busy machine, before any job exists)."""
-    argv = [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(work), "--", *entrypoint]
+def submit(dashboard: str, work: Path, entrypoint: list[str], env: dict) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir .`; again while the head's job agent has not registered yet (Ray
+    answers 'No available agent' for a while after `ray start`, longer on a busy machine, before any
+    job exists)."""
+    argv = [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", ".", "--", *entrypoint]
     deadline = time.monotonic() + 180
     while True:
         done = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True, timeout=420)
-        out = done.stdout + done.stderr
-        if "No available agent" not in out or time.monotonic() > deadline:
-            break
+        if "No available agent" not in done.stdout + done.stderr or time.monotonic() > deadline:
+            return done
         time.sleep(3)
-    assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{out[-4000:]}"
-    return out
+
+
+def start_local_run_beside(work: Path, out_dir: Path, env: dict) -> subprocess.Popen:
+    """A local run in a terminal beside the cluster, with its own embedded Ray (the cluster is not
+    its to join), running until it is signalled; returns once it has written a step."""
+    light = ["--set", "data.seq_len=16", "--set", "train.micro_batch_size=1", "--set", "train.grad_accum=1",
+             "--set", "runtime.num_cpus=1"]  # small steps: the machine stays free for the cluster
+    local = subprocess.Popen([str(BIN / "megatrain-ray"), "train", "tiny.yaml", "--set", "train.steps=100000",
+                              "--set", f"train.output_dir={out_dir}", "--set", "checkpoint.every=0", *light],
+                             env={**env, "RAY_ADDRESS": "local"}, cwd=work, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not (out_dir / "metrics.jsonl").exists() and local.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert local.poll() is None, local.stdout.read()[-3000:]
+    return local
 
 
 def status_without_token(dashboard: str) -> int:
@@ -93,8 +114,10 @@ def steps_of(out_dir: Path) -> list[int]:
 
 def test_local_run_then_head_and_job_submit_then_ram_nodes_with_token_auth(machine, tmp_path):
     env, work = machine, tmp_path / "job"
-    work.mkdir()
+    (work / "data").mkdir(parents=True)
     shutil.copy(REPO / "examples" / "tiny.yaml", work / "tiny.yaml")
+    (work / ".gitignore").write_text("runs/\ndata/\n")
+    (work / "data" / "train.jsonl").write_text(json.dumps({"input_ids": list(range(20))}) + "\n")
     train = [str(BIN / "megatrain-ray"), "train", "tiny.yaml", *SMALL]
 
     # 1. A local run, in a shell with RAY_AUTH_MODE=token as the README says (Ray >= 2.59 does the
@@ -119,11 +142,30 @@ def test_local_run_then_head_and_job_submit_then_ram_nodes_with_token_auth(machi
     dashboard = f"http://127.0.0.1:{dash_port}"
     assert status_without_token(dashboard) == 401  # the job API refuses a client without the token
 
-    # 3. `ray job submit` from that shell (Ray's job client sends the token only with the variable).
-    out = submit_job(dashboard, work, [*train, "--set", f"train.output_dir={tmp_path / 'job-run'}"], shell)
-    assert "succeeded" in out.lower()
-    assert steps_of(tmp_path / "job-run") == [1, 2]
-    assert (tmp_path / "job-run" / "checkpoints" / "step-00000002" / "MANIFEST.json").exists()
+    # 3. `ray job submit --working-dir .` from that shell (Ray's job client sends the token only with
+    #    the variable), beside a local run with its own embedded Ray. A relative output_dir (the
+    #    default) lands in the run home, ~/megatrain-ray/, and the job prints it.
+    local = start_local_run_beside(work, tmp_path / "local-beside", shell)
+    try:
+        done = submit(dashboard, work, [*train], shell)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0 and "succeeded" in out.lower(), out[-4000:]
+        runs = Path(env["HOME"]) / "megatrain-ray" / "runs" / "tiny"
+        assert f"output directory: {runs} on " in out and f"outputs in {runs} on " in out
+        assert steps_of(runs) == [1, 2]
+        assert (runs / "checkpoints" / "step-00000002" / "MANIFEST.json").exists()
+        assert not (work / "runs").exists()  # nothing written beside the user's own files either
+
+        # A relative input that Ray did not upload (git-ignored): refused, with what Ray uploads.
+        done = submit(dashboard, work, [*train, "--set", "data.source=data/train.jsonl",
+                                        "--set", "train.output_dir=runs/data"], shell)
+        out = done.stdout + done.stderr
+        assert done.returncode != 0 and "data.source 'data/train.jsonl' is not in the job's working directory" in out
+        assert ".gitignore" in out and "absolute" in out and "Traceback" not in out
+    finally:
+        local.send_signal(signal.SIGTERM)  # it stops at a step with a checkpoint
+        local.communicate(timeout=300)
+    assert local.returncode == 143
 
     end_processes_under(Path(env["RAY_TMPDIR"]) / "ray")
 
