@@ -124,19 +124,28 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
 
 
-def with_measured_working_set(arch: ModelArch, micro_batch: int, seq_len: int, dtype: torch.dtype,
-                              device: torch.device) -> tuple[ModelArch, str]:
-    """A transformers-family model with its largest layer kind's measured working set, and the
-    lines that say so; any other arch as it is, with the line that says its family's estimate is used."""
+def measure_working_set(arch: ModelArch, micro_batch: int, seq_len: int, dtype: torch.dtype,
+                        device: torch.device) -> tuple[float, str]:
+    """A transformers-family model's largest layer kind's working set a token, in `dtype` elements
+    (0: not measured: a family written by hand has its own fit, the CPU does not count its memory),
+    and the lines that say which figure the plan uses."""
     from megatrain_ray.models.generic import TransformersArch
 
     if not isinstance(arch, TransformersArch):
-        return arch, "working set: the family's estimate (fitted on the H100)"
+        return 0.0, "working set: the family's estimate (fitted on the H100)"
     probes = probe_layers(arch, micro_batch, seq_len, dtype, device)
     text = describe_probe(probes, device)
     measured = [p.working_set_bytes / p.tokens for p in probes if p.working_set_bytes is not None]
     if not measured:
-        return arch, text + "\nworking set: an estimate (the Llama family's fit); the CPU does not count its memory"
-    units = max(measured) / torch.empty((), dtype=dtype).element_size()
-    return (arch.replace(measured_working_set=units),
-            text + "\nworking set: the largest kind's, as measured above; step time: the H100's measured rates")
+        return 0.0, text + "\nworking set: an estimate (the Llama family's fit); the CPU does not count its memory"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's blocks back, so that the device's free memory is the run's
+    return (max(measured) / torch.empty((), dtype=dtype).element_size(),
+            text + "\nworking set: the largest kind's, as measured above")
+
+
+def with_measured_working_set(arch: ModelArch, micro_batch: int, seq_len: int, dtype: torch.dtype,
+                              device: torch.device) -> tuple[ModelArch, str]:
+    """`arch` with its measured working set where measure_working_set has one, and the lines that say so."""
+    units, text = measure_working_set(arch, micro_batch, seq_len, dtype, device)
+    return (arch.replace(measured_working_set=units) if units else arch), text

@@ -32,13 +32,17 @@ class DeviceFacts:
     name: str  # for messages: the GPU's model, or "cpu"
     free_bytes: int | None  # free device memory with the worker's CUDA context made (None on the CPU)
     host_headroom: int  # what its node can still give before Ray's memory monitor steps in (host/memory.py)
+    # the largest layer kind's working set a token, in compute-dtype elements, measured on this
+    # device at the run's micro-batch shape (planning/probe.py); 0: the family's estimate
+    measured_working_set: float = 0.0
 
 
-def device_facts(device: torch.device) -> DeviceFacts:
+def device_facts(device: torch.device, measured_working_set: float = 0.0) -> DeviceFacts:
     """This process's device as the plan needs it; on a GPU, CUDA has started by now."""
     if device.type != "cuda":
         return DeviceFacts("cpu", "cpu", None, host_headroom())
-    return DeviceFacts("cuda", torch.cuda.get_device_name(device), torch.cuda.mem_get_info(device)[0], host_headroom())
+    return DeviceFacts("cuda", torch.cuda.get_device_name(device), torch.cuda.mem_get_info(device)[0], host_headroom(),
+                       measured_working_set)
 
 
 @dataclass(frozen=True)

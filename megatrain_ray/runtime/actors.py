@@ -17,6 +17,7 @@ from megatrain_ray.host.store import ShardStore
 from megatrain_ray.host.transport import LayerLink, LayerServer
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
+from megatrain_ray.planning.probe import measure_working_set
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, device_facts
 from megatrain_ray.runtime.probe import StoreProbe, WorkerProbe
 from megatrain_ray.streaming.build import build_executor, with_embedding_step
@@ -29,21 +30,26 @@ GiB = 1024**3
 
 
 class ShardStoreActor(StoreProbe, ShardStore):
-    """A ShardStore living in a Ray actor on its node; optimizer threads sized to that node."""
+    """A ShardStore living in a Ray actor on its node; optimizer threads sized to that node.
 
-    def __init__(self, *args, threads: int | None = None, reserved_cores: int = 2, **kwargs):
+    It starts in two steps: the actor's process (seconds of importing torch) starts beside the GPU
+    workers', and its host memory is taken in `allocate` only once the driver's plan of the step fits.
+    """
+
+    def __init__(self, threads: int | None = None, reserved_cores: int = 2):
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - reserved_cores))
-        super().__init__(*args, **kwargs)
         self.server: LayerServer | None = None
+        self.shm_paths, self.grad_shm_paths, self.extra_shm_paths = {}, {}, []  # what `close` releases
+
+    def allocate(self, *args, **kwargs) -> None:
+        """ShardStore's construction: its layers' buffers in host memory (arguments as ShardStore)."""
+        ShardStore.__init__(self, *args, **kwargs)
 
     def layer_ids(self) -> list[int]:
         return list(self.layers)
 
     def shared_paths(self) -> dict[int, str]:
         return dict(self.shm_paths)
-
-    def ready(self) -> bool:
-        return True
 
     # ---- serving a GPU worker on another node (host/transport.py) ----------------------------------
     def open_link(self) -> tuple[str, int]:
@@ -83,6 +89,7 @@ class GpuWorker(WorkerProbe):
         self.plan: StepPlan | None = None
         self.source = self.window = self.group = self.executor = None
         self.kinds: list[str] = []
+        self.measured_working_set = 0.0  # take_device's (planning/probe.py)
 
     def gpu_ids(self) -> list[str]:
         """The GPU Ray gave this actor (none on the CPU path)."""
@@ -101,7 +108,20 @@ class GpuWorker(WorkerProbe):
                                   list(visible_gpus).index(own[0]) if own and visible_gpus else None)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        return device_facts(self.device)
+        self.measured_working_set = self._measure_layers()
+        return device_facts(self.device, self.measured_working_set)
+
+    def _measure_layers(self) -> float:
+        """On a GPU, a model run through transformers' modules has its layers' working set measured
+        here at the run's micro-batch shape (planning/probe.py) for the plan; 0: the family's estimate."""
+        if self.device.type != "cuda":
+            return 0.0
+        data, dtype = self.config.data, dtype_of(self.config.model.compute_dtype)
+        units, text = measure_working_set(self.arch, self.config.train.micro_batch_size, data.seq_len, dtype,
+                                          self.device)
+        if units and self.rank == 0:
+            print(text, flush=True)
+        return units
 
     def start(self, plan: StepPlan, stores: list, store_nodes: list[str], updates_done: int = 0,
               master_address: str = "", master_port: int = 0) -> str:

@@ -64,9 +64,9 @@ def holds_run(out: Path, checkpoints: Path) -> list[str]:
     return found
 
 
-def claim(config: Config, resume: str | None, overwrite: bool) -> Path:
+def claim(config: Config, resume: str | None, overwrite: bool, params: int) -> Path:
     """The run's output directory, made and checked; refuses one that holds another run (see the
-    module docstring). Returns it."""
+    module docstring); `params`: the model's, for the room one checkpoint needs. Returns it."""
     out = Path(config.train.output_dir)
     root = ckpt.checkpoint_root(config)
     if resume and overwrite:
@@ -84,7 +84,7 @@ def claim(config: Config, resume: str | None, overwrite: bool) -> Path:
     if found:
         clear(out, root)
         print(f"--overwrite: deleted the earlier run in {out} ({'; '.join(found)})", flush=True)
-    check_room(config, root)
+    check_room(root, checkpoint_bytes(params))
     return out
 
 
@@ -100,19 +100,16 @@ def check_writable(directory: Path) -> None:
         raise FileSystemError(describe_os_error(e, f"cannot write in {directory}")) from None
 
 
-def checkpoint_bytes(config: Config) -> int:
+def checkpoint_bytes(params: int) -> int:
     """One checkpoint: fp32 master weights and both AdamW moments of every parameter."""
-    from megatrain_ray.models.registry import model_arch, num_params
-
-    return num_params(model_arch(config.model)) * 4 * len(ckpt.STATE_KEYS)
+    return params * 4 * len(ckpt.STATE_KEYS)
 
 
-def check_room(config: Config, root: Path) -> None:
+def check_room(root: Path, need: int) -> None:
     """Warn, before Ray starts, of a checkpoint directory without room for one checkpoint: the
     first checkpoint would fail (a file-system error, exit 2) and cost the steps before it. A
     warning, not a refusal: space may be freed while the run starts, and a model that cannot fit
     in host memory either is better told so."""
-    need = checkpoint_bytes(config)
     free = shutil.disk_usage(root).free
     if free < need:
         print(f"warning: {root} has {free / 1e9:.2f} GB free but one checkpoint of this model needs "

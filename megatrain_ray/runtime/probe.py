@@ -40,7 +40,7 @@ class WorkerProbe:
         self.executor = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return device_facts(self.device)
+        return device_facts(self.device, self.measured_working_set)
 
     def rebuild(self, config, plan) -> None:
         """The executor for a new step shape on the same stores, sources and process group (which

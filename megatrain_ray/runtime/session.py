@@ -56,9 +56,11 @@ def largest_models_here(arch: ModelArch, config: Config) -> str:
 class Session:
     """Stores and the GPU workers of one run, placed on the cluster Ray is connected to.
 
-    The GPU workers start first and report their devices; the step is planned from that, once
+    The GPU workers' and the stores' processes start side by side (each spends seconds importing
+    torch); the workers report their devices and the step is planned from that, once
     (planning/step_plan.py: refused in seconds, not after the stores fill host memory, 90 s at
-    7B); then the stores start. The workers build what the plan says when `start_executor` comes."""
+    7B); then the stores take their host memory. The workers build what the plan says when
+    `start_executor` comes."""
 
     def __init__(self, config: Config, arch: ModelArch, updates_done: int = 0, placement: Placement | None = None,
                  wait: Wait = plain_wait):
@@ -71,49 +73,57 @@ class Session:
         self.stores: list = []
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
         try:
-            facts = self._start_workers()
+            self.gpus = self._launch_workers()
+            self.stores = self._launch_stores()  # their processes start beside the workers'
+            facts = self._device_facts()
             self.plan: StepPlan = self._plan(config, facts, stores_allocated=False)
-            self.stores = self._start_stores()
+            self._allocate_stores()
         except BaseException:
             self.close()
             raise
 
-    def _start_workers(self) -> list[DeviceFacts]:
-        """One worker per GPU of the GPU node, each holding one GPU through Ray and shown all of them,
-        rank order; returns their devices' facts."""
+    def _launch_workers(self) -> list:
+        """One worker per GPU of the GPU node, each holding one GPU through Ray, rank order."""
         p = self.placement
         options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": on_node(p.gpu.node_id)}
         if p.use_cuda:
             options["num_gpus"] = 1
-        self.gpus = [ray.remote(GpuWorker).options(**options).remote(self.arch, self.config, rank, p.num_gpus)
-                     for rank in range(p.num_gpus)]
+        return [ray.remote(GpuWorker).options(**options).remote(self.arch, self.config, rank, p.num_gpus)
+                for rank in range(p.num_gpus)]
+
+    def _device_facts(self) -> list[DeviceFacts]:
+        """Each worker's device, shown all the workers' GPUs (NCCL copies directly between GPUs only
+        when a process sees both; Ray would show each worker its own GPU alone)."""
         ids = self.wait([w.gpu_ids.remote() for w in self.gpus], "starting the GPU workers")
         visible = [i for worker_ids in ids for i in worker_ids]
         return self.wait([w.take_device.remote(visible) for w in self.gpus], "starting the GPU workers")
 
     def _plan(self, config: Config, facts: list[DeviceFacts], stores_allocated: bool) -> StepPlan:
-        """The step's plan for every worker, from the tightest device's facts. The GPU node's headroom
-        leaves room for its stores (not yet allocated when a run starts) and every worker's window."""
+        """The step's plan for every worker, from the tightest device's facts (and the largest working
+        set the workers measured). The GPU node's headroom leaves room for its stores (not yet
+        allocated when a run starts) and every worker's window."""
         p = self.placement
         tightest = min(facts, key=lambda f: f.free_bytes or 0)
         headroom = tightest.host_headroom - p.window_bytes - (0 if stores_allocated else p.gpu_machine_state())
-        return plan_step(self.arch, config, tightest, max(0, headroom), p.num_gpus, 0 not in p.remote_layers(),
+        measured = max(f.measured_working_set for f in facts)
+        arch = self.arch.replace(measured_working_set=measured) if measured else self.arch
+        return plan_step(arch, config, tightest, max(0, headroom), p.num_gpus, 0 not in p.remote_layers(),
                          p.window_slots or least_slots(config), f"the {tightest.name} of node {p.gpu.ip}")
 
-    def _start_stores(self) -> list:
+    def _launch_stores(self) -> list:
+        p = self.placement
+        return [ray.remote(ShardStoreActor)
+                .options(num_cpus=0, scheduling_strategy=on_node(plan.node.node_id))
+                .remote(threads=self.config.runtime.optimizer_threads,
+                        reserved_cores=1 + p.num_gpus if plan.node.node_id == p.gpu.node_id else 2)
+                for plan in p.stores]
+
+    def _allocate_stores(self) -> None:
         config, p = self.config, self.placement
         run_id = uuid.uuid4().hex[:8]
-        stores = [
-            ray.remote(ShardStoreActor)
-            .options(num_cpus=0, scheduling_strategy=on_node(plan.node.node_id))
-            .remote(self.arch, list(plan.layers), dtype_of(config.model.compute_dtype), config.runtime.shm_dir, run_id,
-                    format_of(config.optim), config.train.seed, threads=config.runtime.optimizer_threads,
-                    reserved_cores=1 + p.num_gpus if plan.node.node_id == p.gpu.node_id else 2)
-            for plan in p.stores
-        ]
-        self.stores = stores  # closed with the session if they fail to start
-        self.wait([s.ready.remote() for s in stores], "starting the stores")
-        return stores
+        self.wait([store.allocate.remote(self.arch, list(plan.layers), dtype_of(config.model.compute_dtype),
+                                         config.runtime.shm_dir, run_id, format_of(config.optim), config.train.seed)
+                   for store, plan in zip(self.stores, p.stores)], "starting the stores")
 
     # -- the first weights -------------------------------------------------------------------------
     def init_weights(self) -> None:

@@ -120,7 +120,7 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
         last_step = config.train.steps if until_step is None else min(config.train.steps, until_step)
         if meta["step"] >= last_step:
             return finished_already(config, resume_path, meta["step"], last_step)
-    out = claim(config, resume, overwrite)
+    out = claim(config, resume, overwrite, num_params(arch))
     print(f"output directory: {where(out)}", flush=True)
     seed_driver(config.train.seed)
     progress = Progress(resume_path, data_summary=counted)
