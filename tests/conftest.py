@@ -25,10 +25,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def ray_head():
+    """One Ray head of this machine for the whole test session, started when a module first asks
+    for it: 2 CPUs and a small object store, the CI box's size. Starting a head costs seconds;
+    joining a running one, a fraction of one.
+
+    Ray's own local head (the node `ray.init(address="local")` starts) kept apart from any driver's
+    connection, so that ray.shutdown() in a module leaves it running. Not cluster_utils.Cluster
+    nor `ray start`: those write the machine's ray_current_cluster file, which a `megatrain-ray
+    train` that a test (or anyone on the machine) starts would then join instead of starting its
+    own. Its processes end with the session, or with this process through Ray's reaper."""
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+
+    head = Node(RayParams(num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False),
+                head=True, shutdown_at_exit=True, spawn_reaper=True)
+    yield head.address
+    head.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
+
+
 @pytest.fixture(scope="module")
-def local_ray():
-    """A real Ray cluster of this machine for one test module: 2 CPUs and a small object store, the
-    CI box's size. address="local": a cluster of its own even where another runs here (`ray start`)."""
-    ray.init(address="local", num_cpus=2, object_store_memory=150 * MiB, include_dashboard=False)
+def local_ray(ray_head):
+    """This process connected to the session's Ray head for one test module, and disconnected after
+    it: a module that starts a cluster of its own (ray.cluster_utils.Cluster), or checks that a
+    command refused before Ray started, finds this process not connected, whatever ran before.
+    The module's actors and workers end with its connection."""
+    ray.init(address=ray_head)
     yield
     ray.shutdown()
