@@ -228,9 +228,9 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     gpus = session.placement.num_gpus
     one = args.peak_tflops or (rates.matmul_flops_per_s / 1e12 if rates else None)
     peak = one * gpus if one else None
-    kept = session.kept_graphs()
-    predicted = predict_step(arch, session.config, num_gpus=gpus, kept=kept, rates=rates) if rates else None
-    print(f"plan:\n{describe(arch, session.config, num_gpus=gpus, kept=kept, rates=rates, no_prediction=None if rates else NO_GPU)}",
+    kept, planned = session.kept_graphs(), session.planned_arch
+    predicted = predict_step(planned, session.config, num_gpus=gpus, kept=kept, rates=rates) if rates else None
+    print(f"plan:\n{describe(planned, session.config, num_gpus=gpus, kept=kept, rates=rates, no_prediction=None if rates else NO_GPU)}",
           flush=True)
     rows = []
     session.drain()

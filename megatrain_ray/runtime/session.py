@@ -72,6 +72,7 @@ class Session:
         self.gpus: list = []
         self.stores: list = []
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
+        self.planned_arch = arch  # as the plan saw it: with the working set the workers measured
         try:
             self.gpus = self._launch_workers()
             self.stores = self._launch_stores()  # their processes start beside the workers'
@@ -106,8 +107,8 @@ class Session:
         tightest = min(facts, key=lambda f: f.free_bytes or 0)
         headroom = tightest.host_headroom - p.window_bytes - (0 if stores_allocated else p.gpu_machine_state())
         measured = max(f.measured_working_set for f in facts)
-        arch = self.arch.replace(measured_working_set=measured) if measured else self.arch
-        return plan_step(arch, config, tightest, max(0, headroom), p.num_gpus, 0 not in p.remote_layers(),
+        self.planned_arch = self.arch.replace(measured_working_set=measured) if measured else self.arch
+        return plan_step(self.planned_arch, config, tightest, max(0, headroom), p.num_gpus, 0 not in p.remote_layers(),
                          p.window_slots or least_slots(config), f"the {tightest.name} of node {p.gpu.ip}")
 
     def _launch_stores(self) -> list:

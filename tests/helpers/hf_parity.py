@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatrain_ray.config import config_from_dict
+from megatrain_ray.data import build_dataset
 from megatrain_ray.files.hf import load_hf_weights
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.reference import ReferenceModel, _key
@@ -136,15 +138,42 @@ def shifted(ids: torch.Tensor, hf_labels: torch.Tensor) -> dict[str, torch.Tenso
     return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
+# eps 1e-6 as in helpers/runs.py's make_config: the k_proj bias has an exactly-zero true gradient,
+# and a tiny eps turns both sides' rounding noise there into unequal full steps. lr 3e-3: weights
+# move by about 0.5% in 5 steps; at 1e-2 these random-token runs diverge (the loss rises) and Adam
+# amplifies fp32 rounding to ~1e-5 in a few embedding rows. grad_clip 0.5: clipping on every step.
+PARITY_OPTIM = {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1, "eps": 1e-6}
+
+
 def parity_config(model_dir: Path, steps: int = 5, grad_accum: int = 2, batch: int = 2, **optim):
     return config_from_dict({
         "model": {"path": str(model_dir), "compute_dtype": "float32"},
-        # eps 1e-6 as in helpers/runs.py's make_config: the k_proj bias has an exactly-zero true
-        # gradient, and a tiny eps turns both sides' rounding noise there into unequal full steps.
-        # lr 3e-3: weights move by about 0.5% in 5 steps; at 1e-2 these random-token runs diverge
-        # (the loss rises) and Adam amplifies fp32 rounding to ~1e-5 in a few embedding rows.
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1,
-                  "eps": 1e-6, **optim},
+        "optim": {**PARITY_OPTIM, **optim},
         "train": {"steps": steps, "grad_accum": grad_accum, "micro_batch_size": batch, "seed": 0},
         "executor": {"device": "cpu", "loss_chunk_tokens": 7, "compile": False},
     })
+
+
+def run_config(model_dir: Path, data: Path, out: Path, *, pack: bool, seq: int, steps: int = 5, grad_accum: int = 2,
+               batch: int = 2) -> dict:
+    """A run of `megatrain-ray train` (as a config dict) on token documents, exporting fp32 weights."""
+    return {
+        "model": {"path": str(model_dir), "compute_dtype": "float32"},
+        "data": {"source": str(data), "format": "tokens", "seq_len": seq, "pack": pack},
+        "optim": dict(PARITY_OPTIM),
+        "train": {"steps": steps, "grad_accum": grad_accum, "micro_batch_size": batch, "seed": 0,
+                  "output_dir": str(out)},
+        "checkpoint": {"export_hf": True, "export_dtype": "float32"},
+        "executor": {"device": "cpu", "loss_chunk_tokens": 7, "compile": False},
+    }
+
+
+def the_runs_batches(config, vocab_size: int) -> list[list[dict[str, torch.Tensor]]]:
+    """The micro-batches a run draws: its dataset is a pure function of (config, seed)."""
+    batches = build_dataset(config.data, vocab_size, config.train.seed).batches(
+        config.train.micro_batch_size, config.train.grad_accum)
+    steps = []
+    for _ in range(config.train.steps):
+        step, _position = next(batches)
+        steps.append([{k: torch.as_tensor(np.asarray(v)) for k, v in mb.items()} for mb in step])
+    return steps

@@ -23,14 +23,14 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megatrain_ray.config import config_from_dict  # noqa: E402
-from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.models.registry import (PRESETS, arch_from_dict, arch_from_hf_config, family,  # noqa: E402
                                           load_hf_arch, model_layouts)
 from megatrain_ray.models import ops  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
 from megatrain_ray.runtime.training import run_training  # noqa: E402
 from helpers.hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
-                       bf16_cuda_config, local_steps, on_cuda, randomize, rel, saved, token_loss_sum, train_transformers)
+                               bf16_cuda_config, local_steps, on_cuda, randomize, rel, run_config, saved,
+                               the_runs_batches, token_loss_sum, train_transformers)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, intermediate_size=128, pad_token_id=5)
@@ -204,28 +204,8 @@ def write_documents(path: Path, seed: int, count: int = 48, distinct: int | None
 
 
 def train_config(model_dir: Path, data: Path, out: Path, pack: bool):
-    return config_from_dict({
-        "model": {"path": str(model_dir), "compute_dtype": "float32"},
-        "data": {"source": str(data), "format": "tokens", "seq_len": SEQ, "pack": pack},
-        # as helpers/hf_parity.py's parity_config: eps 1e-6, lr 3e-3, clipping active on every step
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1,
-                  "eps": 1e-6},
-        "train": {"steps": STEPS, "grad_accum": GRAD_ACCUM, "micro_batch_size": BATCH, "seed": 0,
-                  "output_dir": str(out)},
-        "checkpoint": {"export_hf": True, "export_dtype": "float32"},
-        "executor": {"device": "cpu", "loss_chunk_tokens": 7, "compile": False},
-    })
-
-
-def the_runs_batches(config, vocab_size: int) -> list[list[dict[str, torch.Tensor]]]:
-    """The micro-batches run_training draws: the dataset is a pure function of (config, seed)."""
-    batches = build_dataset(config.data, vocab_size, config.train.seed).batches(
-        config.train.micro_batch_size, config.train.grad_accum)
-    steps = []
-    for _ in range(config.train.steps):
-        step, _position = next(batches)
-        steps.append([{k: torch.as_tensor(np.asarray(v)) for k, v in mb.items()} for mb in step])
-    return steps
+    return config_from_dict(run_config(model_dir, data, out, pack=pack, seq=SEQ, steps=STEPS, grad_accum=GRAD_ACCUM,
+                                       batch=BATCH))
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
