@@ -5,7 +5,8 @@
 # shape: linear and full attention, 32 experts) and a latent-attention model (DeepSeek-V3 shape: MLA,
 # 32 routed experts and a shared one), both about 3.9 B parameters, random initialisation
 # (examples/models/). Each line takes a few minutes; the Qwen3-Next line runs the linear attention's
-# PyTorch fallback unless flash-linear-attention is installed.
+# PyTorch fallback unless flash-linear-attention and causal-conv1d are installed, uncompiled: compiling
+# the fallback's chunk loop took over 200 s without finishing (2026-11-24-h100-generic.md).
 set -euo pipefail
 B="megatrain-ray bench"
 out=${1:-bench-results}
@@ -19,7 +20,7 @@ $B --model qwen2.5-7b --implementation transformers $STEP --json "$out/qwen2.5-7
 megatrain-ray plan examples/tiny.yaml --set model.preset=examples/models/qwen3-next-3b.json \
   --set data.seq_len=4096 --set train.micro_batch_size=2 --set model.compute_dtype=bfloat16 --set executor.device=cuda
 $B --model examples/models/qwen3-next-3b.json --seq-len 4096 --micro-batch 2 --grad-accum 8 --steps 3 --warmup 2 \
-   --json "$out/qwen3-next-3.9b.json"
+   --no-compile --json "$out/qwen3-next-3.9b.json"
 $B --model examples/models/deepseek-v3-4b.json --seq-len 4096 --micro-batch 2 --grad-accum 8 --steps 3 --warmup 2 \
    --json "$out/deepseek-v3-3.9b.json"
 
