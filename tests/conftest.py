@@ -3,6 +3,8 @@
 Shared helpers (plain PyTorch training, small configs, the transformers checks) live in
 tests/helpers/, importable as `helpers.*`: pyproject's pytest `pythonpath` puts tests/ on the path."""
 
+import os
+
 import pytest
 import ray
 import torch
@@ -54,3 +56,12 @@ def local_ray(ray_head):
     ray.init(address=ray_head)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def joining_env(ray_head) -> dict[str, str]:
+    """The environment of a command a test starts (`megatrain-ray` in a subprocess) that joins the
+    session's Ray head instead of starting a Ray of its own. RAY_AUTH_MODE=disabled: the head runs
+    without token authentication, and a driver that turns it on (megatrain-ray does, with a token
+    in ~/.ray) has its actors refused by such a head (Ray 2.60: SchedulingCancelled)."""
+    return {**os.environ, "RAY_ADDRESS": ray_head, "RAY_AUTH_MODE": "disabled"}

@@ -43,12 +43,12 @@ def steps_rate(timed: list[dict]) -> float:
     return sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed)
 
 
-def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
+def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path, joining_env):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "megatrain_ray.cli", "bench", "--model", "tiny-qwen2", "--device", "cpu",
            "--seq-len", "32", "64", "--micro-batch", "2", "1", "--grad-accum", "2", "3", "--steps", "2",
            "--warmup", "1", "--optimizer-threads", "1", "--keep-graphs", "1", "auto", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=joining_env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("init ") == 1, "the host state was built more than once"
     written = json.loads(out.read_text())
@@ -74,7 +74,7 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path):
     assert "predicted step on" not in proc.stdout and "- (no GPU) |" in proc.stdout
 
 
-def test_baselines_run_once_per_split_and_serve_shapes_that_differ_only_in_kept_graphs(tmp_path):
+def test_baselines_run_once_per_split_and_serve_shapes_that_differ_only_in_kept_graphs(tmp_path, joining_env):
     """--keep-graphs 0 1 on one step shape: the plain baseline runs at each of its two splits once,
     and both of our rows are compared with the same best."""
     out = tmp_path / "bench.json"
@@ -82,7 +82,7 @@ def test_baselines_run_once_per_split_and_serve_shapes_that_differ_only_in_kept_
            "--seq-len", "32", "--micro-batch", "1", "--grad-accum", "2", "--keep-graphs", "0", "1", "--steps", "1",
            "--warmup", "0", "--optimizer-threads", "1", "--baseline", "plain", "--baseline-splits", "1x2,2x1",
            "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=joining_env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stderr.count("baseline plain: starting a fresh process") == 2
     runs = json.loads(out.read_text())["runs"]
@@ -165,14 +165,14 @@ def test_bench_with_every_layer_on_a_ram_node_raylet(tmp_path):
     assert median["tokens_per_s"] <= steps_rate([s for s in run["steps"] if not s["warmup"]])
 
 
-def test_two_workers_and_stated_host_memory_and_a_shape_that_does_not_split(tmp_path):
+def test_two_workers_and_stated_host_memory_and_a_shape_that_does_not_split(tmp_path, joining_env):
     """--num-gpus 2 on the CPU path (gloo); a shape whose micro-batches do not split over the two
     workers is refused and the sweep goes on; --store-memory-gib sizes the placement."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "megatrain_ray.cli", "bench", "--model", "tiny-qwen2", "--device", "cpu",
            "--num-gpus", "2", "--store-memory-gib", "1.5", "--seq-len", "32", "--grad-accum", "4", "3", "2",
            "--steps", "1", "--warmup", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=joining_env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "of 1.5 GiB stated (runtime.store_memory_gib)" in proc.stdout
     assert "2 CPU worker(s), data parallel" in proc.stdout

@@ -182,11 +182,9 @@ def test_the_step_takes_its_slowest_part_and_names_it():
     assert slower.step_s - slow.step_s == pytest.approx(1.0)
 
 
-def test_plan_command_prints_the_plan(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "megatrain_ray.cli", "plan", "examples/tiny.yaml"],
-        capture_output=True, text=True, timeout=180,
-    )
+def test_plan_command_prints_the_plan(joining_env):
+    out = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "plan", "examples/tiny.yaml"],
+                         capture_output=True, text=True, timeout=180, env=joining_env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "host bytes/param" in out.stdout and "device memory, predicted peak" in out.stdout
     assert out.stdout.strip().endswith("fits")
