@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from helpers.ray_processes import end_processes_under, free_port
-from helpers.runs import tensors_of, tiny_raw
+from helpers.runs import kernel_cache, tensors_of, tiny_raw
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).parents[2]
@@ -47,7 +47,7 @@ def head(tmp_path_factory):
     ray_tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env.update(HOME=str(tmp_path_factory.mktemp("home")), RAY_TMPDIR=str(ray_tmp), RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=str(REPO), PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+               PYTHONPATH=str(REPO), PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", **kernel_cache())
     port = free_port()
     try:
         subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",

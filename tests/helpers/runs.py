@@ -3,6 +3,7 @@ config, and the weights a run's checkpoint holds."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -41,6 +42,15 @@ def tiny_raw(out: Path, steps: int = 10, **sections) -> dict:
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values}
     return raw
+
+
+def kernel_cache() -> dict[str, str]:
+    """The environment that keeps this process's build cache of the host AdamW kernel for a run
+    given a fresh HOME: the build is once per machine (about 40 s on 2 cores), and a test's fresh
+    HOME stands for a fresh user's, not for a machine that never built it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()}
 
 
 def tensors_of(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -9,9 +9,10 @@ path that Ray did not upload (git-ignored) is refused with what Ray uploads. All
 local `megatrain-ray train` that runs its own embedded Ray on the same machine.
 
 "Fresh machine": the test's own HOME (no token yet: the local run makes it, never in the user's
-~/.ray), its own Ray temp dir (no cluster to join), RAY_AUTH_MODE unset as a user has it. Every Ray
-process started under that temp dir is ended by pid at the end (never `ray stop`, which would end
-every Ray on the machine)."""
+~/.ray), its own Ray temp dir (no cluster to join), RAY_AUTH_MODE unset as a user has it; only the
+host AdamW kernel's build cache is shared with the other tests. Every Ray process started under
+that temp dir is ended by pid at the end (never `ray stop`, which would end every Ray on the
+machine)."""
 
 import json
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from helpers.ray_processes import end_processes_under
+from helpers.runs import kernel_cache
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).parents[2]
@@ -56,7 +58,7 @@ def machine(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmp), RAY_ADDRESS="", RAY_USAGE_STATS_ENABLED="0",
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(REPO),
-               MEGATRAIN_CLUSTER_DIR=str(ray_tmp / "lc"), RAY="")
+               MEGATRAIN_CLUSTER_DIR=str(ray_tmp / "lc"), RAY="", **kernel_cache())
     yield env
     subprocess.run([str(REPO / "cluster" / "local-cluster.sh"), "stop"], env={**env, "RAY": str(BIN / "ray")},
                    capture_output=True, timeout=180)
