@@ -6,7 +6,8 @@ the resume command and exit status 128 + the signal's number (130, 143), without
 second signal stops at once: the handler raises a KeyboardInterrupt where the driver is (Ray's
 waits turn any other exception from a handler into nothing, and a KeyboardInterrupt into a fresh
 one), which `stopping_at_once` names as StoppedAtOnce; the session's actors are still closed on the
-way out, so their shared memory is released.
+way out, so their shared memory is released. While they close (`StopRequest.held`), a signal is
+only noted: an interrupted close would leave that memory behind.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -54,6 +56,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.second: int | None = None
+        self._holding = False
         self._previous: dict[int, object] = {}
 
     @property
@@ -73,9 +76,23 @@ class StopRequest:
             signal.signal(signum, previous)
         self._previous.clear()
 
+    @contextmanager
+    def held(self):
+        """Within it a second signal is noted, not raised: for the release of the run's actors,
+        which is part of stopping at once, and bounded."""
+        holding, self._holding = self._holding, True
+        try:
+            yield
+        finally:
+            self._holding = holding
+
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None:
             self.second = signum
+            if self._holding:
+                print(f"\n{signal.Signals(signum).name}: stopping as soon as the run's actors have released their "
+                      f"memory", file=sys.stderr, flush=True)
+                return
             raise KeyboardInterrupt
         self.signum = signum
         name = signal.Signals(signum).name

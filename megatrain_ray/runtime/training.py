@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,13 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
             say("the first step compiles the decoder blocks (torch.compile): it takes longer than the others")
         return _loop(session, config, data, meta, progress, out, until_step, stop)
     finally:
+        release(session, stop)
+
+
+def release(session: Session, stop: StopRequest | None) -> None:
+    """Close the session's actors; a signal meanwhile waits (runtime/signals.py): an interrupted
+    close would leave their shared memory behind."""
+    with stop.held() if stop is not None else nullcontext():
         session.close()
 
 

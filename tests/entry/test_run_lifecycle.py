@@ -35,6 +35,8 @@ import torch
 
 from helpers.ray_processes import end_processes_under, free_port
 from helpers.runs import kernel_cache, tensors_of, tiny_raw
+from megatrain_ray.runtime.signals import StopRequest, StoppedAtOnce
+from megatrain_ray.runtime.training import release
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).parents[2]
@@ -269,8 +271,12 @@ def test_a_signal_stops_at_a_step_with_its_checkpoint_and_resume_is_exact(head, 
 def test_a_second_signal_stops_at_once(head, tmp_path, shm_dir):
     out = tmp_path / "run"
     config = write_config(tmp_path, out, shm_dir)
-    slow = ["--set", "train.steps=1000", "--set", "data.seq_len=512", "--set", "train.micro_batch_size=2"]
-    proc = subprocess.Popen([str(BIN / "megatrain-ray"), "train", str(config), *slow],  # steps of about a second
+    # Steps of about 2 s on 2 cores (64 micro-batches of 2 x 512 tokens, ~35k tokens/s; the first
+    # signal's message reaches the test within a few tens of ms): the second signal comes during the
+    # step after the first, before its stop has written a checkpoint and restored the default handlers.
+    slow = ["--set", "train.steps=1000", "--set", "data.seq_len=512", "--set", "train.micro_batch_size=2",
+            "--set", "train.grad_accum=64"]
+    proc = subprocess.Popen([str(BIN / "megatrain-ray"), "train", str(config), *slow],
                             env=head, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
@@ -289,6 +295,35 @@ def test_a_second_signal_stops_at_once(head, tmp_path, shm_dir):
     assert "stopped at once" in stderr and "Traceback" not in stdout + stderr
     assert not list((out / "checkpoints").glob("step-*"))  # the step under way was not finished
     assert list(shm_dir.iterdir()) == []
+
+
+class SignalledWhileClosing:
+    """Stands in for a session whose actors take a while to close: a second SIGTERM comes meanwhile."""
+
+    closed = False
+
+    def close(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler runs in here
+        self.closed = True
+
+
+def test_a_second_signal_while_the_actors_close_waits_for_them():
+    """In process: the release of the actors (a stopping run's last act) is not cut short by a
+    second signal, which a run stopped at once would raise elsewhere."""
+    before = signal.getsignal(signal.SIGTERM)
+    session = SignalledWhileClosing()
+    with pytest.raises(StoppedAtOnce):
+        with StopRequest() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            assert stop.requested and stop.second is None
+            release(session, stop)
+            held = stop.second
+            os.kill(os.getpid(), signal.SIGTERM)  # not held: stops at once
+            time.sleep(5)
+    assert session.closed and held == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_overwrite_starts_the_run_again(head, whole, tmp_path):
