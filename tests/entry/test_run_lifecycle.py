@@ -7,8 +7,8 @@ run that was never stopped (fp32 on the CPU: bit for bit). The run that is never
 pseudo-terminal: its progress line, replayed as a terminal draws it, holds its fields and nothing
 of the line it overwrote; the others write to pipes: plain lines.
 
-The runs join one `ray start --head` cluster of the module (its own temp dir, ended by pid), so
-each costs a driver's connection instead of a Ray start."""
+The runs join the test session's Ray head, so each costs a driver's connection instead of a Ray
+start."""
 
 import errno
 import fcntl
@@ -33,8 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.ray_processes import end_processes_under, free_port
-from helpers.runs import kernel_cache, tensors_of, tiny_raw
+from helpers.runs import tensors_of, tiny_raw
 from megatrain_ray.runtime.signals import StopRequest, StoppedAtOnce
 from megatrain_ray.runtime.training import release
 
@@ -44,21 +43,10 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    """A one-node cluster for the module's drivers; the environment that joins it."""
-    ray_tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    env.update(HOME=str(tmp_path_factory.mktemp("home")), RAY_TMPDIR=str(ray_tmp), RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=str(REPO), PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", **kernel_cache())
-    port = free_port()
-    try:
-        subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                        "--num-cpus=2", "--object-store-memory=100000000", "--include-dashboard=false",
-                        "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=180)
-        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
-    finally:
-        end_processes_under(ray_tmp)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+def head(ray_head) -> dict[str, str]:
+    """The environment of a `megatrain-ray` that joins the test session's Ray head (see conftest's
+    joining_env: that head runs without token authentication)."""
+    return {**os.environ, "RAY_ADDRESS": ray_head, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}
 
 
 @pytest.fixture
@@ -226,38 +214,64 @@ def test_file_system_errors_are_one_paragraph_before_ray(head, tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def wait_for_steps(out: Path, proc: subprocess.Popen, count: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
+def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    """Until `proc` has written the row of `step` (rows an earlier run left there are older than it)."""
+    started, deadline = time.time(), time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").exists() and len(steps_of(out)) >= count:
+        try:
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        except (FileNotFoundError, ValueError):  # not yet written, or a row half written
+            rows = []
+        if any(row["step"] >= step and row["time"] > started for row in rows):
             return
         time.sleep(0.05)
-    raise AssertionError(f"the run did not reach step {count}: {proc.poll()=}")
+    raise AssertionError(f"the run did not reach step {step}: {proc.poll()=}")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_at_a_step_with_its_checkpoint_and_resume_is_exact(head, whole, tmp_path, shm_dir, signum):
-    out = tmp_path / "run"
-    config = write_config(tmp_path, out, shm_dir)
-    proc = subprocess.Popen([str(BIN / "megatrain-ray"), "train", str(config)], env=head, cwd=tmp_path,
+def stopped_by(signum: int, args: list[str], before: int, out: Path, shm_dir: Path, cwd: Path,
+               env: dict) -> tuple[list[str], int]:
+    """Run `megatrain-ray train *args` (which starts after step `before`), send `signum` once it has
+    written a step of its own, check the stop (its exit status, a checkpoint of the step it stopped
+    at, nothing left in shared memory, plain lines on a pipe); the arguments of the resume command
+    it printed, and that step."""
+    proc = subprocess.Popen([str(BIN / "megatrain-ray"), "train", *args], env=env, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_steps(out, proc, 1)
+    wait_for_step(out, proc, before + 1)
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signum, stdout + stderr
     assert "Traceback" not in stdout + stderr
     k = steps_of(out)[-1]
-    assert steps_of(out) == list(range(1, k + 1)) and k < STEPS
+    assert steps_of(out) == list(range(1, k + 1)) and before < k < STEPS
     checkpoint = out / "checkpoints" / f"step-{k:08d}"
-    assert [p.name for p in (out / "checkpoints").glob("step-*")] == [checkpoint.name]  # checkpoint.every=0
-    assert f"after step {k}" in stderr
+    assert checkpoint.is_dir() and f"after step {k}" in stderr
     assert list(shm_dir.iterdir()) == []  # the stores released their segments
-    assert "\r" not in stdout and re.search(rf"^step 1/{STEPS} \(8%\) \| loss", stdout, re.M)  # plain lines
-
+    first = before + 1
+    assert "\r" not in stdout  # plain lines
+    assert re.search(rf"^step {first}/{STEPS} \({round(100 * first / STEPS)}%\) \| loss", stdout, re.M), stdout
     command = next(line for line in stderr.splitlines() if line.startswith("continue with: "))
     argv = shlex.split(command.removeprefix("continue with: "))
     assert argv[:2] == ["megatrain-ray", "train"] and argv[-2:] == ["--resume", str(checkpoint)]
-    done = train(argv[2:], head, tmp_path)
+    return argv[2:], k
+
+
+def test_signals_stop_at_a_step_with_its_checkpoint_and_resume_is_exact(head, whole, tmp_path, shm_dir):
+    """SIGINT stops the run, SIGTERM the run resumed from that stop, and the run resumed from the
+    second stop ends with the weights of the run that was never stopped. The first run starts
+    with --overwrite in a copy of that run's directory: it starts again (one run's rows, its own
+    checkpoints only), the user's own file kept."""
+    out = tmp_path / "run"
+    shutil.copytree(whole[0], out)
+    (out / "notes.txt").write_text("the user's own file")
+    args = [str(write_config(tmp_path, out, shm_dir)), "--overwrite"]
+    stops, step = [], 0
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        args, step = stopped_by(signum, args, step, out, shm_dir, tmp_path, head)
+        stops.append(f"step-{step:08d}")
+        assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == stops  # checkpoint.every=0
+    assert (out / "notes.txt").read_text() == "the user's own file"
+
+    done = train(args, head, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert steps_of(out) == list(range(1, STEPS + 1))
     final = out / "checkpoints" / f"step-{STEPS:08d}"
@@ -281,7 +295,7 @@ def test_a_second_signal_stops_at_once(head, tmp_path, shm_dir):
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
-    wait_for_steps(out, proc, 1)
+    wait_for_step(out, proc, 1)
     proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 60  # signals before the handler ran would be one signal to it
     while not any("again stops at once" in line for line in lines) and time.monotonic() < deadline:
@@ -324,17 +338,6 @@ def test_a_second_signal_while_the_actors_close_waits_for_them():
             time.sleep(5)
     assert session.closed and held == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
-
-
-def test_overwrite_starts_the_run_again(head, whole, tmp_path):
-    """Last: it replaces the module's uninterrupted run."""
-    whole, _ = whole
-    (whole / "notes.txt").write_text("the user's own file")
-    done = train([str(write_config(tmp_path, whole)), "--set", "train.steps=2", "--overwrite"], head, tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert steps_of(whole) == [1, 2]  # one run's rows, not two runs' mixed
-    assert [p.name for p in sorted((whole / "checkpoints").glob("step-*"))] == ["step-00000002"]
-    assert (whole / "notes.txt").read_text() == "the user's own file"
 
 
 def test_the_version_and_a_full_disk_in_one_paragraph(capsys):
