@@ -230,6 +230,28 @@ def test_the_probe_measures_a_working_set_on_the_gpu_and_the_plan_uses_it(tmp_pa
 
 
 @pytest.mark.gpu
+def test_a_run_on_the_gpu_plans_with_the_working_set_its_worker_measured(local_ray, tmp_path):
+    """The GPU worker measures each layer kind before the step is planned (the estimate is the
+    Llama family's fit, and a linear-attention layer keeps five times what it says)."""
+    from megatrain_ray.runtime.session import Session
+
+    model = small_model("qwen3_next")
+    model_dir = saved(model, tmp_path / "hf")
+    arch = load_hf_arch(model_dir)
+    (tmp_path / "shm").mkdir()
+    fields = train_config_dict(model_dir, write_documents(tmp_path / "docs.jsonl", arch.vocab_size, seed=5),
+                               tmp_path / "run")
+    fields["executor"] = {**fields["executor"], "device": "cuda"}
+    session = Session(config_from_dict(fields), arch)
+    try:
+        planned = session.planned_arch
+    finally:
+        session.close()
+    assert arch.measured_working_set == 0 and planned.measured_working_set > 0
+    assert planned.model_fields() == arch.model_fields(), "a measurement does not make another model"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next", "llama4_text"])
 def test_bf16_on_the_gpu_compiled_tracks_transformers_autocast(tmp_path, model_type):
     from helpers.hf_parity import assert_bf16_tracks, bf16_cuda_config, local_steps, on_cuda
