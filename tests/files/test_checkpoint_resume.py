@@ -33,20 +33,39 @@ def meta_of(checkpoint: Path) -> dict:
     return json.loads((checkpoint / ckpt.META).read_text())
 
 
-@pytest.mark.parametrize("embedding_step", ["host", "device"])
-def test_ten_steps_equal_five_then_resume_five(local_ray, tmp_path, embedding_step):
-    """device: the embedding's state and update count go through the checkpoint from the GPU
-    worker's step (streaming/device_step.py), and its bias correction goes on from there."""
-    executor = {"executor": {"device": "cpu", "compile": False, "embedding_step": embedding_step}}
-    whole = run_training(config_from_dict(tiny_raw(tmp_path / "whole", **executor)))
-    # The interrupted run: the same config stopped after step 5 (its own final checkpoint), then a resume.
-    run_training(config_from_dict(tiny_raw(tmp_path / "split", **executor)), until_step=5)
-    first = ckpt.list_checkpoints(tmp_path / "split" / "checkpoints")[-1]
+@pytest.fixture(scope="module", params=["host", "device"])
+def resumed(local_ray, tmp_path_factory, request) -> dict:
+    """10 steps in one go ("whole"), and the same config stopped after step 5 (its own final
+    checkpoint) then resumed ("split"), recording each file the resume hashed. device: the
+    embedding's state and update count go through the checkpoint from the GPU worker's step
+    (streaming/device_step.py), and its bias correction goes on from there."""
+    root = tmp_path_factory.mktemp(f"resume-{request.param}")
+
+    def config(run: str):
+        return config_from_dict(tiny_raw(root / run, executor={"device": "cpu", "compile": False,
+                                                                "embedding_step": request.param}))
+
+    whole = run_training(config("whole"))
+    run_training(config("split"), until_step=5)
+    hashed, real_digest = [], ckpt.file_digest
+
+    def counting_digest(path):
+        hashed.append(Path(path))
+        return real_digest(path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ckpt, "file_digest", counting_digest)
+        resumed = run_training(config("split"), resume="latest")
+    return {"root": root, "whole": whole, "resumed": resumed, "hashed": hashed}
+
+
+def test_ten_steps_equal_five_then_resume_five(resumed):
+    root = resumed["root"]
+    first = ckpt.list_checkpoints(root / "split" / "checkpoints")[0]
     assert first.name == "step-00000005"
     assert set(layer_steps(first).values()) == {5}  # every layer's update count, the embedding's too
-    resumed = run_training(config_from_dict(tiny_raw(tmp_path / "split", **executor)), resume="latest")
 
-    a, b = Path(whole["checkpoint"]), Path(resumed["checkpoint"])
+    a, b = Path(resumed["whole"]["checkpoint"]), Path(resumed["resumed"]["checkpoint"])
     assert a.name == b.name == "step-00000010"
     ta, tb = tensors_of(a), tensors_of(b)
     assert ta.keys() == tb.keys() and any(k.endswith("exp_avg_sq") for k in ta)
@@ -55,16 +74,16 @@ def test_ten_steps_equal_five_then_resume_five(local_ray, tmp_path, embedding_st
     ma, mb = meta_of(a), meta_of(b)
     for key in ("step", "updates_done", "data_position", "rng"):
         assert ma[key] == mb[key], key
-    assert whole["final_loss"] == resumed["final_loss"]
+    assert resumed["whole"]["final_loss"] == resumed["resumed"]["final_loss"]
 
     def losses(run):
-        records = map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+        records = map(json.loads, (root / run / "metrics.jsonl").read_text().splitlines())
         return [(r["step"], r["loss"], r["grad_norm"]) for r in records]
 
     assert losses("split") == losses("whole")
 
     # The next batch after the resumed run is the one the uninterrupted run would take.
-    config = config_from_dict(tiny_raw(tmp_path / "whole"))
+    config = config_from_dict(tiny_raw(root / "whole"))
     dataset = build_dataset(config.data, 256, config.train.seed)
     next_a, _ = next(dataset.batches(2, 2, DataPosition.from_dict(ma["data_position"])))
     next_b, _ = next(dataset.batches(2, 2, DataPosition.from_dict(mb["data_position"])))
@@ -72,22 +91,12 @@ def test_ten_steps_equal_five_then_resume_five(local_ray, tmp_path, embedding_st
         assert all((x[k] == y[k]).all() for k in x)
 
 
-def test_resume_hashes_each_checkpoint_file_once(local_ray, tmp_path, monkeypatch):
+def test_resume_hashes_each_checkpoint_file_once(resumed):
     """At 7B a checkpoint is ~91 GB: the driver reads it once to verify it, not once per layer of code."""
-    run_training(config_from_dict(tiny_raw(tmp_path / "run")), until_step=5)
-    resumed_from = ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    resumed_from = ckpt.list_checkpoints(resumed["root"] / "split" / "checkpoints")[0]
     files = sorted(p.name for p in resumed_from.iterdir() if p.name != ckpt.MANIFEST)
     assert len(files) >= 2  # a shard and meta.json
-    hashed = []
-    real_digest = ckpt.file_digest
-
-    def counting_digest(path):
-        hashed.append(Path(path))
-        return real_digest(path)
-
-    monkeypatch.setattr(ckpt, "file_digest", counting_digest)
-    run_training(config_from_dict(tiny_raw(tmp_path / "run", steps=6)), resume="latest")
-    of_resumed = sorted(p.name for p in hashed if p.parent == resumed_from)
+    of_resumed = sorted(p.name for p in resumed["hashed"] if p.parent == resumed_from)
     assert of_resumed == files, of_resumed
 
 
