@@ -87,7 +87,7 @@ def submit(dashboard: str, work: Path, entrypoint: list[str], env: dict) -> subp
 
 
 def start_local_run_beside(work: Path, out_dir: Path, env: dict) -> subprocess.Popen:
-    """A local run in a terminal beside the cluster, with its own embedded Ray (the cluster is not
+    """A local run in a terminal beside the cluster, with its own embedded Ray (a cluster is not
     its to join), running until it is signalled; returns once it has written a step."""
     light = ["--set", "data.seq_len=16", "--set", "train.micro_batch_size=1", "--set", "train.grad_accum=1",
              "--set", "runtime.num_cpus=1"]  # small steps: the machine stays free for the cluster
@@ -123,32 +123,32 @@ def test_local_run_then_head_and_job_submit_then_ram_nodes_with_token_auth(machi
     train = [str(BIN / "megatrain-ray"), "train", "tiny.yaml", *SMALL]
 
     # 1. A local run, in a shell with RAY_AUTH_MODE=token as the README says (Ray >= 2.59 does the
-    #    same for an embedded Ray by itself): the embedded Ray makes the token.
+    #    same for an embedded Ray by itself): the embedded Ray makes the token. It keeps running
+    #    beside the cluster of steps 2 and 3 until a SIGTERM stops it at a step, with its checkpoint.
     shell = {**env, "RAY_AUTH_MODE": "token"}
-    run([*train, "--set", f"train.output_dir={tmp_path / 'local'}"], shell, work)
-    token = Path(env["HOME"]) / ".ray" / "auth_token"
-    assert token.exists() and stat.S_IMODE(token.stat().st_mode) == 0o600  # no other user reads it
-    assert steps_of(tmp_path / "local") == [1, 2]
-
-    # 2. `ray start --head`: token authentication on for the head.
-    #    Every port picked free, as cluster/local-cluster.sh does: Ray's defaults (the job agent's
-    #    52365 among them) may be held by another Ray on this machine, and a job agent that cannot
-    #    listen leaves `ray job submit` answering "No available agent" for ever.
-    port, dash_port, *agent = free_ports(9)
-    run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-         "--object-store-memory=100000000", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash_port}", f"--node-manager-port={agent[0]}", f"--object-manager-port={agent[1]}",
-         f"--dashboard-agent-listen-port={agent[2]}", f"--dashboard-agent-grpc-port={agent[3]}",
-         f"--runtime-env-agent-port={agent[4]}", f"--metrics-export-port={agent[5]}",
-         f"--ray-client-server-port={agent[6]}", "--disable-usage-stats"], shell, work, timeout=180)
-    dashboard = f"http://127.0.0.1:{dash_port}"
-    assert status_without_token(dashboard) == 401  # the job API refuses a client without the token
-
-    # 3. `ray job submit --working-dir .` from that shell (Ray's job client sends the token only with
-    #    the variable), beside a local run with its own embedded Ray. A relative output_dir (the
-    #    default) lands in the run home, ~/megatrain-ray/, and the job prints it.
-    local = start_local_run_beside(work, tmp_path / "local-beside", shell)
+    local_out = tmp_path / "local"
+    local = start_local_run_beside(work, local_out, shell)
     try:
+        token = Path(env["HOME"]) / ".ray" / "auth_token"
+        assert token.exists() and stat.S_IMODE(token.stat().st_mode) == 0o600  # no other user reads it
+
+        # 2. `ray start --head`: token authentication on for the head.
+        #    Every port picked free, as cluster/local-cluster.sh does: Ray's defaults (the job agent's
+        #    52365 among them) may be held by another Ray on this machine, and a job agent that cannot
+        #    listen leaves `ray job submit` answering "No available agent" for ever.
+        port, dash_port, *agent = free_ports(9)
+        run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+             "--object-store-memory=100000000", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dash_port}", f"--node-manager-port={agent[0]}", f"--object-manager-port={agent[1]}",
+             f"--dashboard-agent-listen-port={agent[2]}", f"--dashboard-agent-grpc-port={agent[3]}",
+             f"--runtime-env-agent-port={agent[4]}", f"--metrics-export-port={agent[5]}",
+             f"--ray-client-server-port={agent[6]}", "--disable-usage-stats"], shell, work, timeout=180)
+        dashboard = f"http://127.0.0.1:{dash_port}"
+        assert status_without_token(dashboard) == 401  # the job API refuses a client without the token
+
+        # 3. `ray job submit --working-dir .` from that shell (Ray's job client sends the token only
+        #    with the variable), beside the local run. A relative output_dir (the default) lands in
+        #    the run home, ~/megatrain-ray/, and the job prints it.
         done = submit(dashboard, work, [*train], shell)
         out = done.stdout + done.stderr
         assert done.returncode == 0 and "succeeded" in out.lower(), out[-4000:]
@@ -165,9 +165,12 @@ def test_local_run_then_head_and_job_submit_then_ram_nodes_with_token_auth(machi
         assert done.returncode != 0 and "data.source 'data/train.jsonl' is not in the job's working directory" in out
         assert ".gitignore" in out and "absolute" in out and "Traceback" not in out
     finally:
-        local.send_signal(signal.SIGTERM)  # it stops at a step with a checkpoint
-        local.communicate(timeout=300)
-    assert local.returncode == 143
+        local.send_signal(signal.SIGTERM)
+        shown = local.communicate(timeout=300)[0]
+    assert local.returncode == 143, shown[-3000:]
+    k = steps_of(local_out)[-1]
+    assert steps_of(local_out) == list(range(1, k + 1)) and f"after step {k}" in shown
+    assert (local_out / "checkpoints" / f"step-{k:08d}" / "MANIFEST.json").exists()
 
     end_processes_under(Path(env["RAY_TMPDIR"]) / "ray")
 
