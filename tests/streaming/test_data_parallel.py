@@ -50,22 +50,26 @@ def train(config, arch, data, wait=None):
     return results, evaluation, weights, counts
 
 
-def reordering_error(preset: str, arch, data) -> float:
-    """How far one worker's weights move when it sums the same micro-batches' gradients in another
-    order (in this process, one thread like the workers): the fp32 rounding the model amplifies."""
+def train_one(config, arch, data, order=None):
+    """One worker in this process, on one thread like each Ray worker (workers_config): the executor
+    a one-worker run builds (tests/runtime/test_ray_runtime.py: the two agree bit for bit). `order`
+    sums each step's micro-batches in another order. Returns what `train` does, without the counts."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    trainer = LocalTrainer(config, arch)
     try:
-        runs = []
-        for order in ([0, 1, 2, 3], [2, 3, 0, 1]):
-            trainer = LocalTrainer(workers_config(preset, 1), arch)
-            for step in data:
-                trainer.train_step([step[i] for i in order])
-            runs.append(trainer.layer_weights())
-            trainer.close()
+        results = [trainer.train_step(step if order is None else [step[i] for i in order]) for step in data]
+        return results, trainer.eval_loss(data[0][:3]), trainer.layer_weights()
     finally:
+        trainer.close()
         torch.set_num_threads(threads)
-    return max(relative_error(a, b) for a, b in zip(*runs))
+
+
+def reordering_error(preset: str, arch, data, weights: list[torch.Tensor]) -> float:
+    """How far one worker's weights (`weights`, summed in order) move when it sums the same
+    micro-batches' gradients in another order: the fp32 rounding the model amplifies."""
+    reordered = train_one(workers_config(preset, 1), arch, data, order=[2, 3, 0, 1])[2]
+    return max(relative_error(a, b) for a, b in zip(reordered, weights))
 
 
 # qwen3: the head tied to the embedding; mixtral: routed experts and the auxiliary loss
@@ -75,8 +79,8 @@ def test_two_workers_train_like_one_over_the_same_global_batch(local_ray, preset
     rounding into other choices, within what one worker moves when it reorders its micro-batches."""
     arch = PRESETS[preset]
     data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=1)
-    bound = max(1e-6, reordering_error(preset, arch, data)) if preset == "tiny-mixtral" else 1e-6
-    one, one_eval, one_weights, _ = train(workers_config(preset, 1), arch, data)
+    one, one_eval, one_weights = train_one(workers_config(preset, 1), arch, data)
+    bound = max(1e-6, reordering_error(preset, arch, data, one_weights)) if preset == "tiny-mixtral" else 1e-6
     two, two_eval, two_weights, counts = train(workers_config(preset, 2), arch, data)
 
     assert [r.num_gpus for r in one + two] == [1] * STEPS + [2] * STEPS
@@ -103,7 +107,7 @@ def test_two_workers_keeping_forward_graphs_train_like_one_recomputing(local_ray
     recomputing, keeping = workers_config("tiny-llama", 1), workers_config("tiny-llama", 2)
     recomputing = recomputing.replace(executor=dataclasses.replace(recomputing.executor, num_slots=2))
     keeping = keeping.replace(executor=dataclasses.replace(keeping.executor, num_slots=2, keep_graphs=99))
-    one, _, one_weights, _ = train(recomputing, arch, data)
+    one, _, one_weights = train_one(recomputing, arch, data)
     two, _, two_weights, _ = train(keeping, arch, data)
     layers = len(model_layouts(arch))
     for a, b in zip(two, one):
