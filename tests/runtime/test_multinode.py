@@ -129,19 +129,37 @@ def test_two_workers_over_shared_memory_and_ram_nodes_train_like_one(three_nodes
     arch = PRESETS["tiny-llama"].replace(num_layers=4)
     data = random_micro_batches(arch, 3, 4, batch=2, seq=12, seed=2)
 
-    def run(num_gpus: int):
+    def config_of(num_gpus: int):
         base = make_config("tiny-llama")
-        config = base.replace(train=dataclasses.replace(base.train, grad_accum=4),
-                              runtime=dataclasses.replace(base.runtime, num_gpus=num_gpus, worker_threads=1,
-                                                          transport_streams=2))
-        session = Session(config, arch)
+        return base.replace(train=dataclasses.replace(base.train, grad_accum=4),
+                            runtime=dataclasses.replace(base.runtime, num_gpus=num_gpus, worker_threads=1,
+                                                        transport_streams=2))
+
+    def steps(trainer):
+        """Two steps, the validation loss, the third step: what each worker's view must survive."""
+        results = [trainer.train_step(step) for step in data[:2]]
+        evaluation = trainer.eval_loss(data[2][:3])
+        return [*results, trainer.train_step(data[2])], evaluation
+
+    def one_worker():
+        """In this process, on one thread like each Ray worker: what one Ray worker over these nodes
+        computes, bit for bit (test_layers_spread_over_all_nodes_and_train_like_one)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        trainer = LocalTrainer(config_of(1), arch)
+        try:
+            return *steps(trainer), trainer.layer_weights()
+        finally:
+            trainer.close()
+            torch.set_num_threads(threads)
+
+    def two_workers():
+        session = Session(config_of(2), arch)
         try:
             session.init_weights()
             session.start_executor()
             assert sorted(session.transports()) == ["shm", "stream", "stream"]
-            results = [session.train_step(step) for step in data[:2]]
-            evaluation = session.eval_loss(data[2][:3])
-            results.append(session.train_step(data[2]))
+            results, evaluation = steps(session)
             session.drain()
             versions = ray.get([w.remote_versions.remote() for w in session.gpus])
             weights = session.layer_weights()
@@ -151,8 +169,8 @@ def test_two_workers_over_shared_memory_and_ram_nodes_train_like_one(three_nodes
             session.close()
         return results, evaluation, weights, counts, versions
 
-    one, one_eval, one_weights, _, _ = run(1)
-    two, two_eval, two_weights, counts, versions = run(2)
+    one, one_eval, one_weights = one_worker()
+    two, two_eval, two_weights, counts, versions = two_workers()
     for a, b in zip(two, one):
         assert a.loss == pytest.approx(b.loss, rel=1e-6) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
     assert two_eval.loss == pytest.approx(one_eval.loss, rel=1e-6)
