@@ -1,12 +1,11 @@
 """examples/finetune-sft.yaml end to end: a Hugging Face directory and SFT JSONL in, rendered with
-the model's own chat template, through `megatrain-ray train` (embedded Ray, store and executor
-actors), a validation loss that falls, and a model transformers loads out."""
+the model's own chat template, through `megatrain-ray train` (store and executor actors on the
+test session's Ray head), a validation loss that falls, and a model transformers loads out."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,16 +43,14 @@ def mean_loss(model, batches) -> float:
     return total / count
 
 
-def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path):
+def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, joining_env):
     made = tmp_path / "tiny-hf"
     subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_hf_model.py"), str(made)],
                    check=True, capture_output=True, text=True, timeout=120)
     model_dir, data, tokenizer = made / "model", made / "sft.jsonl", made / "model" / "tokenizer.json"
     out = tmp_path / "run"
-    overrides = [f"model.path={model_dir}", f"data.source={data}",
-                 f"train.output_dir={out}", "runtime.num_cpus=2", "runtime.object_store_memory=150000000"]
-    # its own embedded Ray, whatever else runs on the machine
-    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
+    overrides = [f"model.path={model_dir}", f"data.source={data}", f"train.output_dir={out}"]
+    env = {**joining_env, "RAY_USAGE_STATS_ENABLED": "0"}
     script = Path(sys.executable).parent / "megatrain-ray"  # this environment's entry point
     cli = [str(script)] if script.exists() else [sys.executable, "-m", "megatrain_ray.cli"]
     args = [arg for item in overrides for arg in ("--set", item)]
