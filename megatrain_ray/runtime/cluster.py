@@ -150,9 +150,17 @@ def gpu_rates(node_id: str):
     return rates_for_gpu(name, probe=lambda: ray.get(_probe_gpu.options(scheduling_strategy=where).remote()))
 
 
+def free_memory(node_ids: list[str]) -> list[int]:
+    """Each node's free memory, read on that node; the driver's own node's read here: a task
+    there would first wait for a worker process to start (about 2 s of every run's start-up)."""
+    here = driver_node_id()
+    refs = {n: _node_free_memory.options(scheduling_strategy=on_node(n)).remote() for n in node_ids if n != here}
+    return [available_memory() if n == here else ray.get(refs[n]) for n in node_ids]
+
+
 def discover_nodes(cfg: RuntimeConfig) -> list[NodeInfo]:
     alive = [n for n in ray.nodes() if n["Alive"]]
-    free = ray.get([_node_free_memory.options(scheduling_strategy=on_node(n["NodeID"])).remote() for n in alive])
+    free = free_memory([n["NodeID"] for n in alive])
     return [
         NodeInfo(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0),
                  n["Resources"].get(cfg.ram_resource, 0.0) > 0, mem)
