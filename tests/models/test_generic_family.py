@@ -7,6 +7,7 @@ test_generic_refusals.py (a module without a Ray cluster); the probe of its laye
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -235,14 +236,9 @@ def test_a_run_on_the_gpu_plans_with_the_working_set_its_worker_measured(local_r
     Llama family's fit, and a linear-attention layer keeps five times what it says)."""
     from megatrain_ray.runtime.session import Session
 
-    model = small_model("qwen3_next")
-    model_dir = saved(model, tmp_path / "hf")
-    arch = load_hf_arch(model_dir)
-    (tmp_path / "shm").mkdir()
-    fields = train_config_dict(model_dir, write_documents(tmp_path / "docs.jsonl", arch.vocab_size, seed=5),
-                               tmp_path / "run")
-    fields["executor"] = {**fields["executor"], "device": "cuda"}
-    session = Session(config_from_dict(fields), arch)
+    _model, arch, _config_file, config, _data = prepared("qwen3_next", tmp_path)
+    on_gpu = dataclasses.replace(config, executor=dataclasses.replace(config.executor, device="cuda"))
+    session = Session(on_gpu, arch)
     try:
         planned = session.planned_arch
     finally:
