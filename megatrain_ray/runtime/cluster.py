@@ -26,8 +26,9 @@ def token_path() -> Path:
 
 def use_token_auth_if_token_available() -> None:
     """Ray's token authentication for a driver that joins a cluster: with RAY_AUTH_MODE unset, a
-    token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token turns it on (a cluster
-    without authentication ignores the token). Ray 2.59 and later do so by themselves only for a
+    token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token turns it on. A cluster
+    started without authentication then refuses the driver's actors (Ray 2.60: "SchedulingCancelled"):
+    RAY_AUTH_MODE=disabled joins one. Ray 2.59 and later turn it on by themselves only for a
     cluster found on the machine, never for one named by address; earlier ones never."""
     if "RAY_AUTH_MODE" in os.environ or not (os.environ.get("RAY_AUTH_TOKEN") or token_path().exists()):
         return
