@@ -40,7 +40,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "synthetic"  # synthetic | a file, directory or glob of parquet/arrow/jsonl
-    format: str = "auto"  # auto | tokens | text | alpaca | sharegpt
+    format: str = "auto"  # auto (from the columns: input_ids tokens, conversations or messages sharegpt, instruction + output alpaca, text_column text) | tokens | text | alpaca | sharegpt
     tokenizer: str | None = None  # tokenizer.json (or its directory, or a Hub name) for text and SFT; default: model.path
     chat_template: str = "auto"  # SFT: auto (the model's, else fallback) | model | fallback (### User:/### Assistant:) | a .jinja file
     text_column: str = "text"  # column holding the text of format text
@@ -53,6 +53,8 @@ class DataConfig:
     shuffle_buffer: int = 1024  # documents held for the streaming shuffle (bounds memory)
     read_batch_rows: int = 256  # rows read (and tokenized) at a time from a file
     synthetic_docs: int = 4096  # documents per epoch of the synthetic source
+    bad_rows: str = "skip"  # skip | stop: a row that cannot be trained on (malformed JSON, a missing column, ...) is skipped and counted by reason, or stops the run (with a checkpoint)
+    max_bad_fraction: float = 0.01  # skip: the run stops (with a checkpoint) once more than this fraction of the rows read are bad (of at least 100 rows)
 
 
 @dataclass(frozen=True)
@@ -324,6 +326,8 @@ def validate(config: Config) -> None:
         (d.shuffle_buffer >= 1, "data.shuffle_buffer must be >= 1"),
         (d.read_batch_rows >= 1, "data.read_batch_rows must be >= 1"),
         (d.synthetic_docs >= 1, "data.synthetic_docs must be >= 1"),
+        (d.bad_rows in ("skip", "stop"), "data.bad_rows must be skip or stop"),
+        (0 <= d.max_bad_fraction <= 1, "data.max_bad_fraction must be within [0, 1]"),
         (0 <= ev.holdout_fraction < 1, "eval.holdout_fraction must be within [0, 1)"),
         (ev.source is None or ev.holdout_fraction == 0, "set eval.source or eval.holdout_fraction, not both"),
         (ev.source != "", "eval.source must be a file, directory or glob (or null)"),

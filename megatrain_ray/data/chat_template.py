@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from megatrain_ray.data.documents import DataError, Origin
+from megatrain_ray.data.documents import BadRow, DataError, Origin
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -144,7 +144,8 @@ class ChatTemplate:
                 return split_markers(self.render(messages), origin)
             return self._render_by_prefixes(messages, origin)
         except jinja2.TemplateError as e:
-            raise DataError(f"{origin}: the chat template of {self.source} refused this conversation: {e}") from None
+            raise BadRow(origin, "refused by the chat template",
+                         f"the chat template of {self.source} refused this conversation: {e}") from None
 
     def _render_by_prefixes(self, messages: list[dict[str, Any]], origin: Origin) -> tuple[str, list[tuple[int, int]]]:
         full = self.render(messages)

@@ -6,7 +6,7 @@ epoch, then documents pass through a buffer of `data.shuffle_buffer` documents. 
 after another, so documents mix only within that window; shuffle offline if the files are sorted by
 topic. Resuming replays the epoch's stream up to the recorded row (reads and tokenizes that prefix
 again, then skips it). Documents left without any target (empty text, an SFT example truncated
-before its response) are skipped.
+before its response) are skipped, and so are bad rows under data.bad_rows=skip (bad_rows.py).
 
 Validation data (`eval`): its own source, or a fraction of the training rows held out. A row is
 held out by a hash of its file (relative to the data's root) and row number, not by the seed or
@@ -24,8 +24,9 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from megatrain_ray.config import DataConfig, EvalConfig
+from megatrain_ray.data.bad_rows import BadRowCount, apply_policy
 from megatrain_ray.data.chat_template import ChatTemplate, load_chat_template
-from megatrain_ray.data.documents import DataError, DataPosition, Document, Origin, Row, RowBatch
+from megatrain_ray.data.documents import BadRow, DataError, DataPosition, Document, Origin, Row, RowBatch
 from megatrain_ray.data.packing import fit_length, packed_rows, stack_rows, unpacked_rows
 from megatrain_ray.data.readers import column_spec, detect_format, first_row_columns, read_rows, resolve_files
 from megatrain_ray.data.sft import sft_documents
@@ -93,8 +94,8 @@ class Dataset:
             tok += f", the {side} rows ({self.holdout.fraction:g} held out)"
         return f"{len(self.files)} {self.format} file(s) from {self.cfg.source}{tok}"
 
-    def documents(self, epoch: int) -> Iterator[Document]:
-        """This epoch's documents, in this epoch's order."""
+    def documents(self, epoch: int, count: BadRowCount | None = None) -> Iterator[Document]:
+        """This epoch's documents, in this epoch's order; `count` counts the rows read and the bad ones."""
         if self.format == "synthetic":
             yield from synthetic_documents(self.cfg, self.vocab_size, self.seed, epoch)
             return
@@ -103,6 +104,8 @@ class Dataset:
             order = np.random.default_rng([self.seed, epoch, 0]).permutation(len(files))
             files = [files[i] for i in order]
         docs = (doc for path in files for doc in self.file_documents(path))
+        if count is not None:
+            docs = counted(docs, count)
         if self.cfg.shuffle:
             docs = shuffled(docs, max(1, self.cfg.shuffle_buffer), np.random.default_rng([self.seed, epoch, 1]))
         yield from docs
@@ -116,6 +119,23 @@ class Dataset:
                 yield from self.to_documents(batch)
 
     def to_documents(self, batch: RowBatch) -> list[Document]:
+        """One document per row; a bad row (BadRow) as data.bad_rows says: skipped, or it stops."""
+        try:
+            docs = iter(self.convert([(origin, row) for origin, row in batch if not isinstance(row, BadRow)]))
+        except BadRow:  # which of the batch's rows: one at a time
+            docs = None
+        return [apply_policy(row, self.cfg.bad_rows) if isinstance(row, BadRow)
+                else next(docs) if docs is not None else self.convert_row(origin, row) for origin, row in batch]
+
+    def convert_row(self, origin: Origin, row: dict[str, Any]) -> Document:
+        try:
+            return self.convert([(origin, row)])[0]
+        except BadRow as e:
+            return apply_policy(e, self.cfg.bad_rows)
+
+    def convert(self, batch: RowBatch) -> list[Document]:
+        if not batch:
+            return []
         if self.format == "tokens":
             return [token_document(row, origin, self.vocab_size) for origin, row in batch]
         assert self.encoder is not None
@@ -123,22 +143,23 @@ class Dataset:
             return text_documents(batch, self.cfg.text_column, self.encoder, self.vocab_size)
         return sft_documents(batch, self.format, self.encoder, self.template, self.vocab_size)
 
-    def rows(self, epoch: int) -> Iterator[Row]:
+    def rows(self, epoch: int, count: BadRowCount | None = None) -> Iterator[Row]:
         """This epoch's rows of exactly seq_len positions."""
         cfg = self.cfg
         splittable = self.format in SPLITTABLE_FORMATS
-        docs = (fit_length(d, cfg.seq_len, cfg.truncate, splittable) for d in self.documents(epoch))
+        docs = (fit_length(d, cfg.seq_len, cfg.truncate, splittable) for d in self.documents(epoch, count))
         docs = (d for d in docs if d.has_targets())
         if cfg.pack:
             return packed_rows(docs, cfg.seq_len, splittable)
         return unpacked_rows(docs, cfg.seq_len)
 
-    def positioned_rows(self, start: DataPosition) -> Iterator[tuple[Row, DataPosition]]:
+    def positioned_rows(self, start: DataPosition, bad: BadRowCount | None = None
+                        ) -> Iterator[tuple[Row, DataPosition]]:
         """Rows from `start` on, each with the position after it; epochs follow one another forever."""
         epoch, skip = start.epoch, start.index
         while True:
             count = 0
-            for row in self.rows(epoch):
+            for row in self.rows(epoch, bad):
                 count += 1
                 if count > skip:
                     yield row, DataPosition(epoch, count)
@@ -150,13 +171,14 @@ class Dataset:
                 )
             epoch, skip = epoch + 1, 0
 
-    def batches(self, micro_batch_size: int, grad_accum: int, start: DataPosition | None = None
-                ) -> Iterator[tuple[list[dict[str, np.ndarray]], DataPosition]]:
+    def batches(self, micro_batch_size: int, grad_accum: int, start: DataPosition | None = None,
+                bad: BadRowCount | None = None) -> Iterator[tuple[list[dict[str, np.ndarray]], DataPosition]]:
         """Per optimizer step: `grad_accum` micro-batches of [micro_batch_size, seq_len] arrays and the
-        position after the step (resuming there yields the next step's batches)."""
+        position after the step (resuming there yields the next step's batches). `bad` counts the
+        rows read and the bad rows skipped, and stops past data.max_bad_fraction."""
         if micro_batch_size < 1 or grad_accum < 1:
             raise ValueError("micro_batch_size and grad_accum must be >= 1")
-        rows = self.positioned_rows(start or DataPosition())
+        rows = self.positioned_rows(start or DataPosition(), bad)
         while True:
             taken = [next(rows) for _ in range(micro_batch_size * grad_accum)]
             micro = [
@@ -176,6 +198,12 @@ class Dataset:
         if not rows:
             raise DataError(f"empty validation set: {self.describe()} gave no rows")
         return [stack_rows(rows[i:i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
+
+
+def counted(docs: Iterable[Document], count: BadRowCount) -> Iterator[Document]:
+    for doc in docs:
+        count.count(doc)
+        yield doc
 
 
 def check_settings(cfg: DataConfig, vocab_size: int) -> None:

@@ -6,16 +6,28 @@ target of position t (the next token), IGNORE_INDEX where no loss is taken.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+
+from megatrain_ray.data.formats import format_hint
 
 IGNORE_INDEX = -100
 
 
 class DataError(ValueError):
     """Data (or a data setting) the user must fix; the message names the file and row."""
+
+
+class BadRow(DataError):
+    """One row that cannot be trained on (malformed JSON, a missing column, a token outside the
+    vocabulary, ...): `data.bad_rows` skips and counts it by `reason`, or stops the run
+    (data/bad_rows.py). The message names the file, the row and the line."""
+
+    def __init__(self, origin: "Origin", reason: str, detail: str):
+        super().__init__(f"{origin}: {detail}")
+        self.origin, self.reason = origin, reason
 
 
 @dataclass(frozen=True)
@@ -41,15 +53,16 @@ class DataPosition:
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a document came from, for error messages. Rows count from 0; lines from 1."""
+    """Where a document came from. `row` is the row's index in its file (from 0: the held-out hash
+    reads it); messages count rows and lines from 1, as editors and `sed -n 3p` count lines."""
 
     path: str
     row: int
     line: int | None = None
 
     def __str__(self) -> str:
-        line = f" (line {self.line})" if self.line is not None else ""
-        return f"{self.path} row {self.row}{line}"
+        line = f"line {self.line}, " if self.line is not None else ""
+        return f"{self.path} row {self.row + 1} ({line}counting from 1)"
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,7 @@ class Document:
     labels: np.ndarray
     origin: Origin
     skip: str | None = None  # why a row gives nothing to train on, when that is known before tokenizing
+    bad: BadRow | None = None  # a bad row skipped under data.bad_rows=skip (skip holds its reason)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -76,6 +90,11 @@ class Document:
         empty = np.zeros(0, dtype=np.int64)
         return cls(empty, empty, origin, reason)
 
+    @classmethod
+    def of_bad_row(cls, error: BadRow) -> "Document":
+        """A bad row, skipped (data/bad_rows.py counts them against data.max_bad_fraction)."""
+        return replace(cls.skipped(error.origin, error.reason), bad=error)
+
 
 @dataclass(frozen=True)
 class Row:
@@ -86,7 +105,7 @@ class Row:
     position_ids: np.ndarray
 
 
-RowBatch = list[tuple[Origin, dict[str, Any]]]
+RowBatch = list[tuple[Origin, dict[str, Any]]]  # a reader's rows: a row may be the BadRow it is (malformed JSON)
 
 
 def shifted_document(tokens: np.ndarray, targets: np.ndarray, origin: Origin) -> Document:
@@ -104,13 +123,14 @@ def masked_document(tokens: np.ndarray, trained: np.ndarray, origin: Origin) -> 
 
 def as_int_array(value: Any, origin: Origin, column: str) -> np.ndarray:
     if value is None:
-        raise DataError(f"{origin}: column {column!r} is null")
+        raise BadRow(origin, f"null {column!r}", f"column {column!r} is null")
     try:
         array = np.asarray(value)
     except (ValueError, TypeError):
         array = np.asarray([], dtype=object)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iub"):
-        raise DataError(f"{origin}: column {column!r} must be a list of integers, got {str(value)[:80]}")
+        raise BadRow(origin, f"{column!r} not a list of integers",
+                     f"column {column!r} must be a list of integers, got {str(value)[:80]}")
     return array.astype(np.int64, copy=False)
 
 
@@ -120,16 +140,22 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, origin: Origin, column: st
         bad &= ids != IGNORE_INDEX
     if bad.any():
         at = int(np.argmax(bad))
-        raise DataError(
-            f"{origin}: {column}[{at}] = {int(ids[at])} is outside [0, {vocab_size}) (the model's vocab_size); "
-            "was the data made with another tokenizer?"
-        )
+        raise BadRow(origin, "token id outside the vocabulary",
+                     f"{column}[{at}] = {int(ids[at])} is outside [0, {vocab_size}) (the model's vocab_size); "
+                     "was the data made with another tokenizer?")
 
 
-def text_of(row: dict[str, Any], column: str, origin: Origin) -> str:
+def missing_column(origin: Origin, column: str, row: dict[str, Any], fmt: str) -> BadRow:
+    """A row without a column its format needs; the format its columns suggest, if another."""
+    has = ", ".join(sorted(row)) or "nothing"
+    return BadRow(origin, f"missing column '{column}'",
+                  f"missing column '{column}' (has: {has}){format_hint(list(row), fmt, column if fmt == 'text' else 'text')}")
+
+
+def text_of(row: dict[str, Any], column: str, origin: Origin, fmt: str) -> str:
     if column not in row:
-        raise DataError(f"{origin}: missing column {column!r} (has: {', '.join(sorted(row)) or 'nothing'})")
+        raise missing_column(origin, column, row, fmt)
     value = row[column]
     if not isinstance(value, str):
-        raise DataError(f"{origin}: column {column!r} must be a string, got {type(value).__name__}")
+        raise BadRow(origin, f"{column!r} not a string", f"column {column!r} must be a string, got {type(value).__name__}")
     return value

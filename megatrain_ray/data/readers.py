@@ -2,7 +2,8 @@
 
 A source is a file, a directory (every data file under it) or a glob. Parquet and Arrow files are
 read in record batches, JSONL line by line: never a whole file in memory. `data.format: auto` is
-decided from the columns of the first row.
+decided from the columns of the first row that has any (formats.py). A line that is not a JSON
+object is passed on as a BadRow in place of the row, for data.bad_rows to skip or stop on.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from megatrain_ray.data.documents import DataError, Origin, RowBatch
+from megatrain_ray.data.documents import BadRow, DataError, Origin, RowBatch
+from megatrain_ray.data.formats import format_hint, guess_format
 
 FILE_KINDS = {
     "parquet": (".parquet", ".pq"),
@@ -36,6 +38,8 @@ class ColumnSpec:
     required: tuple[str, ...] = ()
     optional: tuple[str, ...] = ()
     any_of: tuple[str, ...] = ()
+    fmt: str = ""  # the format these columns are of (for the hint of a column error)
+    text_column: str = "text"
 
     def all(self) -> tuple[str, ...]:
         return self.required + self.optional + self.any_of
@@ -43,10 +47,10 @@ class ColumnSpec:
 
 def column_spec(fmt: str, text_column: str) -> ColumnSpec:
     return {
-        "tokens": ColumnSpec(("input_ids",), ("labels", "loss_mask")),
-        "text": ColumnSpec((text_column,)),
-        "alpaca": ColumnSpec(("instruction", "output"), ("input", "system")),
-        "sharegpt": ColumnSpec(any_of=("conversations", "messages")),
+        "tokens": ColumnSpec(("input_ids",), ("labels", "loss_mask"), fmt="tokens"),
+        "text": ColumnSpec((text_column,), fmt="text", text_column=text_column),
+        "alpaca": ColumnSpec(("instruction", "output"), ("input", "system"), fmt="alpaca"),
+        "sharegpt": ColumnSpec(any_of=("conversations", "messages"), fmt="sharegpt"),
     }[fmt]
 
 
@@ -114,12 +118,14 @@ def record_batch_rows(batch: pa.RecordBatch, path: Path, first_row: int) -> RowB
 
 
 def check_columns(path: Path, names: list[str], columns: ColumnSpec) -> list[str]:
-    """The columns to read; a missing required column is an error that names the file."""
+    """The columns to read; a missing required column is an error that names the file (and the
+    format its columns are in, when that is another)."""
     missing = [c for c in columns.required if c not in names]
     if columns.any_of and not any(c in names for c in columns.any_of):
         missing.append(" or ".join(columns.any_of))
     if missing:
-        raise DataError(f"data file {path}: missing column {missing[0]!r} (has: {', '.join(names) or 'nothing'})")
+        raise DataError(f"data file {path}: missing column {missing[0]!r} (has: {', '.join(names) or 'nothing'})"
+                        f"{format_hint(names, columns.fmt, columns.text_column)}")
     return [c for c in names if c in columns.all()]
 
 
@@ -172,25 +178,31 @@ def read_jsonl(path: Path, columns: ColumnSpec, batch_rows: int) -> Iterator[Row
         batch: RowBatch = []
         row = 0
         for line_no, text in lines:
-            if line_no is not None:
-                if not text.strip():
-                    continue
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{Origin(str(path), row, line_no)}: malformed JSON: {e.msg} at column {e.colno}") from None
-            else:
-                obj = text
+            if line_no is not None and not text.strip():
+                continue
             origin = Origin(str(path), row, line_no)
-            if not isinstance(obj, dict):
-                raise DataError(f"{origin}: expected a JSON object, got {type(obj).__name__}")
-            batch.append((origin, obj))
+            batch.append((origin, json_row(text, origin) if line_no is not None else json_object(text, origin)))
             row += 1
             if len(batch) == batch_rows:
                 yield batch
                 batch = []
         if batch:
             yield batch
+
+
+def json_row(text: str, origin: Origin) -> dict[str, Any] | BadRow:
+    """One JSONL line: its object, or the BadRow it is."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRow(origin, "malformed JSON", f"malformed JSON: {e.msg} at column {e.colno}")
+    return json_object(obj, origin)
+
+
+def json_object(obj: Any, origin: Origin) -> dict[str, Any] | BadRow:
+    if not isinstance(obj, dict):
+        return BadRow(origin, "not a JSON object", f"expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def load_json_array(f: io.TextIOBase, path: Path) -> list[Any]:
@@ -212,7 +224,8 @@ def read_rows(path: Path, columns: ColumnSpec, batch_rows: int) -> Iterator[RowB
 
 
 def first_row_columns(files: list[Path]) -> tuple[Path, list[str]]:
-    """Column names of the first file that has a row; no rows anywhere is an error."""
+    """Column names of the first file that has a row (of JSON: the first row that has any columns,
+    past empty objects and bad lines); no rows anywhere is an error."""
     for path in files:
         try:
             kind = file_kind(path)
@@ -226,7 +239,9 @@ def first_row_columns(files: list[Path]) -> tuple[Path, list[str]]:
                     return path, schema.names
             else:
                 for batch in read_jsonl(path, ColumnSpec(), 1):
-                    return path, list(batch[0][1])
+                    row = batch[0][1]
+                    if isinstance(row, dict) and row:
+                        return path, list(row)
         except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
             raise DataError(f"data file {path}: cannot read: {e}") from None
     shown = ", ".join(str(p) for p in files[:3]) + (" ..." if len(files) > 3 else "")
@@ -234,14 +249,9 @@ def first_row_columns(files: list[Path]) -> tuple[Path, list[str]]:
 
 
 def detect_format(path: Path, names: list[str], text_column: str) -> str:
-    if "input_ids" in names:
-        return "tokens"
-    if "conversations" in names or "messages" in names:
-        return "sharegpt"
-    if "instruction" in names and "output" in names:
-        return "alpaca"
-    if text_column in names:
-        return "text"
+    guessed = guess_format(names, text_column)
+    if guessed is not None:
+        return guessed
     raise DataError(
         f"data file {path}: cannot tell the format from columns {', '.join(names)}; expected input_ids (tokens), "
         f"{text_column!r} (text, see data.text_column), instruction+output (alpaca) or conversations/messages "

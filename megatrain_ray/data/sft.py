@@ -24,7 +24,7 @@ import numpy as np
 
 from megatrain_ray.data.chat_template import ChatTemplate, trained_tokens
 from megatrain_ray.data.documents import (
-    DataError, Document, Origin, RowBatch, check_token_ids, masked_document, text_of,
+    BadRow, Document, Origin, RowBatch, check_token_ids, masked_document, missing_column, text_of,
 )
 from megatrain_ray.data.tokenization import TextEncoder
 
@@ -37,17 +37,18 @@ FALLBACK_HEADINGS = {"system": "System", "user": "User", "assistant": "Assistant
 
 
 def alpaca_messages(row: dict[str, Any], origin: Origin) -> list[dict[str, Any]]:
-    instruction = text_of(row, "instruction", origin)
+    instruction = text_of(row, "instruction", origin, "alpaca")
     messages = []
     for column in ("system", "input"):
         if row.get(column) is not None and not isinstance(row[column], str):
-            raise DataError(f"{origin}: column {column!r} must be a string, got {type(row[column]).__name__}")
+            raise BadRow(origin, f"{column!r} not a string",
+                         f"column {column!r} must be a string, got {type(row[column]).__name__}")
     if row.get("system"):
         messages.append({"role": "system", "content": row["system"]})
     extra = row.get("input") or ""
     user = f"{instruction}\n\n{extra}" if extra else instruction
     return messages + [{"role": "user", "content": user},
-                       {"role": "assistant", "content": text_of(row, "output", origin)}]
+                       {"role": "assistant", "content": text_of(row, "output", origin, "alpaca")}]
 
 
 def sharegpt_messages(row: dict[str, Any], origin: Origin, strict: bool) -> list[dict[str, Any]]:
@@ -59,19 +60,21 @@ def sharegpt_messages(row: dict[str, Any], origin: Origin, strict: bool) -> list
     elif row.get("messages") is not None:
         column, role_key, text_key = "messages", "role", "content"
     else:
-        raise DataError(f"{origin}: missing column 'conversations' or 'messages' (has: {', '.join(sorted(row))})")
+        raise missing_column(origin, "conversations' or 'messages", row, "sharegpt")
     turns = row[column]
     if not isinstance(turns, list):
-        raise DataError(f"{origin}: {column} must be a list of turns, got {type(turns).__name__}")
+        raise BadRow(origin, f"{column} not a list", f"{column} must be a list of turns, got {type(turns).__name__}")
     out = []
     for i, turn in enumerate(turns):
         text_ok = isinstance(turn, dict) and (isinstance(turn.get(text_key), str)
                                               or (not strict and column == "messages"))
         if not text_ok or not isinstance(turn.get(role_key), str):
-            raise DataError(f"{origin}: {column}[{i}] must be {{{role_key!r}: str, {text_key!r}: str}}, got {str(turn)[:80]}")
+            raise BadRow(origin, f"malformed turn in {column}",
+                         f"{column}[{i}] must be {{{role_key!r}: str, {text_key!r}: str}}, got {str(turn)[:80]}")
         role = ROLES.get(turn[role_key].lower())
         if role is None and strict:
-            raise DataError(f"{origin}: {column}[{i}] has unknown role {turn[role_key]!r} (known: {', '.join(ROLES)})")
+            raise BadRow(origin, "unknown role",
+                         f"{column}[{i}] has unknown role {turn[role_key]!r} (known: {', '.join(ROLES)})")
         message = dict(turn) if column == "messages" else {}
         message.pop(role_key, None)
         message.pop(text_key, None)

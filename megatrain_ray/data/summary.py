@@ -1,27 +1,32 @@
 """What a data source holds for training, counted before the run starts: files, rows read, rows
-held out for validation, rows skipped by reason, rows truncated, tokens and the tokens that carry
-loss. Printed at start and written into the first row of metrics.jsonl that a run writes.
+held out for validation, rows skipped by reason, bad rows by reason, rows truncated, tokens and the
+tokens that carry loss. Printed at start and written into the first row of metrics.jsonl that a
+run writes.
 
 The count reads the source once in file order through the same steps as the training stream
-(reader, hold-out split, tokenizer and chat template, data.seq_len), up to SCAN_ROWS rows (then it
-says it read a first part); a source without a single trainable row is read to its end and
-refused with the reasons (DataError, exit 2), before Ray starts. Skip reasons: the SFT formats'
-"empty conversation", "no assistant turn" and "empty answer" and the text format's "empty text"
-(known before tokenizing), "answer cut off by data.seq_len" (an SFT example whose trained tokens
-all lie past the cut) and "no loss tokens" (any other row without a target, such as a tokens row
-whose labels are all -100).
+(reader, hold-out split, tokenizer and chat template, data.seq_len): the whole source when its
+files hold at most SCAN_BYTES, else its first SCAN_ROWS rows (and it says which). So a bad row
+anywhere in a source of that size is found before Ray starts: under data.bad_rows=stop it is
+refused (DataError, exit 2), under skip it is counted, and more than data.max_bad_fraction of bad
+rows is refused (data/bad_rows.py). A source without a single trainable row is read to its end and
+refused with the reasons. Skip reasons: the SFT formats' "empty conversation", "no assistant
+turn" and "empty answer" and the text format's "empty text" (known before tokenizing), "answer
+cut off by data.seq_len" (an SFT example whose trained tokens all lie past the cut) and "no loss
+tokens" (any other row without a target, such as a tokens row whose labels are all -100).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from megatrain_ray.data.bad_rows import BadRowCount
 from megatrain_ray.data.dataset import SPLITTABLE_FORMATS, Dataset
 from megatrain_ray.data.documents import IGNORE_INDEX, DataError, Document
 from megatrain_ray.data.packing import fit_length
 from megatrain_ray.data.readers import column_spec, read_rows
 
 SCAN_ROWS = 10_000
+SCAN_BYTES = 64 * 1024**2  # a source of at most this many bytes on disk is counted whole (seconds)
 
 
 @dataclass
@@ -30,11 +35,13 @@ class DataSummary:
     rows_read: int = 0
     rows_split_off: int = 0  # on the other side of eval.holdout_fraction's split
     rows_skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows
+    rows_bad: dict[str, int] = field(default_factory=dict)  # reason -> bad rows skipped (data.bad_rows=skip)
     rows_truncated: int = 0  # SFT examples cut at data.seq_len
     rows_trainable: int = 0
     tokens: int = 0  # of the trainable rows, after truncation
     loss_tokens: int = 0  # positions whose next token is a target
     complete: bool = True  # False: the first SCAN_ROWS rows were counted
+    source_bytes: int = 0  # the files' size on disk
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,6 +50,9 @@ class DataSummary:
         self.rows_skipped[reason] = self.rows_skipped.get(reason, 0) + 1
 
     def count(self, doc: Document, seq_len: int, truncate: bool, splittable: bool) -> None:
+        if doc.bad is not None:
+            self.rows_bad[doc.skip] = self.rows_bad.get(doc.skip, 0) + 1
+            return
         if doc.skip is not None:
             self.skip(doc.skip)
             return
@@ -58,13 +68,20 @@ class DataSummary:
         self.loss_tokens += loss
 
     def skipped_text(self) -> str:
-        if not self.rows_skipped:
-            return "none skipped"
-        reasons = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.rows_skipped.items(), key=lambda kv: -kv[1]))
-        return f"{sum(self.rows_skipped.values()):,} skipped ({reasons})"
+        skipped = "none skipped" if not self.rows_skipped else f"{sum(self.rows_skipped.values()):,} skipped ({by_reason(self.rows_skipped)})"
+        if self.rows_bad:
+            skipped += f", {sum(self.rows_bad.values()):,} bad rows skipped ({by_reason(self.rows_bad)})"
+        return skipped
+
+    def scanned(self) -> str:
+        """How much of the source was counted."""
+        if self.complete:
+            return " (all of it)" if self.files else ""
+        return (f" (the first {self.rows_read:,} rows of {self.source_bytes / 1e9:.1f} GB; the rest is read as "
+                f"training reaches it)")
 
     def describe(self, what: str = "training data") -> str:
-        part = "" if self.complete else f" (the first {self.rows_read:,} rows; the rest is not counted)"
+        part = self.scanned()
         side = "held out for validation" if what == "training data" else "left to training"
         held = f", {self.rows_split_off:,} {side}" if self.rows_split_off else ""
         source = f"{self.files} file(s)" if self.files else "synthetic"
@@ -73,21 +90,32 @@ class DataSummary:
                 f"{self.tokens:,} tokens, {self.loss_tokens:,} carrying loss")
 
 
-def summarize(dataset: Dataset, what: str = "training data", max_rows: int = SCAN_ROWS) -> DataSummary:
-    """Count the source (see the module docstring); refuses one without a trainable row."""
+def by_reason(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n:,} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def summarize(dataset: Dataset, what: str = "training data", max_rows: int = SCAN_ROWS,
+              max_bytes: int = SCAN_BYTES) -> DataSummary:
+    """Count the source (see the module docstring); refuses one without a trainable row, or with
+    too many bad rows."""
     cfg = dataset.cfg
     splittable = dataset.format in SPLITTABLE_FORMATS
-    summary = DataSummary(files=len(dataset.files))
+    summary = DataSummary(files=len(dataset.files), source_bytes=sum(p.stat().st_size for p in dataset.files))
+    whole = summary.source_bytes <= max_bytes
+    bad = BadRowCount(None)
     batches = source_batches(dataset)
     for batch in batches:
         summary.rows_read += len(batch)
         kept = batch if dataset.holdout is None else [(o, r) for o, r in batch if dataset.holdout.admits(o)]
         summary.rows_split_off += len(batch) - len(kept)
         for doc in documents_of(dataset, kept):
+            bad.count(doc)
             summary.count(doc, cfg.seq_len, cfg.truncate, splittable)
-        if summary.rows_read >= max_rows and summary.rows_trainable:
+        if not whole and summary.rows_read >= max_rows and summary.rows_trainable:
             summary.complete = next(batches, None) is None
             break
+    bad.max_fraction = cfg.max_bad_fraction
+    bad.check(f"{what} ({dataset.describe()})")
     if not summary.rows_trainable:
         raise DataError(f"no trainable rows in {what} ({dataset.describe()}): {summary.rows_read:,} rows read, "
                         f"{summary.skipped_text()}" + (f", {summary.rows_split_off:,} on the other side of "

@@ -19,7 +19,8 @@ import numpy as np
 
 from megatrain_ray.config import DataConfig
 from megatrain_ray.data.documents import (
-    IGNORE_INDEX, DataError, Document, Origin, RowBatch, as_int_array, check_token_ids, shifted_document, text_of,
+    IGNORE_INDEX, BadRow, DataError, Document, Origin, RowBatch, as_int_array, check_token_ids, missing_column,
+    shifted_document, text_of,
 )
 
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<eos>", "<|eot_id|>")
@@ -28,7 +29,7 @@ EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<eo
 def token_document(row: dict[str, Any], origin: Origin, vocab_size: int) -> Document:
     """Pre-tokenized row; `labels` (HF style, unshifted) wins over `loss_mask` when both are set."""
     if "input_ids" not in row:
-        raise DataError(f"{origin}: missing column 'input_ids' (has: {', '.join(sorted(row)) or 'nothing'})")
+        raise missing_column(origin, "input_ids", row, "tokens")
     ids = as_int_array(row["input_ids"], origin, "input_ids")
     check_token_ids(ids, vocab_size, origin, "input_ids")
     targets = ids
@@ -37,7 +38,8 @@ def token_document(row: dict[str, Any], origin: Origin, vocab_size: int) -> Docu
             continue
         values = as_int_array(row[column], origin, column)
         if len(values) != len(ids):
-            raise DataError(f"{origin}: {column} has {len(values)} entries, input_ids has {len(ids)}")
+            raise BadRow(origin, f"{column} and input_ids of different lengths",
+                         f"{column} has {len(values)} entries, input_ids has {len(ids)}")
         if column == "labels":
             check_token_ids(values, vocab_size, origin, "labels", allow_ignore=True)
             targets = values
@@ -116,7 +118,7 @@ def special_prefix(tokenizer: Any) -> tuple[int, ...]:
 
 
 def text_documents(batch: RowBatch, column: str, encoder: TextEncoder, vocab_size: int) -> list[Document]:
-    texts = [text_of(row, column, origin) for origin, row in batch]
+    texts = [text_of(row, column, origin, "text") for origin, row in batch]
     kept = [(origin, text) for (origin, _), text in zip(batch, texts) if text.strip()]
     encoded = iter(encoder.encode([text for _, text in kept]))
     docs = []

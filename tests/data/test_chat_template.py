@@ -277,9 +277,10 @@ def test_chat_template_jinja_file_wins_and_fallback_is_named(tmp_path):
 def test_template_errors_name_the_row(tmp_path):
     family = FAMILIES["mistral"]
     model_dir = make_model_dir(tmp_path / "model", family, unmarked(family["template"]))
-    with pytest.raises(DataError, match=r"rows\.jsonl row 1 \(line 2\): the chat template of .*tokenizer_config\.json refused "
-                                        r"this conversation: Conversation roles must alternate"):
-        ours(model_dir, [{"messages": CONVERSATIONS[1]}, {"messages": CONVERSATIONS[0]}], tmp_path)
+    with pytest.raises(DataError, match=r"rows\.jsonl row 2 \(line 2, counting from 1\): the chat template of "
+                                        r".*tokenizer_config\.json refused this conversation: Conversation roles must "
+                                        r"alternate"):
+        ours(model_dir, [{"messages": CONVERSATIONS[1]}, {"messages": CONVERSATIONS[0]}], tmp_path, bad_rows="stop")
     plain = make_model_dir(tmp_path / "plain", {**family, "config": family["config"]}, "")
     (plain / "tokenizer_config.json").write_text(json.dumps(family["config"]))
     (tmp_path / "rows.jsonl").unlink()
@@ -294,7 +295,7 @@ def test_a_template_that_is_not_prefix_stable_is_refused(tmp_path):
     template = ("{{ messages | length }} turns\n{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     model_dir = make_model_dir(tmp_path / "model", FAMILIES["qwen2.5"], template)
-    with pytest.raises(DataError, match=r"row 0 \(line 1\): the chat template .* renders the conversation up to message 1 "
+    with pytest.raises(DataError, match=r"row 1 \(line 1, counting from 1\): the chat template .* renders the conversation up to message 1 "
                                         r"differently .* \{% generation %\} markers"):
         ours(model_dir, [{"messages": CONVERSATIONS[1]}], tmp_path)
 

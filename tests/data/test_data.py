@@ -252,7 +252,7 @@ def test_sharegpt_parquet_and_sft_truncation(tmp_path, tokenizer_path):
     row = flat_rows(take(build_dataset(cfg, len(WORDS), seed=0), 1))[0]
     assert row["input_ids"].tolist() == ids("### User: hello ### Assistant: yes ok")
     assert trained_tokens(row) == ids("yes ok yes")  # the last position predicts the first cut token
-    with pytest.raises(DataError, match=r"c\.parquet row 0: 12 tokens, longer than data\.seq_len=9"):
+    with pytest.raises(DataError, match=r"c\.parquet row 1 \(counting from 1\): 12 tokens, longer than data\.seq_len=9"):
         take(build_dataset(DataConfig(source=cfg.source, tokenizer=cfg.tokenizer, seq_len=9, truncate=False),
                            len(WORDS), seed=0), 1)
 
@@ -360,21 +360,22 @@ def test_missing_column_names_the_file(tmp_path, tokenizer_path):
     with pytest.raises(DataError, match=r"x\.parquet: cannot tell the format"):
         build_dataset(DataConfig(source=str(tmp_path / "x.parquet")), 10, seed=0)
     write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}, {"body": "world"}])
-    with pytest.raises(DataError, match=r"t\.jsonl row 1 \(line 2\): missing column 'text'"):
-        take(build_dataset(DataConfig(source=str(tmp_path / "t.jsonl"), tokenizer=tokenizer_path), 100, seed=0), 2)
+    cfg = DataConfig(source=str(tmp_path / "t.jsonl"), tokenizer=tokenizer_path, bad_rows="stop")
+    with pytest.raises(DataError, match=r"t\.jsonl row 2 \(line 2, counting from 1\): missing column 'text'"):
+        take(build_dataset(cfg, 100, seed=0), 2)
 
 
 def test_token_out_of_range_names_file_and_row(tmp_path):
     write_parquet(tmp_path / "x.parquet", {"input_ids": [[1, 2]] * 5 + [[3, 10]]}, row_group_size=2)
-    cfg = DataConfig(source=str(tmp_path / "x.parquet"), shuffle=False)
-    with pytest.raises(DataError, match=r"x\.parquet row 5: input_ids\[1\] = 10 is outside \[0, 10\)"):
+    cfg = DataConfig(source=str(tmp_path / "x.parquet"), shuffle=False, bad_rows="stop")
+    with pytest.raises(DataError, match=r"x\.parquet row 6 \(counting from 1\): input_ids\[1\] = 10 is outside \[0, 10\)"):
         take(build_dataset(cfg, 10, seed=0), 1)
 
 
 def test_tokenizer_larger_than_the_model_vocab_names_file_and_row(tmp_path, tokenizer_path):
     write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}, {"text": "ok"}])
-    cfg = DataConfig(source=str(tmp_path / "t.jsonl"), tokenizer=tokenizer_path, shuffle=False)
-    with pytest.raises(DataError, match=r"t\.jsonl row 1 \(line 2\): tokens\[0\] = 23 is outside \[0, 20\)"):
+    cfg = DataConfig(source=str(tmp_path / "t.jsonl"), tokenizer=tokenizer_path, shuffle=False, bad_rows="stop")
+    with pytest.raises(DataError, match=r"t\.jsonl row 2 \(line 2, counting from 1\): tokens\[0\] = 23 is outside \[0, 20\)"):
         take(build_dataset(cfg, 20, seed=0), 1)
 
 
@@ -395,14 +396,14 @@ def test_empty_datasets(tmp_path):
 def test_too_long_document_without_truncation_names_file_and_row(tmp_path):
     write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}, {"input_ids": list(range(1, 10))}])
     cfg = DataConfig(source=str(tmp_path / "d.jsonl"), seq_len=8, truncate=False, shuffle=False)
-    with pytest.raises(DataError, match=r"d\.jsonl row 1 \(line 2\): 9 tokens, longer than data\.seq_len=8"):
+    with pytest.raises(DataError, match=r"d\.jsonl row 2 \(line 2, counting from 1\): 9 tokens, longer than data\.seq_len=8"):
         take(build_dataset(cfg, 10, seed=0), 2)
 
 
 def test_malformed_json_line_names_file_and_line(tmp_path):
-    (tmp_path / "bad.jsonl").write_text('{"text": "hello"}\n\n{"text": oops}\n')
-    cfg = DataConfig(source=str(tmp_path / "bad.jsonl"), format="tokens", shuffle=False)
-    with pytest.raises(DataError, match=r"bad\.jsonl row 1 \(line 3\): malformed JSON"):
+    (tmp_path / "bad.jsonl").write_text('{"input_ids": [1, 2]}\n\n{"input_ids": oops}\n')
+    cfg = DataConfig(source=str(tmp_path / "bad.jsonl"), format="tokens", shuffle=False, bad_rows="stop")
+    with pytest.raises(DataError, match=r"bad\.jsonl row 2 \(line 3, counting from 1\): malformed JSON"):
         take(build_dataset(cfg, 10, seed=0), 1)
 
 

@@ -77,15 +77,15 @@ def test_planted_bad_rows_are_counted_by_reason(tmp_path, tokenizer_path):
     source = write_jsonl(tmp_path / "chat.jsonl", rows)
     summary = summarize(build_dataset(sft_config(source, tokenizer_path), 64, 0)).to_dict()
     assert {k: summary[k] for k in expected} == expected
-    assert summary["files"] == 1 and summary["complete"]
+    assert summary["files"] == 1 and summary["complete"] and summary["rows_bad"] == {}
 
 
 def test_a_summary_of_a_first_part_says_so(tmp_path, tokenizer_path):
     rows, _ = planted_rows()
     source = write_jsonl(tmp_path / "chat.jsonl", rows)
     config = dataclasses.replace(sft_config(source, tokenizer_path), read_batch_rows=1)
-    summary = summarize(build_dataset(config, 64, 0), max_rows=2)
-    assert not summary.complete and summary.rows_read == 2 and "the first 2 rows" in summary.describe()
+    summary = summarize(build_dataset(config, 64, 0), max_rows=2, max_bytes=100)  # larger: counted in part
+    assert not summary.complete and summary.rows_read == 2 and "(the first 2 rows of 0.0 GB;" in summary.describe()
 
 
 def test_held_out_rows_are_counted_apart(tmp_path, tokenizer_path, capsys):

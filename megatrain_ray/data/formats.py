@@ -1,0 +1,30 @@
+"""A data format guessed from a row's columns, for `data.format: auto` and for the hint in every
+column error: tokens (input_ids), sharegpt (conversations, or messages), alpaca (instruction and
+output), text (data.text_column)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def guess_format(names: Iterable[str], text_column: str = "text") -> str | None:
+    """The format these columns are written in; None when they fit none."""
+    names = set(names)
+    if "input_ids" in names:
+        return "tokens"
+    if "conversations" in names or "messages" in names:
+        return "sharegpt"
+    if "instruction" in names and "output" in names:
+        return "alpaca"
+    if text_column in names:
+        return "text"
+    return None
+
+
+def format_hint(names: Iterable[str], fmt: str, text_column: str = "text") -> str:
+    """'; these columns are format sharegpt: ...' when the columns name another format than `fmt`."""
+    guessed = guess_format(names, text_column)
+    if guessed is None or guessed == fmt:
+        return ""
+    return (f"; these columns are format {guessed}: set it with --set data.format={guessed} "
+            f"(or data.format=auto, which tells it from the columns)")
