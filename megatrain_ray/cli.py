@@ -39,6 +39,14 @@ def resume_command(args, checkpoint: Path) -> str:
     return shlex.join(words + ["--resume", str(checkpoint)])
 
 
+def print_resume_command(args, error: Exception) -> None:
+    """After a run that stopped mid-way with the checkpoint of its last finished step (bad data, a
+    diverging loss: runtime/training.py), the command that continues from it."""
+    checkpoint = getattr(error, "checkpoint", None)
+    if args.command == "train" and checkpoint is not None:
+        print(f"continue with: {resume_command(args, checkpoint)}", file=sys.stderr)
+
+
 def _plan(args) -> int:
     from megatrain_ray import api
 
@@ -157,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except input_errors() as e:
         print(f"megatrain-ray: {type(e).__name__}: {e}", file=sys.stderr)
+        print_resume_command(args, e)
         return 2
     except RunStopped as e:
         print(f"megatrain-ray: {type(e).__name__}: {e}", file=sys.stderr)
+        print_resume_command(args, e)
         return 3
     except FileSystemError as e:
         print(f"megatrain-ray: file-system error: {e}", file=sys.stderr)

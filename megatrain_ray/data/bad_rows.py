@@ -52,10 +52,10 @@ class BadRowCount:
 
     def check(self, where: str = "the training data") -> None:
         if self.over_cap():
-            raise DataError(f"{where}: {self.rows:,} rows read, {self.describe()} of them bad: more than data."
+            raise DataError(f"{where}: {self.rows:,} rows read, {self.describe()}: more than data."
                             f"max_bad_fraction={self.max_fraction:g} (of at least {MIN_ROWS} rows). The first: "
                             f"{self.first}. Fix the data, or raise data.max_bad_fraction to skip such rows")
 
     def describe(self) -> str:
         reasons = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.by_reason.items(), key=lambda kv: -kv[1]))
-        return f"{self.bad:,} ({reasons})" if self.by_reason else "0"
+        return f"{self.bad:,} of them bad ({reasons})" if self.by_reason else "none of them bad"

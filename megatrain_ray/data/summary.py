@@ -94,12 +94,13 @@ def by_reason(counts: dict[str, int]) -> str:
     return ", ".join(f"{n:,} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def summarize(dataset: Dataset, what: str = "training data", max_rows: int = SCAN_ROWS,
-              max_bytes: int = SCAN_BYTES) -> DataSummary:
-    """Count the source (see the module docstring); refuses one without a trainable row, or with
-    too many bad rows."""
+def summarize(dataset: Dataset, what: str = "training data", max_rows: int | None = None,
+              max_bytes: int | None = None) -> DataSummary:
+    """Count the source (see the module docstring; the limits default to SCAN_ROWS and SCAN_BYTES);
+    refuses one without a trainable row, or with too many bad rows."""
     cfg = dataset.cfg
     splittable = dataset.format in SPLITTABLE_FORMATS
+    max_rows, max_bytes = max_rows or SCAN_ROWS, SCAN_BYTES if max_bytes is None else max_bytes
     summary = DataSummary(files=len(dataset.files), source_bytes=sum(p.stat().st_size for p in dataset.files))
     whole = summary.source_bytes <= max_bytes
     bad = BadRowCount(None)

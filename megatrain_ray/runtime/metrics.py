@@ -17,8 +17,8 @@ from megatrain_ray.runtime.trackers import Tracker, scalars_of
 
 
 class MetricsLog:
-    """One JSON line per step to metrics.jsonl (the step's result, its learning rate, tokens/s, and
-    the validation loss on the steps that validate); a live line on a terminal, plain lines otherwise."""
+    """One JSON line per step to metrics.jsonl (the step's result, its learning rate, tokens/s, the
+    validation loss on the steps that validate, and the bad rows skipped so far, by reason, once any are); a live line on a terminal, plain lines otherwise."""
 
     def __init__(self, path: Path, total_steps: int, trackers: Sequence[Tracker] = (), start_step: int = 0,
                  data_summary: dict | None = None):
@@ -30,9 +30,13 @@ class MetricsLog:
         self.trackers = list(trackers)
         self.data_summary = data_summary  # into this log's first row (data/summary.py)
 
-    def step(self, step: int, r: StepResult, evaluation: EvalResult | None = None) -> dict:
+    def step(self, step: int, r: StepResult, evaluation: EvalResult | None = None,
+             bad_rows: dict[str, int] | None = None) -> dict:
+        """`bad_rows`: the bad rows skipped so far by reason (data/bad_rows.py), in the row when any."""
         record = {"step": step, "time": time.time(), **dataclasses.asdict(r),
                   "tokens_per_s": r.tokens / r.seconds if r.seconds else 0.0}
+        if bad_rows:
+            record["bad_rows"] = dict(bad_rows)
         if self.data_summary is not None:
             record["data"], self.data_summary = self.data_summary, None
         if evaluation is not None:

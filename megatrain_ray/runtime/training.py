@@ -29,6 +29,8 @@ import torch
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.runtime.cluster import alive_node_ids, connect
 from megatrain_ray.config import Config, ConfigError
+from megatrain_ray.data.bad_rows import BadRowCount
+from megatrain_ray.data.documents import DataError
 from megatrain_ray.streaming.step_result import EvalResult
 from megatrain_ray.runtime.metrics import MetricsLog
 from megatrain_ray.runtime.job_paths import for_this_run, in_job_copy, resume_moved, where
@@ -45,6 +47,23 @@ from megatrain_ray.runtime.watchdog import FAULTS, ClusterFault, RunStopped, Wat
 
 class TrainingDiverged(RunStopped):
     """Too many steps in a row had a non-finite loss or gradient."""
+
+
+STOPS_THAT_KEEP_THE_STEPS = (DataError, TrainingDiverged)  # the stores still hold the last finished step
+
+
+def keep_finished_steps(error: Exception, session: Session, step: int, position, progress: Progress,
+                        saved: int | None) -> None:
+    """A run that stops mid-way (bad data, a diverging loss) first writes the checkpoint of its last
+    finished step, as a signal's stop does (unless that step's checkpoint exists); the error then
+    names it, and carries it as `checkpoint` for the CLI's resume command."""
+    if step != saved and step > 0:
+        progress.checkpoint = session.save_checkpoint(step, position.to_dict() if position else None)
+    checkpoint = progress.checkpoint
+    kept = (f"checkpoint of step {step}: {checkpoint}" if checkpoint is not None
+            else "it stopped before its first step; nothing to save")
+    error.args = (f"{error}. The run stopped after step {step}; {kept}",)
+    error.checkpoint = checkpoint
 
 
 def under_ray_job() -> bool:
@@ -256,19 +275,23 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
     log = MetricsLog(out / "metrics.jsonl", t.steps, open_trackers(config.metrics, out, config.to_dict()), start_step,
                      progress.data_summary)
     bad_in_a_row, last, position, step, evaluation = 0, None, start_pos, start_step, None
-    batches = dataset.batches(t.micro_batch_size, t.grad_accum, start_pos)
+    counted_whole = (progress.data_summary or {}).get("train", {}).get("complete", False)
+    bad_rows = BadRowCount(None if counted_whole else config.data.max_bad_fraction)  # the summary judged a whole source
+    batches = dataset.batches(t.micro_batch_size, t.grad_accum, start_pos, bad_rows)
+    finished = start_step  # the last step whose update the stores hold, and the data position after it
+    saved = start_step if progress.checkpoint is not None else None
     try:
         last_step = t.steps if until_step is None else min(t.steps, until_step)
-        saved = start_step if progress.checkpoint is not None else None
         if stop is not None and stop.requested:  # during the start-up: nothing new to save
             raise RunInterrupted(stop.signum, start_step, progress.checkpoint)
         for step in range(start_step + 1, last_step + 1):
             micro_batches, position = next(batches)
             last = session.train_step(micro_batches, f"step {step}")
+            finished = step
             due = eval_batches is not None and (step == last_step or (config.eval.every and step % config.eval.every == 0))
             if due:
                 evaluation = validate(session, eval_batches, t.grad_accum, step)
-            log.step(step, last, evaluation if due else None)
+            log.step(step, last, evaluation if due else None, bad_rows.by_reason)
             bad_in_a_row = 0 if last.finite else bad_in_a_row + 1
             if not last.finite:
                 print(f"warning: step {step} had a non-finite loss or gradient (loss {last.loss}, grad_norm "
@@ -276,8 +299,8 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
             if bad_in_a_row >= t.max_bad_steps:
                 raise TrainingDiverged(
                     f"{bad_in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}, "
-                    f"train.max_bad_steps={t.max_bad_steps}); stopping. Last good checkpoint: "
-                    f"{progress.checkpoint or 'none'}. Lower optim.lr or model.init_std, or check the data."
+                    f"train.max_bad_steps={t.max_bad_steps}); stopping. Lower optim.lr or model.init_std, or check "
+                    f"the data"
                 )
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step < last_step:
                 progress.checkpoint, saved = session.save_checkpoint(step, position.to_dict()), step
@@ -285,6 +308,9 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
                 if saved != step:
                     progress.checkpoint = session.save_checkpoint(step, position.to_dict())
                 raise RunInterrupted(stop.signum, step, progress.checkpoint)
+    except STOPS_THAT_KEEP_THE_STEPS as error:  # `position` is still the one after step `finished`
+        keep_finished_steps(error, session, finished, position, progress, saved)
+        raise
     finally:
         log.close()
     if step == start_step and progress.checkpoint is not None:
