@@ -101,7 +101,7 @@ def test_more_bad_rows_than_the_cap_stop_the_stream_and_are_refused_by_the_summa
     bad = {i: "{}" for i in range(0, 300, 50)}  # 6 of 306 rows: 2%
     dirty = write_lines(tmp_path / "dirty.jsonl", with_bad_lines(rows, bad))
     cfg = DataConfig(source=str(dirty), seq_len=8, shuffle=False, max_bad_fraction=0.01)
-    with pytest.raises(DataError, match=r"bad: more than data\.max_bad_fraction=0\.01 .* The first: .*row 1 \(line 1"):
+    with pytest.raises(DataError, match=r"306 rows read, 6 of them bad \(6 missing column .input_ids.\): more than data\.max_bad_fraction=0\.01 .* The first: .*row 1 \(line 1"):
         summarize(build_dataset(cfg, VOCAB, seed=0))
     with pytest.raises(DataError, match=r"data\.max_bad_fraction=0\.01"):  # its second bad row, within 100 rows
         stream(cfg, 200, count=BadRowCount(0.01))
