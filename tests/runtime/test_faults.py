@@ -163,9 +163,16 @@ def test_non_finite_steps_are_skipped_and_leave_the_state_unchanged(cluster, tmp
     assert json.loads((final / ckpt.META).read_text())["updates_done"] == 0
 
 
-def test_too_many_non_finite_steps_stop_the_run(cluster, tmp_path):
-    with pytest.raises(TrainingDiverged, match=r"2 steps in a row had a non-finite loss.*max_bad_steps=2"):
+def test_too_many_non_finite_steps_stop_the_run_with_a_checkpoint(cluster, tmp_path):
+    """With checkpoint.every=0 the stop writes the checkpoint of its last step (a resume from such
+    a checkpoint: tests/runtime/test_stops_keep_steps.py)."""
+    with pytest.raises(TrainingDiverged, match=r"2 steps in a row had a non-finite loss.*max_bad_steps=2") as e:
         run_training(config_from_dict(exploding_raw(tmp_path / "run", steps=6, max_bad_steps=2)))
+    root = tmp_path / "run" / "checkpoints"
+    assert e.value.checkpoint == root / "step-00000002"
+    assert f"stopped after step 2; checkpoint of step 2: {e.value.checkpoint}" in str(e.value)
+    _, meta = ckpt.read_manifest(ckpt.resolve("latest", root))
+    assert meta["step"] == 2 and meta["data_position"] is not None
 
 
 # ---------------------------------------------------------------------------------------------
