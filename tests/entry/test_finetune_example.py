@@ -108,3 +108,25 @@ def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, join
     steps = dataset.batches(config.train.micro_batch_size, 1)
     batches = [next(steps)[0][0] for _ in range(3)]
     assert mean_loss(tuned, batches) < mean_loss(initial, batches) - 0.5
+
+
+def test_the_example_reads_sharegpt_rows_too(tmp_path):
+    """The example pins no format: ShareGPT rows through it are told by their columns."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from megatrain_ray.data.summary import summarize
+
+    words = ["[UNK]", "</s>", "###", "User", "Assistant", ":", "hello", "yes"]
+    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    chat = {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "yes"}]}
+    (tmp_path / "chat.jsonl").write_text((json.dumps(chat) + "\n") * 10)
+    config = load_config(CONFIG, [f"data.source={tmp_path / 'chat.jsonl'}", f"data.tokenizer={tmp_path}",
+                                  "data.chat_template=fallback", "eval.holdout_fraction=0"])
+    dataset = build_dataset(config.data, len(words), seed=0)
+    assert dataset.format == "sharegpt"
+    counted = summarize(dataset)
+    assert counted.rows_trainable == 10 and not counted.rows_bad
