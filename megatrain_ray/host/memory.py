@@ -58,9 +58,11 @@ def cuda_host_unregister(t: torch.Tensor) -> None:
 # megatrain-{run}-{pid}.{start}.{boot}-layer{i}, and -master, -exp_avg, -exp_avg_sq after it for
 # state shared with a GPU worker, -grad for a bf16 master's gradient buffer: the owner's pid, its start time (clock ticks after boot, so a
 # reused pid is told apart) and this boot's id (so a directory another machine or boot sees is
-# never taken for ours). Older names carry the pid alone.
+# never taken for ours). Older names carry the pid alone. A run's id (new_run_id) names its driver
+# the same way: {random}.{pid}.{start}.{boot}.
 SEGMENT = re.compile(r"^megatrain-(?P<run>.+)-(?P<pid>\d+)(?:\.(?P<start>\d+)\.(?P<boot>[0-9a-f]+))?-layer\d+"
                      r"(?:-(?:master|exp_avg|exp_avg_sq|grad))?$")
+DRIVER = re.compile(r"^[0-9a-f]{8}\.(?P<pid>\d+)\.(?P<start>\d+)\.(?P<boot>[0-9a-f]+)$")
 
 
 def boot_id() -> str:
@@ -70,15 +72,23 @@ def boot_id() -> str:
         return "0"
 
 
-def process_start(pid: int) -> int | None:
-    """Start time of a live process in clock ticks after boot; None when there is no such process."""
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks after boot) of a process; None when there is no
+    such process. ("?", 0) when /proc cannot say."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return None
     except OSError:
-        return 0
-    return int(stat.rsplit(")", 1)[1].split()[19])
+        return "?", 0
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[19])
+
+
+def process_start(pid: int) -> int | None:
+    """Start time of a live process in clock ticks after boot; None when there is no such process."""
+    state = process_state(pid)
+    return None if state is None else state[1]
 
 
 def segment_name(run_id: str, layer: int, key: str | None = None) -> str:
@@ -91,18 +101,35 @@ def owner_tag(pid: int | None = None) -> str:
     return f"{pid}.{process_start(pid) or 0}.{boot_id()}"
 
 
+def new_run_id() -> str:
+    """A run's id in its segments' names: random, and the driver's tag (a run whose driver is gone
+    is over, even while its stores are still being stopped)."""
+    return f"{os.urandom(4).hex()}.{owner_tag()}"
+
+
+def exited(pid: int, start: int, boot: str | None) -> bool:
+    """True only when this process is provably gone on this machine: no such pid, a zombie (it has
+    exited and released its memory; only its parent has not yet reaped it), or the pid now
+    belongs to another process. Not judged on another boot or machine."""
+    if boot is not None and boot != boot_id():
+        return False
+    state = process_state(pid)
+    if state is None or state[0] in "ZX":
+        return True
+    return start != 0 and state[1] != 0 and state[1] != start  # start 0: not known (an old name, no /proc)
+
+
 def segment_owner_dead(name: str) -> bool:
-    """True only when the process that made this segment is provably gone on this machine."""
+    """True only when the store that made this segment has exited, or the driver of its run has:
+    a store outlives its killed driver only until Ray stops it, which on a busy machine can take
+    longer than the next run's start, so its segments are judged by its driver too."""
     match = SEGMENT.match(name)
     if match is None:
         return False
-    if match["boot"] is not None and match["boot"] != boot_id():
-        return False
-    start = process_start(int(match["pid"]))
-    if start is None:
+    if exited(int(match["pid"]), int(match["start"] or 0), match["boot"]):
         return True
-    recorded = int(match["start"] or 0)  # 0: not known (an old-style name, or no /proc)
-    return recorded != 0 and start != 0 and start != recorded  # the pid now belongs to another process
+    driver = DRIVER.match(match["run"])
+    return driver is not None and exited(int(driver["pid"]), int(driver["start"]), driver["boot"])
 
 
 def remove_dead_segments(directory: Path) -> tuple[int, int]:

@@ -245,9 +245,13 @@ class ShardStore:
             state.updates = updates
 
     def close(self) -> None:
+        """Release this store's segments, and sweep again: a killed run's store that was still being
+        stopped when this one started has exited since (or its driver has)."""
         for path in [*self.shm_paths.values(), *self.grad_shm_paths.values(), *self.extra_shm_paths]:
             Path(path).unlink(missing_ok=True)
         self.shm_paths.clear()
         self.grad_shm_paths.clear()
         self.extra_shm_paths.clear()
+        if getattr(self, "_shm_dir", None) is not None:
+            remove_dead_segments(self._shm_dir)
 

@@ -9,7 +9,6 @@ a lost node into a ClusterFault instead of a hang.
 from __future__ import annotations
 
 import errno
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +22,7 @@ from megatrain_ray.config import Config, check_divisible
 from megatrain_ray.streaming.data_parallel import split_micro_batches, split_unevenly
 from megatrain_ray.streaming.executor import target_tokens
 from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_results
-from megatrain_ray.host.memory import dtype_of
+from megatrain_ray.host.memory import dtype_of, new_run_id
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.runtime.placement import (Placement, executor_node, largest_models, least_slots, plan_placement,
@@ -121,7 +120,7 @@ class Session:
 
     def _allocate_stores(self) -> None:
         config, p = self.config, self.placement
-        run_id = uuid.uuid4().hex[:8]
+        run_id = new_run_id()  # names the driver: host/memory.py sweeps a dead driver's segments
         self.wait([store.allocate.remote(self.arch, list(plan.layers), dtype_of(config.model.compute_dtype),
                                          config.runtime.shm_dir, run_id, format_of(config.optim), config.train.seed)
                    for store, plan in zip(self.stores, p.stores)], "starting the stores")

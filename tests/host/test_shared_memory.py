@@ -8,11 +8,12 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
 
-from megatrain_ray.host.memory import owner_tag
+from megatrain_ray.host.memory import owner_tag, process_state
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.host.store import ShardStore
 
@@ -30,13 +31,16 @@ STORE = textwrap.dedent('''
 ''')
 
 
-def start_store(tmp_path: Path, shm: Path, run_id: str) -> subprocess.Popen:
+def start_stores(tmp_path: Path, shm: Path, *run_ids: str) -> list[subprocess.Popen]:
+    """A store process per run id, started side by side (each spends seconds importing torch)."""
     script = tmp_path / "store.py"
     script.write_text(STORE)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    proc = subprocess.Popen([sys.executable, str(script), str(shm), run_id], stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout.readline().strip() == "READY"
-    return proc
+    procs = [subprocess.Popen([sys.executable, str(script), str(shm), run_id], stdout=subprocess.PIPE, text=True,
+                              env=env) for run_id in run_ids]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "READY"
+    return procs
 
 
 def segments(shm: Path, run_id: str) -> list[Path]:
@@ -46,7 +50,7 @@ def segments(shm: Path, run_id: str) -> list[Path]:
 def test_segments_of_a_killed_run_are_removed_by_the_next_and_a_live_run_keeps_its_own(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
-    killed, live = start_store(tmp_path, shm, "killed"), start_store(tmp_path, shm, "live")
+    killed, live = start_stores(tmp_path, shm, "killed", "live")
     try:
         assert len(segments(shm, "killed")) == len(segments(shm, "live")) == 2 + 3  # weights, state of layer 0
         for path in segments(shm, "killed") + segments(shm, "live"):
@@ -75,3 +79,45 @@ def test_segments_of_a_killed_run_are_removed_by_the_next_and_a_live_run_keeps_i
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def wait_for_zombie(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while process_state(pid)[0] != "Z":
+        assert time.monotonic() < deadline, f"{pid} did not become a zombie"
+        time.sleep(0.01)
+
+
+def test_the_sweep_does_not_wait_on_timing(tmp_path):
+    """What a busy machine leaves behind when the next run starts, judged without waiting: a store
+    killed but not yet reaped by its parent (a zombie: its /proc entry, start time and all, is
+    still there), and a store still being stopped after its run's driver was killed. Both are
+    swept; a store whose driver lives is not. A sweep at close catches a store that dies later."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    driver = subprocess.Popen(["sleep", "600"])
+    live_driver = subprocess.Popen(["sleep", "600"])
+    procs = [driver, live_driver]
+    try:
+        doomed_run, live_run = f"0123abcd.{owner_tag(driver.pid)}", f"4567cdef.{owner_tag(live_driver.pid)}"
+        zombie, doomed, live, later = start_stores(tmp_path, shm, "zombie", doomed_run, live_run, "later")
+        procs += [zombie, doomed, live, later]
+        zombie.send_signal(signal.SIGKILL)  # not waited for: a zombie until this test reaps it
+        wait_for_zombie(zombie.pid)
+        driver.kill()
+        driver.wait()
+        assert doomed.poll() is None  # its store still runs
+
+        store = ShardStore(PRESETS["tiny-llama"], [2], torch.float32, shm_dir=str(shm), run_id="next")
+        assert segments(shm, "zombie") == [] and segments(shm, doomed_run) == []
+        assert len(segments(shm, live_run)) == len(segments(shm, "later")) == 5
+
+        later.send_signal(signal.SIGKILL)  # killed while `store` runs, gone before it closes
+        wait_for_zombie(later.pid)
+        store.close()
+        assert segments(shm, "later") == [] and segments(shm, "next") == [] and len(segments(shm, live_run)) == 5
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
