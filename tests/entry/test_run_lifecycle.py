@@ -255,11 +255,28 @@ def stopped_by(signum: int, args: list[str], before: int, out: Path, shm_dir: Pa
     return argv[2:], k
 
 
+def killed_on_a_busy_machine(tmp_path: Path, shm_dir: Path, env: dict) -> subprocess.Popen:
+    """A run killed with SIGKILL (no handler runs, nothing closes) after its first step, while a CPU
+    burner loads the machine: Ray stops its store only some time later, maybe after the next run
+    has started. Returns the burner, still burning."""
+    burner = subprocess.Popen([sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"])
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([str(BIN / "megatrain-ray"), "train", str(write_config(tmp_path, out, shm_dir)),
+                             "--set", "train.steps=1000"], env=env, cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_step(out, proc, 1)
+    assert list(shm_dir.iterdir())  # its store's segments
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    return burner
+
+
 def test_signals_stop_at_a_step_with_its_checkpoint_and_resume_is_exact(head, whole, tmp_path, shm_dir):
     """SIGINT stops the run, SIGTERM the run resumed from that stop, and the run resumed from the
     second stop ends with the weights of the run that was never stopped. The first run starts
     with --overwrite in a copy of that run's directory: it starts again (one run's rows, its own
-    checkpoints only), the user's own file kept."""
+    checkpoints only), the user's own file kept. Before the last, a run on the same shared
+    memory is killed with SIGKILL on a busy machine: the last run leaves nothing there."""
     out = tmp_path / "run"
     shutil.copytree(whole[0], out)
     (out / "notes.txt").write_text("the user's own file")
@@ -271,7 +288,12 @@ def test_signals_stop_at_a_step_with_its_checkpoint_and_resume_is_exact(head, wh
         assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == stops  # checkpoint.every=0
     assert (out / "notes.txt").read_text() == "the user's own file"
 
-    done = train(args, head, tmp_path)
+    burner = killed_on_a_busy_machine(tmp_path, shm_dir, head)
+    try:
+        done = train(args, head, tmp_path)  # the next run on that machine: it sweeps what the killed one left
+    finally:
+        burner.kill()
+        burner.wait()
     assert done.returncode == 0, done.stdout + done.stderr
     assert steps_of(out) == list(range(1, STEPS + 1))
     final = out / "checkpoints" / f"step-{STEPS:08d}"
@@ -354,3 +376,4 @@ def test_the_version_and_a_full_disk_in_one_paragraph(capsys):
     text = describe_os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/run/metrics.jsonl"))
     assert "No space left on device (ENOSPC) at /data/run/metrics.jsonl" in text and "checkpoint.keep" in text
     assert "\n" not in text
+
