@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from helpers.word_tokenizer import write_word_tokenizer
 from megatrain_ray.config import DataConfig
 from megatrain_ray.data import DataError, DataPosition, build_dataset
 from megatrain_ray.data.bad_rows import BadRowCount
@@ -26,14 +27,7 @@ WORDS = ["[UNK]", "</s>", "###", "User", "Assistant", ":", "hello", "yes"]
 
 @pytest.fixture
 def tokenizer_path(tmp_path: Path) -> str:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    return str(tmp_path / "tokenizer.json")
+    return write_word_tokenizer(tmp_path / "tokenizer.json", WORDS)
 
 
 def token_rows(n: int) -> list[dict]:
@@ -101,7 +95,8 @@ def test_more_bad_rows_than_the_cap_stop_the_stream_and_are_refused_by_the_summa
     bad = {i: "{}" for i in range(0, 300, 50)}  # 6 of 306 rows: 2%
     dirty = write_lines(tmp_path / "dirty.jsonl", with_bad_lines(rows, bad))
     cfg = DataConfig(source=str(dirty), seq_len=8, shuffle=False, max_bad_fraction=0.01)
-    with pytest.raises(DataError, match=r"306 rows read, 6 of them bad \(6 missing column .input_ids.\): more than data\.max_bad_fraction=0\.01 .* The first: .*row 1 \(line 1"):
+    with pytest.raises(DataError, match=r"306 rows read, 6 of them bad \(6 missing column .input_ids.\): more than "
+                                        r"data\.max_bad_fraction=0\.01 .* The first: .*row 1 \(line 1"):
         summarize(build_dataset(cfg, VOCAB, seed=0))
     with pytest.raises(DataError, match=r"data\.max_bad_fraction=0\.01"):  # its second bad row, within 100 rows
         stream(cfg, 200, count=BadRowCount(0.01))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.word_tokenizer import write_word_tokenizer
 from megatrain_ray.config import DataConfig, EvalConfig
 from megatrain_ray.data import DataError, build_dataset
 from megatrain_ray.data.summary import summarize, summarize_data
@@ -23,14 +24,7 @@ WORDS = ["[UNK]", "</s>", "###", "User", "Assistant", ":", "what", "is", "two", 
 @pytest.fixture
 def tokenizer_path(tmp_path: Path) -> str:
     """One token a word (and a token for ':'), so that counts can be made here by splitting."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    return str(tmp_path / "tokenizer.json")
+    return write_word_tokenizer(tmp_path / "tokenizer.json", WORDS)
 
 
 def ids(text: str) -> list[str]:

@@ -112,16 +112,11 @@ def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, join
 
 def test_the_example_reads_sharegpt_rows_too(tmp_path):
     """The example pins no format: ShareGPT rows through it are told by their columns."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
+    from helpers.word_tokenizer import write_word_tokenizer
     from megatrain_ray.data.summary import summarize
 
     words = ["[UNK]", "</s>", "###", "User", "Assistant", ":", "hello", "yes"]
-    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    write_word_tokenizer(tmp_path / "tokenizer.json", words)
     chat = {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "yes"}]}
     (tmp_path / "chat.jsonl").write_text((json.dumps(chat) + "\n") * 10)
     config = load_config(CONFIG, [f"data.source={tmp_path / 'chat.jsonl'}", f"data.tokenizer={tmp_path}",
