@@ -148,8 +148,8 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, origin: Origin, column: st
 def missing_column(origin: Origin, column: str, row: dict[str, Any], fmt: str) -> BadRow:
     """A row without a column its format needs; the format its columns suggest, if another."""
     has = ", ".join(sorted(row)) or "nothing"
-    return BadRow(origin, f"missing column '{column}'",
-                  f"missing column '{column}' (has: {has}){format_hint(list(row), fmt, column if fmt == 'text' else 'text')}")
+    hint = format_hint(list(row), fmt, column if fmt == "text" else "text")
+    return BadRow(origin, f"missing column '{column}'", f"missing column '{column}' (has: {has}){hint}")
 
 
 def text_of(row: dict[str, Any], column: str, origin: Origin, fmt: str) -> str:
@@ -157,5 +157,6 @@ def text_of(row: dict[str, Any], column: str, origin: Origin, fmt: str) -> str:
         raise missing_column(origin, column, row, fmt)
     value = row[column]
     if not isinstance(value, str):
-        raise BadRow(origin, f"{column!r} not a string", f"column {column!r} must be a string, got {type(value).__name__}")
+        raise BadRow(origin, f"{column!r} not a string",
+                     f"column {column!r} must be a string, got {type(value).__name__}")
     return value

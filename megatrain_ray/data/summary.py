@@ -68,7 +68,9 @@ class DataSummary:
         self.loss_tokens += loss
 
     def skipped_text(self) -> str:
-        skipped = "none skipped" if not self.rows_skipped else f"{sum(self.rows_skipped.values()):,} skipped ({by_reason(self.rows_skipped)})"
+        skipped = "none skipped"
+        if self.rows_skipped:
+            skipped = f"{sum(self.rows_skipped.values()):,} skipped ({by_reason(self.rows_skipped)})"
         if self.rows_bad:
             skipped += f", {sum(self.rows_bad.values()):,} bad rows skipped ({by_reason(self.rows_bad)})"
         return skipped

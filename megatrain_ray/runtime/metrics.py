@@ -18,7 +18,8 @@ from megatrain_ray.runtime.trackers import Tracker, scalars_of
 
 class MetricsLog:
     """One JSON line per step to metrics.jsonl (the step's result, its learning rate, tokens/s, the
-    validation loss on the steps that validate, and the bad rows skipped so far, by reason, once any are); a live line on a terminal, plain lines otherwise."""
+    validation loss on the steps that validate, and the bad rows skipped so far, by reason, once any
+    are); a live line on a terminal, plain lines otherwise."""
 
     def __init__(self, path: Path, total_steps: int, trackers: Sequence[Tracker] = (), start_step: int = 0,
                  data_summary: dict | None = None):
