@@ -70,18 +70,26 @@ inline void store(uint16_t* p, int64_t i, float x) {  // round to nearest even, 
   p[i] = uint16_t(u >> 16);
 }
 
+// sqrt(v) / sqrt(1 - beta2**step), Adam's bias-corrected root. Past a few hundred updates the
+// correction is 1.0f exactly and x / 1.0f is x: the division, a costly instruction, is skipped then
+// (the same bits).
+template <bool kUnitBias2>
+inline float unbiased(float root, const Scalars& s) {
+  return kUnitBias2 ? root : root / s.bias2_sqrt;
+}
+
 // torch.optim.AdamW (single-tensor path) step by step, with the fused multiply-adds of torch's
 // vectorised lerp and addcmul: p *= 1 - lr*wd; m.lerp_(g, 1 - beta1); v.mul_(beta2).addcmul_(g, g,
 // value=1 - beta2); p.addcdiv_(m, sqrt(v) / sqrt(bias2) + eps, value=-step_size).
 // The gradient is read before the new weight is written over it.
-template <typename T>
+template <bool kUnitBias2, typename T>
 void update(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, T* __restrict__ gw,
             int64_t n, float decay, Scalars s) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = load(gw, i) * s.grad_scale;
     const float mi = std::fma(s.lerp_weight, g - m[i], m[i]);
     const float vi = std::fma(s.one_minus_beta2 * g, g, v[i] * s.beta2);
-    const float pi = p[i] * decay + s.neg_step_size * mi / (std::sqrt(vi) / s.bias2_sqrt + s.eps);
+    const float pi = p[i] * decay + s.neg_step_size * mi / (unbiased<kUnitBias2>(std::sqrt(vi), s) + s.eps);
     m[i] = mi;
     v[i] = vi;
     p[i] = pi;
@@ -104,7 +112,8 @@ void step(float* p, float* m, float* v, T* gw, int64_t n, c10::ArrayRef<int64_t>
       int64_t start = 0;
       for (size_t k = 0; k < ends.size(); start = ends[k++]) {  // the parameters this tile overlaps
         const int64_t a = std::max(lo, start), b = std::min(hi, ends[k]);
-        if (a < b) update(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
+        if (a < b && s.bias2_sqrt == 1.0f) update<true>(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
+        else if (a < b) update<false>(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
       }
     }
   });
@@ -284,7 +293,7 @@ struct Int8 {  // precision.quantize_signed / quantize_sqrt, block by block
 // The same AdamW arithmetic as `update`, over [i, e) of one block, whose parameter decays by
 // `decay`. The gradient is read before the new weight is written (with an fp32 master they share
 // the compute buffer).
-template <typename P, typename M, typename G>
+template <bool kUnitBias2, typename P, typename M, typename G>
 inline void update_range(const P& master, const M& moments, const G* g, int i, int e, float decay, Scalars s) {
 #pragma omp simd
   for (int k = i; k < e; ++k) {
@@ -293,7 +302,7 @@ inline void update_range(const P& master, const M& moments, const G* g, int i, i
     const float mi = std::fma(s.lerp_weight, gi - m0, m0);
     const float vi = std::fma(s.one_minus_beta2 * gi, gi, v0 * s.beta2);
     const float root = std::sqrt(vi);
-    const float pi = master.get(k) * decay + s.neg_step_size * mi / (root / s.bias2_sqrt + s.eps);
+    const float pi = master.get(k) * decay + s.neg_step_size * mi / (unbiased<kUnitBias2>(root, s) + s.eps);
     moments.put(k, mi, vi, root);
     master.put(k, pi);
   }
@@ -311,7 +320,8 @@ void update_blocks(const Master& P, const Moments& M, const G* g, int64_t lo, in
     for (int i = 0; i < n;) {  // the parameters this block overlaps
       while (ends[seg] <= b0 + i) ++seg;
       const int e = int(std::min<int64_t>(n, ends[seg] - b0));
-      update_range(master, moments, g + b0, i, e, float(decays[seg]), s);
+      if (s.bias2_sqrt == 1.0f) update_range<true>(master, moments, g + b0, i, e, float(decays[seg]), s);
+      else update_range<false>(master, moments, g + b0, i, e, float(decays[seg]), s);
       i = e;
     }
     moments.finish(n);
