@@ -194,8 +194,11 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, ra
     try:
         t0 = time.perf_counter()
         session.init_weights()
+        t1 = time.perf_counter()
         device = session.start_executor()  # a first shape that cannot fit raised its PlanError in Session
-        print(f"executor device: {device}; init {time.perf_counter() - t0:.1f} s", flush=True)
+        t2 = time.perf_counter()
+        print(f"executor device: {device}; init {t2 - t0:.1f} s (weights {t1 - t0:.1f} s, workers "
+              f"{t2 - t1:.1f} s)", flush=True)
         results = []
         for i, shape in enumerate(shapes):
             print(f"-- {shape}", flush=True)

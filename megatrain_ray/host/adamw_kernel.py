@@ -16,10 +16,11 @@ share a home directory never load a build made for another CPU. Threads are torc
 (torch.set_num_threads); they share the buffer out in tiles, as each becomes free.
 
 The lean modes (host/precision.py: a bf16 master with stochastic rounding, bf16 or int8 moments) run
-a second op over the same tiles, a block of 256 elements at a time: dequantize the block's moments,
-update in fp32 as above, requantize, the master rounded at random from its element's noise. One pass
-still, reading and writing 10 (6-byte mode) to 20 (10-byte mode) bytes a parameter where the exact
-mode moves 28.
+a second op over the same tiles, a block of 256 elements at a time: each element's moments widened,
+updated in fp32 as above and narrowed in the loop that updates its master (int8 blocks are
+quantized by a second loop over the block, once its scales are known), the master rounded at random
+from its element's noise. Every loop vectorises; one pass over memory still, reading and writing 10
+(6-byte mode) to 20 (10-byte mode) bytes a parameter where the exact mode moves 28.
 """
 
 from __future__ import annotations
@@ -69,18 +70,26 @@ inline void store(uint16_t* p, int64_t i, float x) {  // round to nearest even, 
   p[i] = uint16_t(u >> 16);
 }
 
+// sqrt(v) / sqrt(1 - beta2**step), Adam's bias-corrected root. Past a few hundred updates the
+// correction is 1.0f exactly and x / 1.0f is x: the division, a costly instruction, is skipped then
+// (the same bits).
+template <bool kUnitBias2>
+inline float unbiased(float root, const Scalars& s) {
+  return kUnitBias2 ? root : root / s.bias2_sqrt;
+}
+
 // torch.optim.AdamW (single-tensor path) step by step, with the fused multiply-adds of torch's
 // vectorised lerp and addcmul: p *= 1 - lr*wd; m.lerp_(g, 1 - beta1); v.mul_(beta2).addcmul_(g, g,
 // value=1 - beta2); p.addcdiv_(m, sqrt(v) / sqrt(bias2) + eps, value=-step_size).
 // The gradient is read before the new weight is written over it.
-template <typename T>
+template <bool kUnitBias2, typename T>
 void update(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, T* __restrict__ gw,
             int64_t n, float decay, Scalars s) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = load(gw, i) * s.grad_scale;
     const float mi = std::fma(s.lerp_weight, g - m[i], m[i]);
     const float vi = std::fma(s.one_minus_beta2 * g, g, v[i] * s.beta2);
-    const float pi = p[i] * decay + s.neg_step_size * mi / (std::sqrt(vi) / s.bias2_sqrt + s.eps);
+    const float pi = p[i] * decay + s.neg_step_size * mi / (unbiased<kUnitBias2>(std::sqrt(vi), s) + s.eps);
     m[i] = mi;
     v[i] = vi;
     p[i] = pi;
@@ -103,13 +112,21 @@ void step(float* p, float* m, float* v, T* gw, int64_t n, c10::ArrayRef<int64_t>
       int64_t start = 0;
       for (size_t k = 0; k < ends.size(); start = ends[k++]) {  // the parameters this tile overlaps
         const int64_t a = std::max(lo, start), b = std::min(hi, ends[k]);
-        if (a < b) update(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
+        if (a < b && s.bias2_sqrt == 1.0f) update<true>(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
+        else if (a < b) update<false>(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
       }
     }
   });
 }
 
 // ---- lean state (host/precision.py): bf16 master with stochastic rounding, bf16 or int8 moments ----
+//
+// A tile is updated a block of kBlock elements at a time, in loops the compiler vectorises: each
+// element's moments widened, updated and (fp32 or bf16) narrowed again in the one loop that updates
+// its master; int8 moments wait in two small fp32 arrays for a second loop that finds the block's
+// scales and quantizes it. Inside a block, indices and the rounding noise's counter are 32-bit.
+// (The int8 modes do three square roots and two divisions an element where fp32 does one and two:
+// past the memory's speed, those bound them.)
 
 constexpr int64_t kBlock = 256;  // precision.QUANT_BLOCK: an int8 block's elements; kTile is a multiple
 
@@ -122,142 +139,192 @@ inline uint32_t mix32(uint32_t x) {  // lowbias32: a bijection of 32 bits whose 
   return x;
 }
 
+// Element i's noise is mix32(low32(i) * 0x9E3779B9 + key + high32(i) * 0x85EBCA6B)'s low 16 bits
+// (precision.noise16). A block never straddles a multiple of 2**32, so its high word is folded into
+// the key once and the lanes count only low words.
+inline uint32_t block_key(uint32_t key, int64_t b0) { return key + uint32_t(uint64_t(b0) >> 32) * 0x85EBCA6Bu; }
+
 // x rounded to bf16 up or down at random in proportion (precision.stochastic_round_bf16): 16 bits
 // of the element's noise added under bf16's mantissa, then truncated. NaN stays NaN.
-inline uint16_t round_stochastic(float x, int64_t i, uint32_t key) {
+inline uint16_t round_stochastic(float x, uint32_t low, uint32_t key) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
-  const uint32_t r = mix32(uint32_t(i) * 0x9E3779B9u + key + uint32_t(uint64_t(i) >> 32) * 0x85EBCA6Bu) & 0xFFFFu;
+  const uint32_t r = mix32(low * 0x9E3779B9u + key) & 0xFFFFu;
   return (x != x) ? uint16_t(0x7FC0) : uint16_t((u + r) >> 16);
 }
+
+// Masters and moments hand out views of one block (`at`), indexed from the block's first element.
 
 template <typename W>
 struct MasterF32 {  // fp32 master; the compute copy W (bf16 or fp32) receives the new weights
   float* p;
   W* w;
-  float get(int64_t i) const { return p[i]; }
-  void put(int64_t i, float x) const {
-    p[i] = x;
-    store(w, i, x);
-  }
+  struct Block {
+    float* p;
+    W* w;
+    float get(int k) const { return p[k]; }
+    void put(int k, float x) const {
+      p[k] = x;
+      store(w, k, x);
+    }
+  };
+  Block at(int64_t b0) const { return {p + b0, w + b0}; }
 };
 
 struct MasterBF16 {  // bf16 master, itself the compute copy
   uint16_t* p;
   uint32_t key;
-  float get(int64_t i) const { return load(p, i); }
-  void put(int64_t i, float x) const { p[i] = round_stochastic(x, i, key); }
+  struct Block {
+    uint16_t* p;
+    uint32_t low, key;  // the block's first index's low word; the key with its high word folded in
+    float get(int k) const { return load(p, k); }
+    void put(int k, float x) const { p[k] = round_stochastic(x, low + uint32_t(k), key); }
+  };
+  Block at(int64_t b0) const { return {p + b0, uint32_t(b0), block_key(key, b0)}; }
 };
 
 template <typename T>
-struct Plain {  // moments in fp32 or bf16 (rounded to nearest even)
-  static constexpr bool kTakesRoot = false;  // `put` takes the second moment itself
+struct Plain {  // moments in fp32 or bf16 (rounded to nearest even), read and written in place
   T* m;
   T* v;
-  void get(int64_t lo, int64_t n, float* mo, float* vo) const {
-    for (int64_t k = 0; k < n; ++k) {
-      mo[k] = load(m, lo + k);
-      vo[k] = load(v, lo + k);
+  struct Scratch {};
+  struct Block {
+    T* m;
+    T* v;
+    float m_at(int k) const { return load(m, k); }
+    float v_at(int k) const { return load(v, k); }
+    void put(int k, float mi, float vi, float) const {
+      store(m, k, mi);
+      store(v, k, vi);
     }
-  }
-  void put(int64_t lo, int64_t n, const float* mi, const float* vi) const {
-    for (int64_t k = 0; k < n; ++k) {
-      store(m, lo + k, mi[k]);
-      store(v, lo + k, vi[k]);
-    }
-  }
+    void finish(int) const {}
+  };
+  Block at(int64_t b0, Scratch&) const { return {m + b0, v + b0}; }
 };
 
 // Round to nearest, ties to even, for 0 <= x < 2**22: adding 1.5 * 2**23 leaves no bits below the
 // unit, and the hardware's rounding of that sum is the rounding wanted (no libm call, vectorises).
 inline float round_even(float x) { return (x + 12582912.0f) - 12582912.0f; }
 
-struct Int8 {  // precision.quantize_signed / quantize_sqrt, block by block; loops the compiler vectorises
-  static constexpr bool kTakesRoot = true;  // `put` takes the second moment's square root, the update's own
+typedef float Lanes __attribute__((vector_size(64)));  // 16 floats: GCC's vectors, any SIMD width
+typedef int32_t LaneBits __attribute__((vector_size(64)));
+
+// The largest |x| and y of n values, 16 lanes at a time. `a < x ? x : a` passes NaN by, as a scalar
+// loop written so would (the compiler vectorises no max reduction of floats by itself); a maximum is
+// exact in any order.
+inline void peaks(const float* xs, const float* ys, int n, float& a, float& c) {
+  Lanes am = {}, cm = {};
+  int k = 0;
+  for (; k + 16 <= n; k += 16) {
+    Lanes x, y;
+    std::memcpy(&x, xs + k, sizeof x);
+    std::memcpy(&y, ys + k, sizeof y);
+    x = (Lanes)((LaneBits)x & 0x7FFFFFFF);  // |x|
+    am = am < x ? x : am;
+    cm = cm < y ? y : cm;
+  }
+  a = 0.0f;
+  c = 0.0f;
+  for (int j = 0; j < 16; ++j) {
+    a = a < am[j] ? am[j] : a;
+    c = c < cm[j] ? cm[j] : c;
+  }
+  for (; k < n; ++k) {
+    const float x = std::fabs(xs[k]);
+    a = a < x ? x : a;
+    c = c < ys[k] ? ys[k] : c;
+  }
+}
+
+struct Int8 {  // precision.quantize_signed / quantize_sqrt, block by block
   int8_t* m;
   uint8_t* v;
   float* m_scale;
   float* v_scale;
-  // Local restrict pointers: a store through an int8 pointer may alias anything, members included,
-  // which would keep every loop below scalar.
-  void get(int64_t lo, int64_t n, float* __restrict__ mo, float* __restrict__ vo) const {
-    const int8_t* __restrict__ qm = m + lo;
-    const uint8_t* __restrict__ qv = v + lo;
-    const float a = m_scale[lo / kBlock], c = v_scale[lo / kBlock];
-#pragma omp simd
-    for (int64_t k = 0; k < n; ++k) {
-      const float t = float(qm[k]) * (1.0f / 127.0f);
-      mo[k] = a * (t * std::fabs(t));
-      const float u = float(qv[k]) * (1.0f / 255.0f);
-      const float s = c * (u * u);
-      vo[k] = s * s;
+  struct Scratch {  // a block's new moments (the second as its square root)
+    float m[kBlock], root[kBlock];
+  };
+  struct Block {
+    // Restrict pointers: a store through an int8 pointer may alias anything, which would keep the
+    // quantizing loop scalar.
+    int8_t* __restrict__ qm;
+    uint8_t* __restrict__ qv;
+    float* m_scale;
+    float* v_scale;
+    Scratch* t;
+    float a, c;  // the block's scales as read
+    float m_at(int k) const {
+      const float x = float(qm[k]) * (1.0f / 127.0f);
+      return a * (x * std::fabs(x));
     }
-  }
-  void put(int64_t lo, int64_t n, const float* __restrict__ mi, const float* __restrict__ vi) const {
-    int8_t* __restrict__ qm = m + lo;
-    uint8_t* __restrict__ qv = v + lo;
-    float am[16] = {}, cm[16] = {};  // the block's largest magnitudes, 16 lanes at a time (max is exact in any order)
-    int64_t k = 0;
-    for (; k + 16 <= n; k += 16) {
-      for (int j = 0; j < 16; ++j) {
-        const float x = std::fabs(mi[k + j]), y = vi[k + j];
-        am[j] = am[j] < x ? x : am[j];
-        cm[j] = cm[j] < y ? y : cm[j];
+    float v_at(int k) const {
+      const float x = float(qv[k]) * (1.0f / 255.0f);
+      const float s = c * (x * x);
+      return s * s;
+    }
+    void put(int k, float mi, float, float root) const {
+      t->m[k] = mi;
+      t->root[k] = root;
+    }
+    void finish(int n) const {
+      float na, nc;
+      peaks(t->m, t->root, n, na, nc);
+      *m_scale = na;
+      *v_scale = nc;
+      const float ra = 1.0f / (na > 0.0f ? na : 1.0f), rc = 1.0f / (nc > 0.0f ? nc : 1.0f);
+      const float* __restrict__ mi = t->m;
+      const float* __restrict__ vi = t->root;
+#pragma omp simd
+      for (int k = 0; k < n; ++k) {
+        const float q = round_even(std::sqrt(std::fabs(mi[k]) * ra) * 127.0f);
+        qm[k] = int8_t(int32_t(mi[k] < 0.0f ? -q : q));
+        float r = round_even(std::sqrt(vi[k] * rc) * 255.0f);
+        r = (vi[k] > 0.0f && r < 1.0f) ? 1.0f : r;  // a second moment that was not zero never becomes zero
+        qv[k] = uint8_t(int32_t(r));
       }
     }
-    for (; k < n; ++k) {
-      am[0] = std::max(am[0], std::fabs(mi[k]));
-      cm[0] = std::max(cm[0], vi[k]);
-    }
-    float a = 0.0f, c = 0.0f;
-    for (int j = 0; j < 16; ++j) {
-      a = std::max(a, am[j]);
-      c = std::max(c, cm[j]);
-    }
-    m_scale[lo / kBlock] = a;
-    v_scale[lo / kBlock] = c;
-    const float ra = 1.0f / (a > 0.0f ? a : 1.0f), rc = 1.0f / (c > 0.0f ? c : 1.0f);
-#pragma omp simd
-    for (int64_t k = 0; k < n; ++k) {
-      const float q = round_even(std::sqrt(std::fabs(mi[k]) * ra) * 127.0f);
-      qm[k] = int8_t(int32_t(mi[k] < 0.0f ? -q : q));
-      float r = round_even(std::sqrt(vi[k] * rc) * 255.0f);
-      r = (vi[k] > 0.0f && r < 1.0f) ? 1.0f : r;  // a second moment that was not zero never becomes zero
-      qv[k] = uint8_t(int32_t(r));
-    }
+  };
+  Block at(int64_t b0, Scratch& t) const {
+    return {m + b0, v + b0, m_scale + b0 / kBlock, v_scale + b0 / kBlock, &t, m_scale[b0 / kBlock],
+            v_scale[b0 / kBlock]};
   }
 };
 
-// The same AdamW arithmetic as `update`, a block of kBlock at a time: its moments dequantized into
-// two small arrays, updated, requantized; the master read and written once. The gradient is read
-// before the new weight is written (with an fp32 master they share the compute buffer).
+// The same AdamW arithmetic as `update`, over [i, e) of one block, whose parameter decays by
+// `decay`. The gradient is read before the new weight is written (with an fp32 master they share
+// the compute buffer).
+template <bool kUnitBias2, typename P, typename M, typename G>
+inline void update_range(const P& master, const M& moments, const G* g, int i, int e, float decay, Scalars s) {
+#pragma omp simd
+  for (int k = i; k < e; ++k) {
+    const float gi = load(g, k) * s.grad_scale;
+    const float m0 = moments.m_at(k), v0 = moments.v_at(k);
+    const float mi = std::fma(s.lerp_weight, gi - m0, m0);
+    const float vi = std::fma(s.one_minus_beta2 * gi, gi, v0 * s.beta2);
+    const float root = std::sqrt(vi);
+    const float pi = master.get(k) * decay + s.neg_step_size * mi / (unbiased<kUnitBias2>(root, s) + s.eps);
+    moments.put(k, mi, vi, root);
+    master.put(k, pi);
+  }
+}
+
 template <typename Master, typename Moments, typename G>
 void update_blocks(const Master& P, const Moments& M, const G* g, int64_t lo, int64_t hi,
                    c10::ArrayRef<int64_t> ends, c10::ArrayRef<double> decays, Scalars s) {
-  float m[kBlock], v[kBlock];
-  size_t k = 0;
-  while (ends[k] <= lo) ++k;
+  typename Moments::Scratch scratch;
+  size_t seg = 0;
   for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
-    const int64_t b1 = std::min(hi, b0 + kBlock);
-    M.get(b0, b1 - b0, m, v);
-    for (int64_t i = b0; i < b1;) {
-      while (ends[k] <= i) ++k;
-      const int64_t e = std::min<int64_t>(b1, ends[k]);
-      const float decay = float(decays[k]);
-#pragma omp simd
-      for (int64_t j = i; j < e; ++j) {
-        const float gi = load(g, j) * s.grad_scale;
-        const float mi = std::fma(s.lerp_weight, gi - m[j - b0], m[j - b0]);
-        const float vi = std::fma(s.one_minus_beta2 * gi, gi, v[j - b0] * s.beta2);
-        const float root = std::sqrt(vi);
-        const float pi = P.get(j) * decay + s.neg_step_size * mi / (root / s.bias2_sqrt + s.eps);
-        m[j - b0] = mi;
-        v[j - b0] = Moments::kTakesRoot ? root : vi;
-        P.put(j, pi);
-      }
+    const int n = int(std::min(hi - b0, kBlock));
+    const auto master = P.at(b0);
+    const auto moments = M.at(b0, scratch);
+    for (int i = 0; i < n;) {  // the parameters this block overlaps
+      while (ends[seg] <= b0 + i) ++seg;
+      const int e = int(std::min<int64_t>(n, ends[seg] - b0));
+      if (s.bias2_sqrt == 1.0f) update_range<true>(master, moments, g + b0, i, e, float(decays[seg]), s);
+      else update_range<false>(master, moments, g + b0, i, e, float(decays[seg]), s);
       i = e;
     }
-    M.put(b0, b1 - b0, m, v);
+    moments.finish(n);
   }
 }
 

@@ -14,7 +14,9 @@ same node maps and registers with CUDA.
 
 from __future__ import annotations
 
+import hashlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.host.adamw_kernel import native_kernel
 from megatrain_ray.models.family import ModelFamily
-from megatrain_ray.models.layout import LayerLayout
+from megatrain_ray.models.layout import LayerLayout, ParamSlot
 from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.host.adamw import AdamWStep, adamw_step
 
@@ -56,11 +58,41 @@ class LayerState:
         return out
 
 
-def init_layer_weights(fam: ModelFamily, layout: LayerLayout, flat: torch.Tensor, seed: int, std: float) -> None:
-    """Random init that depends only on (seed, layer), so any split across stores agrees."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + layout.index)
-    for p in layout.params:
-        fam.init_param(p, flat[p.offset : p.offset + p.numel], gen, std)
+INIT_PIECE = 1 << 20  # elements of a parameter drawn from one generator: a thread's unit of random init
+
+
+@dataclass(frozen=True)
+class InitPiece:
+    slot: ParamSlot
+    start: int  # in the layer's flat buffer
+    end: int
+    seed: int  # its generator's (32 bits: all that torch's CPU generator keeps)
+
+
+def init_pieces(layout: LayerLayout, seed: int) -> list[InitPiece]:
+    """A layer's random init cut into pieces of at most INIT_PIECE elements of one parameter, each
+    drawn from a generator of its own, seeded from (seed, layer, piece) only: the weights are the
+    same in any split of the model across stores and of the pieces across threads."""
+    out = []
+    for slot in layout.params:
+        for start in range(slot.offset, slot.offset + slot.numel, INIT_PIECE):
+            key = hashlib.blake2b(f"{seed}/{layout.index}/{len(out)}".encode(), digest_size=4).digest()
+            out.append(InitPiece(slot, start, min(slot.offset + slot.numel, start + INIT_PIECE),
+                                 int.from_bytes(key, "little")))
+    return out
+
+
+def init_layer_weights(fam: ModelFamily, layout: LayerLayout, flat: torch.Tensor, seed: int, std: float,
+                       pool: ThreadPoolExecutor | None = None) -> None:
+    """Random init of one layer's flat fp32 buffer that depends only on (seed, layer), piece by
+    piece (`init_pieces`), on the threads of `pool` when given. The pieces run torch's serial
+    random kernels, so threads of a pool never start threads of their own."""
+    def draw(piece: InitPiece) -> None:
+        fam.init_param(piece.slot, flat[piece.start : piece.end], torch.Generator().manual_seed(piece.seed), std)
+
+    pieces = init_pieces(layout, seed)
+    for _ in (pool.map(draw, pieces) if pool is not None else map(draw, pieces)):
+        pass
 
 
 class ShardStore:
@@ -132,14 +164,17 @@ class ShardStore:
 
     # ---- initial weights -------------------------------------------------------------------
     def init_random(self, seed: int, std: float) -> None:
-        for state in self.layers.values():
-            if state.master.dtype == torch.float32:
-                init_layer_weights(family(self.arch), state.layout, state.master, seed, std)
-            else:  # drawn in fp32 as an exact run draws them, then rounded as its compute copy is
-                full = torch.empty(state.layout.numel, dtype=torch.float32)
-                init_layer_weights(family(self.arch), state.layout, full, seed, std)
-                state.master.copy_(full)
-            self._publish(state)
+        """Each layer drawn by as many threads as torch's (the store's optimizer threads), then
+        published by torch's own."""
+        with ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="init") as pool:
+            for state in self.layers.values():
+                if state.master.dtype == torch.float32:
+                    init_layer_weights(family(self.arch), state.layout, state.master, seed, std, pool)
+                else:  # drawn in fp32 as an exact run draws them, then rounded as its compute copy is
+                    full = torch.empty(state.layout.numel, dtype=torch.float32)
+                    init_layer_weights(family(self.arch), state.layout, full, seed, std, pool)
+                    state.master.copy_(full)
+                self._publish(state)
 
     def load_hf(self, model_dir: str) -> None:
         """This store's layers from a Hugging Face directory, tensor by tensor (every tensor checked)."""

@@ -60,14 +60,14 @@ class ModelFamily(abc.ABC):
         """The streamed layers in order: an EMBED layer, BLOCK layers, a HEAD layer."""
 
     def init_param(self, slot: ParamSlot, view: torch.Tensor, gen: torch.Generator, std: float) -> None:
-        """Random initialisation of one parameter, in place, from `gen` only: norm weights one,
-        biases zero, everything else normal with standard deviation `std`."""
+        """Random initialisation of one parameter or a piece of it (`view`), in place, from `gen`
+        only: norm weights one, biases zero, everything else normal with standard deviation `std`."""
         if slot.name.endswith("norm.weight"):
             view.fill_(1.0)
         elif slot.name.endswith("bias"):
             view.zero_()
         else:
-            view.copy_(torch.randn(slot.numel, generator=gen) * std)
+            view.normal_(0.0, std, generator=gen)
 
     # -- the stateless templates -----------------------------------------------------------------
     @abc.abstractmethod

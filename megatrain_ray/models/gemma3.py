@@ -331,7 +331,7 @@ class Gemma3Family(ModelFamily):
         if slot.name.endswith("norm.weight"):
             view.zero_()
         else:
-            view.copy_(torch.randn(slot.numel, generator=gen) * std)
+            view.normal_(0.0, std, generator=gen)
 
     # -- the stateless templates -----------------------------------------------------------------
     def context(self, arch: Gemma3Arch, position_ids: torch.Tensor, dtype: torch.dtype,

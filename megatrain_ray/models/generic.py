@@ -443,7 +443,7 @@ class TransformersFamily(ModelFamily):
         elif len(slot.shape) < 2:
             view.fill_(1.0)
         else:
-            view.copy_(torch.randn(slot.numel, generator=gen) * std)
+            view.normal_(0.0, std, generator=gen)
 
     # -- the stateless templates -----------------------------------------------------------------
     def __init__(self):

@@ -29,6 +29,7 @@ H2D_BYTES_PER_S = 50e9  # pinned / registered host memory
 # cores less two), as `bench` reports it ("host optimizer ... G params/s") at 1.5B to 7B: one pass
 # over the state is what makes it faster than torch's three-pass AdamW (examples/benchmarks/).
 HOST_ADAMW_PARAMS_PER_S = 4.8e9
+HOST_ADAMW_THREADS = 14  # the threads that rate was measured with: per core, about 0.34 G params/s
 # Not measured directly, a floor inferred from the optimizer: the one-pass AdamW moves 28 bytes a
 # parameter (three fp32 buffers read and written, the bf16 gradient read, the bf16 weight written)
 # at 4.8 G params/s, about 134 GB/s, beside the pipeline's copies. Several GPUs reading every layer
@@ -426,6 +427,24 @@ def format_gpu_plan(plan: GpuPlan, inline: bool = False) -> str:
     return "; ".join(parts) if inline else "\n".join("  " + p for p in parts)
 
 
+def optimizer_cores(params: int, seconds: float) -> int:
+    """Cores whose host AdamW updates `params` in `seconds`, at the H100 machine's rate per optimizer
+    thread (the rate is the memory's past about its 14 threads: more cores help only with more memory
+    bandwidth)."""
+    per_core = HOST_ADAMW_PARAMS_PER_S / HOST_ADAMW_THREADS
+    return max(1, math.ceil(params / max(seconds, 1e-9) / per_core))
+
+
+def optimizer_cores_line(arch: ModelArch, p: "StepPrediction") -> str:
+    """How many cores keep the host optimizer hidden behind the forward, in all and for a RAM node."""
+    cores = optimizer_cores(num_params(arch), p.forward_s)
+    return (f"host AdamW cores that keep up (the step's update within the {p.forward_s:.2f} s forward, at "
+            f"{HOST_ADAMW_PARAMS_PER_S / HOST_ADAMW_THREADS / 1e9:.2f} G params/s a core, the H100 machine's "
+            f"{HOST_ADAMW_PARAMS_PER_S / 1e9:.1f} over {HOST_ADAMW_THREADS} optimizer threads): {cores} over all the "
+            f"stores; a RAM node holding a fraction f of the parameters needs f x {cores} optimizer threads "
+            f"(runtime.optimizer_threads) on cores of their own")
+
+
 def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, network: NetworkTimes | None = None,
              optimizer_s: float | None = None, num_gpus: int = 1, kept: int | None = None, rates=None,
              no_prediction: str | None = None) -> str:
@@ -480,6 +499,7 @@ def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, netwo
         f"tokens per step that keep {'the ' + str(num_gpus) + ' GPUs' if num_gpus > 1 else 'the GPU'} busy (the host "
         f"optimizer hidden behind the forward, the copies and transfers behind compute): {p.busy_tokens}"
     )
+    lines.append(optimizer_cores_line(arch, p))
     inactive = family(arch).inactive_params(arch)
     if inactive:
         params = num_params(arch)

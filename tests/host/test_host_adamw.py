@@ -96,6 +96,30 @@ def test_step_matches_torch_adamw(one_pass, dtype, weight_decay, max_norm):
     assert not torch.equal(master, init)
 
 
+@pytest.mark.usefixtures("three_threads")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_late_step_matches_torchs_fused_adamw(dtype):
+    """Past a few hundred updates Adam's second bias correction is 1.0 in fp32 and the kernel skips
+    dividing by it: a step there against torch's fused AdamW (the fallback) from the same state."""
+    import numpy as np
+
+    step = 2000
+    assert np.float32((1 - BETAS[1] ** step) ** 0.5) == 1.0
+    gen = torch.Generator().manual_seed(4)
+    n = sum(n for n, _ in SEGMENTS)
+    init = torch.randn(n, generator=gen) * 0.05
+    m0, v0 = torch.randn(n, generator=gen) * 1e-3, (torch.randn(n, generator=gen) * 1e-3) ** 2
+    g = (torch.randn(n, generator=gen) * 0.01).to(dtype)
+    hp = AdamWStep(step, LR, 0.7, BETAS, EPS, 0.1)
+    out = []
+    for one_pass in (True, False):
+        master, m, v, compute = init.clone(), m0.clone(), v0.clone(), g.clone()
+        adamw_step(master, m, v, compute, flat_segments(), hp, step, one_pass=one_pass)
+        out.append((master, m, v))
+    for ours, ref, what in zip(out[0], out[1], ("master", "exp_avg", "exp_avg_sq")):
+        assert_relative(ours, ref, what)
+
+
 def test_bf16_rounding_is_torchs():
     """Ties to even, halfway cases, subnormals and infinities bit for bit what .to(bfloat16) gives; NaN stays NaN."""
     special = torch.tensor([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 3.4e38, -3.4e38, 1e-40, -1e-40, float("inf"),

@@ -218,3 +218,25 @@ def test_a_window_smaller_than_the_device_slots_is_refused():
     with pytest.raises(ConfigError, match="runtime.remote_window"):
         config(remote_window=2)
     assert config(remote_window=3).runtime.remote_window == 3
+
+
+def test_the_plan_says_how_many_optimizer_cores_keep_up():
+    """The step's update hidden behind the forward: the model's parameters over the forward's
+    seconds, at the measured rate per optimizer thread, in all and as a RAM node's share; twice the
+    tokens a step, about half the cores."""
+    import math
+
+    from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, HOST_ADAMW_THREADS
+
+    def cores_said(cfg) -> tuple[int, int]:
+        line = next(l for l in describe(SEVEN_B, cfg).splitlines() if l.startswith("host AdamW cores that keep up"))
+        said = int(re.search(r": (\d+) over all the stores", line).group(1))
+        per_core = HOST_ADAMW_PARAMS_PER_S / HOST_ADAMW_THREADS
+        assert f"needs f x {said} optimizer threads" in line
+        return said, math.ceil(num_params(SEVEN_B) / predict_step(SEVEN_B, cfg).forward_s / per_core)
+
+    cfg = config(store_on_gpu_node=True)
+    said, expected = cores_said(cfg)
+    assert said == expected and 4 < said < 20  # 7.6 B parameters, a forward of about 3 s
+    doubled, _ = cores_said(cfg.replace(train=dataclasses.replace(cfg.train, grad_accum=2 * cfg.train.grad_accum)))
+    assert doubled in (said // 2, -(-said // 2))

@@ -121,13 +121,17 @@ def test_two_workers_keeping_forward_graphs_train_like_one_recomputing(local_ray
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpus_over_nccl_train_like_one(local_ray):
     """The same comparison on two GPUs (NCCL; fp32 compute, no compile): run it on the GPU machine
-    before timing anything there."""
+    before timing anything there. Both step the embedding on the host, as two workers do: one GPU
+    would step it on the GPU by default (executor.embedding_step auto, streaming/device_step.py), and
+    then its gradient (the tiny table's 64 KiB) never leaves and its weights stay on the device, so
+    the bytes moved would not compare."""
     arch = PRESETS["tiny-qwen3"]
     data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=1)
 
     def on_cuda(num_gpus):
         config = workers_config("tiny-qwen3", num_gpus)
-        return config.replace(executor=dataclasses.replace(config.executor, device="cuda", compile=False))
+        return config.replace(executor=dataclasses.replace(config.executor, device="cuda", compile=False,
+                                                           embedding_step="host"))
 
     one, one_eval, one_weights, _ = train(on_cuda(1), arch, data)
     two, two_eval, two_weights, counts = train(on_cuda(2), arch, data)
