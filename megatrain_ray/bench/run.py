@@ -176,7 +176,7 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda ru
 def step_rates(config):
     """The rates of the GPU the workers will run on (planning/rates.py); None where they run on the CPU."""
     from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, gpu_rates
-    from megatrain_ray.runtime.placement import executor_node
+    from megatrain_ray.planning.placement import executor_node
 
     nodes = discover_nodes(config.runtime)
     if config.executor.device == "cpu" or not any(n.gpus >= 1 for n in nodes):

@@ -34,6 +34,7 @@ SIGNED_LEVELS = 127  # first moment: codes -127..127
 SQRT_LEVELS = 255  # second moment's square root: codes 0..255
 MASTERS = ("fp32", "bf16")
 MOMENTS = ("fp32", "bf16", "int8")  # widest first
+SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")  # int8 moments' block scales, by the moment they scale
 MASK32 = 0xFFFFFFFF
 # The kernel multiplies by these fp32 reciprocals (1.0f / 127.0f, 1.0f / 255.0f), exact in a Python float.
 INV_SIGNED = float(np.float32(1.0) / np.float32(SIGNED_LEVELS))

@@ -20,9 +20,8 @@ from pathlib import Path
 import ray
 import torch
 
-from megatrain_ray.streaming.device_step import HostLayerState
 from megatrain_ray.host.memory import cuda_host_register, cuda_host_unregister, pinned_empty, shm_tensor
-from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.host.sources import HostLayerState, LayerSource
 from megatrain_ray.host.transport import LayerLink, Transfer
 from megatrain_ray.host.window import OUTBOX_SLOTS, WindowPolicy, pool_sizes
 

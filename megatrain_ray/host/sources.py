@@ -9,11 +9,25 @@ plain objects stepped on a background thread; host/remote_sources.py reaches sto
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from megatrain_ray.host.adamw import AdamWStep
+
+
+@dataclass
+class HostLayerState:
+    """A store's buffers of one layer, reachable from this process (shared memory or in process): what
+    a source hands a worker that steps the layer itself (streaming/device_step.py)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    compute: torch.Tensor
+    segments: list[tuple[int, int, bool]]  # (start, end, decays) per parameter, as the store steps them
+    updates: int  # AdamW updates applied: the bias correction's count
 
 
 class LayerSource(Protocol):

@@ -15,7 +15,7 @@ from pathlib import Path
 from megatrain_ray.planning import plan as planner
 from megatrain_ray.config import Config, ConfigError, from_mapping, load_yaml
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.runtime.placement import (GPU_NODE_RESERVE, USABLE, NodeInfo, Placement, largest_models,
+from megatrain_ray.planning.placement import (GPU_NODE_RESERVE, USABLE, NodeInfo, Placement, largest_models,
                                              plan_placement, store_room)
 from megatrain_ray.planning.traffic import StepTraffic, describe_traffic, step_traffic
 from megatrain_ray.planning.step_plan import DeviceFacts, embedding_step_decided, plan_step

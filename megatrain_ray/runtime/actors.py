@@ -10,6 +10,7 @@ import ray
 import torch
 
 from megatrain_ray.config import Config
+from megatrain_ray.files import shard
 from megatrain_ray.host.adamw import AdamWStep, LrSchedule
 from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, WindowSource
@@ -20,7 +21,7 @@ from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.probe import measure_working_set
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, device_facts
 from megatrain_ray.runtime.probe import StoreProbe, WorkerProbe
-from megatrain_ray.streaming.build import build_executor, with_embedding_step
+from megatrain_ray.runtime.worker import build_executor, with_embedding_step
 from megatrain_ray.streaming.data_parallel import Group
 from megatrain_ray.streaming.device_step import DeviceStepSource
 from megatrain_ray.streaming.executor import pick_device
@@ -47,6 +48,19 @@ class ShardStoreActor(StoreProbe, ShardStore):
 
     def layer_ids(self) -> list[int]:
         return list(self.layers)
+
+    # ---- files (files/shard.py) ---------------------------------------------------------------
+    def load_hf(self, model_dir: str) -> None:
+        shard.load_hf(self, model_dir)
+
+    def load_layers(self, files_by_layer: dict[int, str]) -> None:
+        shard.load_layers(self, files_by_layer)
+
+    def save_shard(self, directory: str, name: str) -> dict:
+        return shard.save_shard(self, directory, name)
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+        return shard.state_tensors(self)
 
     def shared_paths(self) -> dict[int, str]:
         return dict(self.shm_paths)

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from megatrain_ray.config import RuntimeConfig
 from megatrain_ray.host.memory import available_memory, host_headroom
-from megatrain_ray.runtime.placement import NodeInfo, Placement
+from megatrain_ray.planning.placement import NodeInfo, Placement
 
 
 def token_path() -> Path:

@@ -1,6 +1,6 @@
 """The streaming trainer in one process, for tests: wired as a Ray GPU worker is
 (runtime/actors.py), with the step planned by the same function (planning/step_plan.py) and the
-executor built by the same one (streaming/build.py); only the stores live in this process and are
+executor built by the same one (runtime/worker.py); only the stores live in this process and are
 reached directly, not through shared memory or the network. Nothing else in the library imports
 this file.
 """
@@ -18,9 +18,9 @@ from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.step_plan import device_facts, plan_step
-from megatrain_ray.runtime.placement import split_by_capacity
-from megatrain_ray.streaming.build import build_executor, with_embedding_step
-from megatrain_ray.streaming.device_step import HostLayerState
+from megatrain_ray.planning.placement import split_by_capacity
+from megatrain_ray.runtime.worker import build_executor, with_embedding_step
+from megatrain_ray.host.sources import HostLayerState
 from megatrain_ray.streaming.executor import pick_device
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 from megatrain_ray.streaming.step_result import EvalResult, StepResult

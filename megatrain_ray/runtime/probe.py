@@ -14,7 +14,7 @@ import torch
 
 from megatrain_ray.host.memory import available_memory, major_faults, resident_bytes
 from megatrain_ray.planning.step_plan import DeviceFacts, device_facts
-from megatrain_ray.streaming.build import build_executor
+from megatrain_ray.runtime.worker import build_executor
 
 
 class StoreProbe:

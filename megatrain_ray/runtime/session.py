@@ -26,7 +26,7 @@ from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_
 from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.runtime.placement import (Placement, executor_node, largest_models, least_slots, plan_placement,
+from megatrain_ray.planning.placement import (Placement, executor_node, largest_models, least_slots, plan_placement,
                                              store_room, worker_count)
 from megatrain_ray.planning.plan import host_parking
 

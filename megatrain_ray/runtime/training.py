@@ -37,7 +37,7 @@ from megatrain_ray.runtime.progress import StartupPhases
 from megatrain_ray.runtime.signals import RunInterrupted, StopRequest
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_arch, num_params
-from megatrain_ray.runtime.placement import Placement
+from megatrain_ray.planning.placement import Placement
 from megatrain_ray.runtime.session import Session, place
 from megatrain_ray.runtime.trackers import check_trackers, open_trackers
 from megatrain_ray.runtime.watchdog import FAULTS, ClusterFault, RunStopped, Watchdog

@@ -1,11 +1,16 @@
-"""The package's shape: imports flow one way (no circles, function-level imports included), the
-benchmark and the test harness stay out of the core, the top level holds only the entry points,
-the config and the subpackages, and one function builds every executor."""
+"""The package's shape: its parts stand in one order and each imports only parts below it
+(function-level imports included; the order is the architecture guide's, megatrain_ray/README.md),
+with no circles inside a part; the benchmark and the test harness stay out of the core; the top
+level holds only the entry points, the config and the subpackages; one function assembles every
+worker."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatrain_ray"
+# bottom to top: a part may import the parts before it, never one after it
+ORDER = ("config", "config_reference", "models", "data", "host", "files", "streaming", "planning", "runtime", "api",
+         "bench", "cli", "megatrain_ray")
 HARNESS = {"megatrain_ray.runtime.local"}  # the in-process trainer, for tests
 TOP = {"megatrain_ray.cli", "megatrain_ray.api", "megatrain_ray"}  # entry points may reach everything
 TOP_FILES = {"__init__.py", "cli.py", "api.py", "config.py", "config_reference.py"}  # entry points, the config and its reference
@@ -60,6 +65,33 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_has_no_circles():
     graph = {name: deps - {"megatrain_ray"} for name, deps in import_graph().items()}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def part_of(module: str) -> str:
+    """The part a module belongs to: its subpackage, or the top-level module itself."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 else names[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a part above the importer's own, as "importer -> imported"."""
+    rank = {part: k for k, part in enumerate(ORDER)}
+    return sorted(f"{name} -> {dep}" for name, deps in graph.items() for dep in deps
+                  if dep != "megatrain_ray" and rank[part_of(dep)] > rank[part_of(name)])
+
+
+def test_every_part_is_in_the_order():
+    assert {part_of(name) for name in import_graph()} == set(ORDER)
+
+
+def test_every_import_looks_down_the_order():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_order_check_finds_an_import_running_up():
+    graph = {"megatrain_ray.host.store": {"megatrain_ray.files.checkpoint", "megatrain_ray.models.arch"},
+             "megatrain_ray.files.checkpoint": {"megatrain_ray.host.precision"}}
+    assert upward_imports(graph) == ["megatrain_ray.host.store -> megatrain_ray.files.checkpoint"]
 
 
 def test_the_cycle_finder_finds_a_circle():
@@ -139,10 +171,10 @@ def constructed(path: Path, cls: str) -> bool:
 
 
 def test_one_function_builds_every_executor():
-    """streaming/build.py alone constructs the executor; the GPU worker and the in-process trainer
+    """runtime/worker.py alone constructs the executor; the GPU worker and the in-process trainer
     both call its build_executor (tests/test_step_plan.py watches them do it)."""
     builders = {module_name(p) for p in PACKAGE.rglob("*.py") if constructed(p, "StreamingExecutor")}
-    assert builders == {"megatrain_ray.streaming.build"}, builders
+    assert builders == {"megatrain_ray.runtime.worker"}, builders
     for name in ("runtime/actors.py", "runtime/local.py"):
         assert constructed(PACKAGE / name, "build_executor"), f"{name} does not build through build_executor"
 
@@ -152,7 +184,7 @@ def test_the_workers_decide_nothing_about_the_step():
     and the benchmark's probe receive a plan and never call the deciding functions."""
     deciding = {"plan_step", "check_gpu_fit", "check_host_fit", "check_parked_fit", "choose_kept", "choose_offload",
                 "embedding_step_on_device"}
-    for name in ("runtime/actors.py", "runtime/probe.py", "streaming/build.py"):
+    for name in ("runtime/actors.py", "runtime/probe.py", "runtime/worker.py"):
         called = {getattr(n.func, "id", getattr(n.func, "attr", None))
                   for n in ast.walk(ast.parse((PACKAGE / name).read_text())) if isinstance(n, ast.Call)}
         assert not called & deciding, f"{name} decides {called & deciding}"

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.data import build_dataset
+from megatrain_ray.files import shard
 from megatrain_ray.files.hf import load_hf_weights
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.reference import ReferenceModel, _key
@@ -71,7 +72,7 @@ def local_steps(config, arch, model_dir: Path, steps_data) -> list:
     trainer = LocalTrainer(config, arch)
     try:
         for store in trainer.stores:
-            store.load_hf(str(model_dir))
+            shard.load_hf(store, str(model_dir))
         return [trainer.train_step(step) for step in steps_data]
     finally:
         trainer.close()

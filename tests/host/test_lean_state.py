@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatrain_ray.config import ConfigError, config_from_dict
-from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.files import checkpoint as ckpt, shard
 from megatrain_ray.host import precision
 from megatrain_ray.host.adamw import AdamWStep, adamw_step
 from megatrain_ray.host.precision import StateFormat
@@ -312,7 +312,7 @@ def save(trainer: LocalTrainer, directory: Path) -> dict[int, str]:
     trainer.source.drain()
     files = {}
     for k, store in enumerate(trainer.stores):
-        store.save_shard(str(directory), f"shard{k}.safetensors")
+        shard.save_shard(store, str(directory), f"shard{k}.safetensors")
         files.update({i: str(directory / f"shard{k}.safetensors") for i in store.layers})
     return files
 
@@ -337,7 +337,7 @@ def test_ten_steps_equal_five_then_resume_five(tmp_path, master, moments):
     first.close()
     second = LocalTrainer(config, arch, num_stores=1)  # another split of the layers across stores
     for store in second.stores:
-        store.load_layers(files)
+        shard.load_layers(store, files)
     second.lr_schedule.updates_done = 5
     split += [second.train_step(batches).loss for batches in data[5:]]
     (tmp_path / "split").mkdir()
@@ -363,7 +363,7 @@ def test_an_exact_checkpoint_resumes_lean_converted(tmp_path):
     files = save(exact, tmp_path)
     exact.close()
     lean = ShardStore(arch, list(range(len(files))), torch.bfloat16, state_format=StateFormat("bf16", "int8"))
-    lean.load_layers(files)
+    shard.load_layers(lean, files)
     for layer, state in lean.layers.items():
         saved, step = ckpt.read_layer_state(files[layer], layer)
         assert state.updates == step == 3

@@ -23,6 +23,7 @@ from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.models import hf_modules as hm  # noqa: E402
 from megatrain_ray.models.generic import TransformersArch  # noqa: E402
+from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
@@ -154,7 +155,7 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     trainer = LocalTrainer(config, arch)
     try:
         for store in trainer.stores:
-            store.load_hf(str(config.model.path))
+            shard.load_hf(store, str(config.model.path))
         losses = [trainer.train_step(step).loss for step in data]
         export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
     finally:
@@ -182,7 +183,7 @@ def test_the_routers_load_balancing_loss_trains_as_transformers_adds_it(tmp_path
     trainer = LocalTrainer(config, arch)
     try:
         for store in trainer.stores:
-            store.load_hf(str(model_dir))
+            shard.load_hf(store, str(model_dir))
         losses = [trainer.train_step(step).loss for step in data]
         export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
     finally:

@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
 from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
@@ -98,7 +99,7 @@ def test_five_steps_export_equals_transformers_adamw(tmp_path, family):
     trainer = LocalTrainer(config, arch, num_stores=2 if family == "qwen2" else 1)
     try:
         for store in trainer.stores:
-            store.load_hf(str(model_dir))
+            shard.load_hf(store, str(model_dir))
         results = [trainer.train_step(step) for step in data]
         export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
     finally:

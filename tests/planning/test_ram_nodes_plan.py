@@ -12,7 +12,7 @@ from megatrain_ray.cli import main
 from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
-from megatrain_ray.runtime.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement
+from megatrain_ray.planning.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement
 from megatrain_ray.planning.plan import EMBEDDING_STEP, PlanError, describe, gpu_plan, predict_step
 from megatrain_ray.planning.step_plan import DeviceFacts, embedding_step_decided, plan_step
 from megatrain_ray.planning.traffic import step_traffic

@@ -4,6 +4,7 @@ import pytest
 import ray
 import torch
 
+from megatrain_ray.files import shard
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.runtime.session import Session
 from megatrain_ray.runtime.local import LocalTrainer
@@ -24,7 +25,7 @@ def test_ray_session_equals_in_process_trainer(local_ray, preset, embedding_step
     local = LocalTrainer(config, arch)
     local_results = [local.train_step(step) for step in data]
     expected = local.layer_weights()
-    expected_state = local.stores[0].state_tensors()
+    expected_state = shard.state_tensors(local.stores[0])
     local.close()
 
     session = Session(config, arch)

@@ -1,5 +1,5 @@
 """One run plans its step once, on the driver, and every GPU worker builds that plan; the in-process
-trainer plans and builds through the same two functions (planning/step_plan.py, streaming/build.py)."""
+trainer plans and builds through the same two functions (planning/step_plan.py, runtime/worker.py)."""
 
 import time
 

@@ -152,7 +152,7 @@ def test_layer_owners_split_the_bytes_and_alternate():
 
 
 def test_micro_batches_that_do_not_split_evenly_are_refused():
-    from megatrain_ray.runtime.placement import NodeInfo, plan_placement
+    from megatrain_ray.planning.placement import NodeInfo, plan_placement
 
     raw = {"model": {"preset": "tiny-llama"}, "train": {"grad_accum": 6}}
     with pytest.raises(ConfigError, match=r"train.grad_accum=6 .* 4 GPU workers .* multiple of 4 \(4, 8\)"):
@@ -171,7 +171,7 @@ def test_micro_batches_that_do_not_split_evenly_are_refused():
 def test_stated_host_memory_replaces_what_the_node_reads_free():
     """A machine whose memory grows as it is used reads little free at start: a model that does not
     fit in that is refused, and placed once the user states what a store may take."""
-    from megatrain_ray.runtime.placement import GiB, NodeInfo, plan_placement
+    from megatrain_ray.planning.placement import GiB, NodeInfo, plan_placement
 
     arch = PRESETS["qwen2.5-7b"]  # 14 bytes x 7.6 B params: about 99 GiB
     gpu = NodeInfo("gpu", "10.0.0.1", gpus=2.0, ram_node=False, free_bytes=28 * GiB)

@@ -11,7 +11,8 @@ from megatrain_ray.host.sources import LayerSource
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.step_plan import StepPlan
 from megatrain_ray.streaming.data_parallel import Group
-from megatrain_ray.streaming.device_step import DeviceStepSource, HostLayerState
+from megatrain_ray.host.sources import HostLayerState
+from megatrain_ray.streaming.device_step import DeviceStepSource
 from megatrain_ray.streaming.executor import StreamingExecutor
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 
