@@ -61,10 +61,6 @@ class StateFormat:
     def quantized(self) -> bool:
         return self.moments == "int8"
 
-    @property
-    def master_dtype(self) -> torch.dtype:
-        return torch.float32 if self.master == "fp32" else torch.bfloat16
-
     def moment_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         return {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),
                 "int8": (torch.int8, torch.uint8)}[self.moments]

@@ -226,6 +226,12 @@ class RoutedSource(LayerSource):
     def update(self, layer: int, hp, gradient_landed) -> None:
         self.route[layer].update(layer, hp, gradient_landed)
 
+    def shared_state(self, layer: int, segments: list[tuple[int, int, bool]]) -> HostLayerState:
+        return self.route[layer].shared_state(layer, segments)
+
+    def report_updates(self, layer: int, count: int) -> None:
+        self.route[layer].report_updates(layer, count)
+
     def updates_in_flight(self, layers) -> dict[int, ray.ObjectRef]:
         """The references to these layers' last updates sent from here, to share with the other workers."""
         return {layer: self.route[layer].pending[layer] for layer in layers if layer in self.route[layer].pending}

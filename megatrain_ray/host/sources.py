@@ -67,6 +67,15 @@ class LayerSource(Protocol):
         """Start the layer's optimizer step once `gradient_landed` (an event) has completed;
         hp None skips the update and only restores the weights (a non-finite step)."""
 
+    def shared_state(self, layer: int, segments: list[tuple[int, int, bool]]) -> HostLayerState:
+        """The layer's master and moments as this process reaches them, for its step on the worker's
+        device (where the store's memory is in reach: in process, or shared memory on this node)."""
+        raise NotImplementedError("this source does not reach the stores' memory")
+
+    def report_updates(self, layer: int, count: int) -> None:
+        """Tell the layer's store how many updates a step on the device applied (its checkpoint saves them)."""
+        raise NotImplementedError("this source does not reach the stores' memory")
+
     def drain(self) -> None:
         """Wait until every update issued has landed."""
 
@@ -89,6 +98,13 @@ class LocalSource(LayerSource):
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
         return self.owner[layer].layers[layer].grad  # see host/store.py: the compute buffer, or its own
+
+    def shared_state(self, layer: int, segments: list[tuple[int, int, bool]]) -> HostLayerState:
+        state = self.owner[layer].layers[layer]
+        return HostLayerState(state.master, state.exp_avg, state.exp_avg_sq, state.compute, segments, state.updates)
+
+    def report_updates(self, layer: int, count: int) -> None:
+        self.owner[layer].set_update_count(layer, count)
 
     def update(self, layer: int, hp: AdamWStep | None, gradient_landed) -> None:
         self.pending[layer] = self.pool.submit(self._step, layer, hp, gradient_landed)

@@ -5,7 +5,7 @@ to it first), and the next step's first read is the embedding again. Here the ta
 (master and both moments) crosses PCIe during the last blocks' backward, when the link is nearly
 idle and the kept graphs are gone; the update runs on the GPU from the fp32 gradient rounded as
 the host would see it; the new weights stay on the device for the next step, and the state goes
-back to the store's buffers while the next forward runs. The arithmetic is optim.adamw_update's
+back to the store's buffers while the next forward runs. The arithmetic is host/adamw.py's adamw_update
 (torch's fused AdamW), so the layer trains as on the host, up to a last bit of rounding.
 
 It pays where the host optimizer is the wall: the embedding is the step's largest layer and its

@@ -83,7 +83,7 @@ def test_on_and_off_are_words_in_config_files_and_overrides(tmp_path):
         load_config(path, ["data.pack=yes"])
 
 
-# Values of the right type that cannot work: each refused by config.validate before Ray starts
+# Values of the right type that cannot work: each refused by config.check_values before Ray starts
 # (not as a traceback inside an actor).
 IMPOSSIBLE = [
     ("executor.loss_chunk_tokens=0", "executor.loss_chunk_tokens must be >= 1"),

@@ -165,26 +165,44 @@ def test_the_top_of_the_package_holds_entry_points_config_and_subpackages():
             assert (folder / "__init__.py").exists(), f"{folder.name}/ holds modules but is not a package"
 
 
-def constructed(path: Path, cls: str) -> bool:
-    return any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == cls
-               for node in ast.walk(ast.parse(path.read_text())))
+def calls(path: Path) -> set[str]:
+    """The names of every function or class this file calls, and `Class.method` where the call names its class."""
+    names = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Call):
+            names.add(getattr(n.func, "id", getattr(n.func, "attr", None)))
+            if isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name):
+                names.add(f"{n.func.value.id}.{n.func.attr}")
+    return names
 
 
-def test_one_function_builds_every_executor():
-    """runtime/worker.py alone constructs the executor; the GPU worker and the in-process trainer
-    both call its build_executor (tests/test_step_plan.py watches them do it)."""
-    builders = {module_name(p) for p in PACKAGE.rglob("*.py") if constructed(p, "StreamingExecutor")}
-    assert builders == {"megatrain_ray.runtime.worker"}, builders
-    for name in ("runtime/actors.py", "runtime/local.py"):
-        assert constructed(PACKAGE / name, "build_executor"), f"{name} does not build through build_executor"
+def test_one_function_assembles_every_worker():
+    """runtime/worker.py alone builds an executor, wraps the embedding's device step, joins a process
+    group and starts an LR schedule (outside streaming/, whose parts they are); the GPU actor, the in-process trainer and the benchmark's
+    rebuild all call its assemble_worker (tests/runtime/test_step_plan.py watches them do it)."""
+    wiring = {"StreamingExecutor", "DeviceStepSource", "LrSchedule", "Group.join", "Group.solo", "build_executor",
+              "with_embedding_step", "join_group"}
+    for path in PACKAGE.rglob("*.py"):
+        if module_name(path) != "megatrain_ray.runtime.worker" and part_of(module_name(path)) != "streaming":
+            assert not calls(path) & wiring, f"{module_name(path)} wires a worker itself: {calls(path) & wiring}"
+    for name in ("runtime/actors.py", "runtime/local.py", "bench/telemetry.py"):
+        assert "assemble_worker" in calls(PACKAGE / name), f"{name} does not assemble through assemble_worker"
 
 
-def test_the_workers_decide_nothing_about_the_step():
-    """The step's decisions live in planning/step_plan.py (and the planner it calls); the GPU worker
-    and the benchmark's probe receive a plan and never call the deciding functions."""
-    deciding = {"plan_step", "check_gpu_fit", "check_host_fit", "check_parked_fit", "choose_kept", "choose_offload",
-                "embedding_step_on_device"}
-    for name in ("runtime/actors.py", "runtime/probe.py", "runtime/worker.py"):
-        called = {getattr(n.func, "id", getattr(n.func, "attr", None))
-                  for n in ast.walk(ast.parse((PACKAGE / name).read_text())) if isinstance(n, ast.Call)}
-        assert not called & deciding, f"{name} decides {called & deciding}"
+def test_the_run_s_actors_inherit_nothing_from_the_benchmark():
+    from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
+
+    for cls in (GpuWorker, ShardStoreActor):
+        assert not [c for c in cls.__mro__ if c.__module__.startswith("megatrain_ray.bench")], cls.__mro__
+
+
+def test_every_step_decision_is_made_in_the_step_plan():
+    """The deciding functions are called by planning/step_plan.py's plan_step alone (and by one
+    another inside the planner): the run, the in-process trainer, `plan`, `plan --cluster`, the
+    benchmark and every worker receive a StepPlan and render or obey it."""
+    deciding = {"check_gpu_fit", "check_host_fit", "check_parked_fit", "choose_kept", "choose_offload", "gpu_memory",
+                "host_memory", "host_parking", "embedding_step_on_device", "with_window", "window_slots"}
+    planner = {"megatrain_ray.planning.step_plan", "megatrain_ray.planning.plan", "megatrain_ray.planning.placement"}
+    for path in PACKAGE.rglob("*.py"):
+        if module_name(path) not in planner:
+            assert not calls(path) & deciding, f"{module_name(path)} decides {calls(path) & deciding}"

@@ -16,7 +16,9 @@ from megatrain_ray.data import build_dataset
 from megatrain_ray.files import shard
 from megatrain_ray.files.hf import load_hf_weights
 from megatrain_ray.runtime.local import LocalTrainer
-from megatrain_ray.models.reference import ReferenceModel, _key
+from helpers.reference_model import ReferenceModel
+from megatrain_ray.models.layout import module_key
+from megatrain_ray.models.generic_check import relative_difference as rel  # the tests' name for it
 from megatrain_ray.models.registry import model_layouts
 from helpers.reference_training import adamw_loop
 
@@ -47,13 +49,9 @@ def hf_flats(model_dir: Path, arch) -> list[torch.Tensor]:
     return flats
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def grads_by_hf_name(ref: ReferenceModel) -> dict[str, torch.Tensor]:
     """The reference model's gradients under transformers' in-memory names (the layouts' names)."""
-    return {layout.hf_name(p.name): getattr(module, _key(p.name)).grad
+    return {layout.hf_name(p.name): getattr(module, module_key(p.name)).grad
             for layout, module in zip(ref.layouts, ref.layers) for p in layout.params}
 
 

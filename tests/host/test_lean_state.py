@@ -18,6 +18,7 @@ from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.runtime.local import LocalTrainer
+from helpers.threads import three_threads  # noqa: F401 (a fixture)
 from helpers.reference_training import random_micro_batches
 from helpers.runs import tensors_of, tiny_raw
 from megatrain_ray.runtime.training import run_training
@@ -164,14 +165,6 @@ def run_step(state, step: int, grad_scale: float, one_pass: bool, key: int) -> N
     adamw_step(state["master"], state["exp_avg"], state["exp_avg_sq"], state["compute"], segments(),
                AdamWStep(step, LR, grad_scale, BETAS, EPS, WD), step, one_pass, grad=state["grad"],
                scales=state["scales"], rounding_key=key)
-
-
-@pytest.fixture
-def three_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.usefixtures("three_threads")

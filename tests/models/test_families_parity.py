@@ -26,7 +26,7 @@ from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.models.registry import (PRESETS, arch_from_dict, arch_from_hf_config, family,  # noqa: E402
                                           load_hf_arch, model_layouts)
 from megatrain_ray.models import ops  # noqa: E402
-from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
+from helpers.reference_model import ReferenceModel  # noqa: E402
 from megatrain_ray.runtime.training import run_training  # noqa: E402
 from helpers.hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
                                bf16_cuda_config, local_steps, on_cuda, randomize, rel, run_config, saved,

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.models.family import IGNORE_INDEX  # noqa: E402
-from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
+from helpers.reference_model import ReferenceModel  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
 from megatrain_ray.runtime.training import run_training  # noqa: E402
 from helpers.reference_training import adamw_loop, random_micro_batches  # noqa: E402

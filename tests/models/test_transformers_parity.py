@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
-from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
+from helpers.reference_model import ReferenceModel  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from helpers.hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
                        bf16_cuda_config, hf_batch, local_steps, on_cuda, parity_config, randomize, rel, saved,

@@ -21,6 +21,7 @@ from helpers.reference_training import random_micro_batches
 from helpers.runs import tensors_of, tiny_raw
 from helpers.reference_training import relative_error
 from helpers.runs import make_config
+from helpers.sessions import layer_weights
 
 STEPS, GRAD_ACCUM = 3, 4
 
@@ -42,7 +43,7 @@ def train(config, arch, data, wait=None):
         session.start_executor()
         results = [session.train_step(step) for step in data]
         evaluation = session.eval_loss(data[0][:3])  # three micro-batches: shares of 2 and 1
-        weights = session.layer_weights()
+        weights = layer_weights(session)
         counts = {i: n for c in ray.get([s.update_counts.remote() for s in session.stores])
                   for i, n in c.items()}
     finally:
