@@ -14,8 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_layouts, num_params
