@@ -90,16 +90,16 @@ def plan_described(config: Config, cluster: str | Path, speeds: list[float] | No
 def driver_facts(arch, config: Config, placement):
     """What the plan needs of the workers' device where no worker runs: the GPU node's free GPU
     memory and host headroom, read there, and a model's working set measured on this machine's GPU
-    where it has one (planning/step_plan.py: measured_facts, as a worker measures it)."""
+    where it has one (planning/step_plan.py: measured_working_set, as a worker measures it)."""
     import torch
 
-    from megatrain_ray.planning.step_plan import DeviceFacts, measured_facts
+    from megatrain_ray.planning.step_plan import DeviceFacts, measured_working_set
     from megatrain_ray.runtime.cluster import gpu_free_bytes, node_headroom
 
     headroom = node_headroom(placement.gpu.node_id)
     if not placement.use_cuda:
         return DeviceFacts("cpu", "cpu", None, headroom)
-    units = measured_facts(torch.device("cuda"), arch, config).measured_working_set if torch.cuda.is_available() else 0.0
+    units = measured_working_set(torch.device("cuda"), arch, config) if torch.cuda.is_available() else 0.0
     return DeviceFacts("cuda", "GPU", gpu_free_bytes(placement.gpu.node_id), headroom, units)
 
 

@@ -50,17 +50,22 @@ def device_facts(device: torch.device, measured_working_set: float = 0.0) -> Dev
                        measured_working_set)
 
 
-def measured_facts(device: torch.device, arch: ModelArch, config: Config, say=print) -> DeviceFacts:
-    """A worker's facts with its layers' working set measured on its device at the run's micro-batch
+def measured_working_set(device: torch.device, arch: ModelArch, config: Config, say=print) -> float:
+    """The largest layer kind's working set a token, measured on `device` at the run's micro-batch
     shape where the plan needs one (planning/probe.py: a model run through transformers' modules, on
-    a GPU); `say` tells which figure the plan will use."""
-    units = 0.0
-    if device.type == "cuda":
-        units, text = measure_working_set(arch, config.train.micro_batch_size, config.data.seq_len,
-                                          dtype_of(config.model.compute_dtype), device)
-        if units:
-            say(text)
-    return device_facts(device, units)
+    a GPU), else 0 (the family's estimate); `say` tells which figure the plan will use."""
+    if device.type != "cuda":
+        return 0.0
+    units, text = measure_working_set(arch, config.train.micro_batch_size, config.data.seq_len,
+                                      dtype_of(config.model.compute_dtype), device)
+    if units:
+        say(text)
+    return units
+
+
+def measured_facts(device: torch.device, arch: ModelArch, config: Config, say=print) -> DeviceFacts:
+    """A worker's facts, with its layers' working set measured on its device (measured_working_set)."""
+    return device_facts(device, measured_working_set(device, arch, config, say))
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ class GpuWorker:
         self.world = world
         self.device = torch.device("cpu")
         self.plan: StepPlan | None = None
+        self.layers: RoutedSource | None = None  # every layer's way to its store
         self.worker: Worker | None = None
         self.window: WindowSource | None = None
         self.kinds: list[str] = []  # how it reaches each store: "shm" or "stream"
@@ -131,8 +132,8 @@ class GpuWorker:
         joining the workers' process group (the master address/port: where rank 0 holds its
         rendezvous, unused by a worker alone); returns the device's description."""
         self.plan = plan
-        layers = self._route_layers(stores, store_nodes)
-        self.worker = assemble_worker(self.arch, self.config, plan, layers, self.device,
+        self.layers = self._route_layers(stores, store_nodes)
+        self.worker = assemble_worker(self.arch, self.config, plan, self.layers, self.device,
                                       Rendezvous(self.rank, self.world, master_address, master_port),
                                       updates_done=updates_done)
         return self.describe_device()
@@ -211,3 +212,5 @@ class GpuWorker:
         if self.worker is not None:
             self.worker.source.close()
             self.worker.group.close()
+        elif self.layers is not None:  # the assembly failed (a process group that never formed)
+            self.layers.close()

@@ -185,7 +185,7 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
         session = Session(config, arch, placement=placement, wait=watch.get)
     except FAULTS as e:  # a node left between the plan and the actors' start
         raise ClusterFault(f"placing the run's actors failed: {str(e).strip().splitlines()[0]}") from None
-    print(placement.describe(arch), flush=True)
+    print(session.placement.describe(arch), flush=True)  # with the window the step plan sized
     meta = None
     try:
         if progress.checkpoint is not None:
