@@ -3,7 +3,7 @@
 Tiny random LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (tied
 embeddings), fp32 on the CPU, saved with save_pretrained and read back through the project's
 Hugging Face import. The training comparison runs the streaming LocalTrainer (stores loaded with
-ShardStore.load_hf) beside a plain loop over the transformers model with torch.optim.AdamW, and
+files/shard.py: load_hf) beside a plain loop over the transformers model with torch.optim.AdamW, and
 compares the project's export, loaded with from_pretrained, with the transformers model's state.
 """
 
