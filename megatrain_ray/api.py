@@ -87,84 +87,61 @@ def plan_described(config: Config, cluster: str | Path, speeds: list[float] | No
     return fits
 
 
-def measured(arch, config: Config):
-    """A model run through transformers' modules with its layers' working set measured on this
-    machine's GPU (planning/probe.py) where it has one; the plan prints which figures it used."""
-    from megatrain_ray.models.generic import TransformersArch
-
-    if not isinstance(arch, TransformersArch):
-        return arch
+def driver_facts(arch, config: Config, placement):
+    """What the plan needs of the workers' device where no worker runs: the GPU node's free GPU
+    memory and host headroom, read there, and a model's working set measured on this machine's GPU
+    where it has one (planning/step_plan.py: measured_working_set, as a worker measures it)."""
     import torch
 
-    from megatrain_ray.planning.probe import with_measured_working_set
+    from megatrain_ray.planning.step_plan import DeviceFacts, measured_working_set
+    from megatrain_ray.runtime.cluster import gpu_free_bytes, node_headroom
 
-    if not torch.cuda.is_available():
-        print("working set: an estimate (the Llama family's fit); no GPU here to measure this model's layers on")
-        return arch
-    dtype = getattr(torch, config.model.compute_dtype)
-    arch, text = with_measured_working_set(arch, config.train.micro_batch_size, config.data.seq_len, dtype,
-                                           torch.device("cuda"))
-    print(text)
-    return arch
-
-
-def step_rates(placement, gpu: str | None):
-    """(rates, None), or (None, why no step time is predicted): the named table model's rates, else
-    the cluster's GPU's, else none."""
-    from megatrain_ray.planning.rates import NO_GPU, TABLE
-    from megatrain_ray.runtime.cluster import gpu_rates
-
-    if gpu is not None:
-        if gpu not in TABLE:
-            raise ConfigError(f"--gpu {gpu}: the rates table holds {', '.join(TABLE)}")
-        return TABLE[gpu], None
-    if placement.use_cuda:
-        return gpu_rates(placement.gpu.node_id), None
-    return None, NO_GPU
+    headroom = node_headroom(placement.gpu.node_id)
+    if not placement.use_cuda:
+        return DeviceFacts("cpu", "cpu", None, headroom)
+    units = measured_working_set(torch.device("cuda"), arch, config) if torch.cuda.is_available() else 0.0
+    return DeviceFacts("cuda", "GPU", gpu_free_bytes(placement.gpu.node_id), headroom, units)
 
 
 def plan_live(config: Config, gpu: str | None = None) -> bool:
     import ray
 
-    from megatrain_ray.planning import plan as planner
-    from megatrain_ray.planning.step_plan import DeviceFacts, embedding_step_decided, plan_step
-    from megatrain_ray.runtime.cluster import connect, gpu_free_bytes, gpu_node_headroom
     from megatrain_ray.models.registry import model_arch
-    from megatrain_ray.runtime.session import largest_models_here, place
+    from megatrain_ray.planning import plan as planner
+    from megatrain_ray.planning.rates import NO_GPU
+    from megatrain_ray.planning.step_plan import plan_step
     from megatrain_ray.planning.traffic import describe_traffic, step_traffic
+    from megatrain_ray.runtime.cluster import connect, step_rates
+    from megatrain_ray.runtime.session import largest_models_here, place
 
-    arch = measured(model_arch(config.model), config)
+    arch = model_arch(config.model)
     joined = ray.is_initialized()
     connect(config.runtime)
     try:
         try:
             print(largest_models_here(arch, config))
             placement = place(arch, config)
+            # the run's own decisions (planning/step_plan.py), from what the driver can see
+            step = plan_step(arch, config, driver_facts(arch, config, placement), placement, stores_allocated=False,
+                             refuse=False)
         except ConfigError as e:
             print(f"does not fit in host memory: {e}")
             return False
-        free = gpu_free_bytes(placement.gpu.node_id) if placement.use_cuda else None
-        n = placement.num_gpus
-        try:  # the run's own decisions (planning/step_plan.py), from what the driver can see
-            facts = DeviceFacts("cuda", "the GPU", free, 0) if free is not None else DeviceFacts("cpu", "cpu", None, 0)
-            step = plan_step(arch, config, facts, gpu_node_headroom(placement), n, 0 not in placement.remote_layers())
-            refused = None
         except planner.PlanError as e:
-            step, refused = None, e
-        if step is not None:
-            config = embedding_step_decided(config, step.embedding_on_device)
-        kept = step.kept if step is not None else planner.choose_kept(arch, config, free, n)
-        traffic = step_traffic(arch, config, placement, kept)
+            print(f"does not fit: {e}")
+            return False
+        planned, placement, n = step.planned_arch(arch), step.placement, step.workers
+        traffic = step_traffic(planned, config, placement, step.kept)
         network, optimizer_s = traffic.times(), traffic.optimizer_seconds()
         print(placement.describe(arch))
-        rates, no_prediction = step_rates(placement, gpu)
+        rates = step_rates(config, gpu)
         if placement.remote_layers():
-            compute_s = planner.predict_step(arch, config, network, optimizer_s, n, rates=rates).compute_s if rates else None
+            compute_s = planner.predict_step(planned, config, network, optimizer_s, n, rates=rates).compute_s if rates else None
             print(describe_traffic(traffic, compute_s))
-        print(planner.describe(arch, config, free, network, optimizer_s, n, None if free is None else kept, rates=rates,
-                               no_prediction=no_prediction))
-        if refused is not None:
-            print(f"does not fit: {refused}")
+        print(planner.describe(planned, config, step, network, optimizer_s, rates=rates,
+                               no_prediction=None if rates else NO_GPU))
+        if step.refused is not None:
+            print(f"does not fit: {step.refused}")
             return False
         print("fits")
         return True

@@ -92,7 +92,6 @@ class TrainConfig:
     micro_batch_size: int = 1  # rows per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step, all streamed layer-major
     seed: int = 0  # data order and random initialisation
-    log_every: int = 1  # not used yet: every step writes its progress line and metrics row
     output_dir: str = "runs/default"  # metrics.jsonl, checkpoints/ and tensorboard/ go here
     max_bad_steps: int = 3  # non-finite loss or gradients in a row before the run stops
     auto_resume: bool | None = None  # after a lost node: wait for room, restore the last checkpoint; None = on under `ray job submit`
@@ -276,7 +275,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     config = _build(Config, raw or {}, "")
-    validate(config)
+    check_values(config)
     return config
 
 
@@ -303,7 +302,7 @@ def _finite(x: float) -> bool:
     return math.isfinite(x)
 
 
-def validate(config: Config) -> None:
+def check_values(config: Config) -> None:
     """Every value of the right type that cannot work, refused here, before anything starts: all
     the problems of a config in one message, not one per run."""
     m, d, o, t, ex, rt, ck = (config.model, config.data, config.optim, config.train, config.executor,
@@ -353,7 +352,6 @@ def validate(config: Config) -> None:
         (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
         (t.grad_accum >= 1, "train.grad_accum must be >= 1"),
         (0 <= t.seed < 2**32, "train.seed must be within [0, 2**32)"),
-        (t.log_every >= 1, "train.log_every must be >= 1"),
         (t.output_dir != "", "train.output_dir must be a directory"),
         (t.max_bad_steps >= 1, "train.max_bad_steps must be >= 1"),
         (t.resume_wait_s >= 0, "train.resume_wait_s must be >= 0"),

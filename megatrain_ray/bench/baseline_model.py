@@ -10,8 +10,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout
-from megatrain_ray.models.reference import _key
+from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, module_key
 from megatrain_ray.models.registry import family, model_layouts
 
 INIT_STD = 0.02
@@ -20,12 +19,12 @@ LOSS_CHUNK_TOKENS = 8192  # as `bench --loss-chunk-tokens`
 
 def _register_layout(module: nn.Module, layout: LayerLayout, dtype: torch.dtype) -> None:
     for p in layout.params:
-        module.register_parameter(_key(p.name), nn.Parameter(torch.empty(p.shape, dtype=dtype)))
+        module.register_parameter(module_key(p.name), nn.Parameter(torch.empty(p.shape, dtype=dtype)))
 
 
 def _bound(module: nn.Module, layout: LayerLayout) -> dict[str, torch.Tensor]:
     """Look the parameters up at call time: FSDP2 and ZeRO-3 swap them in their hooks."""
-    return {p.name: getattr(module, _key(p.name)) for p in layout.params}
+    return {p.name: getattr(module, module_key(p.name)) for p in layout.params}
 
 
 class DecoderBlock(nn.Module):

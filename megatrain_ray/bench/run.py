@@ -160,7 +160,8 @@ def bench_config(args, shape: Shape):
 def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda runs: None) -> list[dict]:
     """Every shape on one set of stores: the host state is built (and registered) once. `on_shape`
     sees the results so far after each shape, so a sweep cut short keeps what it measured."""
-    from megatrain_ray.runtime.cluster import connect
+    from megatrain_ray.bench.telemetry import ProbedStore, ProbedWorker
+    from megatrain_ray.runtime.cluster import connect, step_rates
     from megatrain_ray.runtime.session import Session
 
     config = bench_config(args, shapes[0])
@@ -170,24 +171,14 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda ru
         connect(config.runtime)
         rates = step_rates(config)  # before the session's workers hold the GPUs
         print(f"step-time rates: {rates.describe()}" if rates else NO_GPU, flush=True)
-        return run_shapes(arch, args, shapes, Session(config, arch), on_shape, rates)
-
-
-def step_rates(config):
-    """The rates of the GPU the workers will run on (planning/rates.py); None where they run on the CPU."""
-    from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, gpu_rates
-    from megatrain_ray.runtime.placement import executor_node
-
-    nodes = discover_nodes(config.runtime)
-    if config.executor.device == "cpu" or not any(n.gpus >= 1 for n in nodes):
-        return None
-    return gpu_rates(executor_node(nodes, True, driver_node_id(), config.runtime.num_gpus).node_id)
+        session = Session(config, arch, worker_class=ProbedWorker, store_class=ProbedStore)
+        return run_shapes(arch, args, shapes, session, on_shape, rates)
 
 
 def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, rates=None) -> list[dict]:
     import ray
 
-    from megatrain_ray.runtime.probe import Probe
+    from megatrain_ray.bench.telemetry import Probe
 
     probe = Probe(session)
     print(session.placement.describe(arch), flush=True)
@@ -231,9 +222,9 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     gpus = session.placement.num_gpus
     one = args.peak_tflops or (rates.matmul_flops_per_s / 1e12 if rates else None)
     peak = one * gpus if one else None
-    kept, planned = session.kept_graphs(), session.planned_arch
+    kept, planned = session.plan.kept, session.planned_arch
     predicted = predict_step(planned, session.config, num_gpus=gpus, kept=kept, rates=rates) if rates else None
-    print(f"plan:\n{describe(planned, session.config, num_gpus=gpus, kept=kept, rates=rates, no_prediction=None if rates else NO_GPU)}",
+    print(f"plan:\n{describe(planned, session.config, session.plan, rates=rates, no_prediction=None if rates else NO_GPU)}",
           flush=True)
     rows = []
     session.drain()

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain_ray.config import Config
-from megatrain_ray.host.precision import StateFormat
+from megatrain_ray.host.precision import SCALE_KEYS, StateFormat
 from megatrain_ray.files.durable import fsync_path, publish_dir, write_json
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
@@ -38,7 +38,6 @@ MANIFEST = "MANIFEST.json"
 META = "meta.json"
 FORMAT_VERSION = 1
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
-SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")  # int8 moments' block scales (host/precision.py)
 
 
 class CheckpointError(ValueError):

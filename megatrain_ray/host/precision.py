@@ -34,6 +34,7 @@ SIGNED_LEVELS = 127  # first moment: codes -127..127
 SQRT_LEVELS = 255  # second moment's square root: codes 0..255
 MASTERS = ("fp32", "bf16")
 MOMENTS = ("fp32", "bf16", "int8")  # widest first
+SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")  # int8 moments' block scales, by the moment they scale
 MASK32 = 0xFFFFFFFF
 # The kernel multiplies by these fp32 reciprocals (1.0f / 127.0f, 1.0f / 255.0f), exact in a Python float.
 INV_SIGNED = float(np.float32(1.0) / np.float32(SIGNED_LEVELS))
@@ -59,10 +60,6 @@ class StateFormat:
     @property
     def quantized(self) -> bool:
         return self.moments == "int8"
-
-    @property
-    def master_dtype(self) -> torch.dtype:
-        return torch.float32 if self.master == "fp32" else torch.bfloat16
 
     def moment_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         return {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),

@@ -20,9 +20,8 @@ from pathlib import Path
 import ray
 import torch
 
-from megatrain_ray.streaming.device_step import HostLayerState
 from megatrain_ray.host.memory import cuda_host_register, cuda_host_unregister, pinned_empty, shm_tensor
-from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.host.sources import HostLayerState, LayerSource
 from megatrain_ray.host.transport import LayerLink, Transfer
 from megatrain_ray.host.window import OUTBOX_SLOTS, WindowPolicy, pool_sizes
 
@@ -226,6 +225,12 @@ class RoutedSource(LayerSource):
 
     def update(self, layer: int, hp, gradient_landed) -> None:
         self.route[layer].update(layer, hp, gradient_landed)
+
+    def shared_state(self, layer: int, segments: list[tuple[int, int, bool]]) -> HostLayerState:
+        return self.route[layer].shared_state(layer, segments)
+
+    def report_updates(self, layer: int, count: int) -> None:
+        self.route[layer].report_updates(layer, count)
 
     def updates_in_flight(self, layers) -> dict[int, ray.ObjectRef]:
         """The references to these layers' last updates sent from here, to share with the other workers."""

@@ -9,11 +9,25 @@ plain objects stepped on a background thread; host/remote_sources.py reaches sto
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from megatrain_ray.host.adamw import AdamWStep
+
+
+@dataclass
+class HostLayerState:
+    """A store's buffers of one layer, reachable from this process (shared memory or in process): what
+    a source hands a worker that steps the layer itself (streaming/device_step.py)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    compute: torch.Tensor
+    segments: list[tuple[int, int, bool]]  # (start, end, decays) per parameter, as the store steps them
+    updates: int  # AdamW updates applied: the bias correction's count
 
 
 class LayerSource(Protocol):
@@ -53,6 +67,15 @@ class LayerSource(Protocol):
         """Start the layer's optimizer step once `gradient_landed` (an event) has completed;
         hp None skips the update and only restores the weights (a non-finite step)."""
 
+    def shared_state(self, layer: int, segments: list[tuple[int, int, bool]]) -> HostLayerState:
+        """The layer's master and moments as this process reaches them, for its step on the worker's
+        device (where the store's memory is in reach: in process, or shared memory on this node)."""
+        raise NotImplementedError("this source does not reach the stores' memory")
+
+    def report_updates(self, layer: int, count: int) -> None:
+        """Tell the layer's store how many updates a step on the device applied (its checkpoint saves them)."""
+        raise NotImplementedError("this source does not reach the stores' memory")
+
     def drain(self) -> None:
         """Wait until every update issued has landed."""
 
@@ -75,6 +98,13 @@ class LocalSource(LayerSource):
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
         return self.owner[layer].layers[layer].grad  # see host/store.py: the compute buffer, or its own
+
+    def shared_state(self, layer: int, segments: list[tuple[int, int, bool]]) -> HostLayerState:
+        state = self.owner[layer].layers[layer]
+        return HostLayerState(state.master, state.exp_avg, state.exp_avg_sq, state.compute, segments, state.updates)
+
+    def report_updates(self, layer: int, count: int) -> None:
+        self.owner[layer].set_update_count(layer, count)
 
     def update(self, layer: int, hp: AdamWStep | None, gradient_landed) -> None:
         self.pending[layer] = self.pool.submit(self._step, layer, hp, gradient_landed)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from megatrain_ray.files import checkpoint
 from megatrain_ray.host import precision
 from megatrain_ray.host.memory import element_size, pinned_empty, remove_dead_segments, segment_name, shm_tensor
 from megatrain_ray.host.precision import StateFormat
@@ -54,7 +53,7 @@ class LayerState:
         """The state a checkpoint holds, as it is held (no compute copy: it follows the master)."""
         out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         if self.scales is not None:
-            out.update(zip(checkpoint.SCALE_KEYS, self.scales))
+            out.update(zip(precision.SCALE_KEYS, self.scales))
         return out
 
 
@@ -174,18 +173,10 @@ class ShardStore:
                     full = torch.empty(state.layout.numel, dtype=torch.float32)
                     init_layer_weights(family(self.arch), state.layout, full, seed, std, pool)
                     state.master.copy_(full)
-                self._publish(state)
-
-    def load_hf(self, model_dir: str) -> None:
-        """This store's layers from a Hugging Face directory, tensor by tensor (every tensor checked)."""
-        from megatrain_ray.files.hf import load_hf_weights
-
-        load_hf_weights(model_dir, self.arch, lambda i: self.layers[i].master, layers=list(self.layers))
-        for state in self.layers.values():
-            self._publish(state)
+                self.publish(state)
 
     @staticmethod
-    def _publish(state: LayerState) -> None:
+    def publish(state: LayerState) -> None:
         """The compute copy from the master (a bf16 master is the copy already)."""
         if state.compute is not state.master:
             state.compute.copy_(state.master)
@@ -230,7 +221,7 @@ class ShardStore:
         t0 = time.perf_counter()
         state = self.layers[index]
         if hp is None:
-            self._publish(state)
+            self.publish(state)
             return index
         state.updates += 1
         adamw_step(
@@ -245,39 +236,6 @@ class ShardStore:
     def update_counts(self) -> dict[int, int]:
         """Updates applied to each layer: Adam's bias correction, saved with a checkpoint."""
         return {i: state.updates for i, state in self.layers.items()}
-
-    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
-        tensors = {}
-        for i, state in self.layers.items():
-            for key, t in state.tensors().items():
-                tensors[checkpoint.tensor_name(i, key)] = t
-        return tensors, self.update_counts()
-
-    def save_shard(self, directory: str, name: str) -> dict:
-        """Write this store's layers into a (shared) checkpoint directory."""
-        tensors, steps = self.state_tensors()
-        return checkpoint.write_shard(Path(directory), name, tensors, steps)
-
-    def load_layers(self, files_by_layer: dict[int, str]) -> None:
-        """Each layer's state as the checkpoint holds it, or converted to this store's narrower format
-        (host/precision.py); a wider one is refused (checkpoint.check_state_format says why)."""
-        for i, state in self.layers.items():
-            if i not in files_by_layer:
-                raise checkpoint.CheckpointError(f"the checkpoint has no state for layer {i}")
-            tensors, updates = checkpoint.read_layer_state(files_by_layer[i], i)
-            held = precision.held_format(tensors)
-            checkpoint.check_convertible(held, self.format, f"layer {i}")
-            if held.moments != self.format.moments:
-                tensors.update(precision.convert_moments(*precision.moments_as_fp32(tensors), self.format))
-            for key, target in state.tensors().items():
-                if tensors[key].shape != target.shape:
-                    raise checkpoint.CheckpointError(
-                        f"layer {i} {key} has {tensors[key].numel()} elements in the checkpoint but the model "
-                        f"needs {target.numel()}: the checkpoint is from another model"
-                    )
-                target.copy_(tensors[key])  # an fp32 master into a bf16 one: rounded as the compute copy was
-            self._publish(state)
-            state.updates = updates
 
     def close(self) -> None:
         """Release this store's segments, and sweep again: a killed run's store that was still being

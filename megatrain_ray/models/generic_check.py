@@ -152,19 +152,21 @@ def differences(arch, model, batch) -> list[str]:
     theirs_logits, theirs = transformers_path(model, batch)
     ours_logits, ours = streamed_path(arch, model, batch)
     out = []
-    if _rel(ours_logits, theirs_logits) > RTOL:
-        out.append(f"the logits differ (relative difference {_rel(ours_logits, theirs_logits):.1e})")
+    if relative_difference(ours_logits, theirs_logits) > RTOL:
+        out.append(f"the logits differ (relative difference {relative_difference(ours_logits, theirs_logits):.1e})")
     named = dict(model.named_parameters())
     for name in named:
         if name not in ours:
             out.append(f"{name} has no place in the streamed layers")
             continue
-        if _rel(ours[name], theirs[name]) > RTOL and float((ours[name] - theirs[name]).norm()) > 1e-6:
-            out.append(f"the gradient of {name} differs (relative difference {_rel(ours[name], theirs[name]):.1e})")
+        differs = relative_difference(ours[name], theirs[name])
+        if differs > RTOL and float((ours[name] - theirs[name]).norm()) > 1e-6:
+            out.append(f"the gradient of {name} differs (relative difference {differs:.1e})")
     return out
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| in float64 (the tests compare with transformers by it too)."""
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 

@@ -112,3 +112,8 @@ def matmul_params(arch: ModelArch, layouts: tuple[LayerLayout, ...]) -> int:
     is a lookup (a tied one is the LM head's matrix too)."""
     total = sum(layout.numel for layout in layouts)
     return total - (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size)
+
+
+def module_key(name: str) -> str:
+    """A parameter's layout name as an nn.Module attribute (which cannot hold dots)."""
+    return name.replace(".", "__")

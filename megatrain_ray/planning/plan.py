@@ -14,8 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_layouts, num_params
@@ -153,10 +151,11 @@ def num_blocks(arch: ModelArch) -> int:
     return len(block_numels(arch))
 
 
-def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: int = 1, kept: int = 0) -> GpuPlan:
+def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: int = 1, kept: int = 0,
+             embedding_on_device: bool = False) -> GpuPlan:
     """Peak bytes by use on each GPU for one optimizer step of this config (activations offloaded or
-    not, `kept` blocks keeping their forward graphs), with `num_gpus` GPUs sharing the step's
-    micro-batches."""
+    not, `kept` blocks keeping their forward graphs, the embedding's AdamW step on the device or
+    not), with `num_gpus` GPUs sharing the step's micro-batches."""
     layouts = model_layouts(arch)
     d = dtype_bytes(config)
     t = config.train
@@ -182,7 +181,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     plan.by_use["loss chunk"] = chunk * arch.vocab_size * LOSS_BYTES_PER_LOGIT
     plan.by_use["RoPE tables"] = 2 * micro_batches_per_gpu(config, num_gpus) * mb_tokens * arch.head_dim * d
     plan.by_use[KEPT] = kept * kept_graph_bytes(arch, config, num_gpus)
-    if embedding_step_may_run_on_gpu(config, num_gpus):
+    if embedding_on_device:
         n = layouts[0].numel
         gone = plan.by_use[KEPT] + plan.by_use["loss chunk"] + plan.by_use["one layer's working set"]
         plan.by_use[EMBEDDING_STEP] = 2 * n * d + max(0, 12 * n - gone)
@@ -197,14 +196,14 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
 EMBEDDING_STEP = "the embedding's AdamW step on the GPU (new weights between steps, state at the turn)"
 
 
-def embedding_step_on_device(setting: str, device: torch.device, workers: int, in_reach: bool,
+def embedding_step_on_device(setting: str, device: str, workers: int, in_reach: bool,
                              exact_state: bool = True) -> bool:
     """executor.embedding_step: `device` wherever it can run, `auto` on a GPU, `host` never. It can
     run with one worker (several would each need the step's summed gradient) whose process reaches
     the embedding's store memory (in process, or shared memory on its node: not over the network).
     Lean optimizer state (optim.master/optim.moments: `exact_state` False) steps on the host only:
     the device step moves and updates fp32 state (config validation refuses `device` with it)."""
-    if setting == "host" or (setting == "auto" and (device.type != "cuda" or not exact_state)):
+    if setting == "host" or (setting == "auto" and (device != "cuda" or not exact_state)):
         return False
     possible = workers == 1 and in_reach
     if setting == "device" and not possible:
@@ -214,21 +213,9 @@ def embedding_step_on_device(setting: str, device: torch.device, workers: int, i
     return possible
 
 
-def embedding_step_may_run_on_gpu(config: Config, num_gpus: int) -> bool:
-    """Where `embedding_step_on_device` may say yes, before the run knows its device and where the
-    embedding's store is; a step's plan (planning/step_plan.py) decides, and passes its config with
-    the decision in (embedding_step device or host)."""
-    ex = config.executor
-    if (config.optim.master, config.optim.moments) != ("fp32", "fp32"):
-        return False  # lean state steps on the host only (embedding_step_on_device)
-    return num_gpus == 1 and (ex.embedding_step == "device" or (ex.embedding_step == "auto" and ex.device != "cpu"))
-
-
-def embedding_step_line(arch: ModelArch, config: Config, num_gpus: int) -> str | None:
-    if not embedding_step_may_run_on_gpu(config, num_gpus):
-        return None
+def embedding_step_line(arch: ModelArch) -> str:
     state = model_layouts(arch)[0].numel * 12
-    return (f"the embedding's AdamW step runs on the GPU where its store is on the GPU's node (executor.embedding_step): "
+    return (f"the embedding's AdamW step runs on the GPU (executor.embedding_step): "
             f"its fp32 state ({size(state)}) crosses PCIe during the last blocks' backward and goes back during the "
             f"next forward, so the next step starts without waiting for the host's update of the step's last gradient")
 
@@ -343,68 +330,81 @@ def kept_reads_saved(arch: ModelArch, config: Config, kept: int) -> int:
     return sum(blocks[len(blocks) - k : len(blocks) - min(k, config.executor.num_slots - 1)])
 
 
-def host_parking(arch: ModelArch, config: Config, gpu_free: int | None, num_gpus: int = 1) -> int:
-    """Host bytes the GPU node will park activations in (0 when they stay on the device); its GPUs'
+def host_parking(arch: ModelArch, config: Config, offload: bool, num_gpus: int = 1) -> int:
+    """Host bytes the GPU node parks activations in (0 when they stay on the device); its GPUs'
     shares together, each parking its own micro-batches."""
-    if gpu_free is None or not choose_offload(arch, config, gpu_free, num_gpus):
-        return 0
-    return parked_bytes(arch, config) + num_gpus * HOST_PARK_RESERVE
+    return parked_bytes(arch, config) + num_gpus * HOST_PARK_RESERVE if offload else 0
 
 
-def choose_offload(arch: ModelArch, config: Config, free_bytes: int, num_gpus: int = 1) -> bool:
+def choose_offload(arch: ModelArch, config: Config, free_bytes: int, num_gpus: int = 1,
+                   embedding_on_device: bool = False) -> bool:
     """executor.offload_activations: on, off, or (auto) only when the step does not fit otherwise."""
     mode = config.executor.offload_activations
     if mode != "auto":
         return mode == "on"
     wanted = min(config.executor.keep_graphs or 0, num_blocks(arch))  # an auto count fills what is left later
-    return gpu_plan(arch, config, num_gpus=num_gpus, kept=wanted).total > AUTO_OFFLOAD_MARGIN * free_bytes
+    plan = gpu_plan(arch, config, num_gpus=num_gpus, kept=wanted, embedding_on_device=embedding_on_device)
+    return plan.total > AUTO_OFFLOAD_MARGIN * free_bytes
 
 
-def choose_kept(arch: ModelArch, config: Config, free_bytes: int | None, num_gpus: int = 1) -> int:
+def choose_kept(arch: ModelArch, config: Config, free_bytes: int | None, num_gpus: int = 1, offload: bool = False,
+                embedding_on_device: bool = False) -> int:
     """executor.keep_graphs: as set, or (null) as many of the last blocks as the memory the step
-    leaves free holds, under the same margin as offloading; none without a GPU (`free_bytes` None)."""
+    (with `offload` as decided) leaves free holds, under the same margin as offloading; none
+    without a GPU (`free_bytes` None)."""
     wanted = config.executor.keep_graphs
     if wanted is not None:
         return min(wanted, num_blocks(arch))
     if free_bytes is None:
         return 0
-    rest = AUTO_OFFLOAD_MARGIN * free_bytes - gpu_plan(arch, config, choose_offload(arch, config, free_bytes, num_gpus),
-                                                       num_gpus).total
+    rest = AUTO_OFFLOAD_MARGIN * free_bytes - gpu_plan(arch, config, offload, num_gpus,
+                                                       embedding_on_device=embedding_on_device).total
     return max(0, min(num_blocks(arch), int(rest // kept_graph_bytes(arch, config, num_gpus))))
 
 
-def check_gpu_fit(arch: ModelArch, config: Config, free_bytes: int, where: str, num_gpus: int = 1) -> GpuPlan:
-    offload = choose_offload(arch, config, free_bytes, num_gpus)
-    plan = gpu_plan(arch, config, offload, num_gpus, choose_kept(arch, config, free_bytes, num_gpus))
-    if plan.total > free_bytes:
-        acts = plan.by_use[BOUNDARY]
-        kept = (f", fewer blocks keeping their forward graphs (executor.keep_graphs: {plan.by_use[KEPT] / GiB:.1f} GiB)"
-                if plan.by_use[KEPT] else "")
-        raise PlanError(
-            f"the step needs about {plan.total / GiB:.1f} GiB of GPU memory but {where} has "
-            f"{free_bytes / GiB:.1f} GiB free ({format_gpu_plan(plan, inline=True)}). Fewer tokens per micro-batch "
-            f"(train.micro_batch_size, data.seq_len) or fewer micro-batches per step (train.grad_accum: the boundary "
-            f"activations are {acts / GiB:.1f} GiB{', offloaded to host memory already' if offload else ''}){kept}, a "
-            f"smaller executor.loss_chunk_tokens, or executor.mlp_chunk_tokens for long sequences"
-        )
-    return plan
+def gpu_memory(arch: ModelArch, config: Config, free_bytes: int, num_gpus: int = 1,
+               embedding_on_device: bool = False) -> GpuPlan:
+    """A GPU's memory for the step: offloading decided, then the kept blocks with it (the step
+    plan's decisions: planning/step_plan.py calls it, once)."""
+    offload = choose_offload(arch, config, free_bytes, num_gpus, embedding_on_device)
+    kept = choose_kept(arch, config, free_bytes, num_gpus, offload, embedding_on_device)
+    return gpu_plan(arch, config, offload, num_gpus, kept, embedding_on_device)
 
 
-def check_host_fit(arch: ModelArch, config: Config, headroom_bytes: int, where: str, num_gpus: int = 1) -> GpuPlan:
-    """The executor on the CPU keeps in host memory what a GPU would hold (slots, activations, the
-    loss chunk), beside the stores: refuse a step Ray's memory monitor would kill instead. With
-    several CPU workers on the node, all of theirs."""
-    plan = gpu_plan(arch, config, num_gpus=num_gpus, kept=choose_kept(arch, config, None, num_gpus))
-    if plan.total * num_gpus > headroom_bytes:
-        raise PlanError(
-            f"the step needs about {num_gpus * plan.total / GiB:.1f} GiB of memory for the CPU executor"
-            f"{f' ({num_gpus} workers)' if num_gpus > 1 else ''} but {where} can give "
-            f"{headroom_bytes / GiB:.1f} GiB beside the stores before Ray's memory monitor steps in "
-            f"({format_gpu_plan(plan, inline=True)}). Fewer tokens per micro-batch (train.micro_batch_size, "
-            f"data.seq_len) or fewer micro-batches per step (train.grad_accum: the boundary activations are "
-            f"{plan.by_use[BOUNDARY] / GiB:.1f} GiB), or a smaller executor.loss_chunk_tokens"
-        )
-    return plan
+def check_gpu_fit(plan: GpuPlan, free_bytes: int, where: str) -> None:
+    """Refuse a step the GPU cannot hold, with what to change."""
+    if plan.total <= free_bytes:
+        return
+    acts = plan.by_use[BOUNDARY]
+    kept = (f", fewer blocks keeping their forward graphs (executor.keep_graphs: {plan.by_use[KEPT] / GiB:.1f} GiB)"
+            if plan.by_use[KEPT] else "")
+    raise PlanError(
+        f"the step needs about {plan.total / GiB:.1f} GiB of GPU memory but {where} has "
+        f"{free_bytes / GiB:.1f} GiB free ({format_gpu_plan(plan, inline=True)}). Fewer tokens per micro-batch "
+        f"(train.micro_batch_size, data.seq_len) or fewer micro-batches per step (train.grad_accum: the boundary "
+        f"activations are {acts / GiB:.1f} GiB{', offloaded to host memory already' if plan.offload else ''}){kept}, a "
+        f"smaller executor.loss_chunk_tokens, or executor.mlp_chunk_tokens for long sequences"
+    )
+
+
+def host_memory(arch: ModelArch, config: Config, num_gpus: int = 1) -> GpuPlan:
+    """A CPU worker's memory for the step: what a GPU would hold (slots, activations, the loss chunk)."""
+    return gpu_plan(arch, config, num_gpus=num_gpus, kept=choose_kept(arch, config, None, num_gpus))
+
+
+def check_host_fit(plan: GpuPlan, headroom_bytes: int, where: str, num_gpus: int = 1) -> None:
+    """The executor on the CPU keeps its step's memory in host memory beside the stores: refuse a
+    step Ray's memory monitor would kill instead. With several CPU workers on the node, all of theirs."""
+    if plan.total * num_gpus <= headroom_bytes:
+        return
+    raise PlanError(
+        f"the step needs about {num_gpus * plan.total / GiB:.1f} GiB of memory for the CPU executor"
+        f"{f' ({num_gpus} workers)' if num_gpus > 1 else ''} but {where} can give "
+        f"{headroom_bytes / GiB:.1f} GiB beside the stores before Ray's memory monitor steps in "
+        f"({format_gpu_plan(plan, inline=True)}). Fewer tokens per micro-batch (train.micro_batch_size, "
+        f"data.seq_len) or fewer micro-batches per step (train.grad_accum: the boundary activations are "
+        f"{plan.by_use[BOUNDARY] / GiB:.1f} GiB), or a smaller executor.loss_chunk_tokens"
+    )
 
 
 def recompute_line(arch: ModelArch, config: Config, kept: int, undecided: bool, num_gpus: int) -> str:
@@ -445,17 +445,13 @@ def optimizer_cores_line(arch: ModelArch, p: "StepPrediction") -> str:
             f"(runtime.optimizer_threads) on cores of their own")
 
 
-def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, network: NetworkTimes | None = None,
-             optimizer_s: float | None = None, num_gpus: int = 1, kept: int | None = None, rates=None,
-             no_prediction: str | None = None) -> str:
-    """The plan as text; `kept`: the blocks the GPU workers keep graphs for, where they have decided.
-    `rates` (planning/rates.py) name whose rates predict the step (default: the H100 machine's);
-    `no_prediction`, where no GPU's rates apply, says so instead of any step time."""
-    offload = (choose_offload(arch, config, gpu_free, num_gpus) if gpu_free is not None
-               else config.executor.offload_activations == "on")
-    undecided = kept is None and gpu_free is None
-    kept = choose_kept(arch, config, gpu_free, num_gpus) if kept is None else kept
-    plan = gpu_plan(arch, config, offload, num_gpus, kept)
+def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None = None,
+             optimizer_s: float | None = None, rates=None, no_prediction: str | None = None) -> str:
+    """The step plan (planning/step_plan.py: StepPlan) as text, with the step's predicted time; it
+    decides nothing. `rates` (planning/rates.py) name whose rates predict the step (default: the
+    H100 machine's); `no_prediction`, where no GPU's rates apply, says so instead of any step time."""
+    num_gpus, kept, offload, plan, gpu_free = step.workers, step.kept, step.offload, step.memory, step.free_bytes
+    undecided = step.device != "cuda"
     p = predict_step(arch, config, network, optimizer_s, num_gpus, kept, rates)
     net = shared_network(network or NetworkTimes(), num_gpus)
     each = "each GPU's " if num_gpus > 1 else ""
@@ -466,9 +462,8 @@ def describe(arch: ModelArch, config: Config, gpu_free: int | None = None, netwo
         f"boundary activations {'offloaded to host memory (pinned, overlapped): ' + size(parked_bytes(arch, config)) + ' on the GPU node' if offload else 'kept on the device'}",
         recompute_line(arch, config, kept, undecided, num_gpus),
     ]
-    embedding = embedding_step_line(arch, config, num_gpus)
-    if embedding:
-        lines.append(embedding)
+    if step.embedding_on_device:
+        lines.append(embedding_step_line(arch))
     if num_gpus > 1:
         lines.append(
             f"{num_gpus} GPUs, data parallel: {micro_batches_per_gpu(config, num_gpus)} micro-batches each; every GPU "

@@ -1,12 +1,14 @@
 """One step's decisions, made once before anything is allocated, for every worker of the run.
 
-`plan_step` decides where the embedding's AdamW step runs, whether the boundary activations are
-parked in host memory, how many of the last blocks keep their forward graphs, and refuses a step
-that cannot fit. The driver calls it once per run (runtime/session.py) and hands the plan to the
-GPU workers, which build what it says and decide nothing; the in-process trainer
-(runtime/local.py) calls it the same way. Its inputs are the config, the placement's answers
-(workers, the window, whether the embedding's store is in reach) and `DeviceFacts`: the one thing
-only a worker can read, its device and the device memory free once its CUDA context exists.
+`plan_step` decides, from the facts the workers report of their devices and from the placement,
+everything the step is: the working set a token it plans with, where the embedding's AdamW step
+runs, whether the boundary activations are parked in host memory, how many of the last blocks keep
+their forward graphs, each worker's window of pinned slots for the layers on other nodes, and the
+GPU node's headroom beside the stores and the windows; it refuses a step that cannot fit. Every
+caller plans through it once: the session of a run (runtime/session.py) and the in-process trainer
+(runtime/local.py) before their workers assemble (runtime/worker.py), `megatrain-ray plan` and
+`plan --cluster` (api.py, planning/whatif.py), and the benchmark's sweep. What they print of it,
+`plan.describe` renders without deciding anything.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_ray.config import Config
-from megatrain_ray.host.memory import host_headroom
+from megatrain_ray.host.memory import dtype_of, host_headroom
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.planning.plan import (GpuPlan, check_gpu_fit, check_host_fit, check_parked_fit,
-                                         embedding_step_on_device, micro_batches_per_gpu)
+from megatrain_ray.planning.placement import Placement, with_window
+from megatrain_ray.planning.plan import (GpuPlan, PlanError, check_gpu_fit, check_host_fit, check_parked_fit,
+                                         embedding_step_on_device, gpu_memory, host_memory, host_parking,
+                                         micro_batches_per_gpu)
+from megatrain_ray.planning.probe import measure_working_set
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,24 @@ def device_facts(device: torch.device, measured_working_set: float = 0.0) -> Dev
                        measured_working_set)
 
 
+def measured_working_set(device: torch.device, arch: ModelArch, config: Config, say=print) -> float:
+    """The largest layer kind's working set a token, measured on `device` at the run's micro-batch
+    shape where the plan needs one (planning/probe.py: a model run through transformers' modules, on
+    a GPU), else 0 (the family's estimate); `say` tells which figure the plan will use."""
+    if device.type != "cuda":
+        return 0.0
+    units, text = measure_working_set(arch, config.train.micro_batch_size, config.data.seq_len,
+                                      dtype_of(config.model.compute_dtype), device)
+    if units:
+        say(text)
+    return units
+
+
+def measured_facts(device: torch.device, arch: ModelArch, config: Config, say=print) -> DeviceFacts:
+    """A worker's facts, with its layers' working set measured on its device (measured_working_set)."""
+    return device_facts(device, measured_working_set(device, arch, config, say))
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What every worker builds: the same for all of them (data parallel over a step's micro-batches)."""
@@ -56,7 +79,12 @@ class StepPlan:
     kept: int  # the last blocks that keep their forward graphs for backward
     embedding_on_device: bool  # the embedding's AdamW step runs on the worker's device
     window_slots: int = 0  # pinned slots per layer size for layers on other nodes (0: none there)
+    measured_working_set: float = 0.0  # the working set a token planned with (0: the family's estimate)
     memory: GpuPlan = dataclasses.field(default_factory=GpuPlan, compare=False)  # each worker's peak by use
+    free_bytes: int | None = dataclasses.field(default=None, compare=False)  # the device memory planned against
+    headroom: int = dataclasses.field(default=0, compare=False)  # the workers' node's, beside stores and windows
+    placement: Placement | None = dataclasses.field(default=None, compare=False)  # with its window (None: in process)
+    refused: str | None = dataclasses.field(default=None, compare=False)  # why it cannot run (plan_step refuse=False)
 
     def describe(self) -> str:
         """The decisions as the run's start line tells them."""
@@ -67,30 +95,62 @@ class StepPlan:
             parts.append("the embedding's AdamW step runs here")
         return "".join(f"; {p}" for p in parts)
 
+    def planned_arch(self, arch: ModelArch) -> ModelArch:
+        """`arch` as the plan saw it: with the working set the workers measured."""
+        return arch.replace(measured_working_set=self.measured_working_set) if self.measured_working_set else arch
 
-def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts, headroom: int, workers: int = 1,
-              embedding_in_reach: bool = True, window_slots: int = 0, where: str = "the GPU") -> StepPlan:
-    """The step's plan, or a PlanError saying what to change.
 
-    `headroom`: what the executor's node can give beside the stores and the windows for remote
-    layers (facts.host_headroom less what they will take): where activations are parked from a
-    GPU, or where a CPU executor keeps what a GPU would hold. `embedding_in_reach`: the embedding's
-    store memory is reachable from the workers' process (in process, or shared memory on their
-    node). `where`: the device, for messages."""
-    on_device = embedding_step_on_device(config.executor.embedding_step, torch.device(facts.kind), workers,
-                                         embedding_in_reach, format_of(config.optim).exact)
-    decided = embedding_step_decided(config, on_device)
-    if facts.kind == "cuda":
-        memory = check_gpu_fit(arch, decided, facts.free_bytes, where, workers)
-        if memory.offload:  # every worker parks on the GPU node
-            check_parked_fit(arch, decided, headroom, "the GPU node")
+def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceFacts],
+              placement: Placement | None = None, stores_allocated: bool = True, refuse: bool = True) -> StepPlan:
+    """The step's plan for every worker, from the tightest device's facts (and the largest working
+    set the workers measured); a PlanError saying what to change where it cannot fit (`refuse`
+    False: the plan, with why in `refused`, for a command that reports it).
+
+    `placement`: the run's (None: in one process, every store in reach and no window);
+    `stores_allocated`: whether the stores on the GPU machine hold their memory already (else the
+    headroom leaves room for them)."""
+    facts = [facts] if isinstance(facts, DeviceFacts) else list(facts)
+    tightest = min(facts, key=lambda f: f.free_bytes or 0)
+    measured = max(f.measured_working_set for f in facts)
+    planned = arch.replace(measured_working_set=measured) if measured else arch
+    workers = placement.num_gpus if placement is not None else 1
+    where = f"the {tightest.name} of node {placement.gpu.ip}" if placement is not None else tightest.name
+    on_device = embedding_step_on_device(config.executor.embedding_step, tightest.kind, workers,
+                                         placement is None or 0 not in placement.remote_layers(),
+                                         format_of(config.optim).exact)
+    if tightest.kind == "cuda":
+        memory = gpu_memory(planned, config, tightest.free_bytes, workers, on_device)
     else:  # the executor's tensors live beside the stores' state; nothing is parked
-        memory = check_host_fit(arch, decided, headroom, "the executor's node", workers)
-    return StepPlan(facts.kind, workers, micro_batches_per_gpu(config, workers), memory.offload, memory.kept,
-                    on_device, window_slots, memory)
+        memory = host_memory(planned, config, workers)
+    parked = host_parking(planned, config, memory.offload, workers)
+    placed = with_window(placement, arch, config, parked) if placement is not None else None
+    headroom = gpu_node_headroom(tightest.host_headroom, placed, stores_allocated)
+    plan = StepPlan(tightest.kind, workers, micro_batches_per_gpu(config, workers), memory.offload, memory.kept,
+                    on_device, placed.window_slots if placed is not None else 0, measured, memory,
+                    tightest.free_bytes, headroom, placed)
+    try:
+        check_step_fits(planned, config, plan, where)
+    except PlanError as e:
+        if refuse:
+            raise
+        return dataclasses.replace(plan, refused=str(e))
+    return plan
 
 
-def embedding_step_decided(config: Config, on_device: bool) -> Config:
-    """The config with executor.embedding_step as decided, so that the memory plan counts the
-    embedding's device step exactly where it runs."""
-    return config.replace(executor=dataclasses.replace(config.executor, embedding_step="device" if on_device else "host"))
+def gpu_node_headroom(host_headroom: int, placement: Placement | None, stores_allocated: bool) -> int:
+    """What the workers' node can give beside the stores on its machine (not yet allocated when a
+    run starts) and every worker's window: where activations are parked from a GPU, or where a CPU
+    executor keeps what a GPU would hold."""
+    if placement is None:
+        return max(0, host_headroom)
+    stores = 0 if stores_allocated else placement.gpu_machine_state()
+    return max(0, host_headroom - placement.window_bytes - stores)
+
+
+def check_step_fits(arch: ModelArch, config: Config, plan: StepPlan, where: str) -> None:
+    if plan.device == "cuda":
+        check_gpu_fit(plan.memory, plan.free_bytes, where)
+        if plan.offload:  # every worker parks on the GPU node
+            check_parked_fit(arch, config, plan.headroom, "the GPU node")
+    else:
+        check_host_fit(plan.memory, plan.headroom, "the executor's node", plan.workers)

@@ -17,7 +17,7 @@ from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.runtime.placement import Placement
+from megatrain_ray.planning.placement import Placement
 from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, NetworkTimes
 from megatrain_ray.host.window import fetches_per_step
 

@@ -15,10 +15,9 @@ from pathlib import Path
 from megatrain_ray.planning import plan as planner
 from megatrain_ray.config import Config, ConfigError, from_mapping, load_yaml
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.runtime.placement import (GPU_NODE_RESERVE, USABLE, NodeInfo, Placement, largest_models,
-                                             plan_placement, store_room)
+from megatrain_ray.planning.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, largest_models, plan_placement, store_room
 from megatrain_ray.planning.traffic import StepTraffic, describe_traffic, step_traffic
-from megatrain_ray.planning.step_plan import DeviceFacts, embedding_step_decided, plan_step
+from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 
 GiB = 1024**3
 GPU_NODE = "gpu-node"
@@ -77,10 +76,11 @@ def cluster_nodes(spec: ClusterSpec) -> list[NodeInfo]:
     return nodes
 
 
-def parking_room(spec: ClusterSpec, placement: Placement) -> int:
-    """Host memory the GPU node has left for parked activations beside its stores and window."""
-    usable = USABLE * spec.gpu_node.host_memory_gib * GiB
-    return int(usable - GPU_NODE_RESERVE - placement.gpu_machine_state() - placement.window_bytes)
+def described_facts(spec: ClusterSpec) -> DeviceFacts:
+    """The described GPU as a worker would report it: its memory free, and what its node can give
+    beside the GPU worker (the step plan takes the stores and the window off that)."""
+    g = spec.gpu_node
+    return DeviceFacts("cuda", g.gpu, int(g.gpu_memory_gib * GiB), int(USABLE * g.host_memory_gib * GiB - GPU_NODE_RESERVE))
 
 
 def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: list[float]) -> tuple[str, bool]:
@@ -88,29 +88,22 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
     lines = [f"what-if: {spec.gpu_node.gpu} ({spec.gpu_node.gpu_memory_gib:g} GiB) on a node with "
              f"{spec.gpu_node.host_memory_gib:g} GiB free"
              + "".join(f", {r.count} x {r.memory_gib:g} GiB RAM node at {r.network_gbps:g} Gbit/s" for r in spec.ram_nodes)]
-    gpu_free = int(spec.gpu_node.gpu_memory_gib * GiB)
     try:
         lines.append(largest_models(store_room(arch, config, cluster_nodes(spec), GPU_NODE), config))
-        placement = plan_placement(arch, config, cluster_nodes(spec), GPU_NODE,
-                                   planner.host_parking(arch, config, gpu_free))
+        # the run's own decisions (planning/step_plan.py) on the described GPU
+        step = plan_step(arch, config, described_facts(spec), plan_placement(arch, config, cluster_nodes(spec), GPU_NODE),
+                         stores_allocated=False, refuse=False)
     except ConfigError as e:
         return "\n".join(lines + [f"does not fit in host memory: {e}"]), False
-    lines.append(placement.describe(arch))
-    try:  # the run's own decisions (planning/step_plan.py) on the described GPU
-        step = plan_step(arch, config, DeviceFacts("cuda", spec.gpu_node.gpu, gpu_free, 0),
-                         parking_room(spec, placement), 1, 0 not in placement.remote_layers(), where=spec.gpu_node.gpu)
-        refused = None
     except planner.PlanError as e:
-        step, refused = None, e
-    if step is not None:
-        config = embedding_step_decided(config, step.embedding_on_device)
-    kept = step.kept if step is not None else planner.choose_kept(arch, config, gpu_free)
-    traffic = step_traffic(arch, config, placement, kept)
+        return "\n".join(lines + [f"does not fit: {e}"]), False
+    lines.append(step.placement.describe(arch))
+    traffic = step_traffic(arch, config, step.placement, step.kept)
     prediction = planner.predict_step(arch, config, traffic.times(), traffic.optimizer_seconds())
     lines.append(describe_traffic(traffic, prediction.compute_s))
-    lines.append(planner.describe(arch, config, gpu_free, traffic.times(), traffic.optimizer_seconds(), kept=kept))
-    if refused is not None:
-        return "\n".join(lines + [f"does not fit: {refused}"]), False
+    lines.append(planner.describe(arch, config, step, traffic.times(), traffic.optimizer_seconds()))
+    if step.refused is not None:
+        return "\n".join(lines + [f"does not fit: {step.refused}"]), False
     lines.append(speed_table(arch, config, traffic, speeds))
     lines.append("fits")
     return "\n".join(lines), True

@@ -10,26 +10,23 @@ import ray
 import torch
 
 from megatrain_ray.config import Config
-from megatrain_ray.host.adamw import AdamWStep, LrSchedule
+from megatrain_ray.files import shard
+from megatrain_ray.host.adamw import AdamWStep
 from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, WindowSource
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.host.transport import LayerLink, LayerServer
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.planning.probe import measure_working_set
-from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, device_facts
-from megatrain_ray.runtime.probe import StoreProbe, WorkerProbe
-from megatrain_ray.streaming.build import build_executor, with_embedding_step
-from megatrain_ray.streaming.data_parallel import Group
-from megatrain_ray.streaming.device_step import DeviceStepSource
+from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, measured_facts
+from megatrain_ray.runtime.worker import Rendezvous, Worker, assemble_worker
 from megatrain_ray.streaming.executor import pick_device
 from megatrain_ray.streaming.step_result import EvalResult, StepResult
 
 GiB = 1024**3
 
 
-class ShardStoreActor(StoreProbe, ShardStore):
+class ShardStoreActor(ShardStore):
     """A ShardStore living in a Ray actor on its node; optimizer threads sized to that node.
 
     It starts in two steps: the actor's process (seconds of importing torch) starts beside the GPU
@@ -47,6 +44,19 @@ class ShardStoreActor(StoreProbe, ShardStore):
 
     def layer_ids(self) -> list[int]:
         return list(self.layers)
+
+    # ---- files (files/shard.py) ---------------------------------------------------------------
+    def load_hf(self, model_dir: str) -> None:
+        shard.load_hf(self, model_dir)
+
+    def load_layers(self, files_by_layer: dict[int, str]) -> None:
+        shard.load_layers(self, files_by_layer)
+
+    def save_shard(self, directory: str, name: str) -> dict:
+        return shard.save_shard(self, directory, name)
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+        return shard.state_tensors(self)
 
     def shared_paths(self) -> dict[int, str]:
         return dict(self.shm_paths)
@@ -71,13 +81,14 @@ class ShardStoreActor(StoreProbe, ShardStore):
         super().close()
 
 
-class GpuWorker(WorkerProbe):
+class GpuWorker:
     """One data-parallel worker: hosts the streaming executor on its GPU (or the CPU) and owns a
     copy of the LR schedule's position (the stores own their per-layer update counts).
 
     It decides nothing about the step: the driver plans it (planning/step_plan.py) from what
-    `take_device` reports, and `start` builds what the plan says. The constructor only records
-    what to build: by then Ray has chosen the actor's GPU (`gpu_ids`), and CUDA has not started.
+    `take_device` reports, and `start` assembles what the plan says (runtime/worker.py). The
+    constructor only records what to build: by then Ray has chosen the actor's GPU (`gpu_ids`),
+    and CUDA has not started.
     """
 
     def __init__(self, arch: ModelArch, config: Config, rank: int = 0, world: int = 1):
@@ -87,9 +98,11 @@ class GpuWorker(WorkerProbe):
         self.world = world
         self.device = torch.device("cpu")
         self.plan: StepPlan | None = None
-        self.source = self.window = self.group = self.executor = None
-        self.kinds: list[str] = []
-        self.measured_working_set = 0.0  # take_device's (planning/probe.py)
+        self.layers: RoutedSource | None = None  # every layer's way to its store
+        self.worker: Worker | None = None
+        self.window: WindowSource | None = None
+        self.kinds: list[str] = []  # how it reaches each store: "shm" or "stream"
+        self.facts: DeviceFacts | None = None
 
     def gpu_ids(self) -> list[str]:
         """The GPU Ray gave this actor (none on the CPU path)."""
@@ -97,7 +110,8 @@ class GpuWorker(WorkerProbe):
 
     def take_device(self, visible_gpus: list[str] = ()) -> DeviceFacts:
         """Sets this process's devices and threads, which starts CUDA; returns what the step's plan
-        needs of the device. `visible_gpus`: every worker's GPU, in rank order: each worker sees all
+        needs of the device (planning/step_plan.py: with the layers' working set measured where the
+        plan needs it). `visible_gpus`: every worker's GPU, in rank order: each worker sees all
         of them, as NCCL copies directly between GPUs only when a process sees both (Ray would show
         each worker its own GPU alone)."""
         own = self.gpu_ids()
@@ -108,33 +122,20 @@ class GpuWorker(WorkerProbe):
                                   list(visible_gpus).index(own[0]) if own and visible_gpus else None)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.measured_working_set = self._measure_layers()
-        return device_facts(self.device, self.measured_working_set)
-
-    def _measure_layers(self) -> float:
-        """On a GPU, a model run through transformers' modules has its layers' working set measured
-        here at the run's micro-batch shape (planning/probe.py) for the plan; 0: the family's estimate."""
-        if self.device.type != "cuda":
-            return 0.0
-        data, dtype = self.config.data, dtype_of(self.config.model.compute_dtype)
-        units, text = measure_working_set(self.arch, self.config.train.micro_batch_size, data.seq_len, dtype,
-                                          self.device)
-        if units and self.rank == 0:
-            print(text, flush=True)
-        return units
+        say = (lambda text: print(text, flush=True)) if self.rank == 0 else (lambda text: None)
+        self.facts = measured_facts(self.device, self.arch, self.config, say)
+        return self.facts
 
     def start(self, plan: StepPlan, stores: list, store_nodes: list[str], updates_done: int = 0,
               master_address: str = "", master_port: int = 0) -> str:
-        """Maps the stores' buffers, joins the workers' process group (the master address/port: where
-        rank 0 holds its rendezvous, unused by a worker alone) and builds the executor the plan
-        describes; returns the device's description."""
+        """Maps the stores' buffers and assembles the worker the plan describes (runtime/worker.py),
+        joining the workers' process group (the master address/port: where rank 0 holds its
+        rendezvous, unused by a worker alone); returns the device's description."""
         self.plan = plan
-        self.source = self._route_layers(stores, store_nodes)
-        if plan.embedding_on_device:
-            self.source = self._step_embedding_here(self.source)
-        self.lr_schedule = LrSchedule(self.config.optim, self.config.train.steps, updates_done)
-        self.group = self._join_group(master_address, master_port)
-        self.executor = build_executor(self.arch, self.config, plan, self.source, self.device, self.group)
+        self.layers = self._route_layers(stores, store_nodes)
+        self.worker = assemble_worker(self.arch, self.config, plan, self.layers, self.device,
+                                      Rendezvous(self.rank, self.world, master_address, master_port),
+                                      updates_done=updates_done)
         return self.describe_device()
 
     def _route_layers(self, stores: list, store_nodes: list[str]) -> RoutedSource:
@@ -171,23 +172,11 @@ class GpuWorker(WorkerProbe):
                 store_of[i], link_of[i], remote[i] = store, link, numels[i]
         return WindowSource(store_of, link_of, remote, dtype, self.plan.window_slots)
 
-    def _step_embedding_here(self, source: RoutedSource) -> DeviceStepSource:
-        """The embedding's store shares its state with this process (the plan has it in reach)."""
-        shared = source.route[0]
-        state = shared.shared_state(0, model_layouts(self.arch)[0].segments())
-        return with_embedding_step(source, state, shared.report_updates, self.device, self.config)
-
-    def _join_group(self, master_address: str, master_port: int) -> Group:
-        numels = [layout.numel for layout in model_layouts(self.arch)]
-        if self.world == 1:
-            return Group.solo(len(numels))
-        return Group.join(self.rank, self.world, master_address, master_port, self.device, numels,
-                          self.config.train.step_timeout_s or 1800.0)
-
     def _expect(self, updates_elsewhere: dict | None) -> None:
         """The other workers' updates since this worker's last step: its reads wait for them."""
         if updates_elsewhere:
-            self.source.expect({layer: ref for layer, ref in updates_elsewhere.items() if not self.group.owns(layer)})
+            group = self.worker.group
+            self.worker.source.expect({layer: ref for layer, ref in updates_elsewhere.items() if not group.owns(layer)})
 
     def train_step(self, micro_batches: list[dict], step_target_tokens: int | None = None,
                    updates_elsewhere: dict | None = None) -> tuple[StepResult, dict]:
@@ -195,24 +184,22 @@ class GpuWorker(WorkerProbe):
         layer updates since this worker last ran. Returns the step's result and the references to
         the updates this worker sent (for the others; none when alone)."""
         self._expect(updates_elsewhere)
-        result = self.executor.train_step(micro_batches, self.lr_schedule.next, step_target_tokens)
+        worker = self.worker
+        result = worker.executor.train_step(micro_batches, worker.lr_schedule.next, step_target_tokens)
         if self.world == 1:
             return result, {}
-        return result, self.source.updates_in_flight(i for i in range(len(self.group.owners)) if self.group.owns(i))
+        return result, worker.source.updates_in_flight(i for i in range(len(worker.group.owners)) if worker.group.owns(i))
 
     def eval_loss(self, micro_batches: list[dict], updates_elsewhere: dict | None = None) -> EvalResult:
         """Validation on this worker's share, with every update so far (the others' too)."""
         self._expect(updates_elsewhere)
-        return self.executor.eval_loss(micro_batches)
-
-    def transports(self) -> list[str]:
-        return self.kinds
+        return self.worker.executor.eval_loss(micro_batches)
 
     def drain(self) -> int:
         """Wait until every optimizer step this worker sent or expects has landed; returns the LR
         schedule's position."""
-        self.source.drain()
-        return self.lr_schedule.updates_done
+        self.worker.source.drain()
+        return self.worker.lr_schedule.updates_done
 
     def describe_device(self) -> str:
         what = self.plan.describe() if self.plan is not None else ""
@@ -222,7 +209,8 @@ class GpuWorker(WorkerProbe):
         return f"cpu ({torch.get_num_threads()} threads){what}"
 
     def close(self) -> None:
-        if self.source is not None:
-            self.source.close()
-        if self.group is not None:
-            self.group.close()
+        if self.worker is not None:
+            self.worker.source.close()
+            self.worker.group.close()
+        elif self.layers is not None:  # the assembly failed (a process group that never formed)
+            self.layers.close()

@@ -15,9 +15,9 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from megatrain_ray.config import RuntimeConfig
+from megatrain_ray.config import Config, ConfigError, RuntimeConfig
 from megatrain_ray.host.memory import available_memory, host_headroom
-from megatrain_ray.runtime.placement import NodeInfo, Placement
+from megatrain_ray.planning.placement import NodeInfo, executor_node
 
 
 def token_path() -> Path:
@@ -169,11 +169,24 @@ def discover_nodes(cfg: RuntimeConfig) -> list[NodeInfo]:
     ]
 
 
-def gpu_node_headroom(placement: Placement) -> int:
-    """Host memory the GPU node can give beside the planned state of the stores on its machine and
-    its window of remote layers (room to park activations)."""
-    now = ray.get(_host_headroom.options(scheduling_strategy=on_node(placement.gpu.node_id)).remote())
-    return max(0, now - placement.gpu_machine_state() - placement.window_bytes)
+def node_headroom(node_id: str) -> int:
+    """What the node can still give before Ray's memory monitor steps in (host/memory.py), read there."""
+    return ray.get(_host_headroom.options(scheduling_strategy=on_node(node_id)).remote())
+
+
+def step_rates(config: Config, gpu: str | None = None):
+    """The rates that predict a step's time (planning/rates.py): the rates table's model `gpu` where
+    named, else those of the GPU the workers will run on; None where they run on the CPU."""
+    from megatrain_ray.planning.rates import TABLE
+
+    if gpu is not None:
+        if gpu not in TABLE:
+            raise ConfigError(f"--gpu {gpu}: the rates table holds {', '.join(TABLE)}")
+        return TABLE[gpu]
+    nodes = discover_nodes(config.runtime)
+    if config.executor.device == "cpu" or not any(n.gpus >= 1 for n in nodes):
+        return None
+    return gpu_rates(executor_node(nodes, True, driver_node_id(), config.runtime.num_gpus).node_id)
 
 
 def gpu_free_bytes(node_id: str) -> int:

@@ -1,8 +1,7 @@
-"""The streaming trainer in one process, for tests: wired as a Ray GPU worker is
-(runtime/actors.py), with the step planned by the same function (planning/step_plan.py) and the
-executor built by the same one (streaming/build.py); only the stores live in this process and are
-reached directly, not through shared memory or the network. Nothing else in the library imports
-this file.
+"""The streaming trainer in one process, for tests and examples: its step planned by the same
+function as a Ray run's (planning/step_plan.py) and its worker assembled by the same one
+(runtime/worker.py); only the stores live in this process and are reached directly, not through
+shared memory or the network. Nothing else in the library imports this file.
 """
 
 from __future__ import annotations
@@ -10,17 +9,15 @@ from __future__ import annotations
 import torch
 
 from megatrain_ray.config import Config
-from megatrain_ray.host.adamw import LrSchedule
 from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.host.sources import LocalSource
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
-from megatrain_ray.planning.step_plan import device_facts, plan_step
-from megatrain_ray.runtime.placement import split_by_capacity
-from megatrain_ray.streaming.build import build_executor, with_embedding_step
-from megatrain_ray.streaming.device_step import HostLayerState
+from megatrain_ray.planning.placement import split_by_capacity
+from megatrain_ray.planning.step_plan import measured_facts, plan_step
+from megatrain_ray.runtime.worker import assemble_worker
 from megatrain_ray.streaming.executor import pick_device
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 from megatrain_ray.streaming.step_result import EvalResult, StepResult
@@ -38,16 +35,10 @@ class LocalTrainer:
         for store in self.stores:
             store.init_random(config.train.seed, config.model.init_std)
         device = pick_device(config.executor.device)
-        facts = device_facts(device)  # the stores hold their memory already; no window in one process
-        self.plan = plan_step(arch, config, facts, facts.host_headroom, where=facts.name)
-        local = LocalSource(self.stores)
-        self.source = local
-        if self.plan.embedding_on_device:
-            self.source = with_embedding_step(local, host_state(local.owner[0], 0),
-                                              lambda layer, count: local.owner[layer].set_update_count(layer, count),
-                                              device, config)
-        self.lr_schedule = LrSchedule(config.optim, config.train.steps)
-        self.executor = build_executor(arch, config, self.plan, self.source, device, hooks=hooks)
+        # the stores hold their memory already; no window in one process
+        self.plan = plan_step(arch, config, measured_facts(device, arch, config))
+        self.worker = assemble_worker(arch, config, self.plan, LocalSource(self.stores), device, hooks=hooks)
+        self.source, self.executor, self.lr_schedule = self.worker.source, self.worker.executor, self.worker.lr_schedule
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         return self.executor.train_step(micro_batches, self.lr_schedule.next)
@@ -61,10 +52,3 @@ class LocalTrainer:
 
     def close(self) -> None:
         self.source.close()
-
-
-def host_state(store: ShardStore, layer: int) -> HostLayerState:
-    """A store's buffers of one layer, for its step on the executor's device."""
-    state = store.layers[layer]
-    return HostLayerState(state.master, state.exp_avg, state.exp_avg_sq, state.compute, state.layout.segments(),
-                          state.updates)

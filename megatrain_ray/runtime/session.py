@@ -16,18 +16,16 @@ import ray
 
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
-from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, gpu_free_bytes, on_node
+from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, on_node
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
-from megatrain_ray.config import Config, check_divisible
+from megatrain_ray.config import Config
 from megatrain_ray.streaming.data_parallel import split_micro_batches, split_unevenly
 from megatrain_ray.streaming.executor import target_tokens
 from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_results
 from megatrain_ray.host.memory import dtype_of, new_run_id
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.runtime.placement import (Placement, executor_node, largest_models, least_slots, plan_placement,
-                                             store_room, worker_count)
-from megatrain_ray.planning.plan import host_parking
+from megatrain_ray.planning.placement import Placement, largest_models, plan_placement, store_room
 
 Wait = Callable[[Any, str], Any]
 
@@ -37,14 +35,9 @@ def plain_wait(refs, what: str):
 
 
 def place(arch: ModelArch, config: Config) -> Placement:
-    """The placement for the cluster Ray is connected to now; the GPU's free memory says whether
-    activations will be parked on the GPU node's host, beside its window of remote layers."""
-    nodes, driver = discover_nodes(config.runtime), driver_node_id()
-    parked = 0
-    if config.executor.device != "cpu" and any(n.gpus >= 1 for n in nodes):
-        gpu = executor_node(nodes, True, driver, config.runtime.num_gpus)
-        parked = host_parking(arch, config, gpu_free_bytes(gpu.node_id), worker_count(config.runtime, gpu, True))
-    return plan_placement(arch, config, nodes, driver, parked)
+    """The stores' placement on the cluster Ray is connected to now (the step plan sizes the window
+    of remote layers, once it knows whether activations are parked beside it)."""
+    return plan_placement(arch, config, discover_nodes(config.runtime), driver_node_id())
 
 
 def largest_models_here(arch: ModelArch, config: Config) -> str:
@@ -62,8 +55,12 @@ class Session:
     `start_executor` comes."""
 
     def __init__(self, config: Config, arch: ModelArch, updates_done: int = 0, placement: Placement | None = None,
-                 wait: Wait = plain_wait):
+                 wait: Wait = plain_wait, worker_class: type | None = None, store_class: type | None = None):
+        """`worker_class`, `store_class`: the actors' classes (GpuWorker, ShardStoreActor, or the
+        benchmark's extensions of them: bench/telemetry.py)."""
         self.config = config
+        self.worker_class = worker_class or GpuWorker
+        self.store_class = store_class or ShardStoreActor
         self.arch = arch
         self.wait = wait
         self.placement = placement or place(arch, config)
@@ -71,7 +68,6 @@ class Session:
         self.gpus: list = []
         self.stores: list = []
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
-        self.planned_arch = arch  # as the plan saw it: with the working set the workers measured
         try:
             self.gpus = self._launch_workers()
             self.stores = self._launch_stores()  # their processes start beside the workers'
@@ -88,7 +84,7 @@ class Session:
         options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": on_node(p.gpu.node_id)}
         if p.use_cuda:
             options["num_gpus"] = 1
-        return [ray.remote(GpuWorker).options(**options).remote(self.arch, self.config, rank, p.num_gpus)
+        return [ray.remote(self.worker_class).options(**options).remote(self.arch, self.config, rank, p.num_gpus)
                 for rank in range(p.num_gpus)]
 
     def _device_facts(self) -> list[DeviceFacts]:
@@ -99,20 +95,20 @@ class Session:
         return self.wait([w.take_device.remote(visible) for w in self.gpus], "starting the GPU workers")
 
     def _plan(self, config: Config, facts: list[DeviceFacts], stores_allocated: bool) -> StepPlan:
-        """The step's plan for every worker, from the tightest device's facts (and the largest working
-        set the workers measured). The GPU node's headroom leaves room for its stores (not yet
-        allocated when a run starts) and every worker's window."""
-        p = self.placement
-        tightest = min(facts, key=lambda f: f.free_bytes or 0)
-        headroom = tightest.host_headroom - p.window_bytes - (0 if stores_allocated else p.gpu_machine_state())
-        measured = max(f.measured_working_set for f in facts)
-        self.planned_arch = self.arch.replace(measured_working_set=measured) if measured else self.arch
-        return plan_step(self.planned_arch, config, tightest, max(0, headroom), p.num_gpus, 0 not in p.remote_layers(),
-                         p.window_slots or least_slots(config), f"the {tightest.name} of node {p.gpu.ip}")
+        """The step's plan for every worker (planning/step_plan.py); the placement from here on is
+        the plan's, with its window of remote layers."""
+        plan = plan_step(self.arch, config, facts, self.placement, stores_allocated)
+        self.placement = plan.placement
+        return plan
+
+    @property
+    def planned_arch(self) -> ModelArch:
+        """The model as the plan saw it: with the working set the workers measured."""
+        return self.plan.planned_arch(self.arch)
 
     def _launch_stores(self) -> list:
         p = self.placement
-        return [ray.remote(ShardStoreActor)
+        return [ray.remote(self.store_class)
                 .options(num_cpus=0, scheduling_strategy=on_node(plan.node.node_id))
                 .remote(threads=self.config.runtime.optimizer_threads,
                         reserved_cores=1 + p.num_gpus if plan.node.node_id == p.gpu.node_id else 2)
@@ -165,23 +161,6 @@ class Session:
                            for w in self.gpus], "starting the GPU workers")
         return names[0] if len(names) == 1 else f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
 
-    def transports(self) -> list[str]:
-        """How the workers reach each store ("shm" or "stream"); every worker alike."""
-        return self.wait(self.gpus[0].transports.remote(), "reading the transports")
-
-    def kept_graphs(self) -> int:
-        """Blocks that keep their forward graphs for backward (the step's plan)."""
-        return self.plan.kept
-
-    def replan(self, config: Config) -> None:
-        """A new step shape on the same stores and workers (runtime/probe.py: the benchmark's sweep):
-        planned from the devices as the last executor left them, then built by every worker."""
-        check_divisible(config.train.grad_accum, len(self.gpus))
-        facts = self.wait([w.drop_executor.remote() for w in self.gpus], "reconfiguring the GPU workers")
-        plan = self._plan(config, facts, stores_allocated=True)
-        self.wait([w.rebuild.remote(config, plan) for w in self.gpus], "reconfiguring the GPU workers")
-        self.config, self.plan = config, plan
-
     # -- running -----------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[dict], what: str = "a step") -> StepResult:
         return self.run_step("train_step", micro_batches, what)
@@ -222,11 +201,8 @@ class Session:
         """Every update issued has landed; returns the number of updates done."""
         return self.wait([w.drain.remote() for w in self.gpus], what)[0]
 
-    def layer_weights(self) -> list:
-        """Every layer's fp32 master weights, in layer order (one layer in memory per call)."""
-        return [weights for _, weights in self.iter_layer_weights()]
-
     def iter_layer_weights(self):
+        """(layer, fp32 master weights) in layer order, one layer in memory at a time."""
         self.drain()
         for store, plan in zip(self.stores, self.placement.stores):
             for i in plan.layers:

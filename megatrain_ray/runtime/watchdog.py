@@ -14,7 +14,7 @@ import time
 import ray
 
 from megatrain_ray.runtime.cluster import alive_node_ids
-from megatrain_ray.runtime.placement import Placement
+from megatrain_ray.planning.placement import Placement
 
 # Errors that mean a process or node of the run is gone (not a bug in the step itself).
 FAULTS = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,

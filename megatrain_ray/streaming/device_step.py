@@ -5,7 +5,7 @@ to it first), and the next step's first read is the embedding again. Here the ta
 (master and both moments) crosses PCIe during the last blocks' backward, when the link is nearly
 idle and the kept graphs are gone; the update runs on the GPU from the fp32 gradient rounded as
 the host would see it; the new weights stay on the device for the next step, and the state goes
-back to the store's buffers while the next forward runs. The arithmetic is optim.adamw_update's
+back to the store's buffers while the next forward runs. The arithmetic is host/adamw.py's adamw_update
 (torch's fused AdamW), so the layer trains as on the host, up to a last bit of rounding.
 
 It pays where the host optimizer is the wall: the embedding is the step's largest layer and its
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from megatrain_ray.host.adamw import CHUNK_ELEMENTS, AdamWStep, adamw_update
-from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.host.sources import HostLayerState, LayerSource
 from megatrain_ray.streaming.streams import Streams
 
 # Start copying the state in when the backward has this many layers left: each is tens of
@@ -40,18 +40,6 @@ def round_through(grad: torch.Tensor, dtype: torch.dtype) -> None:
         return
     for chunk in grad.split(CHUNK_ELEMENTS):
         chunk.copy_(chunk.to(dtype))
-
-
-@dataclass
-class HostLayerState:
-    """A store's buffers of one layer, reachable from this process (shared memory or in process)."""
-
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    compute: torch.Tensor
-    segments: list[tuple[int, int, bool]]  # (start, end, decays) per parameter, as the store steps them
-    updates: int  # AdamW updates applied: the bias correction's count
 
 
 @dataclass

@@ -14,7 +14,8 @@ from megatrain_ray.bench.baseline_process import run_baselines
 from megatrain_ray.bench.baselines import BaselineResult, run_fsdp2_offload, run_plain
 from megatrain_ray.bench.workload import random_micro_batches, synthetic_micro_batches
 from megatrain_ray.models.registry import PRESETS
-from megatrain_ray.models.reference import ReferenceModel, _key
+from helpers.reference_model import ReferenceModel
+from megatrain_ray.models.layout import module_key
 
 TINY = PRESETS["tiny-llama"]
 
@@ -41,7 +42,7 @@ def test_baseline_model_is_the_reference_model(preset):
         for layout, module in zip(ref.layouts, ref.layers):
             prefix = f"blocks.{layout.index - 1}." if layout.kind == "block" else ""
             for p in layout.params:
-                getattr(module, _key(p.name)).copy_(ours[prefix + _key(p.name)])
+                getattr(module, module_key(p.name)).copy_(ours[prefix + module_key(p.name)])
     batch = synthetic_micro_batches(arch, 32, 2, 1, seed=0)[0]
     a, b = model(batch), ref.loss_sum(batch)
     a.backward()

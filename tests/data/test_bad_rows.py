@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers.word_tokenizer import write_word_tokenizer
+from helpers.files import word_tokenizer
 from megatrain_ray.config import DataConfig
 from megatrain_ray.data import DataError, DataPosition, build_dataset
 from megatrain_ray.data.bad_rows import BadRowCount
@@ -27,7 +27,7 @@ WORDS = ["[UNK]", "</s>", "###", "User", "Assistant", ":", "hello", "yes"]
 
 @pytest.fixture
 def tokenizer_path(tmp_path: Path) -> str:
-    return write_word_tokenizer(tmp_path / "tokenizer.json", WORDS)
+    return word_tokenizer(tmp_path, {w: i for i, w in enumerate(WORDS)})
 
 
 def token_rows(n: int) -> list[dict]:

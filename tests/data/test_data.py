@@ -12,6 +12,7 @@ import pytest
 
 from megatrain_ray.config import DataConfig, EvalConfig
 from megatrain_ray.data import IGNORE_INDEX, DataError, DataPosition, build_dataset, build_datasets
+from helpers.files import word_tokenizer, write_jsonl
 
 WORDS = ["[UNK]", "</s>", "###", "User", "Assistant", "System", ":", "hello", "world", "the", "cat", "sat",
          "on", "mat", "what", "is", "two", "plus", "four", "be", "nice", "yes", "no", "ok"]
@@ -21,24 +22,11 @@ EOS = VOCAB["</s>"]
 
 @pytest.fixture
 def tokenizer_path(tmp_path: Path) -> str:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    tok = Tokenizer(WordLevel(VOCAB, unk_token="[UNK]"))
-    tok.pre_tokenizer = Whitespace()
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    return str(path)
+    return word_tokenizer(tmp_path, VOCAB)
 
 
 def ids(text: str) -> list[int]:
     return [VOCAB[w] for w in text.replace(":", " : ").split()]
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def write_parquet(path: Path, columns: dict, row_group_size: int | None = None) -> Path:

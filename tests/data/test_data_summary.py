@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers.word_tokenizer import write_word_tokenizer
 from megatrain_ray.config import DataConfig, EvalConfig
 from megatrain_ray.data import DataError, build_dataset
 from megatrain_ray.data.summary import summarize, summarize_data
+from helpers.files import word_tokenizer, write_jsonl
 
 REPO = Path(__file__).parents[2]
 SEQ_LEN = 16
@@ -24,16 +24,11 @@ WORDS = ["[UNK]", "</s>", "###", "User", "Assistant", ":", "what", "is", "two", 
 @pytest.fixture
 def tokenizer_path(tmp_path: Path) -> str:
     """One token a word (and a token for ':'), so that counts can be made here by splitting."""
-    return write_word_tokenizer(tmp_path / "tokenizer.json", WORDS)
+    return word_tokenizer(tmp_path, {w: i for i, w in enumerate(WORDS)})
 
 
 def ids(text: str) -> list[str]:
     return text.replace(":", " : ").split()
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def chat(user: str, answer: str | None) -> dict:

@@ -8,7 +8,7 @@ import ray
 import torch
 import yaml
 
-from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.files import checkpoint as ckpt, shard
 from megatrain_ray.cli import main
 from megatrain_ray.files.checkpoint import checkpoint_meta
 from megatrain_ray.models.registry import model_arch
@@ -41,7 +41,7 @@ def write_checkpoint(config_path: Path, step: int = 1) -> Path:
     store.init_random(0, 0.02)
     root = Path(config.train.output_dir) / "checkpoints"
     staging = ckpt.new_staging_dir(root, step)
-    tensors, steps = store.state_tensors()
+    tensors, steps = shard.state_tensors(store)
     shards = [ckpt.write_shard(staging, "shard-000.safetensors", tensors, steps)]
     return ckpt.commit(staging, root, step, shards, checkpoint_meta(config, arch, step, step, None), keep=2)
 
@@ -83,7 +83,7 @@ def test_on_and_off_are_words_in_config_files_and_overrides(tmp_path):
         load_config(path, ["data.pack=yes"])
 
 
-# Values of the right type that cannot work: each refused by config.validate before Ray starts
+# Values of the right type that cannot work: each refused by config.check_values before Ray starts
 # (not as a traceback inside an actor).
 IMPOSSIBLE = [
     ("executor.loss_chunk_tokens=0", "executor.loss_chunk_tokens must be >= 1"),

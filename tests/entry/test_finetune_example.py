@@ -112,11 +112,11 @@ def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, join
 
 def test_the_example_reads_sharegpt_rows_too(tmp_path):
     """The example pins no format: ShareGPT rows through it are told by their columns."""
-    from helpers.word_tokenizer import write_word_tokenizer
+    from helpers.files import word_tokenizer
     from megatrain_ray.data.summary import summarize
 
     words = ["[UNK]", "</s>", "###", "User", "Assistant", ":", "hello", "yes"]
-    write_word_tokenizer(tmp_path / "tokenizer.json", words)
+    word_tokenizer(tmp_path, {w: i for i, w in enumerate(words)})
     chat = {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "yes"}]}
     (tmp_path / "chat.jsonl").write_text((json.dumps(chat) + "\n") * 10)
     config = load_config(CONFIG, [f"data.source={tmp_path / 'chat.jsonl'}", f"data.tokenizer={tmp_path}",

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.files import steps_of
 from helpers.runs import tensors_of, tiny_raw
 from megatrain_ray.runtime.signals import StopRequest, StoppedAtOnce
 from megatrain_ray.runtime.training import release
@@ -73,10 +74,6 @@ def write_config(directory: Path, out: Path, shm: Path | None = None) -> Path:
 def train(args: list[str], env: dict, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "megatrain-ray"), "train", *args], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
-
-
-def steps_of(out: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def digests(directory: Path) -> dict[str, str]:

@@ -1,11 +1,16 @@
-"""The package's shape: imports flow one way (no circles, function-level imports included), the
-benchmark and the test harness stay out of the core, the top level holds only the entry points,
-the config and the subpackages, and one function builds every executor."""
+"""The package's shape: its parts stand in one order and each imports only parts below it
+(function-level imports included; the order is the architecture guide's, megatrain_ray/README.md),
+with no circles inside a part; the benchmark and the test harness stay out of the core; the top
+level holds only the entry points, the config and the subpackages; one function assembles every
+worker."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatrain_ray"
+# bottom to top: a part may import the parts before it, never one after it
+ORDER = ("config", "config_reference", "models", "data", "host", "files", "streaming", "planning", "runtime", "api",
+         "bench", "cli", "megatrain_ray")
 HARNESS = {"megatrain_ray.runtime.local"}  # the in-process trainer, for tests
 TOP = {"megatrain_ray.cli", "megatrain_ray.api", "megatrain_ray"}  # entry points may reach everything
 TOP_FILES = {"__init__.py", "cli.py", "api.py", "config.py", "config_reference.py"}  # entry points, the config and its reference
@@ -60,6 +65,33 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_has_no_circles():
     graph = {name: deps - {"megatrain_ray"} for name, deps in import_graph().items()}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def part_of(module: str) -> str:
+    """The part a module belongs to: its subpackage, or the top-level module itself."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 else names[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a part above the importer's own, as "importer -> imported"."""
+    rank = {part: k for k, part in enumerate(ORDER)}
+    return sorted(f"{name} -> {dep}" for name, deps in graph.items() for dep in deps
+                  if dep != "megatrain_ray" and rank[part_of(dep)] > rank[part_of(name)])
+
+
+def test_every_part_is_in_the_order():
+    assert {part_of(name) for name in import_graph()} == set(ORDER)
+
+
+def test_every_import_looks_down_the_order():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_order_check_finds_an_import_running_up():
+    graph = {"megatrain_ray.host.store": {"megatrain_ray.files.checkpoint", "megatrain_ray.models.arch"},
+             "megatrain_ray.files.checkpoint": {"megatrain_ray.host.precision"}}
+    assert upward_imports(graph) == ["megatrain_ray.host.store -> megatrain_ray.files.checkpoint"]
 
 
 def test_the_cycle_finder_finds_a_circle():
@@ -133,26 +165,44 @@ def test_the_top_of_the_package_holds_entry_points_config_and_subpackages():
             assert (folder / "__init__.py").exists(), f"{folder.name}/ holds modules but is not a package"
 
 
-def constructed(path: Path, cls: str) -> bool:
-    return any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == cls
-               for node in ast.walk(ast.parse(path.read_text())))
+def calls(path: Path) -> set[str]:
+    """The names of every function or class this file calls, and `Class.method` where the call names its class."""
+    names = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Call):
+            names.add(getattr(n.func, "id", getattr(n.func, "attr", None)))
+            if isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name):
+                names.add(f"{n.func.value.id}.{n.func.attr}")
+    return names
 
 
-def test_one_function_builds_every_executor():
-    """streaming/build.py alone constructs the executor; the GPU worker and the in-process trainer
-    both call its build_executor (tests/test_step_plan.py watches them do it)."""
-    builders = {module_name(p) for p in PACKAGE.rglob("*.py") if constructed(p, "StreamingExecutor")}
-    assert builders == {"megatrain_ray.streaming.build"}, builders
-    for name in ("runtime/actors.py", "runtime/local.py"):
-        assert constructed(PACKAGE / name, "build_executor"), f"{name} does not build through build_executor"
+def test_one_function_assembles_every_worker():
+    """runtime/worker.py alone builds an executor, wraps the embedding's device step, joins a process
+    group and starts an LR schedule (outside streaming/, whose parts they are); the GPU actor, the in-process trainer and the benchmark's
+    rebuild all call its assemble_worker (tests/runtime/test_step_plan.py watches them do it)."""
+    wiring = {"StreamingExecutor", "DeviceStepSource", "LrSchedule", "Group.join", "Group.solo", "build_executor",
+              "with_embedding_step", "join_group"}
+    for path in PACKAGE.rglob("*.py"):
+        if module_name(path) != "megatrain_ray.runtime.worker" and part_of(module_name(path)) != "streaming":
+            assert not calls(path) & wiring, f"{module_name(path)} wires a worker itself: {calls(path) & wiring}"
+    for name in ("runtime/actors.py", "runtime/local.py", "bench/telemetry.py"):
+        assert "assemble_worker" in calls(PACKAGE / name), f"{name} does not assemble through assemble_worker"
 
 
-def test_the_workers_decide_nothing_about_the_step():
-    """The step's decisions live in planning/step_plan.py (and the planner it calls); the GPU worker
-    and the benchmark's probe receive a plan and never call the deciding functions."""
-    deciding = {"plan_step", "check_gpu_fit", "check_host_fit", "check_parked_fit", "choose_kept", "choose_offload",
-                "embedding_step_on_device"}
-    for name in ("runtime/actors.py", "runtime/probe.py", "streaming/build.py"):
-        called = {getattr(n.func, "id", getattr(n.func, "attr", None))
-                  for n in ast.walk(ast.parse((PACKAGE / name).read_text())) if isinstance(n, ast.Call)}
-        assert not called & deciding, f"{name} decides {called & deciding}"
+def test_the_run_s_actors_inherit_nothing_from_the_benchmark():
+    from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
+
+    for cls in (GpuWorker, ShardStoreActor):
+        assert not [c for c in cls.__mro__ if c.__module__.startswith("megatrain_ray.bench")], cls.__mro__
+
+
+def test_every_step_decision_is_made_in_the_step_plan():
+    """The deciding functions are called by planning/step_plan.py's plan_step alone (and by one
+    another inside the planner): the run, the in-process trainer, `plan`, `plan --cluster`, the
+    benchmark and every worker receive a StepPlan and render or obey it."""
+    deciding = {"check_gpu_fit", "check_host_fit", "check_parked_fit", "choose_kept", "choose_offload", "gpu_memory",
+                "host_memory", "host_parking", "embedding_step_on_device", "with_window", "window_slots"}
+    planner = {"megatrain_ray.planning.step_plan", "megatrain_ray.planning.plan", "megatrain_ray.planning.placement"}
+    for path in PACKAGE.rglob("*.py"):
+        if module_name(path) not in planner:
+            assert not calls(path) & deciding, f"{module_name(path)} decides {calls(path) & deciding}"

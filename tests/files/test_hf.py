@@ -199,10 +199,12 @@ def test_tied_checkpoint_that_also_stores_lm_head(tmp_path):
 
 
 def test_old_checkpoint_rotary_buffers_are_ignored(tmp_path):
-    src = save(tiny_model("llama"), tmp_path / "src")
+    """A checkpoint that still holds the rotary buffers loads, and its weights load as they are."""
+    model = tiny_model("llama")
+    src = save(model, tmp_path / "src")
     rewrite(src / "model.safetensors",
             lambda t: t.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)))
-    load_buffers(src)
+    assert_buffers_equal_state_dict(load_hf_arch(src), load_buffers(src), model.state_dict())
 
 
 # ---------------------------------------------------------------------------------------------- refusals

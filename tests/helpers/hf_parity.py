@@ -13,9 +13,12 @@ import torch.nn.functional as F
 
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.data import build_dataset
+from megatrain_ray.files import shard
 from megatrain_ray.files.hf import load_hf_weights
 from megatrain_ray.runtime.local import LocalTrainer
-from megatrain_ray.models.reference import ReferenceModel, _key
+from helpers.reference_model import ReferenceModel
+from megatrain_ray.models.layout import module_key
+from megatrain_ray.models.generic_check import relative_difference as rel  # noqa: F401 (the tests' name for it)
 from megatrain_ray.models.registry import model_layouts
 from helpers.reference_training import adamw_loop
 
@@ -46,13 +49,9 @@ def hf_flats(model_dir: Path, arch) -> list[torch.Tensor]:
     return flats
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def grads_by_hf_name(ref: ReferenceModel) -> dict[str, torch.Tensor]:
     """The reference model's gradients under transformers' in-memory names (the layouts' names)."""
-    return {layout.hf_name(p.name): getattr(module, _key(p.name)).grad
+    return {layout.hf_name(p.name): getattr(module, module_key(p.name)).grad
             for layout, module in zip(ref.layouts, ref.layers) for p in layout.params}
 
 
@@ -71,7 +70,7 @@ def local_steps(config, arch, model_dir: Path, steps_data) -> list:
     trainer = LocalTrainer(config, arch)
     try:
         for store in trainer.stores:
-            store.load_hf(str(model_dir))
+            shard.load_hf(store, str(model_dir))
         return [trainer.train_step(step) for step in steps_data]
     finally:
         trainer.close()
@@ -105,20 +104,38 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=-100, reduction="sum")
 
 
-def train_transformers(model, config, steps_data, autocast_dtype=None) -> list[float]:
-    """The transformers model in the plain loop (reference_training.adamw_loop), decay on matrices
-    only. Packed rows go in as they are, with their position_ids (transformers masks each
-    document). `autocast_dtype` runs the forward (only: never the optimizer) under autocast."""
-    params = list(model.parameters())  # tied weights appear once
+def matrices(name: str, p: torch.Tensor) -> bool:
+    """Weight decay on every matrix (transformers' parameters of two or more dimensions)."""
+    return p.dim() >= 2
 
-    def loss_sum(mb):
+
+def train_transformers(model, config, steps_data, autocast_dtype=None, loss_sum=None, decays=matrices) -> list[float]:
+    """The transformers model in the plain loop (reference_training.adamw_loop), decay where
+    `decays(name, parameter)` says (default: on matrices only). Packed rows go in as they are, with
+    their position_ids (transformers masks each document). `autocast_dtype` runs the forward (only:
+    never the optimizer) under autocast; `loss_sum(mb)`: a micro-batch's summed loss (default: the
+    summed token loss)."""
+    named = list(model.named_parameters())  # tied weights appear once
+
+    def token_loss(mb):
         with torch.autocast(mb["input_ids"].device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
         return token_loss_sum(logits, mb["labels"])
 
     model.train()
-    groups = ([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2])
-    return adamw_loop(config, groups, params, steps_data, loss_sum)
+    groups = ([p for n, p in named if decays(n, p)], [p for n, p in named if not decays(n, p)])
+    return adamw_loop(config, groups, [p for _, p in named], steps_data, loss_sum or token_loss)
+
+
+def tiny_hf_model(families: dict, tiny: dict, name: str, seed: int = 0, dtype=torch.float32):
+    """A small transformers model of `families[name]` ((config class, extra config, attention
+    implementation)) on the `tiny` shape, its weights drawn from `seed`."""
+    from transformers import AutoModelForCausalLM
+
+    config_class, extra, attn = families[name]
+    torch.manual_seed(seed)
+    return randomize(AutoModelForCausalLM.from_config(config_class(**tiny, **extra), dtype=dtype,
+                                                      attn_implementation=attn))
 
 
 def hf_batch(seed: int = 1, vocab: int = 256, batch: int = 2, seq: int = 12):

@@ -9,7 +9,7 @@ import torch
 from megatrain_ray.config import Config
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.reference import ReferenceModel
+from helpers.reference_model import ReferenceModel
 from megatrain_ray.host.adamw import lr_factor
 
 

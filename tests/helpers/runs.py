@@ -14,17 +14,18 @@ from megatrain_ray.config import Config, config_from_dict
 STEPS, GRAD_ACCUM = 3, 2  # make_config's step count and micro-batches per step
 
 
-def make_config(preset: str, **executor) -> Config:
+def make_config(preset: str, steps: int = STEPS, model: dict | None = None, optim: dict | None = None,
+                **executor) -> Config:
     """fp32 on the CPU with clipping, weight decay and a decaying LR all active: what the streaming
-    trainer and plain PyTorch must agree on."""
+    trainer and plain PyTorch must agree on. `model`, `optim`: keys that replace these."""
     return config_from_dict({
-        "model": {"preset": preset, "compute_dtype": "float32", "init_std": 0.2},
+        "model": {"preset": preset, "compute_dtype": "float32", "init_std": 0.2, **(model or {})},
         # A low clip threshold so that clipping is active on every step. eps 1e-6, not 1e-8: the
         # k_proj bias has an exactly-zero gradient (softmax ignores a per-query shift), and Adam
         # with a tiny eps turns both sides' rounding noise there into full-size, unequal steps.
         "optim": {"lr": 1e-2, "warmup_steps": 1, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1,
-                  "eps": 1e-6},
-        "train": {"steps": STEPS, "grad_accum": GRAD_ACCUM, "micro_batch_size": 2, "seed": 3},
+                  "eps": 1e-6, **(optim or {})},
+        "train": {"steps": steps, "grad_accum": GRAD_ACCUM, "micro_batch_size": 2, "seed": 3},
         "executor": {"device": "cpu", "loss_chunk_tokens": 5, **executor},
     })
 

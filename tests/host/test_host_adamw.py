@@ -11,6 +11,7 @@ import torch
 
 from megatrain_ray.host import adamw_kernel as host_adamw
 from megatrain_ray.host.adamw import AdamWStep, adamw_step, clip_coefficient
+from helpers.threads import three_threads  # noqa: F401 (a fixture)
 
 # Odd sizes (no multiple of a vector width or of the kernel's 64 Ki-element tiles), 205,254
 # elements in all: four tiles for three threads, whose bounds (65,536, 131,072, 196,608) fall
@@ -59,14 +60,6 @@ def assert_relative(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     crosses zero) are held to 1e-6 of the tensor's mean magnitude instead. torch's CPU sqrt is not
     IEEE's correctly rounded one (MKL's), so the two sides may differ in a last bit."""
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().mean()), msg=lambda m: f"{what}: {m}")
-
-
-@pytest.fixture
-def three_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)  # more threads than a small CI machine's cores is fine: the split is what matters
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.usefixtures("three_threads")

@@ -11,13 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from megatrain_ray.config import ConfigError, config_from_dict
-from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.files import checkpoint as ckpt, shard
 from megatrain_ray.host import precision
 from megatrain_ray.host.adamw import AdamWStep, adamw_step
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.runtime.local import LocalTrainer
+from helpers.threads import three_threads  # noqa: F401 (a fixture)
 from helpers.reference_training import random_micro_batches
 from helpers.runs import tensors_of, tiny_raw
 from megatrain_ray.runtime.training import run_training
@@ -166,14 +167,6 @@ def run_step(state, step: int, grad_scale: float, one_pass: bool, key: int) -> N
                scales=state["scales"], rounding_key=key)
 
 
-@pytest.fixture
-def three_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.usefixtures("three_threads")
 @pytest.mark.parametrize("one_pass", [True, False], ids=["kernel", "torch-fallback"])
 @pytest.mark.parametrize("master,moments", LEAN)
@@ -312,7 +305,7 @@ def save(trainer: LocalTrainer, directory: Path) -> dict[int, str]:
     trainer.source.drain()
     files = {}
     for k, store in enumerate(trainer.stores):
-        store.save_shard(str(directory), f"shard{k}.safetensors")
+        shard.save_shard(store, str(directory), f"shard{k}.safetensors")
         files.update({i: str(directory / f"shard{k}.safetensors") for i in store.layers})
     return files
 
@@ -337,7 +330,7 @@ def test_ten_steps_equal_five_then_resume_five(tmp_path, master, moments):
     first.close()
     second = LocalTrainer(config, arch, num_stores=1)  # another split of the layers across stores
     for store in second.stores:
-        store.load_layers(files)
+        shard.load_layers(store, files)
     second.lr_schedule.updates_done = 5
     split += [second.train_step(batches).loss for batches in data[5:]]
     (tmp_path / "split").mkdir()
@@ -363,7 +356,7 @@ def test_an_exact_checkpoint_resumes_lean_converted(tmp_path):
     files = save(exact, tmp_path)
     exact.close()
     lean = ShardStore(arch, list(range(len(files))), torch.bfloat16, state_format=StateFormat("bf16", "int8"))
-    lean.load_layers(files)
+    shard.load_layers(lean, files)
     for layer, state in lean.layers.items():
         saved, step = ckpt.read_layer_state(files[layer], layer)
         assert state.updates == step == 3

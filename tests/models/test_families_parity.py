@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,11 +25,12 @@ from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.models.registry import (PRESETS, arch_from_dict, arch_from_hf_config, family,  # noqa: E402
                                           load_hf_arch, model_layouts)
 from megatrain_ray.models import ops  # noqa: E402
-from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
+from helpers.files import write_documents  # noqa: E402
+from helpers.reference_model import ReferenceModel  # noqa: E402
 from megatrain_ray.runtime.training import run_training  # noqa: E402
 from helpers.hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
-                               bf16_cuda_config, local_steps, on_cuda, randomize, rel, run_config, saved,
-                               the_runs_batches, token_loss_sum, train_transformers)
+                               bf16_cuda_config, local_steps, on_cuda, rel, run_config, saved,
+                               the_runs_batches, tiny_hf_model, token_loss_sum, train_transformers)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, intermediate_size=128, pad_token_id=5)
@@ -55,13 +55,6 @@ FAMILIES = {
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
 
 
-def tiny_hf_model(name: str, seed: int = 0):
-    config_class, extra, attn = FAMILIES[name]
-    torch.manual_seed(seed)
-    return randomize(AutoModelForCausalLM.from_config(config_class(**TINY, **extra), dtype=torch.float32,
-                                                      attn_implementation=attn))
-
-
 def random_rows(seed: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids holding the pad token, and shifted labels with a few ignored positions."""
     gen = torch.Generator().manual_seed(seed)
@@ -78,7 +71,7 @@ def random_rows(seed: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize("name", FAMILIES)
 def test_logits_loss_and_gradients_match_transformers(tmp_path, name):
     """One document a row, longer than the window and (Phi-3) than original_max_position_embeddings."""
-    model = tiny_hf_model(name)
+    model = tiny_hf_model(FAMILIES, TINY, name)
     model_dir = saved(model, tmp_path / "hf")
     arch = load_hf_arch(model_dir)
     ids, labels = random_rows(1, BATCH, SEQ)
@@ -130,7 +123,7 @@ def test_packed_rows_match_transformers_on_each_document(tmp_path, name):
     """Block-diagonal causal mask (AND the window): our packed rows equal transformers run on each
     document separately, and so does transformers' own handling of packed position_ids, which the
     training test below compares with."""
-    model = tiny_hf_model(name, seed=3)
+    model = tiny_hf_model(FAMILIES, TINY, name, seed=3)
     model_dir = saved(model, tmp_path / "hf")
     arch = load_hf_arch(model_dir)
     ids, labels, positions, lengths = packed_rows(seed=4)
@@ -175,7 +168,7 @@ def test_a_context_told_whether_rows_pack_documents_equals_one_that_asks(preset)
 def test_longrope_switches_factors_past_the_original_length(tmp_path):
     """The short factors up to original_max_position_embeddings positions, the long ones past it,
     as transformers: positions 0..7 and 0..8 give different tables (and the test configs use both)."""
-    arch = load_hf_arch(saved(tiny_hf_model("phi3"), tmp_path / "hf"))
+    arch = load_hf_arch(saved(tiny_hf_model(FAMILIES, TINY, "phi3"), tmp_path / "hf"))
     fam = family(arch)
     short = fam.context(arch, torch.arange(8)[None], torch.float32).cos
     long = fam.context(arch, torch.arange(9)[None], torch.float32).cos
@@ -183,24 +176,6 @@ def test_longrope_switches_factors_past_the_original_length(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- b
-
-
-def write_documents(path: Path, seed: int, count: int = 48, distinct: int | None = None) -> Path:
-    """Token documents of 3 to 11 tokens, the pad token in each; with `distinct`, drawn from that
-    many fixed documents (data a model can learn)."""
-    rng = np.random.default_rng(seed)
-
-    def one() -> list[int]:
-        doc = rng.integers(0, TINY["vocab_size"], size=int(rng.integers(3, 12))).tolist()
-        doc[1] = PAD
-        return doc
-
-    pool = [one() for _ in range(distinct)] if distinct else None
-    with open(path, "w") as f:
-        for _ in range(count):
-            doc = pool[int(rng.integers(0, distinct))] if pool else one()
-            f.write(json.dumps({"input_ids": doc}) + "\n")
-    return path
 
 
 def train_config(model_dir: Path, data: Path, out: Path, pack: bool):
@@ -211,10 +186,11 @@ def train_config(model_dir: Path, data: Path, out: Path, pack: bool):
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
 @pytest.mark.parametrize("name", ["gemma3", "phi3"])
 def test_train_export_equals_transformers_adamw(local_ray, tmp_path, name, pack):
-    model = tiny_hf_model(name)
+    model = tiny_hf_model(FAMILIES, TINY, name)
     model_dir = saved(model, tmp_path / "hf")
     arch = load_hf_arch(model_dir)
-    config = train_config(model_dir, write_documents(tmp_path / "docs.jsonl", seed=5), tmp_path / "run", pack)
+    docs = write_documents(tmp_path / "docs.jsonl", TINY["vocab_size"], seed=5, pad=PAD)
+    config = train_config(model_dir, docs, tmp_path / "run", pack)
     data = the_runs_batches(config, arch.vocab_size)
     restarts = sum(int((mb["position_ids"][:, 1:] == 0).sum()) for step in data for mb in step)
     assert (restarts > 0) == pack, "packed rows hold several documents; unpacked ones one each"
@@ -369,10 +345,10 @@ def test_bf16_on_the_gpu_tracks_transformers_autocast(tmp_path, name):
     """bf16 on CUDA with the executor's torch.compile of the block (inductor), packed rows: the
     losses track transformers under autocast, and go down."""
     steps = 6
-    model = tiny_hf_model(name)
+    model = tiny_hf_model(FAMILIES, TINY, name)
     model_dir = saved(model, tmp_path / "hf")
     arch = load_hf_arch(model_dir)
-    docs = write_documents(tmp_path / "docs.jsonl", seed=6, count=400, distinct=4)
+    docs = write_documents(tmp_path / "docs.jsonl", TINY["vocab_size"], seed=6, count=400, pad=PAD, distinct=4)
     config = bf16_cuda_config(model_dir, steps, GRAD_ACCUM,
                               data={"source": str(docs), "format": "tokens", "seq_len": 128, "pack": True})
     data = the_runs_batches(config, arch.vocab_size)

@@ -11,7 +11,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -23,9 +22,11 @@ from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.models import hf_modules as hm  # noqa: E402
 from megatrain_ray.models.generic import TransformersArch  # noqa: E402
+from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
+from helpers.files import write_documents  # noqa: E402
 from helpers.hf_parity import RTOL, randomize, rel, run_config, saved, the_runs_batches, train_transformers  # noqa: E402
 
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
@@ -78,14 +79,6 @@ def small_model_config(model_type: str) -> dict:
 def small_model(model_type: str, seed: int = 0):
     torch.manual_seed(seed)
     return randomize(hm.build_small(small_model_config(model_type)))
-
-
-def write_documents(path: Path, vocab: int, seed: int, count: int = 48) -> Path:
-    rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
-        for _ in range(count):
-            f.write(json.dumps({"input_ids": rng.integers(0, vocab, size=int(rng.integers(3, 12))).tolist()}) + "\n")
-    return path
 
 
 def train_config_dict(model_dir: Path, data: Path, out: Path) -> dict:
@@ -154,7 +147,7 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     trainer = LocalTrainer(config, arch)
     try:
         for store in trainer.stores:
-            store.load_hf(str(config.model.path))
+            shard.load_hf(store, str(config.model.path))
         losses = [trainer.train_step(step).loss for step in data]
         export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
     finally:
@@ -182,7 +175,7 @@ def test_the_routers_load_balancing_loss_trains_as_transformers_adds_it(tmp_path
     trainer = LocalTrainer(config, arch)
     try:
         for store in trainer.stores:
-            store.load_hf(str(model_dir))
+            shard.load_hf(store, str(model_dir))
         losses = [trainer.train_step(step).loss for step in data]
         export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
     finally:

@@ -12,6 +12,7 @@ from megatrain_ray.models import moe
 from megatrain_ray.models.registry import PRESETS, family, model_arch, model_layouts, num_params
 from megatrain_ray.planning.plan import gpu_plan, predict_step
 from helpers.reference_training import random_micro_batches, train_both
+from helpers.runs import make_config
 
 
 # Published sizes (model cards): total parameters, active ones per token, and whether that count
@@ -76,13 +77,9 @@ def test_combine_puts_each_tokens_experts_back_in_place():
     assert torch.allclose(out, expected, atol=1e-6)
 
 
-def make_config(preset: str, coef: float | None, **executor):
-    return config_from_dict({
-        "model": {"preset": preset, "compute_dtype": "float32", "init_std": 0.2, "router_aux_loss_coef": coef},
-        "optim": {"lr": 3e-3, "warmup_steps": 1, "grad_clip": 0.5, "weight_decay": 0.1, "eps": 1e-6},
-        "train": {"steps": 3, "grad_accum": 2, "micro_batch_size": 2, "seed": 3},
-        "executor": {"device": "cpu", "loss_chunk_tokens": 5, **executor},
-    })
+def moe_config(preset: str, coef: float | None, **executor):
+    """helpers.runs.make_config with the auxiliary loss's coefficient and a gentler LR."""
+    return make_config(preset, model={"router_aux_loss_coef": coef}, optim={"lr": 3e-3}, **executor)
 
 
 @pytest.mark.parametrize("preset,keep", [("tiny-mixtral", 0), ("tiny-qwen3-moe", 0), ("tiny-gpt-oss", 0),
@@ -91,7 +88,7 @@ def test_chunked_experts_with_the_auxiliary_loss_train_like_plain_pytorch(preset
     """Micro-batches of 24 tokens, expert chunks of 7 (each under a checkpoint, the load statistics
     summed over chunks), the auxiliary loss on, two stores: the same 3 steps as plain autograd. With
     `keep`, the last block differentiates its forward's graph, its statistics' included."""
-    config = make_config(preset, 0.1, mlp_chunk_tokens=7, keep_graphs=keep)
+    config = moe_config(preset, 0.1, mlp_chunk_tokens=7, keep_graphs=keep)
     arch = model_arch(config.model)
     assert family(arch).aux_loss_on(arch)
     data = random_micro_batches(arch, 3, 2, batch=2, seq=12, seed=4)
@@ -101,14 +98,14 @@ def test_chunked_experts_with_the_auxiliary_loss_train_like_plain_pytorch(preset
 def test_router_aux_loss_coef_turns_the_loss_on_and_off_and_is_refused_for_dense_models():
     base = PRESETS["tiny-qwen3-moe"]
     assert base.aux_loss_coef == 0.0, "transformers' default: output_router_logits false"
-    on = model_arch(make_config("tiny-qwen3-moe", 0.25).model)
+    on = model_arch(moe_config("tiny-qwen3-moe", 0.25).model)
     assert on.aux_loss_coef == 0.25 and on.output_router_logits
-    off = model_arch(make_config("tiny-qwen3-moe", 0.0).model)
+    off = model_arch(moe_config("tiny-qwen3-moe", 0.0).model)
     assert off.aux_loss_coef == 0.0 and off.model_fields() == base.model_fields()
     with pytest.raises(ConfigError, match="mixture-of-experts models only"):
-        model_arch(make_config("tiny-qwen3", 0.1).model)
+        model_arch(moe_config("tiny-qwen3", 0.1).model)
     with pytest.raises(ConfigError, match="router_aux_loss_coef must be a finite number >= 0"):
-        make_config("tiny-qwen3-moe", -1.0)
+        moe_config("tiny-qwen3-moe", -1.0)
 
 
 def test_a_layers_slot_holds_all_its_experts_and_compute_counts_the_routed_ones():

@@ -22,13 +22,13 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.models.family import IGNORE_INDEX  # noqa: E402
-from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
+from helpers.reference_model import ReferenceModel  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
 from megatrain_ray.runtime.training import run_training  # noqa: E402
-from helpers.reference_training import adamw_loop, random_micro_batches  # noqa: E402
+from helpers.reference_training import random_micro_batches  # noqa: E402
 from helpers.hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
                        bf16_cuda_config, hf_batch, local_steps, on_cuda, parity_config, randomize, rel, saved,
-                               shifted, token_loss_sum)
+                               shifted, token_loss_sum, train_transformers)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
             intermediate_size=128)
@@ -182,15 +182,12 @@ def train_config(model_dir: Path, out: Path, coef: float, pack: bool):
     })
 
 
-def train_transformers(model, config, steps_data, coef: float, autocast_dtype=None) -> list[float]:
-    """The plain loop (reference_training.adamw_loop), decay on matrices (not biases), the loss of
+def train_with_aux(model, config, steps_data, coef: float, autocast_dtype=None) -> list[float]:
+    """hf_parity.train_transformers with decay on matrices (not biases) and the loss of
     aux_weighted_step: what `megatrain-ray train` is meant to compute."""
-    named = list(model.named_parameters())
-    decays = [p for n, p in named if p.dim() >= 2 and not n.endswith("bias")]
-    rest = [p for n, p in named if not (p.dim() >= 2 and not n.endswith("bias"))]
-    model.train()
-    return adamw_loop(config, (decays, rest), [p for _, p in named], steps_data,
-                      lambda mb: transformers_loss_sum(model, mb, coef, autocast_dtype))
+    return train_transformers(model, config, steps_data, autocast_dtype,
+                              loss_sum=lambda mb: transformers_loss_sum(model, mb, coef, autocast_dtype),
+                              decays=lambda name, p: p.dim() >= 2 and not name.endswith("bias"))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
@@ -207,7 +204,7 @@ def test_five_steps_of_train_export_equal_transformers_adamw(local_ray, tmp_path
     batches = dataset.batches(BATCH, GRAD_ACCUM)
     steps_data = [[{k: torch.as_tensor(v) for k, v in mb.items()} for mb in next(batches)[0]] for _ in range(STEPS)]
     assert any(int((mb["position_ids"][:, 1:] == 0).sum()) for step in steps_data for mb in step) == packed
-    ref_losses = train_transformers(model, config, steps_data, AUX_COEF)
+    ref_losses = train_with_aux(model, config, steps_data, AUX_COEF)
 
     records = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
     assert all(r["grad_norm"] > config.optim.grad_clip for r in records), "clipping must be active"
@@ -239,5 +236,5 @@ def test_bf16_on_the_gpu_tracks_transformers_autocast(tmp_path, family):
     data = random_micro_batches(arch, steps, GRAD_ACCUM, batch=2, seq=128, seed=0, distinct=4)
 
     ours = [r.loss for r in local_steps(config, arch, model_dir, data)]
-    theirs = train_transformers(model.to("cuda"), config, on_cuda(data), AUX_COEF, autocast_dtype=torch.bfloat16)
+    theirs = train_with_aux(model.to("cuda"), config, on_cuda(data), AUX_COEF, autocast_dtype=torch.bfloat16)
     assert_bf16_tracks(family, ours, theirs)

@@ -3,7 +3,7 @@
 Tiny random LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (tied
 embeddings), fp32 on the CPU, saved with save_pretrained and read back through the project's
 Hugging Face import. The training comparison runs the streaming LocalTrainer (stores loaded with
-ShardStore.load_hf) beside a plain loop over the transformers model with torch.optim.AdamW, and
+files/shard.py: load_hf) beside a plain loop over the transformers model with torch.optim.AdamW, and
 compares the project's export, loaded with from_pretrained, with the transformers model's state.
 """
 
@@ -17,13 +17,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
-from megatrain_ray.models.reference import ReferenceModel  # noqa: E402
+from helpers.reference_model import ReferenceModel  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from helpers.hf_parity import (RTOL, assert_bf16_tracks, assert_gradients_match, grads_by_hf_name, hf_flats,  # noqa: E402
-                       bf16_cuda_config, hf_batch, local_steps, on_cuda, parity_config, randomize, rel, saved,
-                               shifted, train_transformers)
+                       bf16_cuda_config, hf_batch, local_steps, on_cuda, parity_config, rel, saved,
+                               shifted, tiny_hf_model, train_transformers)
 from helpers.reference_training import assert_within_fp32_noise, random_micro_batches  # noqa: E402
 
 TINY = dict(
@@ -41,19 +42,12 @@ FAMILIES = {
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
 
 
-def tiny_hf_model(family: str, seed: int = 0, dtype=torch.float32):
-    config_class, extra, attn = FAMILIES[family]
-    torch.manual_seed(seed)
-    config = config_class(**TINY, **extra)
-    return randomize(AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn))
-
-
 # ---------------------------------------------------------------------------------------------- a
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_loss_and_gradients_match_transformers(tmp_path, family):
-    model = tiny_hf_model(family)
+    model = tiny_hf_model(FAMILIES, TINY, family)
     model_dir = saved(model, tmp_path / "hf")
     arch = load_hf_arch(model_dir)
     flats = hf_flats(model_dir, arch)
@@ -88,7 +82,7 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_five_steps_export_equals_transformers_adamw(tmp_path, family):
-    model = tiny_hf_model(family)
+    model = tiny_hf_model(FAMILIES, TINY, family)
     model_dir = saved(model, tmp_path / "hf")
     arch = load_hf_arch(model_dir)
     config = parity_config(model_dir)
@@ -98,7 +92,7 @@ def test_five_steps_export_equals_transformers_adamw(tmp_path, family):
     trainer = LocalTrainer(config, arch, num_stores=2 if family == "qwen2" else 1)
     try:
         for store in trainer.stores:
-            store.load_hf(str(model_dir))
+            shard.load_hf(store, str(model_dir))
         results = [trainer.train_step(step) for step in data]
         export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
     finally:
@@ -129,7 +123,7 @@ def test_five_steps_export_equals_transformers_adamw(tmp_path, family):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_bf16_on_the_gpu_tracks_transformers_autocast(tmp_path, family):
     steps = 6
-    model = tiny_hf_model(family)
+    model = tiny_hf_model(FAMILIES, TINY, family)
     model_dir = saved(model, tmp_path / "hf")
     arch = load_hf_arch(model_dir)
     config = bf16_cuda_config(model_dir, steps, GRAD_ACCUM)

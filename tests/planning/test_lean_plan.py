@@ -10,7 +10,7 @@ from megatrain_ray.config import ConfigError, load_config
 from megatrain_ray.host import precision
 from megatrain_ray.models.registry import model_arch, num_params
 from megatrain_ray.planning.whatif import GPU_NODE, cluster_nodes, load_cluster, plan_cluster
-from megatrain_ray.runtime.placement import plan_placement
+from megatrain_ray.planning.placement import plan_placement
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 GiB = 1024**3

@@ -11,8 +11,8 @@ from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_layouts, num_params, resolve_arch
 from megatrain_ray.planning.plan import (KEPT, LAYER_TFLOPS, PlanError, check_gpu_fit, choose_kept, choose_offload,
-                                   gpu_plan, kept_graph_bytes, predict_step, KEPT_GRAPH_PER_WORKING_SET,
-                                   KEPT_GRAPH_PER_WORKING_SET_BUDGETED)
+                                         gpu_memory, gpu_plan, kept_graph_bytes, predict_step,
+                                         KEPT_GRAPH_PER_WORKING_SET, KEPT_GRAPH_PER_WORKING_SET_BUDGETED)
 from megatrain_ray.host.memory import DTYPES
 from megatrain_ray.host.store import bytes_per_param
 
@@ -26,6 +26,14 @@ def config(**executor):
         "train": {"micro_batch_size": 2, "grad_accum": 4},
         "executor": executor,
     })
+
+
+def fit(cfg, free: int):
+    """The GPU memory the plan decides for `free` bytes (offloading, then kept blocks), refused where
+    it does not fit."""
+    memory = gpu_memory(ARCH, cfg, free)
+    check_gpu_fit(memory, free, "a test GPU")
+    return memory
 
 
 MEASURE_STORE = """
@@ -58,15 +66,15 @@ def test_a_step_too_large_for_the_gpu_is_refused_with_what_to_change():
     kept = config(offload_activations="off")
     plan = gpu_plan(ARCH, kept)
     with pytest.raises(PlanError, match="train.grad_accum"):
-        check_gpu_fit(ARCH, kept, int(plan.total * 0.9), "a test GPU")
-    assert check_gpu_fit(ARCH, kept, int(plan.total * 1.1), "a test GPU").total == plan.total
+        fit(kept, int(plan.total * 0.9))
+    assert fit(kept, int(plan.total * 1.1)).total == plan.total
 
 
 def test_auto_offloads_activations_only_when_the_step_comes_close_to_the_free_memory():
     plan = gpu_plan(ARCH, config())
     assert not choose_offload(ARCH, config(), plan.total * 2)
     assert choose_offload(ARCH, config(), int(plan.total * 1.1))
-    offloaded = check_gpu_fit(ARCH, config(), int(plan.total * 1.1), "a test GPU")
+    offloaded = fit(config(), int(plan.total * 1.1))
     assert offloaded.total < plan.total
 
 
@@ -94,7 +102,7 @@ def test_auto_keeps_as_many_forward_graphs_as_the_memory_left_over_holds():
     assert choose_kept(ARCH, config(), None) == 0
     assert choose_kept(ARCH, config(keep_graphs=1), 100 * free) == 1
     assert choose_kept(ARCH, config(keep_graphs=99), None) == ARCH.num_layers
-    assert check_gpu_fit(ARCH, config(), free, "a test GPU").by_use[KEPT] == 2 * each
+    assert fit(config(), free).by_use[KEPT] == 2 * each
 
 
 def test_a_kept_graph_is_sized_for_how_it_is_compiled():
@@ -118,8 +126,8 @@ def test_kept_graphs_that_do_not_fit_are_refused_and_named():
     cfg = config(keep_graphs=4, offload_activations="off")
     need = gpu_plan(ARCH, cfg, kept=4).total
     with pytest.raises(PlanError, match="executor.keep_graphs"):
-        check_gpu_fit(ARCH, cfg, need - 1, "a test GPU")
-    assert check_gpu_fit(ARCH, cfg, need, "a test GPU").total == need
+        fit(cfg, need - 1)
+    assert fit(cfg, need).total == need
 
 
 def test_auto_offload_makes_room_for_the_graphs_asked_for():
@@ -128,7 +136,7 @@ def test_auto_offload_makes_room_for_the_graphs_asked_for():
     cfg = config(keep_graphs=3)
     parked = gpu_plan(ARCH, cfg, offload=True, kept=3).total
     assert choose_offload(ARCH, cfg, parked) and not choose_offload(ARCH, config(), parked)
-    assert check_gpu_fit(ARCH, cfg, parked, "a test GPU").total == parked
+    assert fit(cfg, parked).total == parked
 
 
 def test_predicted_compute_counts_the_recompute_of_blocks_and_none_of_the_head():
@@ -213,7 +221,7 @@ def test_gpu_peak_is_within_15_percent_of_the_plan(keep):
         peak = max(trainer.train_step(s).peak_device_bytes
                    for s in random_micro_batches(arch, 2, accum, batch=1, seq=seq, seed=0))
         trainer.close()
-        predicted = gpu_plan(arch, cfg, kept=kept).total
+        predicted = trainer.plan.memory.total
         print(f"seq {seq} x {accum}, {kept} kept: predicted {predicted / 2**20:.0f} MiB, measured {peak / 2**20:.0f} MiB")
         assert kept == (0 if keep == 0 else arch.num_layers)
         assert predicted == pytest.approx(peak, rel=0.15)

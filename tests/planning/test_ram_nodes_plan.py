@@ -12,9 +12,9 @@ from megatrain_ray.cli import main
 from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
-from megatrain_ray.runtime.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement
-from megatrain_ray.planning.plan import EMBEDDING_STEP, PlanError, describe, gpu_plan, predict_step
-from megatrain_ray.planning.step_plan import DeviceFacts, embedding_step_decided, plan_step
+from megatrain_ray.planning.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement, with_window
+from megatrain_ray.planning.plan import EMBEDDING_STEP, PlanError, describe, predict_step
+from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 from megatrain_ray.planning.traffic import step_traffic
 from megatrain_ray.host.window import WindowPolicy, fetches_per_step, window_bytes
 
@@ -38,6 +38,11 @@ def ram_node(k: int, free_gib: float, ip: str | None = None, gbps: float | None 
     return NodeInfo(f"ram{k}", ip or f"10.0.1.{k}", 0.0, True, int(free_gib * GiB), gbps)
 
 
+def placed(arch, cfg, nodes):
+    """The placement with its window as a step plan sizes it with no activations parked."""
+    return with_window(plan_placement(arch, cfg, nodes, "gpu"), arch, cfg)
+
+
 def mirror_bytes(arch) -> int:
     return num_params(arch) * 2
 
@@ -48,7 +53,7 @@ def test_a_gpu_node_that_cannot_hold_a_mirror_streams_through_a_window_of_the_sa
     plans = {}
     for layers in (28, 56):
         arch = SEVEN_B.replace(num_layers=layers)
-        plan = plan_placement(arch, config(), [gpu_node(16), ram_node(1, 400), ram_node(2, 400)], "gpu")
+        plan = placed(arch, config(), [gpu_node(16), ram_node(1, 400), ram_node(2, 400)])
         assert plan.remote_layers() == list(range(layers + 2))
         assert plan.window_slots < layers and plan.window_bytes < USABLE * 16 * GiB - GPU_NODE_RESERVE
         plans[layers] = plan
@@ -61,7 +66,7 @@ def test_ram_nodes_that_cannot_hold_the_state_are_refused_naming_the_shortfall()
     need = num_params(SEVEN_B) * 14
     have = 2 * USABLE * 40 * GiB
     with pytest.raises(ConfigError) as refused:
-        plan_placement(SEVEN_B, config(), [gpu_node(120), ram_node(1, 40), ram_node(2, 40)], "gpu")
+        placed(SEVEN_B, config(), [gpu_node(120), ram_node(1, 40), ram_node(2, 40)])
     message = str(refused.value)
     assert f"short by {(need - have) / GiB:.1f} GiB" in message and "add ram nodes" in message.lower(), message
     assert "for the GPU actor" not in message  # the GPU machine holds no state here: nothing to subtract
@@ -69,7 +74,7 @@ def test_ram_nodes_that_cannot_hold_the_state_are_refused_naming_the_shortfall()
 
 def test_a_gpu_node_too_small_for_the_least_window_is_refused_naming_the_window():
     with pytest.raises(ConfigError, match="pinned host memory for its window"):
-        plan_placement(SEVEN_B, config(), [gpu_node(6), ram_node(1, 400)], "gpu")
+        placed(SEVEN_B, config(), [gpu_node(6), ram_node(1, 400)])
 
 
 def test_raylets_of_one_machine_share_its_memory():
@@ -77,15 +82,15 @@ def test_raylets_of_one_machine_share_its_memory():
     99 GiB of state fits beside the least window; a 14B (193 GiB) would only 'fit' if the two
     raylets' views of the same memory were added up."""
     same = [gpu_node(123, ip="10.0.0.1"), ram_node(1, 123, ip="10.0.0.1")]
-    plan = plan_placement(SEVEN_B, config(), same, "gpu")
+    plan = placed(SEVEN_B, config(), same)
     assert plan.window_slots == 4  # the least: executor.num_slots + 1
     assert plan.gpu_machine_state() + plan.window_bytes + GPU_NODE_RESERVE <= USABLE * 123 * GiB
     with pytest.raises(ConfigError, match="short by"):
-        plan_placement(PRESETS["qwen2.5-14b"], config(), same, "gpu")
+        placed(PRESETS["qwen2.5-14b"], config(), same)
 
 
 def test_a_roomy_gpu_node_holds_every_remote_layer_and_each_crosses_once():
-    plan = plan_placement(PRESETS["qwen2.5-1.5b"], config(), [gpu_node(120), ram_node(1, 400)], "gpu")
+    plan = placed(PRESETS["qwen2.5-1.5b"], config(), [gpu_node(120), ram_node(1, 400)])
     numels = {layout.index: layout.numel for layout in model_layouts(PRESETS["qwen2.5-1.5b"])}
     fetched = fetches_per_step(numels, layer_order(PRESETS["qwen2.5-1.5b"]), plan.window_slots)
     assert set(fetched.values()) == {1}
@@ -116,7 +121,7 @@ def test_the_window_policy_serves_every_use_and_refetches_only_what_it_could_not
 def test_the_step_model_with_the_network():
     arch, cfg = SEVEN_B, config()
     nodes = [gpu_node(16, gbps=100), ram_node(1, 400, gbps=100), ram_node(2, 400, gbps=100)]
-    plan = plan_placement(arch, cfg, nodes, "gpu")
+    plan = placed(arch, cfg, nodes)
     traffic = step_traffic(arch, cfg, plan)
     esize = 2
     assert traffic.gpu.forward_bytes == num_params(arch) * esize == traffic.gpu.gradient_bytes
@@ -139,7 +144,7 @@ def test_kept_blocks_cross_the_network_once():
     """A block that keeps its forward graph is not read again in backward: the traffic model
     follows the executor's layer order (layer_order.step_order), as the window itself does."""
     arch, cfg = SEVEN_B, config()
-    plan = plan_placement(arch, cfg, [gpu_node(16), ram_node(1, 400)], "gpu")
+    plan = placed(arch, cfg, [gpu_node(16), ram_node(1, 400)])
     blocks = arch.num_layers
     traffic = {kept: step_traffic(arch, cfg, plan, kept).gpu for kept in (0, 8, blocks)}
     assert len({t.forward_bytes for t in traffic.values()}) == 1
@@ -153,21 +158,21 @@ def test_kept_blocks_cross_the_network_once():
 
 def test_an_embedding_on_a_ram_node_is_planned_with_its_step_on_the_host():
     """streaming/device_step.py needs the store's memory: with the embedding streamed in, auto steps it on
-    the host, and the plan neither counts its device memory nor says it runs on the GPU."""
+    the host, and the plan neither counts its device memory nor says it runs on the GPU; in reach
+    (in process), it runs on the GPU, and the plan counts and says so."""
     arch = SEVEN_B
     cfg = config().replace(executor=dataclasses.replace(config().executor, device="cuda"))
     plan = plan_placement(arch, cfg, [gpu_node(16), ram_node(1, 400)], "gpu")
     assert 0 in plan.remote_layers()
-    gpu = DeviceFacts("cuda", "a GPU", 2**50, 0)  # room for anything: only the embedding's place is asked
-    step = plan_step(arch, cfg, gpu, 2**50, embedding_in_reach=0 not in plan.remote_layers())
-    placed = embedding_step_decided(cfg, step.embedding_on_device)
-    assert not step.embedding_on_device and EMBEDDING_STEP not in step.memory.by_use
-    assert EMBEDDING_STEP in gpu_plan(arch, cfg).by_use and EMBEDDING_STEP not in gpu_plan(arch, placed).by_use
-    assert "AdamW step runs on the GPU" in describe(arch, cfg)
-    assert "AdamW step runs on the GPU" not in describe(arch, placed)
+    gpu = DeviceFacts("cuda", "a GPU", 2**50, 2**50)  # room for anything: only the embedding's place is asked
+    streamed, in_reach = plan_step(arch, cfg, gpu, plan), plan_step(arch, cfg, gpu)
+    assert not streamed.embedding_on_device and EMBEDDING_STEP not in streamed.memory.by_use
+    assert in_reach.embedding_on_device and EMBEDDING_STEP in in_reach.memory.by_use
+    assert "AdamW step runs on the GPU" in describe(arch, cfg, in_reach)
+    assert "AdamW step runs on the GPU" not in describe(arch, cfg, streamed)
     forced = cfg.replace(executor=dataclasses.replace(cfg.executor, embedding_step="device"))
     with pytest.raises(PlanError, match="its store on another node"):
-        plan_step(arch, forced, gpu, 2**50, embedding_in_reach=False)
+        plan_step(arch, forced, gpu, plan)
 
 
 @pytest.fixture
@@ -229,11 +234,13 @@ def test_the_plan_says_how_many_optimizer_cores_keep_up():
     from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, HOST_ADAMW_THREADS
 
     def cores_said(cfg) -> tuple[int, int]:
-        line = next(l for l in describe(SEVEN_B, cfg).splitlines() if l.startswith("host AdamW cores that keep up"))
+        step = plan_step(SEVEN_B, cfg, DeviceFacts("cuda", "a GPU", 2**50, 2**50))
+        line = next(l for l in describe(SEVEN_B, cfg, step).splitlines() if l.startswith("host AdamW cores that keep up"))
         said = int(re.search(r": (\d+) over all the stores", line).group(1))
         per_core = HOST_ADAMW_PARAMS_PER_S / HOST_ADAMW_THREADS
         assert f"needs f x {said} optimizer threads" in line
-        return said, math.ceil(num_params(SEVEN_B) / predict_step(SEVEN_B, cfg).forward_s / per_core)
+        forward_s = predict_step(SEVEN_B, cfg, kept=step.kept).forward_s
+        return said, math.ceil(num_params(SEVEN_B) / forward_s / per_core)
 
     cfg = config(store_on_gpu_node=True)
     said, expected = cores_said(cfg)

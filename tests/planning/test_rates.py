@@ -9,10 +9,12 @@ from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import model_arch
 from megatrain_ray.planning import plan as planner
 from megatrain_ray.planning.rates import H100, probe_gpu, probed_rates, rates_for_gpu, table_rates
+from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 
 CONFIG = config_from_dict({"model": {"preset": "qwen2.5-1.5b"}, "train": {"micro_batch_size": 1, "grad_accum": 8},
                            "data": {"seq_len": 4096}})
 ARCH = model_arch(CONFIG.model)
+STEP = plan_step(ARCH, CONFIG, DeviceFacts("cuda", "a GPU", 2**50, 2**50))
 
 
 def test_the_table_is_found_by_the_name_cuda_reports():
@@ -33,8 +35,8 @@ def test_the_prediction_follows_the_rates_and_names_them():
     fast, half = planner.predict_step(ARCH, CONFIG, rates=H100), planner.predict_step(ARCH, CONFIG, rates=slow)
     assert half.compute_s == 2 * fast.compute_s and half.h2d_s == 2 * fast.h2d_s
     assert planner.predict_step(ARCH, CONFIG) == fast  # the default is the H100 machine's
-    assert "predicted step on the H100's rates (measured on the H100" in planner.describe(ARCH, CONFIG, rates=H100)
-    text = planner.describe(ARCH, CONFIG, no_prediction="no GPU here")
+    assert "predicted step on the H100's rates (measured on the H100" in planner.describe(ARCH, CONFIG, STEP, rates=H100)
+    text = planner.describe(ARCH, CONFIG, STEP, no_prediction="no GPU here")
     assert text.endswith("no GPU here") and "predicted step" not in text and "tokens/s" not in text
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from helpers.ray_processes import end_processes_under
+from helpers.files import steps_of
 from helpers.runs import kernel_cache
 
 BIN = Path(sys.executable).parent
@@ -108,10 +109,6 @@ def status_without_token(dashboard: str) -> int:
             return response.status
     except urllib.error.HTTPError as e:
         return e.code
-
-
-def steps_of(out_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_local_run_then_head_and_job_submit_then_ram_nodes_with_token_auth(machine, tmp_path):

@@ -11,11 +11,12 @@ from ray.cluster_utils import Cluster
 from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.registry import PRESETS, model_layouts
-from megatrain_ray.runtime.session import Session
+from megatrain_ray.bench.telemetry import Probe
 from megatrain_ray.planning.traffic import step_traffic
 from megatrain_ray.host.window import fetches_per_step, window_bytes
 from helpers.reference_training import random_micro_batches
 from helpers.runs import make_config
+from helpers.sessions import layer_weights, probed_session
 
 MiB = 1024**2
 
@@ -37,16 +38,16 @@ def test_layers_spread_over_all_nodes_and_train_like_one(three_nodes):
     config = make_config("tiny-llama")
     data = random_micro_batches(arch, 3, 2, batch=2, seq=12, seed=1)
 
-    session = Session(config, arch)
+    session = probed_session(config, arch)
     try:
         nodes = {plan.node.node_id for plan in session.placement.stores}
         assert len(nodes) == 3, session.placement.describe(arch)
         assert sorted(i for plan in session.placement.stores for i in plan.layers) == list(range(arch.num_layers + 2))
         session.init_weights()
         session.start_executor()
-        assert sorted(session.transports()) == ["shm", "stream", "stream"]
+        assert sorted(Probe(session).transports()) == ["shm", "stream", "stream"]
         results = [session.train_step(step) for step in data]
-        weights = session.layer_weights()
+        weights = layer_weights(session)
     finally:
         session.close()
 
@@ -71,7 +72,7 @@ def streamed_run(layers: int, steps: int = 2):
     config = base.replace(runtime=dataclasses.replace(base.runtime, store_on_gpu_node=False, remote_window=4,
                                                       transport_streams=2))
     data = random_micro_batches(arch, steps, 2, batch=2, seq=12, seed=5)
-    session = Session(config, arch)
+    session = probed_session(config, arch)
     try:
         session.init_weights()
         session.start_executor()
@@ -83,7 +84,7 @@ def streamed_run(layers: int, steps: int = 2):
             losses.append(session.train_step(step).loss)
             traffic.append(ray.get(gpu.take_traffic.remote()))
         rss = ray.get(gpu.memory_status.remote())["rss_bytes"]
-        weights = session.layer_weights()
+        weights = layer_weights(session)
         placement = session.placement
     finally:
         session.close()
@@ -154,15 +155,15 @@ def test_two_workers_over_shared_memory_and_ram_nodes_train_like_one(three_nodes
             torch.set_num_threads(threads)
 
     def two_workers():
-        session = Session(config_of(2), arch)
+        session = probed_session(config_of(2), arch)
         try:
             session.init_weights()
             session.start_executor()
-            assert sorted(session.transports()) == ["shm", "stream", "stream"]
+            assert sorted(Probe(session).transports()) == ["shm", "stream", "stream"]
             results, evaluation = steps(session)
             session.drain()
             versions = ray.get([w.remote_versions.remote() for w in session.gpus])
-            weights = session.layer_weights()
+            weights = layer_weights(session)
             counts = {i: n for c in ray.get([s.update_counts.remote() for s in session.stores])
                       for i, n in c.items()}
         finally:

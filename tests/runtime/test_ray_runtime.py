@@ -4,11 +4,13 @@ import pytest
 import ray
 import torch
 
+from megatrain_ray.files import shard
 from megatrain_ray.models.registry import PRESETS
-from megatrain_ray.runtime.session import Session
+from megatrain_ray.bench.telemetry import Probe
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_training import random_micro_batches
 from helpers.runs import make_config
+from helpers.sessions import layer_weights, probed_session
 
 
 @pytest.mark.parametrize("preset,embedding_step", [("tiny-llama", "host"), ("tiny-qwen3", "host"),
@@ -24,17 +26,17 @@ def test_ray_session_equals_in_process_trainer(local_ray, preset, embedding_step
     local = LocalTrainer(config, arch)
     local_results = [local.train_step(step) for step in data]
     expected = local.layer_weights()
-    expected_state = local.stores[0].state_tensors()
+    expected_state = shard.state_tensors(local.stores[0])
     local.close()
 
-    session = Session(config, arch)
+    session = probed_session(config, arch)
     try:
         session.init_weights()
         described = session.start_executor()
         assert ("the embedding's AdamW step runs here" in described) == (embedding_step == "device")
-        assert session.transports() == ["shm"]
+        assert Probe(session).transports() == ["shm"]
         results = [session.train_step(step) for step in data]
-        weights = session.layer_weights()
+        weights = layer_weights(session)
         state = ray.get(session.stores[0].state_tensors.remote())
     finally:
         session.close()

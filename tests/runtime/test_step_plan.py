@@ -1,19 +1,29 @@
-"""One run plans its step once, on the driver, and every GPU worker builds that plan; the in-process
-trainer plans and builds through the same two functions (planning/step_plan.py, streaming/build.py)."""
+"""Every caller reaches its step's decisions through one function, once per run (planning/step_plan.py:
+plan_step), and renders or builds the StepPlan it returns: a run's session, whose GPU workers build
+that plan; the in-process trainer; `plan` on the cluster Ray is connected to and `plan --cluster`
+on a described one; the benchmark, once per step shape. Workers are assembled by one function
+(runtime/worker.py: assemble_worker)."""
 
+import argparse
 import time
 
 import pytest
 import ray
 
+from megatrain_ray import api
+from megatrain_ray.bench import telemetry as bench_telemetry
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import PRESETS
+from megatrain_ray.planning import step_plan, whatif
+from megatrain_ray.planning.plan import size
 from megatrain_ray.runtime import local, session as session_module
 from megatrain_ray.runtime.local import LocalTrainer
-from megatrain_ray.runtime.probe import Probe
+from megatrain_ray.bench.telemetry import Probe, ProbedWorker
+from megatrain_ray.bench.run import add_arguments, bench_config, run_shapes, shapes_from
 from megatrain_ray.runtime.session import Session
 from megatrain_ray.runtime.training import run_training
 from helpers.runs import tiny_raw
+from helpers.sessions import probed_session
 
 
 def counting(monkeypatch, module, name: str) -> list:
@@ -35,6 +45,7 @@ def test_a_run_plans_its_step_once_and_its_workers_build_that_plan(local_ray, mo
     driver, and each worker's executor keeps the blocks and parks what that one plan says; on a GPU
     the embedding's AdamW step runs there, from the same plan."""
     plans = counting(monkeypatch, session_module, "plan_step")
+    monkeypatch.setattr(session_module, "GpuWorker", ProbedWorker)  # the run's workers, reporting what they built
     built = []
     start = Session.start_executor
 
@@ -55,16 +66,71 @@ def test_a_run_plans_its_step_once_and_its_workers_build_that_plan(local_ray, mo
     assert built == [(plan, 1, False)] * workers
 
 
-def test_the_in_process_trainer_plans_and_builds_through_the_same_functions(monkeypatch, tmp_path):
-    plans = counting(monkeypatch, local, "plan_step")
-    builds = counting(monkeypatch, local, "build_executor")
+def every_plan(monkeypatch) -> list:
+    """Every StepPlan plan_step returns, wherever it is called from (the callers import it)."""
+    real, plans = step_plan.plan_step, []
+
+    def spy(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
+
+    for module in (step_plan, session_module, local, whatif, bench_telemetry):
+        monkeypatch.setattr(module, "plan_step", spy)
+    return plans
+
+
+def test_the_in_process_trainer_plans_and_assembles_through_the_same_functions(monkeypatch, tmp_path):
+    plans = every_plan(monkeypatch)
+    assembled = counting(monkeypatch, local, "assemble_worker")
     config = config_from_dict(tiny_raw(tmp_path, steps=1, executor={"keep_graphs": 1}))
     trainer = LocalTrainer(config, PRESETS["tiny-llama"])
     trainer.close()
-    assert len(plans) == 1 and len(builds) == 1
-    plan = plans[0][2]
-    (args, _, executor) = builds[0]
-    assert args[2] is plan and executor is trainer.executor and len(executor.kept) == plan.kept == 1
+    assert len(plans) == 1 and len(assembled) == 1
+    (args, _, worker) = assembled[0]
+    assert args[2] is plans[0] and worker.executor is trainer.executor and len(worker.executor.kept) == plans[0].kept == 1
+
+
+def test_plan_of_a_described_cluster_renders_the_one_plan(monkeypatch, capsys, tmp_path):
+    plans = every_plan(monkeypatch)
+    assert api.plan("examples/tiny.yaml", cluster="examples/cluster-4x512.yaml", model={"preset": "qwen2.5-7b"})
+    out = capsys.readouterr().out
+    assert len(plans) == 1
+    assert f"predicted peak {size(plans[0].memory.total)} of {size(plans[0].free_bytes)} free" in out
+
+
+def test_plan_of_the_cluster_renders_the_one_plan(local_ray, monkeypatch, capsys, tmp_path):
+    plans = every_plan(monkeypatch)
+    assert api.plan(tiny_raw(tmp_path, executor={"keep_graphs": 1}))
+    out = capsys.readouterr().out
+    assert len(plans) == 1 and plans[0].kept == 1
+    assert f"predicted peak {size(plans[0].memory.total)}" in out and "the last 1 of 2 blocks" in out
+
+
+def test_the_benchmark_plans_each_shape_once_and_renders_that_plan(local_ray, monkeypatch, capsys, tmp_path):
+    """A sweep of two step shapes on one session: one plan per shape, each built by the workers
+    (reassembled for the second) and printed as planned."""
+    plans = every_plan(monkeypatch)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny-llama", "--device", "cpu", "--seq-len", "16", "--micro-batch", "2", "1",
+                              "--grad-accum", "2", "--steps", "1", "--warmup", "0", "--optimizer-threads", "1",
+                              "--keep-graphs", "1", "0"])
+    shapes = shapes_from(args)
+    built = []
+    reconfigure = Probe.reconfigure
+
+    def reconfigure_and_look(self, config):
+        reconfigure(self, config)
+        built.extend(self.built())
+
+    monkeypatch.setattr(Probe, "reconfigure", reconfigure_and_look)
+    session = probed_session(bench_config(args, shapes[0]), PRESETS["tiny-llama"])
+    runs = run_shapes(PRESETS["tiny-llama"], args, shapes, session, lambda runs: None)
+    out = capsys.readouterr().out
+    assert [r["median"]["kept_graphs"] for r in runs] == [1, 0]
+    assert len(plans) == 2 and [p.kept for p in plans] == [1, 0]
+    assert built == [(plans[1], 0, False)]
+    assert out.count("kept forward graphs: the last 1 of 2 blocks") == 1
 
 
 def test_a_plan_is_refused_on_the_driver_before_the_stores_start(local_ray, tmp_path):

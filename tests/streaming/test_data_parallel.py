@@ -21,6 +21,7 @@ from helpers.reference_training import random_micro_batches
 from helpers.runs import tensors_of, tiny_raw
 from helpers.reference_training import relative_error
 from helpers.runs import make_config
+from helpers.sessions import layer_weights
 
 STEPS, GRAD_ACCUM = 3, 4
 
@@ -42,7 +43,7 @@ def train(config, arch, data, wait=None):
         session.start_executor()
         results = [session.train_step(step) for step in data]
         evaluation = session.eval_loss(data[0][:3])  # three micro-batches: shares of 2 and 1
-        weights = session.layer_weights()
+        weights = layer_weights(session)
         counts = {i: n for c in ray.get([s.update_counts.remote() for s in session.stores])
                   for i, n in c.items()}
     finally:
@@ -156,7 +157,7 @@ def test_layer_owners_split_the_bytes_and_alternate():
 
 
 def test_micro_batches_that_do_not_split_evenly_are_refused():
-    from megatrain_ray.runtime.placement import NodeInfo, plan_placement
+    from megatrain_ray.planning.placement import NodeInfo, plan_placement
 
     raw = {"model": {"preset": "tiny-llama"}, "train": {"grad_accum": 6}}
     with pytest.raises(ConfigError, match=r"train.grad_accum=6 .* 4 GPU workers .* multiple of 4 \(4, 8\)"):
@@ -175,7 +176,7 @@ def test_micro_batches_that_do_not_split_evenly_are_refused():
 def test_stated_host_memory_replaces_what_the_node_reads_free():
     """A machine whose memory grows as it is used reads little free at start: a model that does not
     fit in that is refused, and placed once the user states what a store may take."""
-    from megatrain_ray.runtime.placement import GiB, NodeInfo, plan_placement
+    from megatrain_ray.planning.placement import GiB, NodeInfo, plan_placement
 
     arch = PRESETS["qwen2.5-7b"]  # 14 bytes x 7.6 B params: about 99 GiB
     gpu = NodeInfo("gpu", "10.0.0.1", gpus=2.0, ram_node=False, free_bytes=28 * GiB)

@@ -6,19 +6,11 @@ import torch
 
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import PRESETS
-from megatrain_ray.models.reference import ReferenceModel
+from helpers.reference_model import ReferenceModel
 from megatrain_ray.host.adamw import learning_rate
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_training import random_micro_batches
-
-
-def make_config(preset: str, steps: int = 3):
-    return config_from_dict({
-        "model": {"preset": preset, "compute_dtype": "float32", "init_std": 0.2},
-        "optim": {"lr": 1e-2, "warmup_steps": 1},
-        "train": {"steps": steps, "grad_accum": 2, "micro_batch_size": 2, "seed": 3},
-        "executor": {"device": "cpu", "loss_chunk_tokens": 5, "num_slots": 2},
-    })
+from helpers.runs import make_config
 
 
 def reference_loss(arch, weights, batches) -> float:
@@ -34,13 +26,13 @@ def test_eval_loss_is_the_plain_pytorch_loss_and_leaves_training_untouched(prese
     train = random_micro_batches(arch, 3, 2, batch=2, seq=12, seed=1)
     held_out = [mb for step in random_micro_batches(arch, 2, 3, batch=2, seq=12, seed=9) for mb in step]
 
-    plain = LocalTrainer(make_config(preset), arch, num_stores=2)
+    plain = LocalTrainer(make_config(preset, num_slots=2), arch, num_stores=2)
     for step in train:
         plain.train_step(step)
     expected = plain.layer_weights()
     plain.close()
 
-    trainer = LocalTrainer(make_config(preset), arch, num_stores=2)
+    trainer = LocalTrainer(make_config(preset, num_slots=2), arch, num_stores=2)
     before = reference_loss(arch, trainer.layer_weights(), held_out)
     first = trainer.eval_loss(held_out)
     assert first.loss == pytest.approx(before, rel=1e-5)
@@ -54,7 +46,7 @@ def test_eval_loss_is_the_plain_pytorch_loss_and_leaves_training_untouched(prese
     after = trainer.layer_weights()
     trainer.close()
     assert evaluation.loss != pytest.approx(first.loss, rel=1e-3)  # it saw the trained weights
-    config = make_config(preset)
+    config = make_config(preset, num_slots=2)
     assert [r.lr for r in results] == [learning_rate(config.optim, k, config.train.steps) for k in range(3)]
     for a, b in zip(after, expected):  # bit for bit the weights of the run without evaluations
         assert torch.equal(a, b)
@@ -66,7 +58,7 @@ def test_eval_loss_on_the_gpu_matches_plain_pytorch(dtype):
     """CUDA streams, compiled blocks and bf16 compute: the validation loss is plain PyTorch's (under
     autocast for bf16) and the training after it is the training without it."""
     arch = PRESETS["tiny-qwen2"]
-    config = config_from_dict({**make_config("tiny-qwen2").to_dict(),
+    config = config_from_dict({**make_config("tiny-qwen2", num_slots=2).to_dict(),
                                "model": {"preset": "tiny-qwen2", "compute_dtype": dtype, "init_std": 0.2},
                                "executor": {"device": "cuda", "loss_chunk_tokens": 5, "compile": True}})
     train = random_micro_batches(arch, 3, 2, batch=2, seq=12, seed=1)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megatrain_ray.config import config_from_dict
-from megatrain_ray.streaming.device_step import DeviceStepSource, HostLayerState
+from megatrain_ray.host.sources import HostLayerState
+from megatrain_ray.streaming.device_step import DeviceStepSource
 from megatrain_ray.streaming.executor import Prefetcher
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.runtime.local import LocalTrainer

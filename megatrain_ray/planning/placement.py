@@ -53,8 +53,9 @@ class Placement:
     use_cuda: bool
     stores: tuple[StorePlan, ...]
     bytes_per_param: float
-    window_slots: int = 0  # pinned slots per layer size, each GPU worker's, for remote layers; 0: none remote
+    window_slots: int = 0  # pinned slots per layer size, each GPU worker's, for remote layers; 0: none remote (or not yet planned)
     window_bytes: int = 0  # what they (and the gradient outboxes) take on the GPU node, all workers together
+    gpu_spare: float = 0.0  # the GPU machine's usable memory beside its workers and stores: windows and parked activations
     num_gpus: int = 1  # workers on the GPU node, data parallel over a step's micro-batches (CPU workers without CUDA)
     stated_memory: bool = False  # store capacities come from runtime.store_memory_gib
     state_format: StateFormat = StateFormat()  # optim.master, optim.moments
@@ -214,10 +215,9 @@ def largest_models(room: StoreRoom, config: Config) -> str:
     return "\n".join(lines)
 
 
-def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_node: str,
-                   parked_bytes: int = 0) -> Placement:
-    """`parked_bytes`: host memory the GPU node will need for parked activations (planner.host_parking),
-    all its workers together."""
+def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_node: str) -> Placement:
+    """The stores' layers and the GPU machine's spare memory; the window for remote layers is the
+    step plan's to size (`with_window`), once it knows what parked activations take."""
     rt = config.runtime
     room = store_room(arch, config, nodes, driver_node)
     gpu, use_cuda, workers, holders, capacities = room.gpu, room.use_cuda, room.workers, room.holders, room.capacities
@@ -254,12 +254,20 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
     )
     placement = Placement(gpu, use_cuda, stores, bpp, num_gpus=workers, stated_memory=stated, state_format=fmt,
                           compute_bytes=esize)
+    spare = USABLE * room.machines[gpu.ip] - workers * GPU_NODE_RESERVE - placement.gpu_machine_state()
+    return dataclasses.replace(placement, gpu_spare=spare)
+
+
+def with_window(placement: Placement, arch: ModelArch, config: Config, parked_bytes: int = 0) -> Placement:
+    """The placement with each worker's window for the layers on other nodes, sized in what the GPU
+    machine has spare beside `parked_bytes` (parked activations, all its workers'): the step plan's
+    decision (planning/step_plan.py)."""
+    numels = [layout.numel for layout in model_layouts(arch)]
     remote = [numels[i] for i in placement.remote_layers()]
     if not remote:
         return placement
-    spare = (USABLE * room.machines[gpu.ip] - workers * GPU_NODE_RESERVE
-             - placement.gpu_machine_state() - parked_bytes)
-    slots = window_slots(remote, spare / workers, esize, config)  # every worker has its own window
+    workers, esize = placement.num_gpus, placement.compute_bytes
+    slots = window_slots(remote, (placement.gpu_spare - parked_bytes) / workers, esize, config)  # a window a worker
     return dataclasses.replace(placement, window_slots=slots, window_bytes=workers * window_bytes(remote, slots, esize))
 
 

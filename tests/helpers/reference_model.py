@@ -1,7 +1,6 @@
 """The plain PyTorch reference: the whole model as one nn.Module with ordinary autograd.
 
-Tests train it with torch.optim.AdamW beside the streaming trainer, on the same weights and data;
-the baselines of `megatrain-ray bench` run it on the GPU.
+Tests train it with torch.optim.AdamW beside the streaming trainer, on the same weights and data.
 """
 
 from __future__ import annotations
@@ -12,12 +11,8 @@ from torch import nn
 
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX
-from megatrain_ray.models.layout import BLOCK, EMBED
+from megatrain_ray.models.layout import BLOCK, EMBED, module_key
 from megatrain_ray.models.registry import family, model_layouts
-
-
-def _key(name: str) -> str:
-    return name.replace(".", "__")
 
 
 class ReferenceModel(nn.Module):
@@ -29,7 +24,7 @@ class ReferenceModel(nn.Module):
         for layout in self.layouts:
             module = nn.Module()
             for p in layout.params:
-                module.register_parameter(_key(p.name), nn.Parameter(torch.zeros(p.shape, dtype=dtype)))
+                module.register_parameter(module_key(p.name), nn.Parameter(torch.zeros(p.shape, dtype=dtype)))
             self.layers.append(module)
         if layer_weights is not None:
             self.load_layer_weights(layer_weights)
@@ -38,23 +33,23 @@ class ReferenceModel(nn.Module):
         with torch.no_grad():
             for layout, module, flat in zip(self.layouts, self.layers, flats):
                 for name, view in layout.views(flat).items():
-                    getattr(module, _key(name)).copy_(view)
+                    getattr(module, module_key(name)).copy_(view)
 
     def layer_weights(self) -> list[torch.Tensor]:
         """Each layer's parameters flattened in layout order (fp32), to compare with the stores."""
         return [
-            torch.cat([getattr(m, _key(p.name)).detach().float().reshape(-1) for p in layout.params])
+            torch.cat([getattr(m, module_key(p.name)).detach().float().reshape(-1) for p in layout.params])
             for layout, m in zip(self.layouts, self.layers)
         ]
 
     def bound(self, index: int) -> dict[str, torch.Tensor]:
-        return {p.name: getattr(self.layers[index], _key(p.name)) for p in self.layouts[index].params}
+        return {p.name: getattr(self.layers[index], module_key(p.name)) for p in self.layouts[index].params}
 
     def decay_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         decay, no_decay = [], []
         for layout, module in zip(self.layouts, self.layers):
             for p in layout.params:
-                (decay if p.decays else no_decay).append(getattr(module, _key(p.name)))
+                (decay if p.decays else no_decay).append(getattr(module, module_key(p.name)))
         return decay, no_decay
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, compute_dtype=None) -> torch.Tensor:

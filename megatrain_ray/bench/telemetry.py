@@ -1,9 +1,10 @@
 """What the benchmark and the tests measure of a running session, in one place: time the host
-optimizer took, bytes to and from other nodes, host and process memory, a profiled step, and a new
-step shape on the same stores (a sweep).
+optimizer took, bytes to and from other nodes, host and process memory, how each worker reaches
+the stores, a profiled step, and a new step shape on the same stores (a sweep).
 
-The actors carry their side as mixins (`StoreProbe`, `WorkerProbe`); `Probe` reaches them for the
-driver. Training itself never calls any of it.
+The benchmark's actors are the run's own, extended here (`ProbedStore`, `ProbedWorker`: the run's
+classes inherit nothing from the benchmark); `Probe` reaches them for the driver. Training itself
+never calls any of it.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from pathlib import Path
 
 import torch
 
+from megatrain_ray.config import check_divisible
 from megatrain_ray.host.memory import available_memory, major_faults, resident_bytes
-from megatrain_ray.planning.step_plan import DeviceFacts, device_facts
-from megatrain_ray.streaming.build import build_executor
+from megatrain_ray.planning.step_plan import DeviceFacts, device_facts, plan_step
+from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
+from megatrain_ray.runtime.worker import assemble_worker
 
 
-class StoreProbe:
-    """A ShardStoreActor's measurements (beside ShardStore.host_bytes, the size of its state)."""
+class ProbedStore(ShardStoreActor):
+    """A store that also reports its measurements (beside ShardStore.host_bytes, the size of its state)."""
 
     def take_optimizer_seconds(self) -> float:
         """Seconds of AdamW since the last call."""
@@ -30,28 +33,31 @@ class StoreProbe:
         return {"rss_bytes": resident_bytes(), "node_available_bytes": available_memory(), "major_faults": major_faults()}
 
 
-class WorkerProbe:
-    """A GpuWorker's measurements, and its executor rebuilt for a new step shape."""
+class ProbedWorker(GpuWorker):
+    """A GPU worker that also reports its measurements, and is reassembled for a new step shape."""
 
     def drop_executor(self) -> DeviceFacts:
         """Wait for the last updates, free the executor's device memory; returns the device's facts
         for the next step shape's plan."""
-        self.source.drain()
-        self.executor = None
+        self.worker.source.drain()
+        self.worker.executor = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return device_facts(self.device, self.measured_working_set)
+        return device_facts(self.device, self.facts.measured_working_set)
 
     def rebuild(self, config, plan) -> None:
-        """The executor for a new step shape on the same stores, sources and process group (which
-        keeps the host state and its CUDA registration instead of rebuilding them)."""
+        """The worker for a new step shape on the same stores, their ways in and the process group
+        (which keeps the host state and its CUDA registration instead of rebuilding them)."""
         self.config, self.plan = config, plan
-        self.executor = build_executor(self.arch, config, plan, self.source, self.device, self.group)
+        old = self.worker
+        self.worker = assemble_worker(self.arch, config, plan, old.layers, self.device, group=old.group,
+                                      updates_done=old.lr_schedule.updates_done)
 
     def built(self) -> tuple:
         """The plan this worker was handed, and what its executor holds of it: the blocks keeping
         their graphs and whether it parks activations."""
-        return self.plan, len(self.executor.kept), self.executor.offload_activations
+        executor = self.worker.executor
+        return self.plan, len(executor.kept), executor.offload_activations
 
     def profile_step(self, out_dir: str, *step_args):
         """One step under torch.profiler: a trace for Perfetto and the top kernels as text."""
@@ -65,6 +71,10 @@ class WorkerProbe:
         sort = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
         (Path(out_dir) / "top.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
         return out
+
+    def transports(self) -> list[str]:
+        """How this worker reaches each store: "shm" (same node) or "stream" (TCP)."""
+        return self.kinds
 
     def memory_status(self) -> dict:
         return {"rss_bytes": resident_bytes(), "node_available_bytes": available_memory()}
@@ -83,7 +93,9 @@ class WorkerProbe:
 
 
 class Probe:
-    """The driver's side: one session's measurements, summed over its actors where that makes sense."""
+    """The driver's side: one session's measurements, summed over its actors where that makes
+    sense. The session's actors are `ProbedStore` and `ProbedWorker` (Session's store_class and
+    worker_class)."""
 
     def __init__(self, session):
         self.session = session
@@ -101,9 +113,6 @@ class Probe:
     def store_memory(self) -> list[dict]:
         return self._all(self.session.stores, "memory_status", what="reading the stores' memory")
 
-    def worker_memory(self) -> list[dict]:
-        return self._all(self.session.gpus, "memory_status", what="reading the workers' memory")
-
     def traffic(self) -> tuple[int, int]:
         """Bytes the workers received from and sent to other nodes' stores since the last call."""
         traffic = self._all(self.session.gpus, "take_traffic", what="reading the workers' traffic")
@@ -113,11 +122,12 @@ class Probe:
         """Host bytes the workers hold for layers on other nodes (their windows and outboxes)."""
         return sum(self._all(self.session.gpus, "remote_host_bytes", what="reading the workers' windows"))
 
-    def remote_versions(self) -> list[dict[int, int]]:
-        return self._all(self.session.gpus, "remote_versions", what="reading the workers' windows")
+    def transports(self) -> list[str]:
+        """How the workers reach each store ("shm" or "stream"); every worker alike."""
+        return self._all(self.session.gpus[:1], "transports", what="reading the transports")[0]
 
     def built(self) -> list[tuple]:
-        """Each worker's plan and what its executor holds of it (WorkerProbe.built)."""
+        """Each worker's plan and what its executor holds of it (ProbedWorker.built)."""
         return self._all(self.session.gpus, "built", what="reading the workers' plans")
 
     def profile_step(self, micro_batches: list[dict], out_dir: str):
@@ -126,5 +136,11 @@ class Probe:
 
     def reconfigure(self, config) -> None:
         """A new step shape on the same stores and workers (the benchmark's sweep): planned as a
-        run's step is (a PlanError where it cannot fit), then each worker's executor rebuilt."""
-        self.session.replan(config)
+        run's step is (planning/step_plan.py: a PlanError where it cannot fit), from the devices
+        as the last executor left them, then each worker reassembled."""
+        session = self.session
+        check_divisible(config.train.grad_accum, len(session.gpus))
+        facts = self._all(session.gpus, "drop_executor", what="reconfiguring the GPU workers")
+        plan = plan_step(session.arch, config, facts, session.placement, stores_allocated=True)
+        self._all(session.gpus, "rebuild", config, plan, what="reconfiguring the GPU workers")
+        session.config, session.plan, session.placement = config, plan, plan.placement

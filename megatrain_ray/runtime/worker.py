@@ -1,0 +1,86 @@
+"""A worker assembled from its step plan, in one place: its way to every layer (with the embedding's
+AdamW step on the device where the plan has it), its executor, its learning-rate schedule and its
+data-parallel process group. The Ray GPU worker (runtime/actors.py), the in-process trainer
+(runtime/local.py) and the benchmark's rebuild for a new step shape (bench/telemetry.py) all assemble
+through `assemble_worker`; none of them wires these pieces itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatrain_ray.config import Config
+from megatrain_ray.host.adamw import LrSchedule
+from megatrain_ray.host.memory import dtype_of
+from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.registry import model_layouts
+from megatrain_ray.planning.step_plan import StepPlan
+from megatrain_ray.streaming.data_parallel import Group
+from megatrain_ray.streaming.device_step import DeviceStepSource
+from megatrain_ray.streaming.executor import StreamingExecutor
+from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the data-parallel workers meet: rank 0's address and port (unused by a worker alone)."""
+
+    rank: int = 0
+    world: int = 1
+    address: str = ""
+    port: int = 0
+
+
+@dataclass
+class Worker:
+    """What a worker steps with; `layers` is its way to the stores before the embedding's step is
+    wrapped around it (kept for a rebuild on the same stores)."""
+
+    layers: LayerSource
+    source: LayerSource
+    executor: StreamingExecutor
+    lr_schedule: LrSchedule
+    group: Group
+
+
+def assemble_worker(arch: ModelArch, config: Config, plan: StepPlan, layers: LayerSource, device: torch.device,
+                    meet: Rendezvous = Rendezvous(), group: Group | None = None, updates_done: int = 0,
+                    hooks: StepHooks = NO_HOOKS) -> Worker:
+    """The worker the plan describes. `layers` reaches every layer's store (in process, shared memory
+    or the network); where the plan steps the embedding on the device, the source that owns layer 0
+    shares that layer's state with this process (`shared_state`, `report_updates`). `group`: an
+    existing process group to keep (a rebuild), else one joined at `meet`. `updates_done`: the LR
+    schedule's position."""
+    if plan.device != device.type:
+        raise ValueError(f"the step was planned for {plan.device} but this worker's device is {device}")
+    source = with_embedding_step(layers, arch, config, device) if plan.embedding_on_device else layers
+    group = group or join_group(arch, config, device, meet)
+    return Worker(layers, source, build_executor(arch, config, plan, source, device, group, hooks),
+                  LrSchedule(config.optim, config.train.steps, updates_done), group)
+
+
+def build_executor(arch: ModelArch, config: Config, plan: StepPlan, source: LayerSource, device: torch.device,
+                   group: Group, hooks: StepHooks = NO_HOOKS) -> StreamingExecutor:
+    ex = config.executor
+    return StreamingExecutor(
+        arch, source, device, dtype_of(config.model.compute_dtype), ex.num_slots, ex.loss_chunk_tokens,
+        compile_blocks=ex.compile, mlp_chunk_tokens=ex.mlp_chunk_tokens, offload_activations=plan.offload,
+        group=group, keep_graphs=plan.kept, hooks=hooks,
+    )
+
+
+def with_embedding_step(layers: LayerSource, arch: ModelArch, config: Config, device: torch.device) -> DeviceStepSource:
+    """`layers` with the embedding's AdamW step on `device` (streaming/device_step.py): its store's
+    state as this process reaches it, and the store told of its update count."""
+    state = layers.shared_state(0, model_layouts(arch)[0].segments())
+    return DeviceStepSource(layers, {0: state}, device, dtype_of(config.model.compute_dtype), layers.report_updates)
+
+
+def join_group(arch: ModelArch, config: Config, device: torch.device, meet: Rendezvous) -> Group:
+    numels = [layout.numel for layout in model_layouts(arch)]
+    if meet.world == 1:
+        return Group.solo(len(numels))
+    return Group.join(meet.rank, meet.world, meet.address, meet.port, device, numels,
+                      config.train.step_timeout_s or 1800.0)
