@@ -143,13 +143,14 @@ def input_errors() -> tuple[type[Exception], ...]:
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success, 2 for bad input or a file-system error, 3 for a run that stopped (a lost
     node, a diverging loss), 130 / 143 for a run stopped by SIGINT / SIGTERM: each with one
-    paragraph on stderr, never a traceback."""
+    paragraph on stderr, never a traceback. `--version` and `--help` answer before torch or Ray is
+    imported (seconds)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     from megatrain_ray.runtime.output_dir import FileSystemError, describe_os_error
     from megatrain_ray.runtime.signals import StoppedAtOnce
     from megatrain_ray.runtime.watchdog import RunStopped
 
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:

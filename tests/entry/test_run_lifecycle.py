@@ -354,3 +354,12 @@ def test_the_version_and_a_full_disk_in_one_paragraph(capsys):
     text = describe_os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/run/metrics.jsonl"))
     assert "No space left on device (ENOSPC) at /data/run/metrics.jsonl" in text and "checkpoint.keep" in text
     assert "\n" not in text
+
+
+def test_the_version_answers_without_importing_torch_or_ray():
+    """`megatrain-ray --version` in a fresh interpreter: no torch, no Ray (seconds of imports)."""
+    code = ("import sys\nfrom megatrain_ray import cli\ntry:\n    cli.main(['--version'])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0\nprint(sorted({'torch', 'ray'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout
