@@ -59,6 +59,14 @@ def num_params(arch: ModelArch) -> int:
     return sum(layout.numel for layout in model_layouts(arch))
 
 
+def params_text(count: int) -> str:
+    """A parameter count for people: 850 params, 12.35 K, 1.234 M, 7.616 B (four significant digits)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.4g} {unit} params"
+    return f"{count} params"
+
+
 def hf_names(arch: ModelArch) -> dict[str, tuple[int, ParamSlot]]:
     """Every Hugging Face tensor name of the model, as checkpoint files name them -> (layer index, slot)."""
     return {layout.hf_name(p.name): (layout.index, p) for layout in model_layouts(arch) for p in layout.stored_params()}
