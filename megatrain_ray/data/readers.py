@@ -178,7 +178,7 @@ def read_jsonl(path: Path, columns: ColumnSpec, batch_rows: int) -> Iterator[Row
                 try:
                     obj = json.loads(text)
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{Origin(str(path), row, line_no)}: malformed JSON: {e.msg} at column {e.colno}") from None
+                    raise DataError(f"{Origin(str(path), row, line_no)}: malformed JSON: {json_error_at(e, text)}") from None
             else:
                 obj = text
             origin = Origin(str(path), row, line_no)
@@ -191,6 +191,15 @@ def read_jsonl(path: Path, columns: ColumnSpec, batch_rows: int) -> Iterator[Row
                 batch = []
         if batch:
             yield batch
+
+
+def json_error_at(e: json.JSONDecodeError, line: str) -> str:
+    """The decoder's message and its column in the line; an error past the line's last character (a
+    row cut short: the decoder reads on into the newline and names the next line's column 1) is at its end."""
+    text = line.rstrip("\r\n")
+    if e.pos >= len(text):
+        return f"{e.msg} at the end of the line (column {len(text) + 1}): the row is cut short"
+    return f"{e.msg} at column {e.colno}"
 
 
 def load_json_array(f: io.TextIOBase, path: Path) -> list[Any]:
