@@ -22,6 +22,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -144,6 +145,22 @@ def resolve(path_or_latest: str, root: Path) -> Path:
     if not (path / MANIFEST).exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}); it may be half-written")
     return path
+
+
+def check_is_checkpoint(path: Path, command: Callable[[Path], str]) -> None:
+    """A directory that is no checkpoint is refused with the checkpoints it (or its checkpoints/) holds:
+    a run's directory given for one of its checkpoints names them, and `command` of the latest."""
+    if (path / MANIFEST).exists():
+        return
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path} is not a checkpoint (no {MANIFEST}; a checkpoint is a run's "
+                              f"checkpoints/step-NNNNNNNN directory) and holds none")
+    raise CheckpointError(f"{path} is not a checkpoint but holds {len(found)}: "
+                          f"{', '.join(p.name for p in found)} in {found[0].parent}; pass one, e.g. "
+                          f"`{command(found[-1])}`")
 
 
 def read_manifest(path: Path, verify: bool = True) -> tuple[dict, dict]:
