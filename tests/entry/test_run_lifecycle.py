@@ -152,7 +152,7 @@ def test_the_progress_line_on_a_terminal(whole):
     for written, line in drawn:
         assert line == written and len(line) < COLUMNS  # nothing left of a longer line before it
     number, clock_ = r"\d+\.\d{4}", r"\d+:\d\d"
-    field = {"val": rf"val_loss {number}( @\d+)?", "rate": r"[\d,]+ tok/s", "elapsed": rf"elapsed {clock_}",
+    field = {"val": rf"val_loss {number}( \(step \d+\))?", "rate": r"[\d,]+ tok/s", "elapsed": rf"elapsed {clock_}",
              "eta": rf"ETA ({clock_}|\?)"}
     pattern = (rf"step (\d+)/{STEPS} \((\d+)%\) \| loss {number}( \| {field['val']})? \| grad_norm \d+\.\d{{3}} \| "
                rf"lr \S+ \| {field['rate']} \| {field['elapsed']} \| {field['eta']}")
@@ -161,7 +161,7 @@ def test_the_progress_line_on_a_terminal(whole):
         assert match, line
         assert int(match[1]) == step and int(match[2]) == round(100 * step / STEPS)
         if step >= 4:  # validated every 4 steps: the last validation loss stays on the line, with its step
-            assert "val_loss" in line and (step % 4 == 0) == ("@" not in line), line
+            assert "val_loss" in line and (step % 4 == 0) == (f"(step {step - step % 4})" not in line), line
         if step >= 3:
             assert "ETA ?" not in line
     # the start-up's phases, each as it began, before the first step
