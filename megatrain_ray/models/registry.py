@@ -50,6 +50,15 @@ def implementation_of(arch: ModelArch) -> str:
     return "transformers" if isinstance(arch, TransformersArch) else "native"
 
 
+def how_it_runs(arch: ModelArch) -> str:
+    """For the model line printed at start: a model run through transformers' modules says so, and
+    that its check against transformers (model_arch: models/generic_check.py) passed."""
+    if implementation_of(arch) == "native":
+        return ""
+    return (" through transformers' own modules (its check against transformers' model passed: a small random "
+            "instance's logits and gradients agree)")
+
+
 @lru_cache(maxsize=32)
 def model_layouts(arch: ModelArch) -> tuple[LayerLayout, ...]:
     return family(arch).layouts(arch)

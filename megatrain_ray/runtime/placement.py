@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from megatrain_ray.config import Config, ConfigError, RuntimeConfig, check_divisible
 from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.registry import model_layouts, num_params, params_text
+from megatrain_ray.models.registry import how_it_runs, model_layouts, num_params, params_text
 from megatrain_ray.host.precision import StateFormat, format_of
 from megatrain_ray.host.store import bytes_per_param
 from megatrain_ray.host.window import window_bytes
@@ -70,7 +70,7 @@ class Placement:
 
     def describe(self, arch: ModelArch) -> str:
         lines = [
-            f"model: {arch.model_type}, {arch.num_layers} blocks, {params_text(num_params(arch))}, "
+            f"model: {arch.model_type}{how_it_runs(arch)}, {arch.num_layers} blocks, {params_text(num_params(arch))}, "
             f"{self.bytes_per_param:.4g} host bytes/param ({self.state_format.describe()})",
             f"executor on node {self.gpu.ip} ({self.gpu.node_id[:8]}), GPUs there: {self.gpu.gpus:g}; "
             f"{self.num_gpus} {'GPU' if self.use_cuda else 'CPU'} worker(s), data parallel",
