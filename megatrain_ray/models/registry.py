@@ -127,6 +127,10 @@ def arch_from_dict(fields: dict[str, Any]) -> ModelArch:
 
 def load_hf_arch(model_dir: str | Path, implementation: str = "auto") -> ModelArch:
     path = Path(model_dir) / "config.json" if Path(model_dir).is_dir() else Path(model_dir)
+    if not Path(model_dir).exists():
+        relative = "" if Path(model_dir).expanduser().is_absolute() else f" (relative to {Path.cwd()})"
+        raise FileNotFoundError(f"model.path {str(model_dir)!r}: no such file or directory{relative}; a Hugging Face "
+                                f"Hub name has the form owner/name")
     if not path.exists():
         raise FileNotFoundError(f"no config.json at {path}")
     return arch_from_hf_config(json.loads(path.read_text()), implementation)
