@@ -247,6 +247,29 @@ def checkpoint_meta(config: Config, arch: ModelArch, step: int, updates_done: in
     }
 
 
+def schedule_on_resume(config: Config, meta: dict) -> tuple[Config, str | None]:
+    """The config a resume from `meta` trains with, and a line saying which LR schedule it follows
+    where train.steps or optim.schedule_steps differ from the checkpoint's run: that run's schedule
+    length (its optim.schedule_steps, else its train.steps), unless optim.schedule_steps asks for
+    another. Extending a run then goes on at the LR it ended with, instead of a cosine over the new
+    length that jumps back up."""
+    saved = meta.get("config") or {}
+    trained = (saved.get("optim") or {}).get("schedule_steps") or (saved.get("train") or {}).get("steps")
+    asked, steps, first = config.optim.schedule_steps, config.train.steps, meta["step"] + 1
+    if asked is not None:
+        if asked == trained:
+            return config, None
+        return config, (f"LR schedule: a new horizon of {asked} steps (optim.schedule_steps) from step {first}; the "
+                        f"checkpoint's run followed one of {trained} steps")
+    config = config.replace(optim=dataclasses.replace(config.optim, schedule_steps=trained))
+    if steps == trained:
+        return config, None
+    after = (f"train.steps={steps} goes on past its end: from step {trained + 1} the LR stays at its floor, "
+             f"optim.lr x optim.min_lr_ratio" if steps > trained else f"train.steps={steps} stops before its end")
+    return config, (f"LR schedule: kept from the checkpoint's run (warmup + cosine over {trained} steps); {after}. "
+                    f"For a schedule over the new length: --set optim.schedule_steps={steps}")
+
+
 def check_compatible(meta: dict, arch: ModelArch, path: Path, manifest: dict | None = None) -> None:
     """Refuse a checkpoint of another model before anything is allocated."""
     fields = arch.model_fields()  # the loss's settings (arch.loss_fields) may change on resume

@@ -121,6 +121,9 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
         last_step = config.train.steps if until_step is None else min(config.train.steps, until_step)
         if meta["step"] >= last_step:
             return finished_already(config, resume_path, meta["step"], last_step)
+        config, schedule = ckpt.schedule_on_resume(config, meta)
+        if schedule:
+            print(schedule, flush=True)
     out = claim(config, resume, overwrite, num_params(arch))
     print(f"output directory: {where(out)}", flush=True)
     seed_driver(config.train.seed)
