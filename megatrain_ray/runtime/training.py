@@ -183,7 +183,7 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
     progress.placement = None
     watch = Watchdog(placement, config.train.step_timeout_s)
     say(f"starting {len(placement.stores)} store(s)" + ("" if host_kernel_built() else
-        " (they build the host AdamW kernel: once per machine, about a minute)"))
+        " (they build the host AdamW kernel: once per machine, 1-2 minutes on a small one)"))
     try:
         session = Session(config, arch, placement=placement, wait=watch.get)
     except FAULTS as e:  # a node left between the plan and the actors' start
