@@ -256,6 +256,8 @@ def schedule_on_resume(config: Config, meta: dict) -> tuple[Config, str | None]:
     saved = meta.get("config") or {}
     trained = (saved.get("optim") or {}).get("schedule_steps") or (saved.get("train") or {}).get("steps")
     asked, steps, first = config.optim.schedule_steps, config.train.steps, meta["step"] + 1
+    if trained is None:  # a checkpoint that did not record its config: nothing to keep
+        return config, None
     if asked is not None:
         if asked == trained:
             return config, None
