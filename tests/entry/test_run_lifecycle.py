@@ -284,8 +284,9 @@ def test_signals_stop_at_a_step_with_its_checkpoint_and_resume_is_exact(head, wh
 
 def test_a_second_signal_stops_at_once(head, tmp_path, shm_dir):
     """Two signals 0.15 s apart, as two quick presses of Ctrl-C: the driver's handler often runs once
-    for both (it waits on Ray up to half a second at a time) and must count two. (Far enough apart
-    for the kernel to deliver each: a signal still pending when the same one comes is merged there.)"""
+    for both (it waits on Ray up to half a second at a time) and must count two; the in-process test
+    below makes that certain. (Far enough apart for the kernel to deliver each: a signal still
+    pending when the same one comes is merged there.)"""
     out = tmp_path / "run"
     config = write_config(tmp_path, out, shm_dir)
     # Steps of about 2 s on 2 cores (64 micro-batches of 2 x 512 tokens, ~35k tokens/s): the second
@@ -326,6 +327,40 @@ def test_a_signal_while_the_program_exits_ends_it_at_once_without_a_traceback():
     assert done.returncode == 130, done.stdout + done.stderr
     assert done.stdout.startswith("megatrain-ray ") and "Traceback" not in done.stderr, done.stdout + done.stderr
     assert done.stderr.strip() == "megatrain-ray: SIGINT: exiting at once", done.stderr
+
+
+def test_two_signals_before_the_handler_runs_are_two_presses():
+    """In process: both SIGTERMs arrive while the main thread sits in one C call (it blocks the
+    signal; a thread beside it takes each delivery), so Python runs the handler once, after the
+    call, for both; as the driver's handler may run once for two presses during a wait on Ray."""
+    import ctypes
+
+    if threading.current_thread() is not threading.main_thread():  # the handler would not be installed
+        pytest.skip("signal handlers are installed in the main thread only")
+    start = threading.Event()
+
+    def press_twice():
+        start.wait()
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    presser = threading.Thread(target=press_twice)  # made before the mask below: it takes the signals
+    presser.start()
+    with pytest.raises(StoppedAtOnce):
+        with StopRequest() as stop:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                start.set()
+                ctypes.CDLL(None).usleep(1_000_000)  # no Python code runs here, so no handler
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            presser.join()
+            for _ in range(10):  # the handler runs here, once
+                time.sleep(0.01)
+            raise AssertionError(f"not stopped at once: {stop.signum=}, {stop.second=}")
+    assert stop.signum == stop.second == signal.SIGTERM
 
 
 class SignalledWhileClosing:
