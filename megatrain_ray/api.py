@@ -13,6 +13,7 @@ given as keyword mappings (merged key by key into the config's) or `--set`-style
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -64,19 +65,33 @@ def train(config: str | Path | Mapping[str, Any] | Config, *, resume: str | None
                         overwrite=overwrite)
 
 
+@dataclass(frozen=True)
+class PlanResult:
+    """What `plan` found: whether the run fits, why not where it does not (the plan's own refusal),
+    and the plan as printed. True when the run fits."""
+
+    fits: bool
+    reason: str | None
+    text: str
+
+    def __bool__(self) -> bool:
+        return self.fits
+
+
 def plan(config: str | Path | Mapping[str, Any] | Config, *, sets: Iterable[str] = (), cluster: str | Path | None = None,
-         network_gbps: list[float] | None = None, gpu: str | None = None, **sections: Mapping[str, Any]) -> bool:
+         network_gbps: list[float] | None = None, gpu: str | None = None, **sections: Mapping[str, Any]) -> PlanResult:
     """Read the cluster and the model and print where memory goes, as `megatrain-ray plan` does;
-    True when the run fits. With `cluster` (a description, see examples/cluster-4x512.yaml) plan
-    for that cluster instead, without Ray, at each link speed of `network_gbps`. Step times use the
-    rates of the cluster's GPU (planning/rates.py), or of `gpu`, a model of the rates table."""
+    a PlanResult, true when the run fits, with the reason when it does not. With `cluster` (a
+    description, see examples/cluster-4x512.yaml) plan for that cluster instead, without Ray, at
+    each link speed of `network_gbps`. Step times use the rates of the cluster's GPU
+    (planning/rates.py), or of `gpu`, a model of the rates table."""
     config = prepare(to_config(config, sets, **sections))
     if cluster is not None:
         return plan_described(config, cluster, network_gbps)
     return plan_live(config, gpu)
 
 
-def plan_described(config: Config, cluster: str | Path, speeds: list[float] | None) -> bool:
+def plan_described(config: Config, cluster: str | Path, speeds: list[float] | None) -> PlanResult:
     from megatrain_ray.models.registry import model_arch
     from megatrain_ray.planning.whatif import load_cluster, plan_cluster
 
@@ -84,7 +99,7 @@ def plan_described(config: Config, cluster: str | Path, speeds: list[float] | No
     speeds = speeds or sorted({r.network_gbps for r in spec.ram_nodes} | {spec.gpu_node.network_gbps})
     text, fits = plan_cluster(model_arch(config.model), config, spec, speeds)
     print(text)
-    return fits
+    return PlanResult(fits, None if fits else text.splitlines()[-1], text)
 
 
 def driver_facts(arch, config: Config, placement):
@@ -103,7 +118,7 @@ def driver_facts(arch, config: Config, placement):
     return DeviceFacts("cuda", "GPU", gpu_free_bytes(placement.gpu.node_id), headroom, units)
 
 
-def plan_live(config: Config, gpu: str | None = None) -> bool:
+def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
     import ray
 
     from megatrain_ray.models.registry import model_arch
@@ -114,37 +129,41 @@ def plan_live(config: Config, gpu: str | None = None) -> bool:
     from megatrain_ray.runtime.cluster import connect, step_rates
     from megatrain_ray.runtime.session import largest_models_here, place
 
+    shown: list[str] = []
+
+    def say(text: str) -> None:
+        print(text)
+        shown.append(text)
+
+    def result(reason: str | None) -> PlanResult:
+        say(reason or "fits")
+        return PlanResult(reason is None, reason, "\n".join(shown))
+
     arch = model_arch(config.model)
     joined = ray.is_initialized()
     connect(config.runtime)
     try:
         try:
-            print(largest_models_here(arch, config))
+            say(largest_models_here(arch, config))
             placement = place(arch, config)
             # the run's own decisions (planning/step_plan.py), from what the driver can see
             step = plan_step(arch, config, driver_facts(arch, config, placement), placement, stores_allocated=False,
                              refuse=False)
         except ConfigError as e:
-            print(f"does not fit in host memory: {e}")
-            return False
+            return result(f"does not fit in host memory: {e}")
         except planner.PlanError as e:
-            print(f"does not fit: {e}")
-            return False
+            return result(f"does not fit: {e}")
         planned, placement, n = step.planned_arch(arch), step.placement, step.workers
         traffic = step_traffic(planned, config, placement, step.kept)
         network, optimizer_s = traffic.times(), traffic.optimizer_seconds()
-        print(placement.describe(arch))
+        say(placement.describe(arch))
         rates = step_rates(config, gpu)
         if placement.remote_layers():
             compute_s = planner.predict_step(planned, config, network, optimizer_s, n, rates=rates).compute_s if rates else None
-            print(describe_traffic(traffic, compute_s))
-        print(planner.describe(planned, config, step, network, optimizer_s, rates=rates,
-                               no_prediction=None if rates else NO_GPU))
-        if step.refused is not None:
-            print(f"does not fit: {step.refused}")
-            return False
-        print("fits")
-        return True
+            say(describe_traffic(traffic, compute_s))
+        say(planner.describe(planned, config, step, network, optimizer_s, rates=rates,
+                             no_prediction=None if rates else NO_GPU))
+        return result(None if step.refused is None else f"does not fit: {step.refused}")
     finally:
         if not joined:  # leave a cluster the caller had connected to as it was
             ray.shutdown()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -151,13 +153,40 @@ def input_errors() -> tuple[type[Exception], ...]:
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success, 2 for bad input or a file-system error, 3 for a run that stopped (a lost
     node, a diverging loss), 130 / 143 for a run stopped by SIGINT / SIGTERM: each with one
-    paragraph on stderr, never a traceback."""
+    paragraph on stderr, never a traceback. `--version` and `--help` answer before torch or Ray is
+    imported (seconds). As the program (no `argv`), a signal once the command is done ends the
+    process at once."""
+    if argv is not None:
+        return run_command(argv)
+    try:
+        return run_command(sys.argv[1:])
+    finally:
+        exit_at_once_on_signals()
+
+
+def exit_at_once_on_signals() -> None:
+    """For the rest of the process: Ctrl-C or SIGTERM ends it at once (exit 128 + the signal), where
+    Python would print a traceback for a KeyboardInterrupt in an atexit callback, such as Ray's
+    shutdown of an embedded cluster, which takes seconds after a run's end."""
+    def stop(signum: int, frame) -> None:
+        try:
+            sys.stdout.flush()  # what the command printed is kept
+            print(f"megatrain-ray: {signal.Signals(signum).name}: exiting at once", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # a closed pipe
+            pass
+        os._exit(128 + signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+
+
+def run_command(argv: list[str]) -> int:
+    """main's work: the command of `argv`, its failures as exit statuses."""
+    args = build_parser(argv).parse_args(argv)
     from megatrain_ray.runtime.output_dir import FileSystemError, describe_os_error
     from megatrain_ray.runtime.signals import StoppedAtOnce
     from megatrain_ray.runtime.watchdog import RunStopped
 
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:

@@ -76,8 +76,9 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-4  # peak learning rate
-    min_lr_ratio: float = 0.1  # the cosine schedule decays to lr x this at train.steps
+    min_lr_ratio: float = 0.1  # the cosine schedule decays to lr x this at its end, and stays there
     warmup_steps: int = 0  # linear warmup steps before the cosine decay
+    schedule_steps: int | None = None  # the warmup + cosine schedule's length; None: train.steps, and on --resume the length the checkpoint's run trained with
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW's beta1, beta2
     eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.1  # AdamW's decoupled weight decay
@@ -88,7 +89,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 10  # optimizer steps of the run (the LR schedule's length)
+    steps: int = 10  # optimizer steps of the run (the LR schedule's length, unless optim.schedule_steps)
     micro_batch_size: int = 1  # rows per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step, all streamed layer-major
     seed: int = 0  # data order and random initialisation
@@ -337,6 +338,7 @@ def check_values(config: Config) -> None:
         (_finite(o.lr) and o.lr >= 0, "optim.lr must be a finite number >= 0"),
         (0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio must be within [0, 1]"),
         (o.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
+        (o.schedule_steps is None or o.schedule_steps >= 1, "optim.schedule_steps must be >= 1 (or null: train.steps)"),
         (all(0 <= b < 1 for b in o.betas), "optim.betas must both be within [0, 1)"),
         (_finite(o.eps) and o.eps > 0, "optim.eps must be a finite number > 0"),
         (_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay must be a finite number >= 0"),

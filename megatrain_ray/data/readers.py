@@ -195,7 +195,7 @@ def json_row(text: str, origin: Origin) -> dict[str, Any] | BadRow:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        return BadRow(origin, "malformed JSON", f"malformed JSON: {e.msg} at column {e.colno}")
+        return BadRow(origin, "malformed JSON", f"malformed JSON: {json_error_at(e, text)}")
     return json_object(obj, origin)
 
 
@@ -203,6 +203,15 @@ def json_object(obj: Any, origin: Origin) -> dict[str, Any] | BadRow:
     if not isinstance(obj, dict):
         return BadRow(origin, "not a JSON object", f"expected a JSON object, got {type(obj).__name__}")
     return obj
+
+
+def json_error_at(e: json.JSONDecodeError, line: str) -> str:
+    """The decoder's message and its column in the line; an error past the line's last character (a
+    row cut short: the decoder reads on into the newline and names the next line's column 1) is at its end."""
+    text = line.rstrip("\r\n")
+    if e.pos >= len(text):
+        return f"{e.msg} at the end of the line (column {len(text) + 1}): the row is cut short"
+    return f"{e.msg} at column {e.colno}"
 
 
 def load_json_array(f: io.TextIOBase, path: Path) -> list[Any]:

@@ -22,6 +22,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -145,6 +146,22 @@ def resolve(path_or_latest: str, root: Path) -> Path:
     return path
 
 
+def check_is_checkpoint(path: Path, command: Callable[[Path], str]) -> None:
+    """A directory that is no checkpoint is refused with the checkpoints it (or its checkpoints/) holds:
+    a run's directory given for one of its checkpoints names them, and `command` of the latest."""
+    if (path / MANIFEST).exists():
+        return
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path} is not a checkpoint (no {MANIFEST}; a checkpoint is a run's "
+                              f"checkpoints/step-NNNNNNNN directory) and holds none")
+    raise CheckpointError(f"{path} is not a checkpoint but holds {len(found)}: "
+                          f"{', '.join(p.name for p in found)} in {found[0].parent}; pass one, e.g. "
+                          f"`{command(found[-1])}`")
+
+
 def read_manifest(path: Path, verify: bool = True) -> tuple[dict, dict]:
     """(manifest, meta), after checking every file's hash against the manifest."""
     try:
@@ -227,6 +244,31 @@ def checkpoint_meta(config: Config, arch: ModelArch, step: int, updates_done: in
         "config": config.to_dict(),
         "rng": capture_rng_state(),
     }
+
+
+def schedule_on_resume(config: Config, meta: dict) -> tuple[Config, str | None]:
+    """The config a resume from `meta` trains with, and a line saying which LR schedule it follows
+    where train.steps or optim.schedule_steps differ from the checkpoint's run: that run's schedule
+    length (its optim.schedule_steps, else its train.steps), unless optim.schedule_steps asks for
+    another. Extending a run then goes on at the LR it ended with, instead of a cosine over the new
+    length that jumps back up."""
+    saved = meta.get("config") or {}
+    trained = (saved.get("optim") or {}).get("schedule_steps") or (saved.get("train") or {}).get("steps")
+    asked, steps, first = config.optim.schedule_steps, config.train.steps, meta["step"] + 1
+    if trained is None:  # a checkpoint that did not record its config: nothing to keep
+        return config, None
+    if asked is not None:
+        if asked == trained:
+            return config, None
+        return config, (f"LR schedule: a new horizon of {asked} steps (optim.schedule_steps) from step {first}; the "
+                        f"checkpoint's run followed one of {trained} steps")
+    config = config.replace(optim=dataclasses.replace(config.optim, schedule_steps=trained))
+    if steps == trained:
+        return config, None
+    after = (f"train.steps={steps} goes on past its end: from step {trained + 1} the LR stays at its floor, "
+             f"optim.lr x optim.min_lr_ratio" if steps > trained else f"train.steps={steps} stops before its end")
+    return config, (f"LR schedule: kept from the checkpoint's run (warmup + cosine over {trained} steps); {after}. "
+                    f"For a schedule over the new length: --set optim.schedule_steps={steps}")
 
 
 def check_compatible(meta: dict, arch: ModelArch, path: Path, manifest: dict | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from megatrain_ray.files import checkpoint as ckpt
@@ -19,6 +20,7 @@ def checkpoint_layers(path: Path, manifest: dict):
 def export_checkpoint(path: Path, out_dir: Path, dtype: str = "float32") -> Path:
     from megatrain_ray.files.hf import export_hf
 
+    ckpt.check_is_checkpoint(path, lambda found: shlex.join(["megatrain-ray", "export", str(found), str(out_dir)]))
     manifest, meta = ckpt.read_manifest(path)
     export_hf(out_dir, arch_from_dict(meta["arch"]), checkpoint_layers(path, manifest), dtype=dtype_of(dtype))
     return out_dir

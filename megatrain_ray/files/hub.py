@@ -1,9 +1,12 @@
 """Hugging Face Hub names (`Qwen/Qwen2.5-7B-Instruct`) for model.path and data.tokenizer.
 
-A value that is not a local path but reads as a Hub repository id is resolved through
-huggingface_hub: the local cache first (HF_HOME, HF_HUB_CACHE), then, unless HF_HUB_OFFLINE is
-set, a download of the files a run reads (config, safetensors, tokenizer, chat template). Offline
-and not cached is a one-paragraph error that gives the command to download it.
+A value that is not a local path but has a Hub repository id's `owner/name` shape is resolved
+through huggingface_hub: the local cache first (HF_HOME, HF_HUB_CACHE), then, unless
+HF_HUB_OFFLINE is set, a download of the files a run reads (config, safetensors, tokenizer, chat
+template). Offline and not cached is a one-paragraph error that gives the command to download it.
+As such a name may as well be a mistyped relative directory, every message about it says both:
+no such directory here, and what the Hub said. Any other path that does not exist (`gpt2`,
+`runs/a/model`) is a missing file, which the reader of that setting reports.
 
 The resolved directory is a path on the driver's machine; stores on other nodes load the weights
 from the same path, so on a multi-node cluster the cache must be shared storage (or downloaded on
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from megatrain_ray.config import Config, ConfigError
 
-REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")  # owner/name
 MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
 TOKENIZER_FILES = ["tokenizer*", "*.jinja", "special_tokens_map.json", "config.json", "*.model", "*.txt"]
 
@@ -29,7 +32,7 @@ class HubError(ConfigError):
 
 
 def looks_like_hub_name(value: str) -> bool:
-    """`org/name` or `name`, and nothing on disk by that name; explicit paths (/, ./, ~) never are."""
+    """`owner/name`, and nothing on disk by that name; explicit paths (/, ./, ~) never are."""
     if value.startswith(("/", "./", "../", "~")) or Path(value).expanduser().exists():
         return False
     return REPO_ID.match(value) is not None and not value.endswith((".json", ".yaml", ".jinja"))
@@ -55,6 +58,10 @@ def download_hint(name: str) -> str:
     return f"`hf download {name}` (with an older huggingface_hub: `huggingface-cli download {name}`)"
 
 
+def not_here(value: str) -> str:
+    return f"there is no directory {value} here ({Path.cwd()})"
+
+
 def resolve_hub_name(value: str, setting: str, patterns: list[str]) -> str:
     """A local directory for `value`: itself when local, else the cached (or downloaded) snapshot."""
     if not looks_like_hub_name(value):
@@ -70,18 +77,18 @@ def resolve_hub_name(value: str, setting: str, patterns: list[str]) -> str:
     where = cache or "the default Hugging Face cache (~/.cache/huggingface/hub)"
     if offline():
         raise HubError(
-            f"{setting} {value!r} is not a local path, and as a Hugging Face Hub name it is not in {where} while "
-            f"HF_HUB_OFFLINE is set; download it on a machine with network access with {download_hint(value)} "
-            f"(same HF_HOME), or set {setting} to a local directory"
+            f"{setting} {value!r} is not a local path ({not_here(value)}), and as a Hugging Face Hub name it is not "
+            f"in {where} while HF_HUB_OFFLINE is set: check the path, or download it on a machine with network "
+            f"access with {download_hint(value)} (same HF_HOME), or set {setting} to a local directory"
         )
-    print(f"{setting}: downloading {value} from the Hugging Face Hub into {where}", flush=True)
+    print(f"{setting}: {not_here(value)}; downloading {value} as a Hugging Face Hub name into {where}", flush=True)
     try:
         return snapshot_download(value, allow_patterns=patterns, cache_dir=cache)
     except Exception as e:  # no network, no such repository, a gated one: huggingface_hub's own message
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise HubError(
-            f"{setting} {value!r} is not a local path and could not be fetched from the Hugging Face Hub "
-            f"({type(e).__name__}: {first}); check the name, log in with `hf auth login` for a gated model, or "
+            f"{setting} {value!r} is not a local path ({not_here(value)}) and could not be fetched from the "
+            f"Hugging Face Hub ({type(e).__name__}: {first}); check the path or the name, log in with `hf auth login` for a gated model, or "
             f"download it with {download_hint(value)}, or set {setting} to a local directory"
         ) from None
 

@@ -220,11 +220,12 @@ def _adam_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
 
 class LrSchedule:
     """Turns a step's gradient norm into that step's AdamW message (its LR, its clipping); counts
-    the updates done, the schedule's position."""
+    the updates done, the schedule's position. The schedule spans optim.schedule_steps where set
+    (a resumed run keeps its checkpoint's: files/checkpoint.schedule_on_resume), else `total_steps`."""
 
     def __init__(self, cfg: OptimConfig, total_steps: int, updates_done: int = 0):
         self.cfg = cfg
-        self.total_steps = total_steps
+        self.total_steps = cfg.schedule_steps or total_steps
         self.updates_done = updates_done
 
     def next(self, grad_norm: float) -> AdamWStep:

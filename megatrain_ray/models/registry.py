@@ -50,6 +50,15 @@ def implementation_of(arch: ModelArch) -> str:
     return "transformers" if isinstance(arch, TransformersArch) else "native"
 
 
+def how_it_runs(arch: ModelArch) -> str:
+    """For the model line printed at start: a model run through transformers' modules says so, and
+    that its check against transformers (model_arch: models/generic_check.py) passed."""
+    if implementation_of(arch) == "native":
+        return ""
+    return (" through transformers' own modules (its check against transformers' model passed: a small random "
+            "instance's logits and gradients agree)")
+
+
 @lru_cache(maxsize=32)
 def model_layouts(arch: ModelArch) -> tuple[LayerLayout, ...]:
     return family(arch).layouts(arch)
@@ -57,6 +66,14 @@ def model_layouts(arch: ModelArch) -> tuple[LayerLayout, ...]:
 
 def num_params(arch: ModelArch) -> int:
     return sum(layout.numel for layout in model_layouts(arch))
+
+
+def params_text(count: int) -> str:
+    """A parameter count for people: 850 params, 12.35 K, 1.234 M, 7.616 B (four significant digits)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.4g} {unit} params"
+    return f"{count} params"
 
 
 def hf_names(arch: ModelArch) -> dict[str, tuple[int, ParamSlot]]:
@@ -110,6 +127,10 @@ def arch_from_dict(fields: dict[str, Any]) -> ModelArch:
 
 def load_hf_arch(model_dir: str | Path, implementation: str = "auto") -> ModelArch:
     path = Path(model_dir) / "config.json" if Path(model_dir).is_dir() else Path(model_dir)
+    if not Path(model_dir).exists():
+        relative = "" if Path(model_dir).expanduser().is_absolute() else f" (relative to {Path.cwd()})"
+        raise FileNotFoundError(f"model.path {str(model_dir)!r}: no such file or directory{relative}; a Hugging Face "
+                                f"Hub name has the form owner/name")
     if not path.exists():
         raise FileNotFoundError(f"no config.json at {path}")
     return arch_from_hf_config(json.loads(path.read_text()), implementation)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from megatrain_ray.config import Config, ConfigError, RuntimeConfig, check_divisible
 from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.registry import model_layouts, num_params
+from megatrain_ray.models.registry import how_it_runs, model_layouts, num_params, params_text
 from megatrain_ray.host.precision import StateFormat, format_of
 from megatrain_ray.host.store import bytes_per_param
 from megatrain_ray.host.window import window_bytes
@@ -71,7 +71,7 @@ class Placement:
 
     def describe(self, arch: ModelArch) -> str:
         lines = [
-            f"model: {arch.model_type}, {arch.num_layers} blocks, {num_params(arch) / 1e9:.3f} B params, "
+            f"model: {arch.model_type}{how_it_runs(arch)}, {arch.num_layers} blocks, {params_text(num_params(arch))}, "
             f"{self.bytes_per_param:.4g} host bytes/param ({self.state_format.describe()})",
             f"executor on node {self.gpu.ip} ({self.gpu.node_id[:8]}), GPUs there: {self.gpu.gpus:g}; "
             f"{self.num_gpus} {'GPU' if self.use_cuda else 'CPU'} worker(s), data parallel",
@@ -231,7 +231,7 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
     need, have = sum(numels) * bpp, sum(capacities)
     if need > have:
         raise ConfigError(
-            f"the model needs {need / GiB:.1f} GiB of host memory ({sum(numels) / 1e9:.2f} B params x {bpp:.4g} bytes, "
+            f"the model needs {need / GiB:.1f} GiB of host memory ({params_text(sum(numels))} x {bpp:.4g} bytes, "
             f"{fmt.describe()}) "
             + (f"but the {len(holders)} store node(s) may take {have / GiB:.1f} GiB as stated "
                f"(runtime.store_memory_gib={rt.store_memory_gib:g} each)" if stated else

@@ -407,12 +407,10 @@ def check_host_fit(plan: GpuPlan, headroom_bytes: int, where: str, num_gpus: int
     )
 
 
-def recompute_line(arch: ModelArch, config: Config, kept: int, undecided: bool, num_gpus: int) -> str:
+def recompute_line(arch: ModelArch, config: Config, kept: int, num_gpus: int) -> str:
     if kept == 0:
-        auto = (" (executor.keep_graphs: null, so the GPU node keeps the last blocks' forward graphs where its free "
-                "memory allows)" if undecided and config.executor.keep_graphs is None else "")
         return ("every layer recomputes its forward in backward; weights are fetched twice per step (the last "
-                f"{config.executor.num_slots - 1} blocks stay resident across the turn){auto}")
+                f"{config.executor.num_slots - 1} blocks stay resident across the turn)")
     graphs = kept * kept_graph_bytes(arch, config, num_gpus)
     return (f"kept forward graphs: the last {kept} of {num_blocks(arch)} blocks ({size(graphs)}), whose backward skips "
             "the recompute; every other layer recomputes its forward in backward")
@@ -451,7 +449,6 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
     decides nothing. `rates` (planning/rates.py) name whose rates predict the step (default: the
     H100 machine's); `no_prediction`, where no GPU's rates apply, says so instead of any step time."""
     num_gpus, kept, offload, plan, gpu_free = step.workers, step.kept, step.offload, step.memory, step.free_bytes
-    undecided = step.device != "cuda"
     p = predict_step(arch, config, network, optimizer_s, num_gpus, kept, rates)
     net = shared_network(network or NetworkTimes(), num_gpus)
     each = "each GPU's " if num_gpus > 1 else ""
@@ -460,7 +457,7 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
         + (f" of {size(gpu_free)} free" if gpu_free is not None else "") + ":",
         format_gpu_plan(plan),
         f"boundary activations {'offloaded to host memory (pinned, overlapped): ' + size(parked_bytes(arch, config)) + ' on the GPU node' if offload else 'kept on the device'}",
-        recompute_line(arch, config, kept, undecided, num_gpus),
+        recompute_line(arch, config, kept, num_gpus),
     ]
     if step.embedding_on_device:
         lines.append(embedding_step_line(arch))

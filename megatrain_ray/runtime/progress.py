@@ -3,9 +3,10 @@
 On a terminal the step line is redrawn in place (carriage return, the line, then "erase to the
 end of the line", so a shorter line leaves nothing of the longer one before it) and cut to the
 terminal's width; elsewhere (a file, a pipe, `ray job logs`) every step is a plain line. The line
-holds step/total, percent, loss, the last validation loss and its step, grad norm, learning rate,
-tokens/s over the last steps (one step's own rate jumps with the host's load), elapsed time and
-the time left at the mean step time so far (the first step, which compiles, left out).
+holds step/total, percent, loss, the last validation loss (with "(step N)" when an earlier step
+measured it), grad norm, learning rate, tokens/s over the last steps (one step's own rate jumps
+with the host's load), elapsed time and the time left at the mean step time so far (the first
+step, which compiles, left out).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class ProgressLine:
         tokens, seconds = map(sum, zip(*self.recent))
         parts = [f"step {step}/{self.total} ({100 * step / self.total:.0f}%)", f"loss {r.loss:.4f}"]
         if self.last_eval is not None:
-            at = "" if self.last_eval[0] == step else f" @{self.last_eval[0]}"
+            at = "" if self.last_eval[0] == step else f" (step {self.last_eval[0]})"
             parts.append(f"val_loss {self.last_eval[1]:.4f}{at}")
         parts.append(f"grad_norm {r.grad_norm:.3f}")
         if r.lr is not None:

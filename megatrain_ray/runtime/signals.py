@@ -8,10 +8,16 @@ waits turn any other exception from a handler into nothing, and a KeyboardInterr
 one), which `stopping_at_once` names as StoppedAtOnce; the session's actors are still closed on the
 way out, so their shared memory is released. While they close (`StopRequest.held`), a signal is
 only noted: an interrupted close would leave that memory behind.
+
+Python runs a handler once for all the deliveries of a signal that came before it could run it,
+which in the driver's waits on Ray is up to half a second: two presses of Ctrl-C there would be
+one. So the handler counts deliveries from the wakeup pipe (`signal.set_wakeup_fd`), where the
+interpreter writes a byte for each one as it arrives.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -58,6 +64,7 @@ class StopRequest:
         self.second: int | None = None
         self._holding = False
         self._previous: dict[int, object] = {}
+        self._wakeup: tuple[int, int, int] | None = None  # the pipe's read and write ends, the wakeup fd before
 
     @property
     def requested(self) -> bool:
@@ -67,6 +74,11 @@ class StopRequest:
         """(Again) make this the handler: `ray.init` sets its own SIGTERM handler, so call it after."""
         if threading.current_thread() is not threading.main_thread():
             return
+        if self._wakeup is None:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._wakeup = (read, write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
         for signum in SIGNALS:
             previous = signal.signal(signum, self._handle)
             self._previous.setdefault(signum, previous)
@@ -75,6 +87,12 @@ class StopRequest:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+        if self._wakeup is not None:
+            read, write, before = self._wakeup
+            signal.set_wakeup_fd(before)
+            os.close(read)
+            os.close(write)
+            self._wakeup = None
 
     @contextmanager
     def held(self):
@@ -86,7 +104,21 @@ class StopRequest:
         finally:
             self._holding = holding
 
+    def _deliveries(self, signum: int) -> list[int]:
+        """The signals delivered since the handler last ran, in order (see the module docstring)."""
+        data = b""
+        if self._wakeup is not None:
+            try:
+                data = os.read(self._wakeup[0], 1024)
+            except BlockingIOError:
+                pass
+        return [s for s in data if s in SIGNALS] or [signum]  # none: the bytes were read by the call before
+
     def _handle(self, signum: int, frame) -> None:
+        for delivered in self._deliveries(signum):
+            self._press(delivered)
+
+    def _press(self, signum: int) -> None:
         if self.signum is not None:
             self.second = signum
             if self._holding:

@@ -140,6 +140,9 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
         last_step = config.train.steps if until_step is None else min(config.train.steps, until_step)
         if meta["step"] >= last_step:
             return finished_already(config, resume_path, meta["step"], last_step)
+        config, schedule = ckpt.schedule_on_resume(config, meta)
+        if schedule:
+            print(schedule, flush=True)
     out = claim(config, resume, overwrite, num_params(arch))
     print(f"output directory: {where(out)}", flush=True)
     seed_driver(config.train.seed)
@@ -199,7 +202,7 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
     progress.placement = None
     watch = Watchdog(placement, config.train.step_timeout_s)
     say(f"starting {len(placement.stores)} store(s)" + ("" if host_kernel_built() else
-        " (they build the host AdamW kernel: once per machine, about a minute)"))
+        " (they build the host AdamW kernel: once per machine, 1-2 minutes on a small one)"))
     try:
         session = Session(config, arch, placement=placement, wait=watch.get)
     except FAULTS as e:  # a node left between the plan and the actors' start

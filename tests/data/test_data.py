@@ -395,6 +395,18 @@ def test_malformed_json_line_names_file_and_line(tmp_path):
         take(build_dataset(cfg, 10, seed=0), 1)
 
 
+@pytest.mark.parametrize("line, where", [('{"input_ids": [1, 2], oops}', "Expecting property name enclosed in double "
+                                          "quotes at column 23"),
+                                         ('{"input_ids": [1, 2]', "Expecting ',' delimiter at the end of the line "
+                                          "(column 21): the row is cut short")])
+def test_malformed_json_names_the_column_of_the_line(tmp_path, line, where):
+    (tmp_path / "bad.jsonl").write_text(f'{{"input_ids": [1, 2]}}\n{line}\n')
+    cfg = DataConfig(source=str(tmp_path / "bad.jsonl"), format="tokens", shuffle=False, bad_rows="stop")
+    with pytest.raises(DataError) as e:
+        take(build_dataset(cfg, 10, seed=0), 2)
+    assert f"(line 2, counting from 1): malformed JSON: {where}" in str(e.value), str(e.value)
+
+
 def test_unknown_formats(tmp_path):
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(DataError, match=r"data\.csv: unknown format"):

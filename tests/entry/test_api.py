@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +57,18 @@ def test_a_tracker_without_its_package_is_refused_with_the_pip_command(monkeypat
                                           r"pip install 'megatrain-ray\[wandb\]'"):
         check_trackers(MetricsConfig(wandb=True))
     check_trackers(MetricsConfig(wandb=False))
+
+
+def test_plan_returns_whether_it_fits_and_why_not(tmp_path, capsys):
+    """A described cluster (no Ray): the result is true when the run fits and says why when not."""
+    import megatrain_ray
+
+    small = tmp_path / "small.yaml"
+    small.write_text("gpu_node: {gpu: H100 80GB, gpu_memory_gib: 78, host_memory_gib: 8, network_gbps: 100}\n")
+    tiny = Path(__file__).parents[2] / "examples" / "tiny.yaml"
+    result = megatrain_ray.plan(tiny, cluster=small, model={"preset": "qwen2.5-7b"})
+    assert not result and result.fits is False
+    assert result.reason.startswith("does not fit in host memory: the model needs"), result.reason
+    assert result.text.endswith(result.reason) and result.text in capsys.readouterr().out
+    fitting = megatrain_ray.plan(tiny, cluster=small)
+    assert fitting and fitting.reason is None and fitting.text.endswith("fits")

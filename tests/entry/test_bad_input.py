@@ -217,3 +217,24 @@ def test_a_step_that_cannot_fit_is_bad_input_not_a_cluster_fault(local_ray, tmp_
     assert err.startswith("megatrain-ray: PlanError: the step needs about") and err.count("\n") == 1, err
     assert "train.grad_accum" in err and "ClusterFault" not in err and "auto-resume" not in err, err
     assert "auto-resume" not in out, out  # no retry of the same impossible step
+
+
+# ---------------------------------------------------------------------------------------------
+# Export of something that is not a checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def test_export_of_a_run_directory_names_its_checkpoints(tmp_path, capsys):
+    config = write_config(tmp_path)
+    write_checkpoint(config, step=1)
+    last = write_checkpoint(config, step=2)
+    run = tmp_path / "out"
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatrain-ray: CheckpointError: {run} is not a checkpoint but holds 2: "
+                          f"step-00000001, step-00000002 in {run / 'checkpoints'}"), err
+    assert f"`megatrain-ray export {last} {tmp_path / 'hf'}`" in err and err.count("\n") == 1, err
+    assert main(["export", str(tmp_path), str(tmp_path / "hf")]) == 2  # no checkpoint there or beneath
+    err = capsys.readouterr().err
+    assert f"{tmp_path} is not a checkpoint (no MANIFEST.json" in err and "holds none" in err, err
+    assert not (tmp_path / "hf").exists()

@@ -87,3 +87,13 @@ def test_files_the_docs_name_exist(doc):
     missing = [p for p in named_paths(doc.read_text(), doc.parent)
                if not (doc.parent / p).exists() and not (ROOT / p).exists()]
     assert missing == [], f"{doc.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+def test_readme_commands_take_no_default_ray_port_and_stop_no_other_ray():
+    """Another Ray on the machine (a local run's embedded one) may hold Ray's default ports, the job
+    API's 8265 and its agent's 52365; and `ray stop` stops every Ray of the machine, not the one a
+    recipe started."""
+    lines = [line.split("#")[0] for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+             for line in block.splitlines()]
+    assert not [line for line in lines if re.search(r"\bray stop\b", line)]
+    assert not [line for line in lines if re.search(r"\bray\b", line) and re.search(r"\b(8265|52365)\b", line)]

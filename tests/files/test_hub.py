@@ -51,10 +51,32 @@ def hf_home(tmp_path, monkeypatch) -> Path:
 
 def test_names_and_paths_are_told_apart(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert looks_like_hub_name("Qwen/Qwen2.5-7B-Instruct") and looks_like_hub_name("gpt2")
+    assert looks_like_hub_name("Qwen/Qwen2.5-7B-Instruct") and looks_like_hub_name("runs/no-such-model")
     (tmp_path / "models" / "qwen").mkdir(parents=True)
-    for local in ("models/qwen", "/models/qwen", "./qwen", "~/qwen", "runs/tiny-hf/model", "tok/tokenizer.json"):
+    for local in ("models/qwen", "/models/qwen", "./qwen", "~/qwen", "runs/tiny-hf/model", "tok/tokenizer.json",
+                  "gpt2"):  # not the Hub's owner/name shape: a path, here or missing
         assert not looks_like_hub_name(local), local
+
+
+@pytest.mark.parametrize("path", ["runs/no-such/model", "no-such-model"])
+def test_a_missing_relative_path_is_a_missing_file_not_a_hub_name(hf_home, capsys, path):
+    config = hf_home.parent / "c.yaml"
+    config.write_text(f"model: {{path: {path}}}\n")
+    assert main(["plan", str(config)]) == 2  # before any cluster is joined
+    out, err = capsys.readouterr()
+    assert err.startswith(f"megatrain-ray: configuration error: model.path {path!r}: no such file or directory "
+                          f"(relative to {hf_home.parent})"), err
+    assert "Hub" not in out and "hf download" not in err and err.count("\n") == 1, out + err
+
+
+def test_a_missing_directory_of_the_hubs_shape_is_said_to_be_both(hf_home):
+    with pytest.raises(HubError) as error:
+        resolve_names(to_config({"model": {"path": "runs/no-such-model"}}))
+    message = str(error.value)
+    assert message.startswith(f"model.path 'runs/no-such-model' is not a local path (there is no directory "
+                              f"runs/no-such-model here ({hf_home.parent})), and as a Hugging Face Hub name it is "
+                              f"not in {hf_home / 'hub'}"), message
+    assert "HF_HUB_OFFLINE is set: check the path, or download it" in message and "`hf download runs/no-such-model`" in message
 
 
 def test_a_cached_model_resolves_offline_and_brings_its_tokenizer(hf_home, tmp_path):

@@ -199,6 +199,7 @@ def test_plan_command_prints_the_plan(joining_env):
     if not torch.cuda.is_available():  # no GPU's figure on a machine without one
         assert "no GPU here: no step time is predicted" in out.stdout
         assert "predicted step" not in out.stdout and "tokens/s" not in out.stdout and "busy" not in out.stdout
+        assert "GPU node" not in out.stdout and "GPU memory" not in out.stdout  # nor its memory or kept graphs
 
 
 @pytest.mark.gpu

@@ -1,0 +1,22 @@
+"""The progress line's fields, as a person reads them (the whole line on a terminal is checked by
+tests/entry/test_run_lifecycle.py)."""
+
+import io
+
+from megatrain_ray.runtime.progress import ProgressLine
+from megatrain_ray.streaming.step_result import EvalResult, StepResult
+
+
+def step_result(loss: float) -> StepResult:
+    return StepResult(loss=loss, grad_norm=0.5, tokens=64, target_tokens=60, finite=True, seconds=0.1, h2d_bytes=0,
+                      d2h_bytes=0, h2d_gbps=0.0, d2h_gbps=0.0, prefetch_wait_s=0.0, compute_s=0.1, weight_copies=0,
+                      peak_device_bytes=0, lr=1e-3)
+
+
+def test_an_earlier_validation_loss_names_its_step():
+    line = ProgressLine(6, stream=io.StringIO(), live=False)
+    texts = [line.text(step, step_result(5.0 - step / 10), EvalResult(4.6089 * 60, 60, 64, 0.1) if step == 4 else None)
+             for step in range(1, 7)]
+    assert all("val_loss" not in t for t in texts[:3])
+    assert "| val_loss 4.6089 |" in texts[3]  # measured at this step
+    assert "| val_loss 4.6089 (step 4) |" in texts[4] and "| val_loss 4.6089 (step 4) |" in texts[5]
