@@ -2,7 +2,7 @@
 
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import PRESETS, num_params, params_text
-from megatrain_ray.runtime.placement import GiB, NodeInfo, plan_placement
+from megatrain_ray.planning.placement import GiB, NodeInfo, plan_placement
 
 
 def test_parameter_counts_read_in_their_own_unit():
