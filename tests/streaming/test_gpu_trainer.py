@@ -99,22 +99,29 @@ def test_offloaded_activations_train_like_kept_ones():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 1e-3)])
-def test_the_embedding_stepped_on_the_gpu_trains_like_on_the_host(dtype, rtol):
+@pytest.mark.parametrize("dtype,steps", [("float32", 3), ("bfloat16", 1)])
+def test_the_embedding_stepped_on_the_gpu_trains_like_on_the_host(dtype, steps):
     """streaming/device_step.py on CUDA: the state crosses in, steps on the GPU and comes back; the weights
-    match the host's one-pass AdamW (bf16: its rounding of the gradient, as the host reads it)."""
+    match the host's one-pass AdamW (bf16: its rounding of the gradient, as the host reads it). Both are
+    fp32 AdamW on the same gradient, so they differ by fp32 rounding (1e-5 relative). bf16 compares one
+    step: past it, the two masters' last-ulp differences flip the next forward's bf16 roundings, and the
+    runs part by bf16 noise through Adam's normalisation (measured 1.3e-3 after 3 steps on the H100)."""
+    rtol = 1e-5
+
     def train(where: str):
-        base = gpu_config(dtype, steps=3, eps=1e-6)  # see helpers/runs.py's make_config
+        base = gpu_config(dtype, steps=steps, eps=1e-6)  # see helpers/runs.py's make_config
         config = base.replace(executor=base.executor.__class__(device="cuda", embedding_step=where))
         trainer = LocalTrainer(config, SMALL)
-        losses = [trainer.train_step(s).loss for s in random_micro_batches(SMALL, 3, 2, batch=2, seq=128, seed=2)]
+        data = random_micro_batches(SMALL, steps, 2, batch=2, seq=128, seed=2)
+        losses = [trainer.train_step(s).loss for s in data]
         weights = [w.clone() for w in trainer.layer_weights()]
         updates = trainer.stores[0].update_counts()[0]
         trainer.close()
         return losses, weights, updates
 
     (host_losses, host, _), (device_losses, device, updates) = train("host"), train("device")
-    assert updates == 3
+    print([float((a - b).norm() / b.norm()) for a, b in zip(device, host)])
+    assert updates == steps
     assert device_losses == pytest.approx(host_losses, rel=rtol)
     for i, (a, b) in enumerate(zip(device, host)):
         assert float((a - b).norm() / b.norm()) < rtol, f"layer {i}"
