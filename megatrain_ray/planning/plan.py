@@ -199,18 +199,17 @@ EMBEDDING_STEP = "the embedding's AdamW step on the GPU (new weights between ste
 def embedding_step_on_device(setting: str, device: str, workers: int, in_reach: bool,
                              exact_state: bool = True) -> bool:
     """executor.embedding_step: `device` wherever it can run, `auto` on a GPU, `host` never. It can
-    run with one worker (several would each need the step's summed gradient) whose process reaches
-    the embedding's store memory (in process, or shared memory on its node: not over the network).
+    run where the process of the worker that owns the embedding's gradient reaches its store memory
+    (in process, or shared memory on its node: not over the network); with several data-parallel
+    workers that owner steps it and sends the new weights to the others (`workers` changes nothing).
     Lean optimizer state (optim.master/optim.moments: `exact_state` False) steps on the host only:
     the device step moves and updates fp32 state (config validation refuses `device` with it)."""
     if setting == "host" or (setting == "auto" and (device != "cuda" or not exact_state)):
         return False
-    possible = workers == 1 and in_reach
-    if setting == "device" and not possible:
-        why = "several data-parallel workers" if workers > 1 else "its store on another node"
-        raise PlanError(f"executor.embedding_step is 'device' but the embedding's step cannot run on the device "
-                        f"with {why}; set it to auto or host")
-    return possible
+    if setting == "device" and not in_reach:
+        raise PlanError("executor.embedding_step is 'device' but the embedding's step cannot run on the device "
+                        "with its store on another node; set it to auto or host")
+    return in_reach
 
 
 def embedding_step_line(arch: ModelArch) -> str:

@@ -86,6 +86,13 @@ class Group:
             return None
         return dist.reduce(tensor, dst=self.owners[layer], op=dist.ReduceOp.SUM, async_op=True)
 
+    def broadcast(self, tensor: torch.Tensor, layer: int):
+        """The layer owner's `tensor` into every other worker's, asynchronously; None alone. As
+        `reduce`: the handle's wait() makes the current stream (on the CPU, the caller) wait."""
+        if self.world == 1:
+            return None
+        return dist.broadcast(tensor, src=self.owners[layer], async_op=True)
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum in place over the workers (every rank gets the same bits)."""
         if self.world > 1:

@@ -241,8 +241,9 @@ class StreamingExecutor:
         if make_update is not None:
             hp = make_update(grad_norm) if finite else None  # None: skip, only restore the weights
             for layout in self.layouts:  # forward order: the next step's first layers are ready first
-                if self.group.owns(layout.index):
-                    self.source.update(layout.index, hp, self.grads.landed[layout.index])
+                # a layer stepped on a device is updated by every worker: its owner steps it, the others receive it
+                if self.group.owns(layout.index) or self.source.steps_on_device(layout.index):
+                    self.source.update(layout.index, hp, self.grads.landed.get(layout.index))
         result = self._result(t0, loss_value, grad_norm, finite, mbs, target)
         result.lr = getattr(hp, "lr", None)
         return result

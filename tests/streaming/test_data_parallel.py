@@ -26,10 +26,10 @@ from helpers.sessions import layer_weights
 STEPS, GRAD_ACCUM = 3, 4
 
 
-def workers_config(preset: str, num_gpus: int):
+def workers_config(preset: str, num_gpus: int, **executor):
     """One CPU thread per worker whatever their number: the CPU matmuls' blocking, and so their
     rounding, changes with the thread count, which is not what these tests compare."""
-    config = make_config(preset)
+    config = make_config(preset, **executor)
     return config.replace(train=dataclasses.replace(config.train, grad_accum=GRAD_ACCUM),
                           runtime=dataclasses.replace(config.runtime, num_gpus=num_gpus, worker_threads=1))
 
@@ -73,30 +73,43 @@ def reordering_error(preset: str, arch, data, weights: list[torch.Tensor]) -> fl
     return max(relative_error(a, b) for a, b in zip(reordered, weights))
 
 
-# qwen3: the head tied to the embedding; mixtral: routed experts and the auxiliary loss
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-mixtral"])
-def test_two_workers_train_like_one_over_the_same_global_batch(local_ray, preset):
+# qwen3: the head tied to the embedding, read twice a step, and stepped on a device (what a GPU does
+# by default; here the CPU path of it); mixtral: routed experts and the auxiliary loss
+@pytest.mark.parametrize("preset,embedding_step", [("tiny-llama", "host"), ("tiny-qwen3", "device"),
+                                                   ("tiny-mixtral", "host")])
+def test_two_workers_train_like_one_over_the_same_global_batch(local_ray, preset, embedding_step):
     """Within 1e-6 relative after 3 steps; for a mixture of experts, whose top-k routing turns
-    rounding into other choices, within what one worker moves when it reorders its micro-batches."""
+    rounding into other choices, within what one worker moves when it reorders its micro-batches.
+
+    With the embedding stepped on a device, the worker that owns its summed gradient steps it there
+    and sends the other its new weights over the group, against one worker stepping it on its device:
+    its gradient never leaves a device, from the second step on no worker reads it from the host, and
+    its store still receives its state and update count (what `train` reads back is the store's)."""
     arch = PRESETS[preset]
+    layouts = model_layouts(arch)
     data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=1)
-    one, one_eval, one_weights = train_one(workers_config(preset, 1), arch, data)
+    one, one_eval, one_weights = train_one(workers_config(preset, 1, embedding_step=embedding_step), arch, data)
     bound = max(1e-6, reordering_error(preset, arch, data, one_weights)) if preset == "tiny-mixtral" else 1e-6
-    two, two_eval, two_weights, counts = train(workers_config(preset, 2), arch, data)
+    two, two_eval, two_weights, counts = train(workers_config(preset, 2, embedding_step=embedding_step), arch, data)
 
     assert [r.num_gpus for r in one + two] == [1] * STEPS + [2] * STEPS
     assert all(r.grad_norm > 0.5 for r in one), "clipping must be active (optim.grad_clip 0.5)"
+    fp32 = 4  # bytes: the compute dtype of these runs
+    leaving = layouts[1:] if embedding_step == "device" else layouts
     for a, b in zip(two, one):
         assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=0)
         assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6, abs=0)
         assert (a.tokens, a.target_tokens) == (b.tokens, b.target_tokens)
-        assert a.d2h_bytes == b.d2h_bytes, "each layer's gradient leaves one worker, once"
-        assert a.h2d_bytes == 2 * b.h2d_bytes, "every worker reads every layer"
+        assert a.d2h_bytes == b.d2h_bytes == sum(layout.numel for layout in leaving) * fp32, \
+            "each layer's gradient leaves one worker, once"
+        assert a.h2d_bytes == 2 * b.h2d_bytes, "every worker reads every layer (but an embedding it was sent)"
+    embedding_reads = one[0].h2d_bytes - one[1].h2d_bytes  # after the first step, not from the host
+    assert embedding_reads % (layouts[0].numel * fp32) == 0 and (embedding_reads > 0) == (embedding_step == "device")
     assert two_eval.target_tokens == one_eval.target_tokens and two_eval.tokens == one_eval.tokens
     assert two_eval.loss == pytest.approx(one_eval.loss, rel=1e-6, abs=0)
     for i, (a, b) in enumerate(zip(two_weights, one_weights)):
         assert relative_error(a, b) < bound, f"layer {i}: {relative_error(a, b)}"
-    assert counts == {i: STEPS for i in range(len(model_layouts(arch)))}, "each layer updated once per step"
+    assert counts == {i: STEPS for i in range(len(layouts))}, "each layer updated once per step"
 
 
 def test_two_workers_keeping_forward_graphs_train_like_one_recomputing(local_ray):
@@ -221,10 +234,12 @@ def test_a_lost_worker_stops_the_step(local_ray):
 
 
 def test_two_workers_resume_exactly(local_ray, tmp_path):
-    """Checkpoints and resume with two workers: 4 steps in one go equal 2 + resume + 2, bit for bit."""
+    """Checkpoints and resume with two workers: 4 steps in one go equal 2 + resume + 2, bit for bit;
+    the embedding stepped on its owner's device (its state copied back to its store), every other
+    layer on the host."""
     def raw(out):
         return tiny_raw(out, steps=4, train={"grad_accum": 4}, runtime={"num_gpus": 2},
-                        checkpoint={"every": 2, "keep": 5})
+                        checkpoint={"every": 2, "keep": 5}, executor={"embedding_step": "device"})
 
     whole = run_training(config_from_dict(raw(tmp_path / "whole")))
     run_training(config_from_dict(raw(tmp_path / "split")), until_step=2)
