@@ -212,10 +212,11 @@ def embedding_step_on_device(setting: str, device: str, workers: int, in_reach: 
     return in_reach
 
 
-def embedding_step_line(arch: ModelArch) -> str:
-    state = model_layouts(arch)[0].numel * 12
-    return (f"the embedding's AdamW step runs on the GPU (executor.embedding_step): "
-            f"its fp32 state ({size(state)}) crosses PCIe during the last blocks' backward and goes back during the "
+def embedding_step_line(arch: ModelArch, workers: int = 1) -> str:
+    n = model_layouts(arch)[0].numel
+    where = "the GPU" if workers == 1 else f"the GPU that owns its gradient, which sends the others its new weights"
+    return (f"the embedding's AdamW step runs on {where} (executor.embedding_step): "
+            f"its fp32 state ({size(12 * n)}) crosses PCIe during the last blocks' backward and goes back during the "
             f"next forward, so the next step starts without waiting for the host's update of the step's last gradient")
 
 
@@ -459,7 +460,7 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
         recompute_line(arch, config, kept, num_gpus),
     ]
     if step.embedding_on_device:
-        lines.append(embedding_step_line(arch))
+        lines.append(embedding_step_line(arch, step.workers))
     if num_gpus > 1:
         lines.append(
             f"{num_gpus} GPUs, data parallel: {micro_batches_per_gpu(config, num_gpus)} micro-batches each; every GPU "
