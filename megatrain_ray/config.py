@@ -110,7 +110,7 @@ class ExecutorConfig:
     offload_activations: str = "auto"  # auto | on | off: park boundary activations in host memory (long contexts)
     mlp_chunk_tokens: int = 16384  # longer micro-batches run the MLP in checkpointed chunks of this many tokens; 0 = never
     keep_graphs: int | None = None  # last blocks keeping their forward's graph (no recompute); None: as many as fit the GPU, 0 on a CPU
-    embedding_step: str = "auto"  # auto | device | host: where the embedding's AdamW step runs (streaming/device_step.py); auto: the GPU, where one worker reaches its store's memory
+    embedding_step: str = "auto"  # auto | device | host: where the embedding's AdamW step runs (streaming/device_step.py); auto: the GPU, where the worker that owns its gradient reaches its store's memory
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,11 @@ class LayerSource(Protocol):
         gradient then stays there (`take_gradient`) instead of being copied into `grad_buffer`."""
         return False
 
+    def serves_from_device(self, layer: int) -> bool:
+        """Whether `weights(layer)` hands the device's own copy (a step on the device left it there,
+        streaming/device_step.py): no host bytes move, on the CPU path either."""
+        return False
+
     def take_gradient(self, layer: int, grad: torch.Tensor) -> None:
         """The layer's finished fp32 gradient, on the device, for a step that runs there."""
         raise NotImplementedError("this source steps every layer on the host")

@@ -199,24 +199,24 @@ EMBEDDING_STEP = "the embedding's AdamW step on the GPU (new weights between ste
 def embedding_step_on_device(setting: str, device: str, workers: int, in_reach: bool,
                              exact_state: bool = True) -> bool:
     """executor.embedding_step: `device` wherever it can run, `auto` on a GPU, `host` never. It can
-    run with one worker (several would each need the step's summed gradient) whose process reaches
-    the embedding's store memory (in process, or shared memory on its node: not over the network).
+    run where the process of the worker that owns the embedding's gradient reaches its store memory
+    (in process, or shared memory on its node: not over the network); with several data-parallel
+    workers that owner steps it and sends the new weights to the others (`workers` changes nothing).
     Lean optimizer state (optim.master/optim.moments: `exact_state` False) steps on the host only:
     the device step moves and updates fp32 state (config validation refuses `device` with it)."""
     if setting == "host" or (setting == "auto" and (device != "cuda" or not exact_state)):
         return False
-    possible = workers == 1 and in_reach
-    if setting == "device" and not possible:
-        why = "several data-parallel workers" if workers > 1 else "its store on another node"
-        raise PlanError(f"executor.embedding_step is 'device' but the embedding's step cannot run on the device "
-                        f"with {why}; set it to auto or host")
-    return possible
+    if setting == "device" and not in_reach:
+        raise PlanError("executor.embedding_step is 'device' but the embedding's step cannot run on the device "
+                        "with its store on another node; set it to auto or host")
+    return in_reach
 
 
-def embedding_step_line(arch: ModelArch) -> str:
-    state = model_layouts(arch)[0].numel * 12
-    return (f"the embedding's AdamW step runs on the GPU (executor.embedding_step): "
-            f"its fp32 state ({size(state)}) crosses PCIe during the last blocks' backward and goes back during the "
+def embedding_step_line(arch: ModelArch, workers: int = 1) -> str:
+    n = model_layouts(arch)[0].numel
+    where = "the GPU" if workers == 1 else f"the GPU that owns its gradient, which sends the others its new weights"
+    return (f"the embedding's AdamW step runs on {where} (executor.embedding_step): "
+            f"its fp32 state ({size(12 * n)}) crosses PCIe during the last blocks' backward and goes back during the "
             f"next forward, so the next step starts without waiting for the host's update of the step's last gradient")
 
 
@@ -460,7 +460,7 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
         recompute_line(arch, config, kept, num_gpus),
     ]
     if step.embedding_on_device:
-        lines.append(embedding_step_line(arch))
+        lines.append(embedding_step_line(arch, step.workers))
     if num_gpus > 1:
         lines.append(
             f"{num_gpus} GPUs, data parallel: {micro_batches_per_gpu(config, num_gpus)} micro-batches each; every GPU "

@@ -92,7 +92,8 @@ class StepPlan:
         if self.kept:
             parts.append(f"the last {self.kept} blocks keep their forward graphs")
         if self.embedding_on_device:
-            parts.append("the embedding's AdamW step runs here")
+            parts.append("the embedding's AdamW step runs here" if self.workers == 1 else
+                         "the embedding's AdamW step runs on one of them, which sends the others its new weights")
         return "".join(f"; {p}" for p in parts)
 
     def planned_arch(self, arch: ModelArch) -> ModelArch:

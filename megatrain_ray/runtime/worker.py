@@ -50,13 +50,14 @@ def assemble_worker(arch: ModelArch, config: Config, plan: StepPlan, layers: Lay
                     hooks: StepHooks = NO_HOOKS) -> Worker:
     """The worker the plan describes. `layers` reaches every layer's store (in process, shared memory
     or the network); where the plan steps the embedding on the device, the source that owns layer 0
-    shares that layer's state with this process (`shared_state`, `report_updates`). `group`: an
+    shares that layer's state with the process of the worker that owns its gradient (`shared_state`,
+    `report_updates`). `group`: an
     existing process group to keep (a rebuild), else one joined at `meet`. `updates_done`: the LR
     schedule's position."""
     if plan.device != device.type:
         raise ValueError(f"the step was planned for {plan.device} but this worker's device is {device}")
-    source = with_embedding_step(layers, arch, config, device) if plan.embedding_on_device else layers
     group = group or join_group(arch, config, device, meet)
+    source = with_embedding_step(layers, arch, config, device, group) if plan.embedding_on_device else layers
     return Worker(layers, source, build_executor(arch, config, plan, source, device, group, hooks),
                   LrSchedule(config.optim, config.train.steps, updates_done), group)
 
@@ -71,11 +72,17 @@ def build_executor(arch: ModelArch, config: Config, plan: StepPlan, source: Laye
     )
 
 
-def with_embedding_step(layers: LayerSource, arch: ModelArch, config: Config, device: torch.device) -> DeviceStepSource:
-    """`layers` with the embedding's AdamW step on `device` (streaming/device_step.py): its store's
-    state as this process reaches it, and the store told of its update count."""
-    state = layers.shared_state(0, model_layouts(arch)[0].segments())
-    return DeviceStepSource(layers, {0: state}, device, dtype_of(config.model.compute_dtype), layers.report_updates)
+def with_embedding_step(layers: LayerSource, arch: ModelArch, config: Config, device: torch.device,
+                        group: Group) -> DeviceStepSource:
+    """`layers` with the embedding's AdamW step on a device (streaming/device_step.py): on this one
+    where this worker owns the embedding (its store's state as this process reaches it, and the store
+    told of its update count), else on its owner's, whose new weights reach this worker over `group`."""
+    dtype = dtype_of(config.model.compute_dtype)
+    layout = model_layouts(arch)[0]
+    if group.owns(0):
+        state = layers.shared_state(0, layout.segments())
+        return DeviceStepSource(layers, {0: state}, device, dtype, layers.report_updates, group)
+    return DeviceStepSource(layers, {}, device, dtype, layers.report_updates, group, shared={0: layout.numel})
 
 
 def join_group(arch: ModelArch, config: Config, device: torch.device, meet: Rendezvous) -> Group:

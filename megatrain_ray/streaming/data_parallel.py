@@ -8,7 +8,9 @@ traffic and optimizer messages are split, not repeated. The loss and the squared
 
 A layer's update is one message from its owner; the other workers learn that it landed through
 the owner's reference to it, which the driver hands them with the next step's micro-batches. Each
-read of a layer then waits for that layer's update only, as on one GPU: no per-layer barrier.
+read of a layer then waits for that layer's update only, as on one GPU: no per-layer barrier. A
+layer stepped on a device (the embedding, streaming/device_step.py) is stepped by its owner, which
+broadcasts the new weights to the others at the step's end: none of them reads it from the host.
 
 The process group is the workers' own: each joins it with the rank, world size and a master
 address/port that the session hands it, inside a Ray actor that Ray supervises.
@@ -85,6 +87,13 @@ class Group:
         if self.world == 1:
             return None
         return dist.reduce(tensor, dst=self.owners[layer], op=dist.ReduceOp.SUM, async_op=True)
+
+    def broadcast(self, tensor: torch.Tensor, layer: int):
+        """The layer owner's `tensor` into every other worker's, asynchronously; None alone. As
+        `reduce`: the handle's wait() makes the current stream (on the CPU, the caller) wait."""
+        if self.world == 1:
+            return None
+        return dist.broadcast(tensor, src=self.owners[layer], async_op=True)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum in place over the workers (every rank gets the same bits)."""

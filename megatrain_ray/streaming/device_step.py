@@ -13,6 +13,13 @@ update the last the next step waits for, so taking it off the host shortens that
 compute bounds the step, the host's update was hidden already and nothing changes
 (examples/benchmarks/ holds the measurements).
 
+With several data-parallel workers the layer's owner (streaming/data_parallel.py), which alone
+receives its summed gradient, steps it as one worker does and alone moves its state; at the step's
+end it broadcasts the new weights in the compute dtype over the workers' process group (2 bytes a
+parameter to each other worker, over the GPUs' link), and the others keep them on their devices
+for the next step: no worker waits for the host's update of the embedding, and there is still one
+copy of its state, the store's.
+
 It wraps the source that reaches the stores; every other layer passes through untouched.
 """
 
@@ -25,6 +32,7 @@ import torch
 
 from megatrain_ray.host.adamw import CHUNK_ELEMENTS, AdamWStep, adamw_update
 from megatrain_ray.host.sources import HostLayerState, LayerSource
+from megatrain_ray.streaming.data_parallel import Group
 from megatrain_ray.streaming.streams import Streams
 
 # Start copying the state in when the backward has this many layers left: each is tens of
@@ -53,22 +61,46 @@ class InFlight:
     grad: torch.Tensor | None = None  # the finished fp32 gradient, on the device
 
 
+class Received:
+    """New weights on their way from the layer's owner (a broadcast); `synchronize` waits on the
+    host once they have landed, as the owner waits for its own update's event."""
+
+    def __init__(self, handle, streams: Streams):
+        self.handle = handle
+        self.streams = streams
+
+    def synchronize(self) -> None:
+        if self.handle is None:
+            return
+        s = self.streams
+        with s.on(s.compute):
+            self.handle.wait()  # on CUDA: the compute stream waits for the broadcast
+        s.record(s.compute).synchronize()
+        self.handle = None
+
+
 class DeviceStepSource(LayerSource):
-    """`inner` for every layer but those in `states`, whose AdamW step runs on the device.
+    """`inner` for every layer but those stepped on the devices: those in `states` (this worker
+    owns them) step here; those in `shared` (layer: numel) step on their owner's device, whose new
+    weights this worker receives over `group` at each step's end.
 
     `report_updates(layer, count)` tells the store how many updates the layer has had (its
     checkpoint saves the count); it is called in `drain`, before anything reads the store."""
 
     def __init__(self, inner: LayerSource, states: dict[int, HostLayerState], device: torch.device,
-                 dtype: torch.dtype, report_updates: Callable[[int, int], None]):
+                 dtype: torch.dtype, report_updates: Callable[[int, int], None], group: Group | None = None,
+                 shared: dict[int, int] | None = None):
         self.inner = inner
         self.states = states
+        self.shared = shared or {}
+        self.group = group
         self.streams = Streams(device)
         self.dtype = dtype
         self.report_updates = report_updates
         self.in_flight: dict[int, InFlight] = {}
         self.fresh: dict[int, tuple[torch.Tensor, object]] = {}  # the new weights on the device, and when
         self.copies_back: list = []  # events: the state's copies back to the store
+        self.sending: list = []  # handles: the broadcasts of new weights to the other workers
         self.reported = {layer: state.updates for layer, state in states.items()}
 
     # -- the protocol, passed through for the other layers ----------------------------------------
@@ -79,9 +111,12 @@ class DeviceStepSource(LayerSource):
     def weights(self, layer: int) -> torch.Tensor:
         if layer in self.fresh:
             tensor, ready = self.fresh[layer]
-            ready.synchronize()  # the update itself: milliseconds of GPU work queued at the turn
+            ready.synchronize()  # the update itself (milliseconds of GPU work queued at the turn), or its broadcast
             return tensor
         return self.inner.weights(layer)
+
+    def serves_from_device(self, layer: int) -> bool:
+        return layer in self.fresh
 
     def weights_copied(self, layer: int, copied) -> None:
         if layer not in self.fresh:
@@ -92,18 +127,24 @@ class DeviceStepSource(LayerSource):
 
     def gradient_ready(self, layer: int, landed) -> None:
         self.inner.gradient_ready(layer, landed)
-        if layer <= max(self.states) + UPLOAD_LAYERS_AHEAD:
+        if self.states and layer <= max(self.states) + UPLOAD_LAYERS_AHEAD:
             for own in self.states:
                 self._upload(own)
 
     def steps_on_device(self, layer: int) -> bool:
-        return layer in self.states
+        """Stepped on a device: here, or on its owner's (this worker then receives its weights in `update`)."""
+        return layer in self.states or layer in self.shared
 
     def take_gradient(self, layer: int, grad: torch.Tensor) -> None:
         self._upload(layer)
         self.in_flight[layer].grad = grad
 
     def update(self, layer: int, hp: AdamWStep | None, gradient_landed) -> None:
+        """The layer's step: on the host, here, or (`shared`) on its owner's device, this worker
+        receiving the new weights; every worker calls it for a layer stepped on a device."""
+        if layer in self.shared:
+            self._receive(layer)
+            return
         if layer not in self.states:
             self.inner.update(layer, hp, gradient_landed)
             return
@@ -121,10 +162,20 @@ class DeviceStepSource(LayerSource):
         flight.grad = None
         updated = s.record(s.compute)
         self.fresh[layer] = (weights, updated)
+        self._send(layer, weights)
         self._copy_back(state, flight, weights, updated, changed=hp is not None)
+
+    def expect(self, refs: dict) -> None:
+        self.inner.expect(refs)
+
+    def updates_in_flight(self, layers) -> dict:
+        return self.inner.updates_in_flight(layers)
 
     def drain(self) -> None:
         self._settle()
+        self._sent()
+        for _, ready in self.fresh.values():
+            ready.synchronize()
         for layer, state in self.states.items():
             if self.reported[layer] != state.updates:
                 self.report_updates(layer, state.updates)
@@ -169,6 +220,29 @@ class DeviceStepSource(LayerSource):
                     src.record_stream(s.d2h)  # freed now, reused only once the copy has read it
             landed = s.record(s.d2h)
         self.copies_back.append(landed)
+
+    def _send(self, layer: int, weights: torch.Tensor) -> None:
+        """The new weights to the other workers (none alone), queued after the update on the compute stream."""
+        if self.group is None:
+            return
+        self._sent()  # the last step's: long landed
+        handle = self.group.broadcast(weights, layer)
+        if handle is not None:
+            self.sending.append(handle)
+
+    def _sent(self) -> None:
+        for handle in self.sending:
+            handle.wait()
+        self.sending.clear()
+
+    def _receive(self, layer: int) -> None:
+        """The owner's new weights of the layer, into a buffer of this device's own (the last
+        step's may still be read by the copies queued from it)."""
+        s = self.streams
+        tensor = torch.empty(self.shared[layer], dtype=self.dtype, device=s.device)
+        with s.on(s.compute):
+            handle = self.group.broadcast(tensor, layer)
+        self.fresh[layer] = (tensor, Received(handle, s))
 
     def _settle(self) -> None:
         """Wait for the copies back: long landed when the next upload comes."""

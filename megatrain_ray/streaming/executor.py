@@ -240,12 +240,21 @@ class StreamingExecutor:
         hp = None
         if make_update is not None:
             hp = make_update(grad_norm) if finite else None  # None: skip, only restore the weights
-            for layout in self.layouts:  # forward order: the next step's first layers are ready first
-                if self.group.owns(layout.index):
-                    self.source.update(layout.index, hp, self.grads.landed[layout.index])
+            for layer in self._update_order():
+                self.source.update(layer, hp, self.grads.landed.get(layer))
         result = self._result(t0, loss_value, grad_norm, finite, mbs, target)
         result.lr = getattr(hp, "lr", None)
         return result
+
+    def _update_order(self) -> list[int]:
+        """The layers this worker updates, the host's in forward order (the next step's first layers
+        are ready first), then those stepped on a device: a layer stepped on a device is updated by
+        every worker (its owner steps it, the others receive its weights), and its launches would
+        hold back this worker's messages. A store takes the messages of all workers as they come:
+        sent from the same moment, they reach it about in forward order."""
+        on_device = self.source.steps_on_device
+        mine = [layout.index for layout in self.layouts if self.group.owns(layout.index) or on_device(layout.index)]
+        return sorted(mine, key=on_device)
 
     # -- validation: forward only ----------------------------------------------------------------
     def eval_loss(self, micro_batches: list[dict]) -> EvalResult:

@@ -98,6 +98,7 @@ class Prefetcher:
         if slot.layer is not None:
             del self.resident[slot.layer]
         t0 = time.perf_counter()
+        from_host = not self.source.serves_from_device(layer)
         host = self.source.weights(layer)
         t1 = time.perf_counter()
         self.stats.prefetch_wait_s += t1 - t0
@@ -111,7 +112,7 @@ class Prefetcher:
             slot.buffer.copy_(host, non_blocking=True)
             slot.ready = s.record(s.h2d, timing=True)
         self.source.weights_copied(layer, slot.ready)
-        if host.device.type == "cpu":  # not weights a device step left on the device (streaming/device_step.py)
+        if from_host:  # not weights a device step left on the device (streaming/device_step.py)
             if s.cuda:
                 self.stats.h2d_events.append((start, slot.ready))
             else:

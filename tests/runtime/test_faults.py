@@ -137,17 +137,20 @@ def test_auto_resume_after_lost_node_equals_uninterrupted_run(cluster, tmp_path,
 # ---------------------------------------------------------------------------------------------
 
 
-def exploding_raw(out: Path, steps: int, max_bad_steps: int, embedding_step: str = "auto") -> dict:
+def exploding_raw(out: Path, steps: int, max_bad_steps: int, embedding_step: str = "auto", num_gpus: int = 1) -> dict:
     """Weights of size 1e30 overflow fp32 in the first matmul: every step is non-finite, deterministically."""
     return tiny_raw(out, steps=steps, model={"init_std": 1e30}, train={"max_bad_steps": max_bad_steps},
-                    checkpoint={"every": 0}, executor={"embedding_step": embedding_step})
+                    checkpoint={"every": 0}, executor={"embedding_step": embedding_step}, runtime={"num_gpus": num_gpus})
 
 
-@pytest.mark.parametrize("embedding_step", ["host", "device"])
-def test_non_finite_steps_are_skipped_and_leave_the_state_unchanged(cluster, tmp_path, capsys, embedding_step):
-    """On the host, and with the embedding's step on the device (streaming/device_step.py), which restores
-    its weights there and leaves its state untouched."""
-    config = config_from_dict(exploding_raw(tmp_path / "run", steps=2, max_bad_steps=3, embedding_step=embedding_step))
+@pytest.mark.parametrize("embedding_step,num_gpus", [("host", 1), ("device", 2)])
+def test_non_finite_steps_are_skipped_and_leave_the_state_unchanged(cluster, tmp_path, capsys, embedding_step,
+                                                                    num_gpus):
+    """On the host, and with the embedding's step on the device of the worker that owns it
+    (streaming/device_step.py), which restores its weights there, sends them to the other worker as
+    after any step, and leaves its state untouched."""
+    config = config_from_dict(exploding_raw(tmp_path / "run", steps=2, max_bad_steps=3, embedding_step=embedding_step,
+                                            num_gpus=num_gpus))
     summary = run_training(config)
     assert capsys.readouterr().err.count("update was skipped, the weights are unchanged") == 2
 

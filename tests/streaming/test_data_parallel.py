@@ -26,10 +26,10 @@ from helpers.sessions import layer_weights
 STEPS, GRAD_ACCUM = 3, 4
 
 
-def workers_config(preset: str, num_gpus: int):
+def workers_config(preset: str, num_gpus: int, **executor):
     """One CPU thread per worker whatever their number: the CPU matmuls' blocking, and so their
     rounding, changes with the thread count, which is not what these tests compare."""
-    config = make_config(preset)
+    config = make_config(preset, **executor)
     return config.replace(train=dataclasses.replace(config.train, grad_accum=GRAD_ACCUM),
                           runtime=dataclasses.replace(config.runtime, num_gpus=num_gpus, worker_threads=1))
 
@@ -73,30 +73,43 @@ def reordering_error(preset: str, arch, data, weights: list[torch.Tensor]) -> fl
     return max(relative_error(a, b) for a, b in zip(reordered, weights))
 
 
-# qwen3: the head tied to the embedding; mixtral: routed experts and the auxiliary loss
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-mixtral"])
-def test_two_workers_train_like_one_over_the_same_global_batch(local_ray, preset):
+# qwen3: the head tied to the embedding, read twice a step, and stepped on a device (what a GPU does
+# by default; here the CPU path of it); mixtral: routed experts and the auxiliary loss
+@pytest.mark.parametrize("preset,embedding_step", [("tiny-llama", "host"), ("tiny-qwen3", "device"),
+                                                   ("tiny-mixtral", "host")])
+def test_two_workers_train_like_one_over_the_same_global_batch(local_ray, preset, embedding_step):
     """Within 1e-6 relative after 3 steps; for a mixture of experts, whose top-k routing turns
-    rounding into other choices, within what one worker moves when it reorders its micro-batches."""
+    rounding into other choices, within what one worker moves when it reorders its micro-batches.
+
+    With the embedding stepped on a device, the worker that owns its summed gradient steps it there
+    and sends the other its new weights over the group, against one worker stepping it on its device:
+    its gradient never leaves a device, from the second step on no worker reads it from the host, and
+    its store still receives its state and update count (what `train` reads back is the store's)."""
     arch = PRESETS[preset]
+    layouts = model_layouts(arch)
     data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=1)
-    one, one_eval, one_weights = train_one(workers_config(preset, 1), arch, data)
+    one, one_eval, one_weights = train_one(workers_config(preset, 1, embedding_step=embedding_step), arch, data)
     bound = max(1e-6, reordering_error(preset, arch, data, one_weights)) if preset == "tiny-mixtral" else 1e-6
-    two, two_eval, two_weights, counts = train(workers_config(preset, 2), arch, data)
+    two, two_eval, two_weights, counts = train(workers_config(preset, 2, embedding_step=embedding_step), arch, data)
 
     assert [r.num_gpus for r in one + two] == [1] * STEPS + [2] * STEPS
     assert all(r.grad_norm > 0.5 for r in one), "clipping must be active (optim.grad_clip 0.5)"
+    fp32 = 4  # bytes: the compute dtype of these runs
+    leaving = layouts[1:] if embedding_step == "device" else layouts
     for a, b in zip(two, one):
         assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=0)
         assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6, abs=0)
         assert (a.tokens, a.target_tokens) == (b.tokens, b.target_tokens)
-        assert a.d2h_bytes == b.d2h_bytes, "each layer's gradient leaves one worker, once"
-        assert a.h2d_bytes == 2 * b.h2d_bytes, "every worker reads every layer"
+        assert a.d2h_bytes == b.d2h_bytes == sum(layout.numel for layout in leaving) * fp32, \
+            "each layer's gradient leaves one worker, once"
+        assert a.h2d_bytes == 2 * b.h2d_bytes, "every worker reads every layer (but an embedding it was sent)"
+    embedding_reads = one[0].h2d_bytes - one[1].h2d_bytes  # after the first step, not from the host
+    assert embedding_reads % (layouts[0].numel * fp32) == 0 and (embedding_reads > 0) == (embedding_step == "device")
     assert two_eval.target_tokens == one_eval.target_tokens and two_eval.tokens == one_eval.tokens
     assert two_eval.loss == pytest.approx(one_eval.loss, rel=1e-6, abs=0)
     for i, (a, b) in enumerate(zip(two_weights, one_weights)):
         assert relative_error(a, b) < bound, f"layer {i}: {relative_error(a, b)}"
-    assert counts == {i: STEPS for i in range(len(model_layouts(arch)))}, "each layer updated once per step"
+    assert counts == {i: STEPS for i in range(len(layouts))}, "each layer updated once per step"
 
 
 def test_two_workers_keeping_forward_graphs_train_like_one_recomputing(local_ray):
@@ -122,27 +135,30 @@ def test_two_workers_keeping_forward_graphs_train_like_one_recomputing(local_ray
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpus_over_nccl_train_like_one(local_ray):
     """The same comparison on two GPUs (NCCL; fp32 compute, no compile): run it on the GPU machine
-    before timing anything there. Both step the embedding on the host, as two workers do: one GPU
-    would step it on the GPU by default (executor.embedding_step auto, streaming/device_step.py), and
-    then its gradient (the tiny table's 64 KiB) never leaves and its weights stay on the device, so
-    the bytes moved would not compare."""
+    before timing anything there. Both step the embedding on a GPU (executor.embedding_step auto,
+    streaming/device_step.py): one GPU its own, two GPUs on the one that owns its summed gradient,
+    which broadcasts the new weights to the other. So in both the embedding's gradient (the tiny
+    table's 64 KiB) never leaves a device, and from the second step on no GPU reads it from the host."""
     arch = PRESETS["tiny-qwen3"]
+    layouts = model_layouts(arch)
     data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=1)
 
     def on_cuda(num_gpus):
         config = workers_config("tiny-qwen3", num_gpus)
-        return config.replace(executor=dataclasses.replace(config.executor, device="cuda", compile=False,
-                                                           embedding_step="host"))
+        return config.replace(executor=dataclasses.replace(config.executor, device="cuda", compile=False))
 
     one, one_eval, one_weights, _ = train(on_cuda(1), arch, data)
     two, two_eval, two_weights, counts = train(on_cuda(2), arch, data)
+    fp32 = 4  # bytes: the compute dtype of these runs
     for a, b in zip(two, one):
         assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
-        assert a.d2h_bytes == b.d2h_bytes and a.h2d_bytes == 2 * b.h2d_bytes and a.num_gpus == 2
+        assert a.d2h_bytes == b.d2h_bytes == sum(layout.numel for layout in layouts[1:]) * fp32
+        assert a.h2d_bytes == 2 * b.h2d_bytes and a.num_gpus == 2
+    assert one[0].h2d_bytes > one[1].h2d_bytes == one[2].h2d_bytes  # the embedding read from the host once
     assert two_eval.loss == pytest.approx(one_eval.loss, rel=1e-5)
     for i, (a, b) in enumerate(zip(two_weights, one_weights)):
         assert relative_error(a, b) < 1e-5, f"layer {i}: {relative_error(a, b)}"
-    assert counts == {i: STEPS for i in range(len(model_layouts(arch)))}
+    assert counts == {i: STEPS for i in range(len(layouts))}
 
 
 def test_layer_owners_split_the_bytes_and_alternate():
@@ -221,10 +237,12 @@ def test_a_lost_worker_stops_the_step(local_ray):
 
 
 def test_two_workers_resume_exactly(local_ray, tmp_path):
-    """Checkpoints and resume with two workers: 4 steps in one go equal 2 + resume + 2, bit for bit."""
+    """Checkpoints and resume with two workers: 4 steps in one go equal 2 + resume + 2, bit for bit;
+    the embedding stepped on its owner's device (its state copied back to its store), every other
+    layer on the host."""
     def raw(out):
         return tiny_raw(out, steps=4, train={"grad_accum": 4}, runtime={"num_gpus": 2},
-                        checkpoint={"every": 2, "keep": 5})
+                        checkpoint={"every": 2, "keep": 5}, executor={"embedding_step": "device"})
 
     whole = run_training(config_from_dict(raw(tmp_path / "whole")))
     run_training(config_from_dict(raw(tmp_path / "split")), until_step=2)

@@ -153,3 +153,29 @@ def test_the_exposed_wait_is_split_where_it_happened():
         waits = (r.wait_before_s, r.wait_between_s, r.wait_after_s)
         assert all(w >= 0 for w in waits) and r.wait_before_s > 0
         assert sum(waits) == pytest.approx(r.seconds - r.compute_s, abs=1e-6)
+
+
+def test_the_host_messages_go_before_the_steps_on_a_device():
+    """The host's updates leave in forward order, and a layer stepped on the device (the embedding)
+    comes after them: its launches would let other workers' messages reach a store ahead of this
+    worker's first layers (a store takes them as they come)."""
+    config = config_from_dict({
+        "model": {"preset": "tiny-llama", "compute_dtype": "float32"},
+        "train": {"steps": 1, "grad_accum": 1},
+        "executor": {"device": "cpu", "embedding_step": "device"},
+    })
+    trainer = LocalTrainer(config, ARCH)
+    order = []
+    update = trainer.source.update
+
+    def recording_update(layer, hp, landed):
+        order.append(layer)
+        update(layer, hp, landed)
+
+    trainer.source.update = recording_update
+    try:
+        trainer.train_step(random_micro_batches(ARCH, 1, 1, batch=1, seq=8, seed=0)[0])
+    finally:
+        trainer.close()
+    layers = len(model_layouts(ARCH))
+    assert order == [*range(1, layers), 0]
