@@ -104,7 +104,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class ExecutorConfig:
     device: str = "auto"  # auto | cuda | cpu
-    num_slots: int = 3  # weight slots per layer size on the device (prefetch depth + 1)
+    num_slots: int | None = None  # weight slots per layer size on the device (prefetch depth + 1); null: 3, or 2 where the GPU memory needs it (the plan's choice)
     loss_chunk_tokens: int | None = None  # tokens per chunk of the LM-head loss; null: 4096, or fewer where the GPU memory needs it (the plan's choice)
     compile: bool = True  # torch.compile the decoder block on CUDA (fuses norms, RoPE, SwiGLU: ~20% faster)
     offload_activations: str = "auto"  # auto | on | off: park boundary activations in host memory (long contexts)
@@ -361,7 +361,8 @@ def check_values(config: Config) -> None:
         (t.max_restarts >= 0, "train.max_restarts must be >= 0"),
         (t.step_timeout_s >= 0, "train.step_timeout_s must be >= 0 (0: no limit)"),
         (ex.device in ("auto", "cuda", "cpu"), "executor.device must be auto, cuda or cpu"),
-        (ex.num_slots >= 2, "executor.num_slots must be >= 2 (one computing, one prefetching)"),
+        (ex.num_slots is None or ex.num_slots >= 2,
+         "executor.num_slots must be >= 2 (one computing, one prefetching), or null: the plan chooses"),
         (ex.loss_chunk_tokens is None or ex.loss_chunk_tokens >= 1,
          "executor.loss_chunk_tokens must be >= 1 (or null: the plan chooses)"),
         (ex.offload_activations in ("auto", "on", "off"), "executor.offload_activations must be auto, on or off"),
@@ -384,8 +385,8 @@ def check_values(config: Config) -> None:
         (rt.worker_threads is None or rt.worker_threads >= 1, "runtime.worker_threads must be >= 1 (or null)"),
         (rt.store_memory_gib is None or (_finite(rt.store_memory_gib) and rt.store_memory_gib > 0),
          "runtime.store_memory_gib must be a finite number > 0 (or null: the node's available memory)"),
-        (rt.remote_window == 0 or rt.remote_window >= ex.num_slots,
-         "runtime.remote_window must be 0 (the plan chooses) or at least executor.num_slots"),
+        (rt.remote_window == 0 or rt.remote_window >= (ex.num_slots or 3),
+         "runtime.remote_window must be 0 (the plan chooses) or at least executor.num_slots (3 when null)"),
         (rt.transport_streams >= 1, "runtime.transport_streams must be >= 1"),
         (_finite(rt.network_gbps) and rt.network_gbps > 0, "runtime.network_gbps must be a finite number > 0"),
         (ck.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)"),

@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or one per --seq-len")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (0: the first step, compilation included, is timed)")
-    p.add_argument("--num-slots", type=int, default=3)
+    p.add_argument("--num-slots", type=int, default=None,
+                   help="weight slots per layer size (executor.num_slots; default: the plan's, 3 unless memory is short)")
     p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--loss-chunk-tokens", type=int, default=None,
@@ -140,10 +141,12 @@ def optim_mode(text: str) -> str:
 
 
 def loss_chunk(args) -> int | None:
-    """--loss-chunk-tokens, or the benchmark's 8192; with --gpu-memory-gib the plan's choice (null)."""
-    if args.loss_chunk_tokens is not None or getattr(args, "gpu_memory_gib", None) is not None:
+    """--loss-chunk-tokens, or the benchmark's (as its baselines'); with --gpu-memory-gib the plan's choice (null)."""
+    from megatrain_ray.bench.baselines import LOSS_CHUNK_TOKENS
+
+    if args.loss_chunk_tokens is not None or args.gpu_memory_gib is not None:
         return args.loss_chunk_tokens
-    return 8192
+    return LOSS_CHUNK_TOKENS
 
 
 def bench_config(args, shape: Shape):

@@ -85,12 +85,14 @@ def dtype_bytes(config: Config) -> int:
     return 2 if config.model.compute_dtype == "bfloat16" else 4
 
 
-# executor.loss_chunk_tokens and executor.mlp_chunk_tokens left on auto (null): these, halved by
-# the step plan (fit_chunks) down to the smallest where the GPU memory needs it.
+# executor.loss_chunk_tokens, executor.mlp_chunk_tokens and executor.num_slots left on auto (null):
+# these, made smaller by the step plan (fit_auto_settings) down to the least where the GPU memory needs it.
 LOSS_CHUNK_TOKENS = 4096
 MLP_CHUNK_TOKENS = 16384
+NUM_SLOTS = 3
 SMALLEST_LOSS_CHUNK = 256  # below it the head's matmuls are too thin to run at speed
 SMALLEST_MLP_CHUNK = 1024
+FEWEST_SLOTS = 2  # one computing, one filling
 
 
 def loss_chunk_setting(config: Config) -> int:
@@ -104,10 +106,16 @@ def mlp_chunk_setting(config: Config) -> int:
     return MLP_CHUNK_TOKENS if chunk is None else chunk
 
 
-def with_chunk_settings(config: Config) -> Config:
-    """`config` with the chunk sizes left on auto at their defaults."""
+def num_slots_setting(config: Config) -> int:
+    slots = config.executor.num_slots
+    return NUM_SLOTS if slots is None else slots
+
+
+def with_auto_settings(config: Config) -> Config:
+    """`config` with the settings left on auto at their defaults."""
     return config.replace(executor=dataclasses.replace(config.executor, loss_chunk_tokens=loss_chunk_setting(config),
-                                                       mlp_chunk_tokens=mlp_chunk_setting(config)))
+                                                       mlp_chunk_tokens=mlp_chunk_setting(config),
+                                                       num_slots=num_slots_setting(config)))
 
 
 def mlp_chunk_tokens(arch: ModelArch, tokens: int, config: Config) -> int:
@@ -190,7 +198,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     counts: dict[int, int] = {}
     for layout in layouts:
         counts[layout.numel] = counts.get(layout.numel, 0) + 1
-    plan.by_use["weight slots"] = sum(min(config.executor.num_slots, c) * n * d for n, c in counts.items())
+    plan.by_use["weight slots"] = sum(min(num_slots_setting(config), c) * n * d for n, c in counts.items())
     largest = max(layout.numel for layout in layouts)
     plan.by_use["gradient (fp32 accumulator, its bf16 copy out, autograd's)"] = largest * (4 + 2 * d)
     if num_gpus > 1:
@@ -353,7 +361,7 @@ def kept_reads_saved(arch: ModelArch, config: Config, kept: int) -> int:
     `num_slots - 1`, which stay resident across the turn into backward anyway."""
     blocks = block_numels(arch)
     k = min(kept, len(blocks))
-    return sum(blocks[len(blocks) - k : len(blocks) - min(k, config.executor.num_slots - 1)])
+    return sum(blocks[len(blocks) - k : len(blocks) - min(k, num_slots_setting(config) - 1)])
 
 
 def host_parking(arch: ModelArch, config: Config, offload: bool, num_gpus: int = 1) -> int:
@@ -411,30 +419,41 @@ def fits_leanest(arch: ModelArch, config: Config, budget: int, num_gpus: int = 1
     return leanest_plan(arch, config, num_gpus, embedding_on_device).total <= AUTO_OFFLOAD_MARGIN * budget
 
 
-def fit_chunks(arch: ModelArch, config: Config, budget: int, num_gpus: int = 1,
-               embedding_on_device: bool = False) -> Config:
-    """`config` with the chunk sizes the user left on auto (null) chosen: their defaults, or, where
-    the step does not fit the GPU's `budget` even with its activations parked and no graph kept, the
-    loss chunk halved first (down to SMALLEST_LOSS_CHUNK) and then the MLP chunk (down to
-    SMALLEST_MLP_CHUNK). A chunk the user set stays as set."""
-    ex = config.executor
-    mb_tokens = config.train.micro_batch_size * config.data.seq_len
-    planned = with_chunk_settings(config)
-    for knob, smallest in (("loss_chunk_tokens", SMALLEST_LOSS_CHUNK), ("mlp_chunk_tokens", SMALLEST_MLP_CHUNK)):
-        if getattr(ex, knob) is not None:
+def fit_auto_settings(arch: ModelArch, config: Config, budget: int, num_gpus: int = 1,
+                      embedding_on_device: bool = False) -> Config:
+    """`config` with the settings the user left on auto (null) chosen: their defaults, or, where the
+    step does not fit the GPU's `budget` even with its activations parked and no graph kept, the
+    loss chunk halved first (down to SMALLEST_LOSS_CHUNK), then the MLP chunk (down to
+    SMALLEST_MLP_CHUNK), then one weight slot fewer (down to FEWEST_SLOTS). A value the user set
+    stays as set."""
+    planned = with_auto_settings(config)
+    for knob in ("loss_chunk_tokens", "mlp_chunk_tokens", "num_slots"):
+        if getattr(config.executor, knob) is not None:
             continue
         while not fits_leanest(arch, planned, budget, num_gpus, embedding_on_device):
-            now = (min(planned.executor.loss_chunk_tokens, mb_tokens) if knob == "loss_chunk_tokens"
-                   else mlp_chunk_tokens(arch, mb_tokens, planned))
-            if now // 2 < smallest:
+            less = smaller(arch, planned, knob)
+            if less is None:
                 break
-            planned = planned.replace(executor=dataclasses.replace(planned.executor, **{knob: now // 2}))
+            planned = planned.replace(executor=dataclasses.replace(planned.executor, **{knob: less}))
     return planned
+
+
+def smaller(arch: ModelArch, config: Config, knob: str) -> int | None:
+    """The next smaller value of an executor setting that fit_auto_settings chooses (None: at its least)."""
+    mb_tokens = config.train.micro_batch_size * config.data.seq_len
+    if knob == "loss_chunk_tokens":
+        less = min(loss_chunk_setting(config), mb_tokens) // 2
+        return less if less >= SMALLEST_LOSS_CHUNK else None
+    if knob == "mlp_chunk_tokens":
+        less = mlp_chunk_tokens(arch, mb_tokens, config) // 2
+        return less if less >= SMALLEST_MLP_CHUNK else None
+    less = num_slots_setting(config) - 1
+    return less if less >= FEWEST_SLOTS else None
 
 
 def gpu_memory(arch: ModelArch, config: Config, free_bytes: int, num_gpus: int = 1,
                embedding_on_device: bool = False) -> GpuPlan:
-    """A GPU's memory for the step (`config` with its chunk sizes chosen: fit_chunks): offloading
+    """A GPU's memory for the step (`config` with its auto settings chosen: fit_auto_settings): offloading
     decided, then the kept blocks with it (the step plan's decisions: planning/step_plan.py calls
     it, once)."""
     offload = choose_offload(arch, config, free_bytes, num_gpus, embedding_on_device)
@@ -485,7 +504,7 @@ def check_host_fit(plan: GpuPlan, headroom_bytes: int, where: str, num_gpus: int
 def recompute_line(arch: ModelArch, config: Config, kept: int, num_gpus: int) -> str:
     if kept == 0:
         return ("every layer recomputes its forward in backward; weights are fetched twice per step (the last "
-                f"{config.executor.num_slots - 1} blocks stay resident across the turn)")
+                f"{num_slots_setting(config) - 1} blocks stay resident across the turn)")
     graphs = kept * kept_graph_bytes(arch, config, num_gpus)
     return (f"kept forward graphs: the last {kept} of {num_blocks(arch)} blocks ({size(graphs)}), whose backward skips "
             "the recompute; every other layer recomputes its forward in backward")

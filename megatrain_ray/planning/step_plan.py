@@ -23,10 +23,10 @@ from megatrain_ray.host.memory import dtype_of, host_headroom
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.placement import Placement, with_window
-from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, GiB, GpuPlan, PlanError, check_gpu_fit,
+from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, GiB, GpuPlan, PlanError, check_gpu_fit,
                                          check_host_fit, check_parked_fit, device_budget, embedding_step_on_device,
-                                         fit_chunks, fits_leanest, gpu_memory, host_memory, host_parking,
-                                         micro_batches_per_gpu, with_chunk_settings)
+                                         fit_auto_settings, fits_leanest, gpu_memory, host_memory, host_parking,
+                                         micro_batches_per_gpu, with_auto_settings)
 from megatrain_ray.planning.probe import measure_working_set
 
 
@@ -83,6 +83,7 @@ class StepPlan:
     measured_working_set: float = 0.0  # the working set a token planned with (0: the family's estimate)
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the LM-head loss
     mlp_chunk_tokens: int = MLP_CHUNK_TOKENS  # longer micro-batches run their MLP in chunks of this many (0: never)
+    num_slots: int = NUM_SLOTS  # weight slots per layer size on the device
     memory_cap: int | None = None  # bytes each worker's allocator may hold (executor.gpu_memory_gib; None: no cap)
     memory: GpuPlan = dataclasses.field(default_factory=GpuPlan, compare=False)  # each worker's peak by use
     free_bytes: int | None = dataclasses.field(default=None, compare=False)  # the device memory planned against
@@ -108,9 +109,10 @@ class StepPlan:
         return arch.replace(measured_working_set=self.measured_working_set) if self.measured_working_set else arch
 
     def planned_config(self, config: Config) -> Config:
-        """`config` as the plan ran it: with the chunk sizes it chose."""
+        """`config` as the plan ran it: with the chunk sizes and the weight slots it chose."""
         return config.replace(executor=dataclasses.replace(config.executor, loss_chunk_tokens=self.loss_chunk_tokens,
-                                                           mlp_chunk_tokens=self.mlp_chunk_tokens))
+                                                           mlp_chunk_tokens=self.mlp_chunk_tokens,
+                                                           num_slots=self.num_slots))
 
 
 def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceFacts],
@@ -135,11 +137,11 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
     if tightest.kind == "cuda":
         # auto: the embedding steps here only where that takes nothing else the step would give up for it
         on_device = on_device and (config.executor.embedding_step == "device"
-                                   or fits_leanest(planned, with_chunk_settings(config), budget, workers, True))
-        config = fit_chunks(planned, config, budget, workers, on_device)
+                                   or fits_leanest(planned, with_auto_settings(config), budget, workers, True))
+        config = fit_auto_settings(planned, config, budget, workers, on_device)
         memory = gpu_memory(planned, config, budget, workers, on_device)
     else:  # the executor's tensors live beside the stores' state; nothing is parked
-        config = with_chunk_settings(config)
+        config = with_auto_settings(config)
         memory = host_memory(planned, config, workers)
     parked = host_parking(planned, config, memory.offload, workers)
     placed = with_window(placement, arch, config, parked) if placement is not None else None
@@ -147,7 +149,7 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
     cap = config.executor.gpu_memory_gib
     plan = StepPlan(tightest.kind, workers, micro_batches_per_gpu(config, workers), memory.offload, memory.kept,
                     on_device, placed.window_slots if placed is not None else 0, measured,
-                    config.executor.loss_chunk_tokens, config.executor.mlp_chunk_tokens,
+                    config.executor.loss_chunk_tokens, config.executor.mlp_chunk_tokens, config.executor.num_slots,
                     int(cap * GiB) if cap is not None and tightest.kind == "cuda" else None, memory,
                     budget, headroom, placed)
     try:

@@ -157,7 +157,7 @@ def shape_text(arch: ModelArch, config: Config, step) -> str:
             + ("parked in host memory" if step.offload else "on the GPU")
             + f", {step.kept} kept graph{'s' if step.kept != 1 else ''}, loss chunk "
             f"{min(step.loss_chunk_tokens, mb_tokens)} tokens, MLP "
-            + (f"chunk {mlp} tokens" if mlp < mb_tokens else "unchunked")
+            + (f"chunk {mlp} tokens" if mlp < mb_tokens else "unchunked") + f", {step.num_slots} weight slots"
             + (", the embedding's AdamW step on the GPU" if step.embedding_on_device else ""))
 
 

@@ -13,8 +13,8 @@ import torch
 
 from megatrain_ray.config import ConfigError, config_from_dict, load_config
 from megatrain_ray.models.registry import PRESETS, model_arch, num_params
-from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, SMALLEST_LOSS_CHUNK, SMALLEST_MLP_CHUNK,
-                                         PlanError, fits_leanest)
+from megatrain_ray.planning.plan import (FEWEST_SLOTS, LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS,
+                                         SMALLEST_LOSS_CHUNK, SMALLEST_MLP_CHUNK, PlanError, fits_leanest)
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 from megatrain_ray.planning.whatif import GPU_NODE, cluster_nodes, load_cluster, plan_cluster
 from megatrain_ray.planning.placement import plan_placement
@@ -42,7 +42,8 @@ def test_the_cap_is_the_budget_the_step_is_planned_against():
     arch, config = qwen()
     free = plan_step(arch, capped(config, None), H100)
     assert free.memory_cap is None and free.free_bytes == 78 * GiB
-    assert (free.offload, free.loss_chunk_tokens, free.mlp_chunk_tokens) == (False, LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS)
+    assert (free.offload, free.loss_chunk_tokens, free.mlp_chunk_tokens, free.num_slots) == (
+        False, LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS)
     assert free.kept > 0 and free.embedding_on_device
     ten = plan_step(arch, config, H100)  # the example's 10 GiB
     assert ten.memory_cap == ten.free_bytes == 10 * GiB
@@ -54,21 +55,23 @@ def test_the_cap_is_the_budget_the_step_is_planned_against():
     assert plan_step(arch, capped(config, 200), H100).free_bytes == 78 * GiB
 
 
-def chunks(config, loss: int, mlp: int):
-    return config.replace(executor=dataclasses.replace(config.executor, loss_chunk_tokens=loss, mlp_chunk_tokens=mlp))
+def chunks(config, loss: int, mlp: int, slots: int = NUM_SLOTS):
+    return config.replace(executor=dataclasses.replace(config.executor, loss_chunk_tokens=loss, mlp_chunk_tokens=mlp,
+                                                       num_slots=slots))
 
 
 def test_a_tighter_cap_gives_up_the_step_s_comforts_in_order():
     """Qwen2.5-7B from 40 GiB down to 9 GiB: the embedding's step leaves the GPU, the kept graphs go
-    and the activations are parked, then the loss chunk shrinks, and only once it is at its smallest
-    the MLP chunk; every plan's peak stays under its cap."""
+    and the activations are parked, then the loss chunk shrinks, only once it is at its smallest
+    the MLP chunk, and only then a weight slot goes; every plan's peak stays under its cap."""
     arch, config = qwen()
-    plans = [plan_step(arch, capped(config, gib / 4), H100) for gib in range(160, 35, -1)]  # 40 GiB .. 9 GiB
+    caps = [gib / 2 for gib in range(80, 24, -1)] + [gib / 20 for gib in range(240, 179, -1)]  # 40 GiB .. 9 GiB
+    plans = [plan_step(arch, capped(config, cap), H100) for cap in caps]
     stages = []
     for before, after in zip(plans, plans[1:]):  # (parking activations may make room for a kept graph again)
         assert after.embedding_on_device <= before.embedding_on_device
         assert after.loss_chunk_tokens <= before.loss_chunk_tokens
-        assert after.mlp_chunk_tokens <= before.mlp_chunk_tokens
+        assert after.mlp_chunk_tokens <= before.mlp_chunk_tokens and after.num_slots <= before.num_slots
     for p in plans:
         assert p.memory.total <= p.memory_cap
         if p.loss_chunk_tokens < LOSS_CHUNK_TOKENS:  # a smaller loss chunk only with nothing else left to give:
@@ -77,14 +80,19 @@ def test_a_tighter_cap_gives_up_the_step_s_comforts_in_order():
         if p.mlp_chunk_tokens < config.data.seq_len:
             assert p.loss_chunk_tokens == SMALLEST_LOSS_CHUNK
             assert not fits_leanest(arch, chunks(config, SMALLEST_LOSS_CHUNK, p.mlp_chunk_tokens * 2), p.memory_cap)
+        if p.num_slots < NUM_SLOTS:
+            assert (p.loss_chunk_tokens, p.mlp_chunk_tokens) == (SMALLEST_LOSS_CHUNK, SMALLEST_MLP_CHUNK)
+            assert not fits_leanest(arch, chunks(config, SMALLEST_LOSS_CHUNK, SMALLEST_MLP_CHUNK, p.num_slots + 1),
+                                    p.memory_cap)
         stages.append((p.embedding_on_device, p.kept > 0, p.offload, p.loss_chunk_tokens < LOSS_CHUNK_TOKENS,
-                       p.mlp_chunk_tokens < config.data.seq_len))
+                       p.mlp_chunk_tokens < config.data.seq_len, p.num_slots < NUM_SLOTS))
     # the sweep passes through every stage, so that the order above was tested, not assumed
-    assert (True, True, False, False, False) in stages  # everything kept
-    assert (False, False, True, False, False) in stages  # parked, nothing kept, the default chunks
-    assert (False, False, True, True, False) in stages  # a smaller loss chunk
-    assert (False, False, True, True, True) in stages  # then a smaller MLP chunk
-    assert plans[-1].mlp_chunk_tokens >= SMALLEST_MLP_CHUNK
+    assert (True, True, False, False, False, False) in stages  # everything kept
+    assert (False, False, True, False, False, False) in stages  # parked, nothing kept, the default chunks
+    assert (False, False, True, True, False, False) in stages  # a smaller loss chunk
+    assert (False, False, True, True, True, False) in stages  # then a smaller MLP chunk
+    assert (False, False, True, True, True, True) in stages  # then a weight slot fewer
+    assert plans[-1].num_slots >= FEWEST_SLOTS
 
 
 def test_qwen_14b_lean_trains_under_24_gib():
@@ -170,7 +178,7 @@ def test_a_cpu_run_with_a_cap_trains_as_without():
         config = make_config("tiny-llama", gpu_memory_gib=cap)
         trainer = LocalTrainer(config, arch)
         assert trainer.plan.memory_cap is None
-        data = random_micro_batches(arch, 2, GRAD_ACCUM, 2, 16, seed=0)
+        data = random_micro_batches(arch, 1, GRAD_ACCUM, 2, 16, seed=0)
         losses.append([trainer.train_step(step).loss for step in data])
         trainer.close()
     assert losses[0] == losses[1]
