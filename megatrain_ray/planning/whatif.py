@@ -15,9 +15,8 @@ from pathlib import Path
 from megatrain_ray.planning import plan as planner
 from megatrain_ray.config import Config, ConfigError, from_mapping, load_yaml
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.registry import PRESETS, num_params
-from megatrain_ray.planning.placement import (GPU_NODE_RESERVE, NAMED_MODES, USABLE, NodeInfo, largest_models,
-                                              plan_placement, store_room)
+from megatrain_ray.planning.largest import largest_trainable
+from megatrain_ray.planning.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, largest_models, plan_placement, store_room
 from megatrain_ray.planning.traffic import StepTraffic, describe_traffic, step_traffic
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 
@@ -92,7 +91,7 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
              + "".join(f", {r.count} x {r.memory_gib:g} GiB RAM node at {r.network_gbps:g} Gbit/s" for r in spec.ram_nodes)]
     try:
         lines.append(largest_models(store_room(arch, config, cluster_nodes(spec), GPU_NODE), config))
-        lines.append(largest_trainable(config, spec))
+        lines.append(largest_trainable(config, described_facts(spec), cluster_nodes(spec), GPU_NODE))
         # the run's own decisions (planning/step_plan.py) on the described GPU
         step = plan_step(arch, config, described_facts(spec), plan_placement(arch, config, cluster_nodes(spec), GPU_NODE),
                          stores_allocated=False, refuse=False)
@@ -111,54 +110,6 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
     lines.append(speed_table(arch, config, traffic, speeds))
     lines.append("fits")
     return "\n".join(lines), True
-
-
-def largest_trainable(config: Config, spec: ClusterSpec) -> str:
-    """The largest model preset each optimizer state mode trains on the described cluster, its host
-    memory and its GPU's (with executor.gpu_memory_gib) both, at the config's step shape, with the
-    step plan's choices for it: the same plan_step as a run's."""
-    t, nodes = config.train, cluster_nodes(spec)
-    cap = config.executor.gpu_memory_gib
-    gpu = min(spec.gpu_node.gpu_memory_gib, cap) if cap is not None else spec.gpu_node.gpu_memory_gib
-    lines = [f"the largest model preset it trains per optimizer state mode, host and {gpu:g} GiB of GPU memory both "
-             f"(micro-batch {t.micro_batch_size} x seq {config.data.seq_len}, {t.grad_accum} micro-batches a step):"]
-    presets = sorted(((name, arch) for name, arch in PRESETS.items() if not name.startswith("tiny-")),
-                     key=lambda item: num_params(item[1]), reverse=True)
-    for fmt in NAMED_MODES:
-        if fmt.master == "bf16" and config.model.compute_dtype != "bfloat16":
-            continue  # a bf16 master is the compute copy: bf16 compute only
-        moded = config.replace(optim=dataclasses.replace(config.optim, master=fmt.master, moments=fmt.moments))
-        found = next(((name, arch, step) for name, arch in presets
-                      if (step := trainable_plan(arch, moded, spec, nodes)) is not None), None)
-        mode = f"  optim.master={fmt.master} optim.moments={fmt.moments}: "
-        if found is None:
-            lines.append(mode + "none of the presets")
-            continue
-        name, arch, step = found
-        lines.append(mode + f"{name} ({num_params(arch) / 1e9:.1f} B params): " + shape_text(arch, moded, step))
-    return "\n".join(lines)
-
-
-def trainable_plan(arch: ModelArch, config: Config, spec: ClusterSpec, nodes: list[NodeInfo]):
-    """The step plan for `arch` on the described cluster, or None where it does not fit there."""
-    try:
-        step = plan_step(arch, config, described_facts(spec), plan_placement(arch, config, nodes, GPU_NODE),
-                         stores_allocated=False, refuse=False)
-    except (ConfigError, planner.PlanError):
-        return None
-    return step if step.refused is None else None
-
-
-def shape_text(arch: ModelArch, config: Config, step) -> str:
-    """The step plan's choices for one model, in a line."""
-    mb_tokens = config.train.micro_batch_size * config.data.seq_len
-    mlp = planner.mlp_chunk_tokens(arch, mb_tokens, step.planned_config(config))
-    return (f"peak {planner.size(step.memory.total)}, activations "
-            + ("parked in host memory" if step.offload else "on the GPU")
-            + f", {step.kept} kept graph{'s' if step.kept != 1 else ''}, loss chunk "
-            f"{min(step.loss_chunk_tokens, mb_tokens)} tokens, MLP "
-            + (f"chunk {mlp} tokens" if mlp < mb_tokens else "unchunked") + f", {step.num_slots} weight slots"
-            + (", the embedding's AdamW step on the GPU" if step.embedding_on_device else ""))
 
 
 def speed_table(arch: ModelArch, config: Config, traffic: StepTraffic, speeds: list[float]) -> str:

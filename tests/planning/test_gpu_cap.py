@@ -16,7 +16,7 @@ from megatrain_ray.models.registry import PRESETS, model_arch, num_params
 from megatrain_ray.planning.plan import (FEWEST_SLOTS, LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS,
                                          SMALLEST_LOSS_CHUNK, SMALLEST_MLP_CHUNK, PlanError, fits_leanest)
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
-from megatrain_ray.planning.whatif import GPU_NODE, cluster_nodes, load_cluster, plan_cluster
+from megatrain_ray.planning.whatif import GPU_NODE, cluster_nodes, described_facts, load_cluster, plan_cluster
 from megatrain_ray.planning.placement import plan_placement
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.runtime.worker import assemble_worker
@@ -143,7 +143,7 @@ def test_plan_names_the_largest_model_a_10_gib_card_with_64_gib_trains():
     named = largest_named(text)
     assert len(named) == 4 and num_params(PRESETS[named["bf16/int8"]]) > num_params(PRESETS[named["fp32/fp32"]])
     nodes = cluster_nodes(spec)
-    facts = DeviceFacts("cuda", spec.gpu_node.gpu, int(spec.gpu_node.gpu_memory_gib * GiB), 50 * GiB)
+    facts = described_facts(spec)
     for mode, name in named.items():
         master, moments = mode.split("/")
         moded = config.replace(optim=dataclasses.replace(config.optim, master=master, moments=moments))
