@@ -95,11 +95,19 @@ def test_a_tighter_cap_gives_up_the_step_s_comforts_in_order():
     assert plans[-1].num_slots >= FEWEST_SLOTS
 
 
-def test_qwen_14b_lean_trains_under_24_gib():
-    arch, config = qwen("qwen2.5-14b", "optim.master=bf16", "optim.moments=int8", "executor.gpu_memory_gib=24")
-    step = plan_step(arch, config, H100)
-    assert step.memory_cap == 24 * GiB and step.memory.total <= 24 * GiB
-    assert not step.embedding_on_device  # lean state steps on the host
+@pytest.mark.parametrize("preset, sets, gib", [
+    ("qwen2.5-7b", (), 10),
+    ("qwen2.5-14b", ("optim.master=bf16", "optim.moments=int8"), 24),  # the 6-byte mode
+])
+def test_the_done_when_runs_fit_under_their_caps_on_the_h100_machine(preset, sets, gib):
+    """examples/cluster-h100-128g.yaml: the host holds the state and the parked activations, the GPU's
+    predicted peak stays under the cap."""
+    arch, config = qwen(preset, *sets, f"executor.gpu_memory_gib={gib}")
+    spec = load_cluster(EXAMPLES / "cluster-h100-128g.yaml")
+    step = plan_step(arch, config, described_facts(spec), plan_placement(arch, config, cluster_nodes(spec), GPU_NODE),
+                     stores_allocated=False)
+    assert step.memory_cap == step.free_bytes == gib * GiB and step.memory.total <= gib * GiB
+    assert not step.embedding_on_device
 
 
 def test_knobs_the_user_set_are_obeyed_or_refused_with_the_figure():
