@@ -162,7 +162,8 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
         say(placement.describe(arch))
         rates = step_rates(config, gpu)
         if placement.remote_layers():
-            compute_s = planner.predict_step(planned, step.planned_config(config), network, optimizer_s, n, rates=rates).compute_s if rates else None
+            compute_s = (planner.predict_step(planned, step.planned_config(config), network, optimizer_s, n,
+                                              rates=rates).compute_s if rates else None)
             say(describe_traffic(traffic, compute_s))
         say(planner.describe(planned, config, step, network, optimizer_s, rates=rates,
                              no_prediction=None if rates else NO_GPU))

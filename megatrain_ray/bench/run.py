@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (0: the first step, compilation included, is timed)")
     p.add_argument("--num-slots", type=int, default=None,
-                   help="weight slots per layer size (executor.num_slots; default: the plan's, 3 unless memory is short)")
+                   help="weight slots per layer size (executor.num_slots; default: the plan's, 3 unless memory is "
+                        "short)")
     p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--loss-chunk-tokens", type=int, default=None,
@@ -238,7 +239,8 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     one = args.peak_tflops or (rates.matmul_flops_per_s / 1e12 if rates else None)
     peak = one * gpus if one else None
     kept, planned = session.plan.kept, session.planned_arch
-    predicted = predict_step(planned, session.plan.planned_config(session.config), num_gpus=gpus, kept=kept, rates=rates) if rates else None
+    planned_config = session.plan.planned_config(session.config)
+    predicted = predict_step(planned, planned_config, num_gpus=gpus, kept=kept, rates=rates) if rates else None
     print(f"plan:\n{describe(planned, session.config, session.plan, rates=rates, no_prediction=None if rates else NO_GPU)}",
           flush=True)
     rows = []

@@ -23,10 +23,10 @@ from megatrain_ray.host.memory import dtype_of, host_headroom
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.placement import Placement, with_window
-from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, GiB, GpuPlan, PlanError, check_gpu_fit,
-                                         check_host_fit, check_parked_fit, device_budget, embedding_step_on_device,
-                                         fit_auto_settings, fits_leanest, gpu_memory, host_memory, host_parking,
-                                         micro_batches_per_gpu, with_auto_settings)
+from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, GiB, GpuPlan, PlanError,
+                                         check_gpu_fit, check_host_fit, check_parked_fit, device_budget,
+                                         embedding_step_on_device, fit_auto_settings, fits_leanest, gpu_memory,
+                                         host_memory, host_parking, micro_batches_per_gpu, with_auto_settings)
 from megatrain_ray.planning.probe import measure_working_set
 
 
