@@ -126,7 +126,8 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
     from megatrain_ray.planning.rates import NO_GPU
     from megatrain_ray.planning.step_plan import plan_step
     from megatrain_ray.planning.traffic import describe_traffic, step_traffic
-    from megatrain_ray.runtime.cluster import connect, step_rates
+    from megatrain_ray.planning.largest import largest_trainable
+    from megatrain_ray.runtime.cluster import connect, discover_nodes, driver_node_id, step_rates
     from megatrain_ray.runtime.session import largest_models_here, place
 
     shown: list[str] = []
@@ -146,9 +147,11 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
         try:
             say(largest_models_here(arch, config))
             placement = place(arch, config)
+            facts = driver_facts(arch, config, placement)
+            if facts.kind == "cuda":
+                say(largest_trainable(config, facts, discover_nodes(config.runtime), driver_node_id()))
             # the run's own decisions (planning/step_plan.py), from what the driver can see
-            step = plan_step(arch, config, driver_facts(arch, config, placement), placement, stores_allocated=False,
-                             refuse=False)
+            step = plan_step(arch, config, facts, placement, stores_allocated=False, refuse=False)
         except ConfigError as e:
             return result(f"does not fit in host memory: {e}")
         except planner.PlanError as e:
@@ -159,7 +162,8 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
         say(placement.describe(arch))
         rates = step_rates(config, gpu)
         if placement.remote_layers():
-            compute_s = planner.predict_step(planned, config, network, optimizer_s, n, rates=rates).compute_s if rates else None
+            compute_s = (planner.predict_step(planned, step.planned_config(config), network, optimizer_s, n,
+                                              rates=rates).compute_s if rates else None)
             say(describe_traffic(traffic, compute_s))
         say(planner.describe(planned, config, step, network, optimizer_s, rates=rates,
                              no_prediction=None if rates else NO_GPU))

@@ -104,13 +104,14 @@ class TrainConfig:
 @dataclass(frozen=True)
 class ExecutorConfig:
     device: str = "auto"  # auto | cuda | cpu
-    num_slots: int = 3  # weight slots per layer size on the device (prefetch depth + 1)
-    loss_chunk_tokens: int = 4096  # tokens per chunk of the LM-head loss
+    num_slots: int | None = None  # weight slots per layer size on the device (prefetch depth + 1); null: 3, or 2 where the GPU memory needs it (the plan's choice)
+    loss_chunk_tokens: int | None = None  # tokens per chunk of the LM-head loss; null: 4096, or fewer where the GPU memory needs it (the plan's choice)
     compile: bool = True  # torch.compile the decoder block on CUDA (fuses norms, RoPE, SwiGLU: ~20% faster)
     offload_activations: str = "auto"  # auto | on | off: park boundary activations in host memory (long contexts)
-    mlp_chunk_tokens: int = 16384  # longer micro-batches run the MLP in checkpointed chunks of this many tokens; 0 = never
+    mlp_chunk_tokens: int | None = None  # longer micro-batches run the MLP in checkpointed chunks of this many tokens; 0 = never; null: 16384, or fewer where the GPU memory needs it (the plan's choice)
+    gpu_memory_gib: float | None = None  # GPU memory the run may use on each GPU (the plan fits the step under it and the worker's allocator is held to it; binds on CUDA only); null: what the GPU has free
     keep_graphs: int | None = None  # last blocks keeping their forward's graph (no recompute); None: as many as fit the GPU, 0 on a CPU
-    embedding_step: str = "auto"  # auto | device | host: where the embedding's AdamW step runs (streaming/device_step.py); auto: the GPU, where the worker that owns its gradient reaches its store's memory
+    embedding_step: str = "auto"  # auto | device | host: where the embedding's AdamW step runs (streaming/device_step.py); auto: the GPU, where the worker that owns its gradient reaches its store's memory and the GPU has room for it
 
 
 @dataclass(frozen=True)
@@ -360,11 +361,16 @@ def check_values(config: Config) -> None:
         (t.max_restarts >= 0, "train.max_restarts must be >= 0"),
         (t.step_timeout_s >= 0, "train.step_timeout_s must be >= 0 (0: no limit)"),
         (ex.device in ("auto", "cuda", "cpu"), "executor.device must be auto, cuda or cpu"),
-        (ex.num_slots >= 2, "executor.num_slots must be >= 2 (one computing, one prefetching)"),
-        (ex.loss_chunk_tokens >= 1, "executor.loss_chunk_tokens must be >= 1"),
+        (ex.num_slots is None or ex.num_slots >= 2,
+         "executor.num_slots must be >= 2 (one computing, one prefetching), or null: the plan chooses"),
+        (ex.loss_chunk_tokens is None or ex.loss_chunk_tokens >= 1,
+         "executor.loss_chunk_tokens must be >= 1 (or null: the plan chooses)"),
         (ex.offload_activations in ("auto", "on", "off"), "executor.offload_activations must be auto, on or off"),
         (ex.embedding_step in ("auto", "device", "host"), "executor.embedding_step must be auto, device or host"),
-        (ex.mlp_chunk_tokens >= 0, "executor.mlp_chunk_tokens must be >= 0 (0: never chunk)"),
+        (ex.mlp_chunk_tokens is None or ex.mlp_chunk_tokens >= 0,
+         "executor.mlp_chunk_tokens must be >= 0 (0: never chunk), or null: the plan chooses"),
+        (ex.gpu_memory_gib is None or (_finite(ex.gpu_memory_gib) and ex.gpu_memory_gib > 0),
+         "executor.gpu_memory_gib must be a finite number > 0 (or null: what the GPU has free)"),
         (ex.keep_graphs is None or ex.keep_graphs >= 0,
          "executor.keep_graphs must be >= 0 (0: every block recomputes its forward), or null: as many as fit"),
         (rt.address != "", "runtime.address must be a Ray address (or null)"),
@@ -379,8 +385,8 @@ def check_values(config: Config) -> None:
         (rt.worker_threads is None or rt.worker_threads >= 1, "runtime.worker_threads must be >= 1 (or null)"),
         (rt.store_memory_gib is None or (_finite(rt.store_memory_gib) and rt.store_memory_gib > 0),
          "runtime.store_memory_gib must be a finite number > 0 (or null: the node's available memory)"),
-        (rt.remote_window == 0 or rt.remote_window >= ex.num_slots,
-         "runtime.remote_window must be 0 (the plan chooses) or at least executor.num_slots"),
+        (rt.remote_window == 0 or rt.remote_window >= (ex.num_slots or 3),
+         "runtime.remote_window must be 0 (the plan chooses) or at least executor.num_slots (3 when null)"),
         (rt.transport_streams >= 1, "runtime.transport_streams must be >= 1"),
         (_finite(rt.network_gbps) and rt.network_gbps > 0, "runtime.network_gbps must be a finite number > 0"),
         (ck.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)"),

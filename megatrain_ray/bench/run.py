@@ -39,10 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or one per --seq-len")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (0: the first step, compilation included, is timed)")
-    p.add_argument("--num-slots", type=int, default=3)
+    p.add_argument("--num-slots", type=int, default=None,
+                   help="weight slots per layer size (executor.num_slots; default: the plan's, 3 unless memory is "
+                        "short)")
     p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--loss-chunk-tokens", type=int, default=8192)
+    p.add_argument("--loss-chunk-tokens", type=int, default=None,
+                   help="tokens per chunk of the LM-head loss (default: 8192, or the plan's with --gpu-memory-gib)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
+                   help="the GPU memory the run may use (executor.gpu_memory_gib): the plan fits the step under it and "
+                        "the workers' allocator is held to it, so a large GPU stands for a small one")
     p.add_argument("--offload-activations", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--embedding-step", default="auto", choices=["auto", "device", "host"],
                    help="where the embedding's AdamW step runs (executor.embedding_step)")
@@ -135,6 +141,15 @@ def optim_mode(text: str) -> str:
     return text
 
 
+def loss_chunk(args) -> int | None:
+    """--loss-chunk-tokens, or the benchmark's (as its baselines'); with --gpu-memory-gib the plan's choice (null)."""
+    from megatrain_ray.bench.baselines import LOSS_CHUNK_TOKENS
+
+    if args.loss_chunk_tokens is not None or args.gpu_memory_gib is not None:
+        return args.loss_chunk_tokens
+    return LOSS_CHUNK_TOKENS
+
+
 def bench_config(args, shape: Shape):
     """The run's config, the model it trains included (--model, --layers)."""
     overrides = {"num_layers": args.layers} if args.layers else {}
@@ -145,7 +160,8 @@ def bench_config(args, shape: Shape):
         "optim": {"lr": 1e-5, "warmup_steps": 0, "master": master, "moments": moments},
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": shape.micro_batch,
                   "grad_accum": shape.grad_accum},
-        "executor": {"device": args.device, "num_slots": args.num_slots, "loss_chunk_tokens": args.loss_chunk_tokens,
+        "executor": {"device": args.device, "num_slots": args.num_slots, "loss_chunk_tokens": loss_chunk(args),
+                     "gpu_memory_gib": args.gpu_memory_gib,
                      "offload_activations": args.offload_activations, "compile": not args.no_compile,
                      "keep_graphs": shape.keep_graphs, "embedding_step": args.embedding_step},
         "runtime": {"object_store_memory": 2 * 1024**3,
@@ -223,7 +239,8 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     one = args.peak_tflops or (rates.matmul_flops_per_s / 1e12 if rates else None)
     peak = one * gpus if one else None
     kept, planned = session.plan.kept, session.planned_arch
-    predicted = predict_step(planned, session.config, num_gpus=gpus, kept=kept, rates=rates) if rates else None
+    planned_config = session.plan.planned_config(session.config)
+    predicted = predict_step(planned, planned_config, num_gpus=gpus, kept=kept, rates=rates) if rates else None
     print(f"plan:\n{describe(planned, session.config, session.plan, rates=rates, no_prediction=None if rates else NO_GPU)}",
           flush=True)
     rows = []

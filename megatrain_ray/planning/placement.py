@@ -21,6 +21,7 @@ from megatrain_ray.models.registry import how_it_runs, model_layouts, num_params
 from megatrain_ray.host.precision import StateFormat, format_of
 from megatrain_ray.host.store import bytes_per_param
 from megatrain_ray.host.window import window_bytes
+from megatrain_ray.planning.plan import num_slots_setting
 
 GiB = 1024**3
 USABLE = 0.9  # of a machine's free memory, for the run's host state
@@ -273,7 +274,7 @@ def with_window(placement: Placement, arch: ModelArch, config: Config, parked_by
 
 def least_slots(config: Config) -> int:
     """The smallest window that keeps the network ahead of the device: its slots and one more."""
-    return config.runtime.remote_window or config.executor.num_slots + 1
+    return config.runtime.remote_window or num_slots_setting(config) + 1
 
 
 def window_slots(remote: list[int], spare: float, esize: int, config: Config) -> int:

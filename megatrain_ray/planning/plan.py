@@ -11,6 +11,7 @@ anything is allocated, and refuses with what to change a run that will not fit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -84,8 +85,41 @@ def dtype_bytes(config: Config) -> int:
     return 2 if config.model.compute_dtype == "bfloat16" else 4
 
 
-def mlp_chunk_tokens(arch: ModelArch, tokens: int, config: Config) -> int:
+# executor.loss_chunk_tokens, executor.mlp_chunk_tokens and executor.num_slots left on auto (null):
+# these, made smaller by the step plan (fit_auto_settings) down to the least where the GPU memory needs it.
+LOSS_CHUNK_TOKENS = 4096
+MLP_CHUNK_TOKENS = 16384
+NUM_SLOTS = 3
+SMALLEST_LOSS_CHUNK = 256  # below it the head's matmuls are too thin to run at speed
+SMALLEST_MLP_CHUNK = 1024
+FEWEST_SLOTS = 2  # one computing, one filling
+
+
+def loss_chunk_setting(config: Config) -> int:
+    """executor.loss_chunk_tokens as set, or (null) its default: the step plan's choice is in its config."""
+    chunk = config.executor.loss_chunk_tokens
+    return LOSS_CHUNK_TOKENS if chunk is None else chunk
+
+
+def mlp_chunk_setting(config: Config) -> int:
     chunk = config.executor.mlp_chunk_tokens
+    return MLP_CHUNK_TOKENS if chunk is None else chunk
+
+
+def num_slots_setting(config: Config) -> int:
+    slots = config.executor.num_slots
+    return NUM_SLOTS if slots is None else slots
+
+
+def with_auto_settings(config: Config) -> Config:
+    """`config` with the settings left on auto at their defaults."""
+    return config.replace(executor=dataclasses.replace(config.executor, loss_chunk_tokens=loss_chunk_setting(config),
+                                                       mlp_chunk_tokens=mlp_chunk_setting(config),
+                                                       num_slots=num_slots_setting(config)))
+
+
+def mlp_chunk_tokens(arch: ModelArch, tokens: int, config: Config) -> int:
+    chunk = mlp_chunk_setting(config)
     return tokens if chunk <= 0 else min(tokens, chunk)
 
 
@@ -164,7 +198,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     counts: dict[int, int] = {}
     for layout in layouts:
         counts[layout.numel] = counts.get(layout.numel, 0) + 1
-    plan.by_use["weight slots"] = sum(min(config.executor.num_slots, c) * n * d for n, c in counts.items())
+    plan.by_use["weight slots"] = sum(min(num_slots_setting(config), c) * n * d for n, c in counts.items())
     largest = max(layout.numel for layout in layouts)
     plan.by_use["gradient (fp32 accumulator, its bf16 copy out, autograd's)"] = largest * (4 + 2 * d)
     if num_gpus > 1:
@@ -177,7 +211,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     plan.by_use["boundary gradients in flight"] = boundary_bytes(arch, config, 2, num_gpus)
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
     plan.by_use["one layer's working set"] = family(arch).working_set_bytes(arch, mb_tokens, mlp_tokens, d)
-    chunk = min(config.executor.loss_chunk_tokens, mb_tokens)
+    chunk = min(loss_chunk_setting(config), mb_tokens)
     plan.by_use["loss chunk"] = chunk * arch.vocab_size * LOSS_BYTES_PER_LOGIT
     plan.by_use["RoPE tables"] = 2 * micro_batches_per_gpu(config, num_gpus) * mb_tokens * arch.head_dim * d
     plan.by_use[KEPT] = kept * kept_graph_bytes(arch, config, num_gpus)
@@ -327,7 +361,7 @@ def kept_reads_saved(arch: ModelArch, config: Config, kept: int) -> int:
     `num_slots - 1`, which stay resident across the turn into backward anyway."""
     blocks = block_numels(arch)
     k = min(kept, len(blocks))
-    return sum(blocks[len(blocks) - k : len(blocks) - min(k, config.executor.num_slots - 1)])
+    return sum(blocks[len(blocks) - k : len(blocks) - min(k, num_slots_setting(config) - 1)])
 
 
 def host_parking(arch: ModelArch, config: Config, offload: bool, num_gpus: int = 1) -> int:
@@ -362,25 +396,85 @@ def choose_kept(arch: ModelArch, config: Config, free_bytes: int | None, num_gpu
     return max(0, min(num_blocks(arch), int(rest // kept_graph_bytes(arch, config, num_gpus))))
 
 
+def device_budget(free_bytes: int | None, config: Config) -> int | None:
+    """The device memory a step is planned against: what the GPU has free, or executor.gpu_memory_gib
+    where that is less (the worker's allocator is then held to it: runtime/worker.py)."""
+    cap = config.executor.gpu_memory_gib
+    if free_bytes is None or cap is None:
+        return free_bytes
+    return min(free_bytes, int(cap * GiB))
+
+
+def leanest_plan(arch: ModelArch, config: Config, num_gpus: int = 1, embedding_on_device: bool = False) -> GpuPlan:
+    """The step's memory with what the plan may still give up given up: the activations parked
+    (unless executor.offload_activations is off) and no kept graphs (unless executor.keep_graphs
+    asks for some)."""
+    offload = config.executor.offload_activations != "off"
+    kept = min(config.executor.keep_graphs or 0, num_blocks(arch))
+    return gpu_plan(arch, config, offload, num_gpus, kept, embedding_on_device)
+
+
+def fits_leanest(arch: ModelArch, config: Config, budget: int, num_gpus: int = 1,
+                 embedding_on_device: bool = False) -> bool:
+    return leanest_plan(arch, config, num_gpus, embedding_on_device).total <= AUTO_OFFLOAD_MARGIN * budget
+
+
+def fit_auto_settings(arch: ModelArch, config: Config, budget: int, num_gpus: int = 1,
+                      embedding_on_device: bool = False) -> Config:
+    """`config` with the settings the user left on auto (null) chosen: their defaults, or, where the
+    step does not fit the GPU's `budget` even with its activations parked and no graph kept, the
+    loss chunk halved first (down to SMALLEST_LOSS_CHUNK), then the MLP chunk (down to
+    SMALLEST_MLP_CHUNK), then one weight slot fewer (down to FEWEST_SLOTS). A value the user set
+    stays as set."""
+    planned = with_auto_settings(config)
+    for knob in ("loss_chunk_tokens", "mlp_chunk_tokens", "num_slots"):
+        if getattr(config.executor, knob) is not None:
+            continue
+        while not fits_leanest(arch, planned, budget, num_gpus, embedding_on_device):
+            less = smaller(arch, planned, knob)
+            if less is None:
+                break
+            planned = planned.replace(executor=dataclasses.replace(planned.executor, **{knob: less}))
+    return planned
+
+
+def smaller(arch: ModelArch, config: Config, knob: str) -> int | None:
+    """The next smaller value of an executor setting that fit_auto_settings chooses (None: at its least)."""
+    mb_tokens = config.train.micro_batch_size * config.data.seq_len
+    if knob == "loss_chunk_tokens":
+        less = min(loss_chunk_setting(config), mb_tokens) // 2
+        return less if less >= SMALLEST_LOSS_CHUNK else None
+    if knob == "mlp_chunk_tokens":
+        less = mlp_chunk_tokens(arch, mb_tokens, config) // 2
+        return less if less >= SMALLEST_MLP_CHUNK else None
+    less = num_slots_setting(config) - 1
+    return less if less >= FEWEST_SLOTS else None
+
+
 def gpu_memory(arch: ModelArch, config: Config, free_bytes: int, num_gpus: int = 1,
                embedding_on_device: bool = False) -> GpuPlan:
-    """A GPU's memory for the step: offloading decided, then the kept blocks with it (the step
-    plan's decisions: planning/step_plan.py calls it, once)."""
+    """A GPU's memory for the step (`config` with its auto settings chosen: fit_auto_settings): offloading
+    decided, then the kept blocks with it (the step plan's decisions: planning/step_plan.py calls
+    it, once)."""
     offload = choose_offload(arch, config, free_bytes, num_gpus, embedding_on_device)
     kept = choose_kept(arch, config, free_bytes, num_gpus, offload, embedding_on_device)
     return gpu_plan(arch, config, offload, num_gpus, kept, embedding_on_device)
 
 
-def check_gpu_fit(plan: GpuPlan, free_bytes: int, where: str) -> None:
-    """Refuse a step the GPU cannot hold, with what to change."""
+def check_gpu_fit(plan: GpuPlan, free_bytes: int, where: str, capped: bool = False) -> None:
+    """Refuse a step the GPU cannot hold, with what to change; `capped`: `free_bytes` is
+    executor.gpu_memory_gib, less than the GPU has free."""
     if plan.total <= free_bytes:
         return
     acts = plan.by_use[BOUNDARY]
     kept = (f", fewer blocks keeping their forward graphs (executor.keep_graphs: {plan.by_use[KEPT] / GiB:.1f} GiB)"
             if plan.by_use[KEPT] else "")
+    has = (f"may use {free_bytes / GiB:.1f} GiB of {where} (executor.gpu_memory_gib; it fits under "
+           f"{math.ceil(10 * plan.total / GiB) / 10:.1f} GiB as planned here)" if capped
+           else f"{where} has {free_bytes / GiB:.1f} GiB free")
     raise PlanError(
-        f"the step needs about {plan.total / GiB:.1f} GiB of GPU memory but {where} has "
-        f"{free_bytes / GiB:.1f} GiB free ({format_gpu_plan(plan, inline=True)}). Fewer tokens per micro-batch "
+        f"the step needs about {plan.total / GiB:.1f} GiB of GPU memory but {has} "
+        f"({format_gpu_plan(plan, inline=True)}). Fewer tokens per micro-batch "
         f"(train.micro_batch_size, data.seq_len) or fewer micro-batches per step (train.grad_accum: the boundary "
         f"activations are {acts / GiB:.1f} GiB{', offloaded to host memory already' if plan.offload else ''}){kept}, a "
         f"smaller executor.loss_chunk_tokens, or executor.mlp_chunk_tokens for long sequences"
@@ -410,10 +504,20 @@ def check_host_fit(plan: GpuPlan, headroom_bytes: int, where: str, num_gpus: int
 def recompute_line(arch: ModelArch, config: Config, kept: int, num_gpus: int) -> str:
     if kept == 0:
         return ("every layer recomputes its forward in backward; weights are fetched twice per step (the last "
-                f"{config.executor.num_slots - 1} blocks stay resident across the turn)")
+                f"{num_slots_setting(config) - 1} blocks stay resident across the turn)")
     graphs = kept * kept_graph_bytes(arch, config, num_gpus)
     return (f"kept forward graphs: the last {kept} of {num_blocks(arch)} blocks ({size(graphs)}), whose backward skips "
             "the recompute; every other layer recomputes its forward in backward")
+
+
+def chunks_line(arch: ModelArch, config: Config) -> str:
+    """The chunk sizes the step runs with (`config` as planned: StepPlan.planned_config)."""
+    ex = config.executor
+    mb_tokens = config.train.micro_batch_size * config.data.seq_len
+    mlp = mlp_chunk_tokens(arch, mb_tokens, config)
+    return (f"loss in chunks of {min(ex.loss_chunk_tokens, mb_tokens)} tokens (executor.loss_chunk_tokens); MLP "
+            + (f"in checkpointed chunks of {mlp} tokens" if mlp < mb_tokens else "unchunked")
+            + f" (executor.mlp_chunk_tokens); {ex.num_slots} weight slots per layer size (executor.num_slots)")
 
 
 def size(b: float) -> str:
@@ -449,13 +553,16 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
     decides nothing. `rates` (planning/rates.py) name whose rates predict the step (default: the
     H100 machine's); `no_prediction`, where no GPU's rates apply, says so instead of any step time."""
     num_gpus, kept, offload, plan, gpu_free = step.workers, step.kept, step.offload, step.memory, step.free_bytes
+    config = step.planned_config(config)
     p = predict_step(arch, config, network, optimizer_s, num_gpus, kept, rates)
     net = shared_network(network or NetworkTimes(), num_gpus)
     each = "each GPU's " if num_gpus > 1 else ""
     lines = [
         f"device memory, {each}predicted peak {size(plan.total)}"
-        + (f" of {size(gpu_free)} free" if gpu_free is not None else "") + ":",
+        + (f" of {size(gpu_free)} {'may use (executor.gpu_memory_gib)' if step.memory_cap == gpu_free else 'free'}"
+           if gpu_free is not None else "") + ":",
         format_gpu_plan(plan),
+        chunks_line(arch, config),
         f"boundary activations {'offloaded to host memory (pinned, overlapped): ' + size(parked_bytes(arch, config)) + ' on the GPU node' if offload else 'kept on the device'}",
         recompute_line(arch, config, kept, num_gpus),
     ]

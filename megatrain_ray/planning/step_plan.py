@@ -23,9 +23,10 @@ from megatrain_ray.host.memory import dtype_of, host_headroom
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.placement import Placement, with_window
-from megatrain_ray.planning.plan import (GpuPlan, PlanError, check_gpu_fit, check_host_fit, check_parked_fit,
-                                         embedding_step_on_device, gpu_memory, host_memory, host_parking,
-                                         micro_batches_per_gpu)
+from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, GiB, GpuPlan, PlanError,
+                                         check_gpu_fit, check_host_fit, check_parked_fit, device_budget,
+                                         embedding_step_on_device, fit_auto_settings, fits_leanest, gpu_memory,
+                                         host_memory, host_parking, micro_batches_per_gpu, with_auto_settings)
 from megatrain_ray.planning.probe import measure_working_set
 
 
@@ -80,6 +81,10 @@ class StepPlan:
     embedding_on_device: bool  # the embedding's AdamW step runs on the worker's device
     window_slots: int = 0  # pinned slots per layer size for layers on other nodes (0: none there)
     measured_working_set: float = 0.0  # the working set a token planned with (0: the family's estimate)
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the LM-head loss
+    mlp_chunk_tokens: int = MLP_CHUNK_TOKENS  # longer micro-batches run their MLP in chunks of this many (0: never)
+    num_slots: int = NUM_SLOTS  # weight slots per layer size on the device
+    memory_cap: int | None = None  # bytes each worker's allocator may hold (executor.gpu_memory_gib; None: no cap)
     memory: GpuPlan = dataclasses.field(default_factory=GpuPlan, compare=False)  # each worker's peak by use
     free_bytes: int | None = dataclasses.field(default=None, compare=False)  # the device memory planned against
     headroom: int = dataclasses.field(default=0, compare=False)  # the workers' node's, beside stores and windows
@@ -89,6 +94,10 @@ class StepPlan:
     def describe(self) -> str:
         """The decisions as the run's start line tells them."""
         parts = []
+        if self.memory_cap is not None:
+            parts.append(f"GPU memory capped at {self.memory_cap / GiB:.1f} GiB (executor.gpu_memory_gib)")
+        if self.offload:
+            parts.append("the boundary activations are parked in host memory")
         if self.kept:
             parts.append(f"the last {self.kept} blocks keep their forward graphs")
         if self.embedding_on_device:
@@ -99,6 +108,12 @@ class StepPlan:
     def planned_arch(self, arch: ModelArch) -> ModelArch:
         """`arch` as the plan saw it: with the working set the workers measured."""
         return arch.replace(measured_working_set=self.measured_working_set) if self.measured_working_set else arch
+
+    def planned_config(self, config: Config) -> Config:
+        """`config` as the plan ran it: with the chunk sizes and the weight slots it chose."""
+        return config.replace(executor=dataclasses.replace(config.executor, loss_chunk_tokens=self.loss_chunk_tokens,
+                                                           mlp_chunk_tokens=self.mlp_chunk_tokens,
+                                                           num_slots=self.num_slots))
 
 
 def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceFacts],
@@ -119,16 +134,25 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
     on_device = embedding_step_on_device(config.executor.embedding_step, tightest.kind, workers,
                                          placement is None or 0 not in placement.remote_layers(),
                                          format_of(config.optim).exact)
+    budget = device_budget(tightest.free_bytes, config)
     if tightest.kind == "cuda":
-        memory = gpu_memory(planned, config, tightest.free_bytes, workers, on_device)
+        # auto: the embedding steps here only where that takes nothing else the step would give up for it
+        on_device = on_device and (config.executor.embedding_step == "device"
+                                   or fits_leanest(planned, with_auto_settings(config), budget, workers, True))
+        config = fit_auto_settings(planned, config, budget, workers, on_device)
+        memory = gpu_memory(planned, config, budget, workers, on_device)
     else:  # the executor's tensors live beside the stores' state; nothing is parked
+        config = with_auto_settings(config)
         memory = host_memory(planned, config, workers)
     parked = host_parking(planned, config, memory.offload, workers)
     placed = with_window(placement, arch, config, parked) if placement is not None else None
     headroom = gpu_node_headroom(tightest.host_headroom, placed, stores_allocated)
+    cap = config.executor.gpu_memory_gib
     plan = StepPlan(tightest.kind, workers, micro_batches_per_gpu(config, workers), memory.offload, memory.kept,
-                    on_device, placed.window_slots if placed is not None else 0, measured, memory,
-                    tightest.free_bytes, headroom, placed)
+                    on_device, placed.window_slots if placed is not None else 0, measured,
+                    config.executor.loss_chunk_tokens, config.executor.mlp_chunk_tokens, config.executor.num_slots,
+                    int(cap * GiB) if cap is not None and tightest.kind == "cuda" else None, memory,
+                    budget, headroom, placed)
     try:
         check_step_fits(planned, config, plan, where)
     except PlanError as e:
@@ -150,7 +174,8 @@ def gpu_node_headroom(host_headroom: int, placement: Placement | None, stores_al
 
 def check_step_fits(arch: ModelArch, config: Config, plan: StepPlan, where: str) -> None:
     if plan.device == "cuda":
-        check_gpu_fit(plan.memory, plan.free_bytes, where)
+        check_gpu_fit(plan.memory, plan.free_bytes, where, capped=plan.memory_cap is not None
+                      and plan.memory_cap <= plan.free_bytes)
         if plan.offload:  # every worker parks on the GPU node
             check_parked_fit(arch, config, plan.headroom, "the GPU node")
     else:

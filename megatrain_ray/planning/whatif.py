@@ -15,6 +15,7 @@ from pathlib import Path
 from megatrain_ray.planning import plan as planner
 from megatrain_ray.config import Config, ConfigError, from_mapping, load_yaml
 from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.planning.largest import largest_trainable
 from megatrain_ray.planning.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, largest_models, plan_placement, store_room
 from megatrain_ray.planning.traffic import StepTraffic, describe_traffic, step_traffic
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
@@ -90,6 +91,7 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
              + "".join(f", {r.count} x {r.memory_gib:g} GiB RAM node at {r.network_gbps:g} Gbit/s" for r in spec.ram_nodes)]
     try:
         lines.append(largest_models(store_room(arch, config, cluster_nodes(spec), GPU_NODE), config))
+        lines.append(largest_trainable(config, described_facts(spec), cluster_nodes(spec), GPU_NODE))
         # the run's own decisions (planning/step_plan.py) on the described GPU
         step = plan_step(arch, config, described_facts(spec), plan_placement(arch, config, cluster_nodes(spec), GPU_NODE),
                          stores_allocated=False, refuse=False)
@@ -99,6 +101,7 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
         return "\n".join(lines + [f"does not fit: {e}"]), False
     lines.append(step.placement.describe(arch))
     traffic = step_traffic(arch, config, step.placement, step.kept)
+    config = step.planned_config(config)
     prediction = planner.predict_step(arch, config, traffic.times(), traffic.optimizer_seconds())
     lines.append(describe_traffic(traffic, prediction.compute_s))
     lines.append(planner.describe(arch, config, step, traffic.times(), traffic.optimizer_seconds()))

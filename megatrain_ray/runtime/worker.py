@@ -56,6 +56,7 @@ def assemble_worker(arch: ModelArch, config: Config, plan: StepPlan, layers: Lay
     schedule's position."""
     if plan.device != device.type:
         raise ValueError(f"the step was planned for {plan.device} but this worker's device is {device}")
+    hold_to_cap(plan, device)
     group = group or join_group(arch, config, device, meet)
     source = with_embedding_step(layers, arch, config, device, group) if plan.embedding_on_device else layers
     return Worker(layers, source, build_executor(arch, config, plan, source, device, group, hooks),
@@ -66,10 +67,22 @@ def build_executor(arch: ModelArch, config: Config, plan: StepPlan, source: Laye
                    group: Group, hooks: StepHooks = NO_HOOKS) -> StreamingExecutor:
     ex = config.executor
     return StreamingExecutor(
-        arch, source, device, dtype_of(config.model.compute_dtype), ex.num_slots, ex.loss_chunk_tokens,
-        compile_blocks=ex.compile, mlp_chunk_tokens=ex.mlp_chunk_tokens, offload_activations=plan.offload,
+        arch, source, device, dtype_of(config.model.compute_dtype), plan.num_slots, plan.loss_chunk_tokens,
+        compile_blocks=ex.compile, mlp_chunk_tokens=plan.mlp_chunk_tokens, offload_activations=plan.offload,
         group=group, keep_graphs=plan.kept, hooks=hooks,
     )
+
+
+def hold_to_cap(plan: StepPlan, device: torch.device) -> None:
+    """Holds torch's allocator on `device` to the plan's cap (executor.gpu_memory_gib), so that a run
+    on a large GPU cannot use more than the small one it stands for: an allocation past it fails as
+    it would there. CUDA's own context and NCCL's buffers are outside the allocator. Without a cap
+    (or on the CPU, where the cap does not bind) the whole device."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = 1.0 if plan.memory_cap is None else min(1.0, plan.memory_cap / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
 def with_embedding_step(layers: LayerSource, arch: ModelArch, config: Config, device: torch.device,
