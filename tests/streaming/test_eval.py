@@ -45,7 +45,9 @@ def test_eval_loss_is_the_plain_pytorch_loss_and_leaves_training_untouched(prese
         assert evaluation.loss == pytest.approx(reference_loss(arch, trainer.layer_weights(), held_out), rel=1e-5)
     after = trainer.layer_weights()
     trainer.close()
-    assert evaluation.loss != pytest.approx(first.loss, rel=1e-3)  # it saw the trained weights
+    # it saw the trained weights: its loss is farther from the first evaluation's than the 1e-5 it
+    # matches the reference by (three small steps move a random tiny model's loss by about 1e-4)
+    assert evaluation.loss != pytest.approx(first.loss, rel=1e-5)
     config = make_config(preset, num_slots=2)
     assert [r.lr for r in results] == [learning_rate(config.optim, k, config.train.steps) for k in range(3)]
     for a, b in zip(after, expected):  # bit for bit the weights of the run without evaluations
