@@ -1,15 +1,20 @@
-"""A run that stops mid-way for bad data keeps its finished steps: with checkpoint.every=0 it
-writes the checkpoint of its last finished step, the CLI prints the command that continues from
-it (exit 2), and --resume from it trains the remaining steps. Through the CLI in this process,
-joined to the test session's Ray head."""
+"""A run that stops mid-way for bad data, or because its GPU worker died, keeps its finished
+steps: with checkpoint.every=0 it writes the checkpoint of its last finished step, the CLI prints
+the command that continues from it (exit 2, or 3 for a fault), and --resume from it trains the
+remaining steps. Through the CLI in this process, joined to the test session's Ray head."""
 
 import json
 import shlex
 from pathlib import Path
 
-from helpers.runs import tiny_raw
+import ray
+import torch
+
+from helpers.runs import tensors_of, tiny_raw
 from megatrain_ray import cli
 from megatrain_ray.data import summary
+from megatrain_ray.runtime import watchdog
+from megatrain_ray.runtime.session import Session
 
 STEPS = 12
 BAD_ROW = 150  # of 200: a step or so before the data runs out, after several steps
@@ -57,3 +62,64 @@ def test_a_bad_row_mid_run_stops_with_a_checkpoint_and_resume_continues(local_ra
     rows = steps_of(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[-1]["bad_rows"] == {"malformed JSON": 1}
+
+
+def continue_command(err: str) -> list[str]:
+    return shlex.split(next(line for line in err.splitlines() if line.startswith("continue with: "))
+                       .removeprefix("continue with: "))
+
+
+def kill_workers(session: Session) -> None:
+    """SIGKILL every GPU worker of the session, and wait until Ray has seen them die."""
+    for worker in session.gpus:
+        ray.kill(worker)
+    for worker in session.gpus:
+        try:
+            ray.get(worker.gpu_ids.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            continue
+        raise AssertionError("the killed GPU worker still answers")
+
+
+def test_a_dead_gpu_worker_keeps_the_last_finished_step_and_resume_is_exact(local_ray, tmp_path, monkeypatch,
+                                                                             capsys):
+    """The worker is killed between two steps, with no checkpoint due (checkpoint.every=0) and no
+    auto-resume: the stores still hold the last finished step, which is saved from them alone, and
+    a resume from it ends with the weights and losses of an uninterrupted run, bit for bit."""
+    steps, dies_before = 5, 4
+    raw = {"checkpoint": {"every": 0, "keep": 5, "export_hf": False}, "train": {"auto_resume": False},
+           "executor": {"embedding_step": "auto"}}
+    whole = tmp_path / "whole.yaml"
+    whole.write_text(json.dumps(tiny_raw(tmp_path / "whole", steps=steps, **raw)))
+    assert cli.main(["train", str(whole)]) == 0, capsys.readouterr().err
+
+    original = Session.train_step
+
+    def dies_before_a_step(session, micro_batches, what="a step"):
+        if what == f"step {dies_before}":
+            session.drain()  # the last finished step's updates have landed: the worker dies between steps
+            kill_workers(session)
+        return original(session, micro_batches, what)
+
+    monkeypatch.setattr(Session, "train_step", dies_before_a_step)
+    monkeypatch.setattr(watchdog, "NODE_MARK_S", 0.5)  # the node is alive: no need to wait for Ray to say so
+    out = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(tiny_raw(out, steps=steps, **raw)))
+    code = cli.main(["train", str(config)])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    checkpoint = out / "checkpoints" / f"step-{dies_before - 1:08d}"
+    assert checkpoint.is_dir(), err
+    assert "a process of the run died during step 4" in err
+    assert f"checkpoint of step {dies_before - 1}, the last finished step, from the stores: {checkpoint}" in err
+    assert continue_command(err) == ["megatrain-ray", "train", str(config), "--resume", str(checkpoint)]
+    monkeypatch.setattr(Session, "train_step", original)
+
+    assert cli.main(["train", str(config), "--resume", str(checkpoint)]) == 0, capsys.readouterr().err
+    assert [r["loss"] for r in steps_of(out)] == [r["loss"] for r in steps_of(tmp_path / "whole")]
+    a = tensors_of(tmp_path / "whole" / "checkpoints" / f"step-{steps:08d}")
+    b = tensors_of(out / "checkpoints" / f"step-{steps:08d}")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
