@@ -69,7 +69,7 @@ class Session:
         self.arch = arch
         self.wait = wait
         self.placement = placement or place(arch, config)
-        self._updates_done = updates_done  # the LR schedule's position, and every layer's update count, after the last step
+        self._updates_done = updates_done  # the LR position, and each layer's update count, after the last step
         self.gpus: list = []
         self.stores: list = []
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
@@ -238,8 +238,9 @@ class Session:
             raise StoresNotAtStep(f"layers {lost[0]}-{lost[-1]} were on the lost node, and their weights and "
                                   f"optimizer state went with it")
         if self.plan.embedding_on_device:
-            raise StoresNotAtStep("the embedding's optimizer state was stepped on the worker's device (executor.embedding_step), "
-                                  "and its latest copy went with the worker: the store's may be a step behind")
+            raise StoresNotAtStep("the embedding's optimizer state was stepped on the worker's device "
+                                  "(executor.embedding_step), and its latest copy went with the worker: the store's "
+                                  "may be a step behind (executor.embedding_step=host keeps it in the store)")
         self.stop_workers()
         root = ckpt.checkpoint_root(self.config)
         staging = ckpt.new_staging_dir(root, step)

@@ -194,9 +194,8 @@ def train_with_restarts(config: Config, arch: ModelArch, data: tuple, progress: 
             if not auto or restarts >= config.train.max_restarts:
                 hint = (f"continue with `megatrain-ray train CONFIG --resume {last}`" if last else "start the run again")
                 why = "" if not auto else f" (after {restarts} auto-resume(s), train.max_restarts={config.train.max_restarts})"
-                stopped = ClusterFault(f"{fault}; stopped{why}; {where}; {hint}"
-                                       + ("" if auto else ", or pass --auto-resume to wait for the cluster and continue"),
-                                       fault.nodes)
+                more = "" if auto else ", or pass --auto-resume to wait for the cluster and continue"
+                stopped = ClusterFault(f"{fault}; stopped{why}; {where}; {hint}{more}", fault.nodes)
                 stopped.checkpoint = last  # the CLI prints the command that continues from it
                 raise stopped from None
             restarts += 1

@@ -123,3 +123,30 @@ def test_a_dead_gpu_worker_keeps_the_last_finished_step_and_resume_is_exact(loca
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_a_dead_worker_that_stepped_the_embedding_writes_no_checkpoint_and_says_why(local_ray, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """With the embedding's AdamW step on the worker's device its latest state died with the worker
+    (streaming/device_step.py): the store's copy may be a step behind, so nothing is saved, and the
+    message says why."""
+    original = Session.train_step
+
+    def dies_before_a_step(session, micro_batches, what="a step"):
+        if what == "step 2":
+            kill_workers(session)
+        return original(session, micro_batches, what)
+
+    monkeypatch.setattr(Session, "train_step", dies_before_a_step)
+    monkeypatch.setattr(watchdog, "NODE_MARK_S", 0.5)
+    out = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(tiny_raw(out, steps=3, checkpoint={"every": 0, "export_hf": False},
+                                          train={"auto_resume": False}, executor={"embedding_step": "device"})))
+    code = cli.main(["train", str(config)])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert ("no checkpoint of step 1, the last finished step: the embedding's optimizer state was stepped on the "
+            "worker's device (executor.embedding_step)") in err
+    assert "no checkpoint yet" in err and "continue with: " not in err
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
