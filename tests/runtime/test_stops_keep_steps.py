@@ -10,11 +10,19 @@ from pathlib import Path
 import ray
 import torch
 
+import pytest
+
+from helpers.reference_training import random_micro_batches
 from helpers.runs import tensors_of, tiny_raw
 from megatrain_ray import cli
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.host.adamw import AdamWStep
+from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.data import summary
 from megatrain_ray.runtime import watchdog
-from megatrain_ray.runtime.session import Session
+from megatrain_ray.runtime.session import Session, StoresNotAtStep, place
+from megatrain_ray.runtime.watchdog import ClusterFault, Watchdog
 
 STEPS = 12
 BAD_ROW = 150  # of 200: a step or so before the data runs out, after several steps
@@ -150,3 +158,41 @@ def test_a_dead_worker_that_stepped_the_embedding_writes_no_checkpoint_and_says_
             "worker's device (executor.embedding_step)") in err
     assert "no checkpoint yet" in err and "continue with: " not in err
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+
+
+def test_the_stores_are_saved_only_when_every_layer_holds_the_last_finished_step(local_ray, tmp_path, monkeypatch):
+    """Two data-parallel workers, one killed between steps: the other, blocked in a collective with
+    it, is stopped, and the stores' checkpoint of step 1 is written with every layer's count at 1.
+    Once a layer holds one more update than the step (the worker died while a step's updates were
+    landing), nothing is saved, the layer is named, and no staging directory is left behind."""
+    monkeypatch.setattr(watchdog, "NODE_MARK_S", 0.5)  # the node is alive: no need to wait for Ray to say so
+    monkeypatch.setattr(watchdog, "PEER_GRACE_S", 0.5)  # the other worker is blocked in a collective: it never ends
+    arch = PRESETS["tiny-llama"]
+    config = config_from_dict(tiny_raw(tmp_path / "run", steps=2, train={"grad_accum": 4}, runtime={"num_gpus": 2}))
+    data = random_micro_batches(arch, 2, 4, batch=2, seq=12, seed=1)
+    placement = place(arch, config)
+    session = Session(config, arch, placement=placement, wait=Watchdog(placement, timeout_s=120).get)
+    root = tmp_path / "run" / "checkpoints"
+    try:
+        session.init_weights()
+        session.start_executor()
+        session.train_step(data[0], "step 1")
+        session.drain()
+        ray.kill(session.gpus[1])
+        with pytest.raises(ClusterFault, match="a process of the run died during step 2"):
+            session.train_step(data[1], "step 2")
+
+        saved = session.save_from_stores(1, None)
+        assert saved == root / "step-00000001"
+        _, meta = ckpt.read_manifest(saved)
+        assert meta["step"] == 1 and meta["updates_done"] == 1
+        counts = {i: n for c in ray.get([s.update_counts.remote() for s in session.stores]) for i, n in c.items()}
+        assert set(counts.values()) == {1}
+
+        hp = AdamWStep(lr_position=2, lr=1e-3, grad_scale=1.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        ray.get(session.stores[0].step_layer.remote(3, hp))  # one layer of step 2 landed
+        with pytest.raises(StoresNotAtStep, match=r"layers \[3\] hold \[2\] updates, not the 1 of step 1"):
+            session.save_from_stores(1, None)
+        assert [p.name for p in root.iterdir()] == ["step-00000001"]
+    finally:
+        session.close()
