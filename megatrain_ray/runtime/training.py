@@ -329,6 +329,11 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
                 if saved != step:
                     progress.checkpoint = session.save_checkpoint(step, position.to_dict())
                 raise RunInterrupted(stop.signum, step, progress.checkpoint)
+        if step == start_step and progress.checkpoint is not None:
+            final = progress.checkpoint  # nothing ran: the checkpoint we resumed from is the final one
+        else:
+            final = session.save_checkpoint(step, position.to_dict() if position else None)
+            progress.checkpoint = final
     except STOPS_THAT_KEEP_THE_STEPS as error:
         keep_finished_steps(error, session, finished, position, progress, saved)
         raise
@@ -337,11 +342,6 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
         raise
     finally:
         log.close()
-    if step == start_step and progress.checkpoint is not None:
-        final = progress.checkpoint  # nothing ran: the checkpoint we resumed from is the final one
-    else:
-        final = session.save_checkpoint(step, position.to_dict() if position else None)
-        progress.checkpoint = final
     print(f"checkpoint: {final}", flush=True)
     if config.checkpoint.export_hf:
         from megatrain_ray.files.hf import copy_tokenizer_files

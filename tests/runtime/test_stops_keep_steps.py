@@ -5,6 +5,7 @@ remaining steps. Through the CLI in this process, joined to the test session's R
 
 import json
 import shlex
+import time
 from pathlib import Path
 
 import ray
@@ -77,60 +78,77 @@ def continue_command(err: str) -> list[str]:
                        .removeprefix("continue with: "))
 
 
-def kill_workers(session: Session) -> None:
-    """SIGKILL every GPU worker of the session, and wait until Ray has seen them die."""
-    for worker in session.gpus:
+def kill(*workers) -> None:
+    """Kill these GPU workers, and wait until Ray has seen them die."""
+    for worker in workers:
         ray.kill(worker)
-    for worker in session.gpus:
-        try:
-            ray.get(worker.gpu_ids.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
-            continue
-        raise AssertionError("the killed GPU worker still answers")
+    deadline = time.monotonic() + 30
+    for worker in workers:
+        while time.monotonic() < deadline:  # a call that came before the kill may still be answered
+            try:
+                ray.get(worker.gpu_ids.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the killed GPU worker still answers")
 
 
 def test_a_dead_gpu_worker_keeps_the_last_finished_step_and_resume_is_exact(local_ray, tmp_path, monkeypatch,
                                                                              capsys):
-    """The worker is killed between two steps, with no checkpoint due (checkpoint.every=0) and no
-    auto-resume: the stores still hold the last finished step, which is saved from them alone, and
-    a resume from it ends with the weights and losses of an uninterrupted run, bit for bit."""
+    """With no checkpoint due (checkpoint.every=0) and no auto-resume, a killed GPU worker leaves the
+    last finished step in the stores, which is saved from them alone. One run's worker dies between
+    steps 3 and 4: its step 3 is saved, and a resume from it trains steps 4 and 5. Another's dies at
+    the final checkpoint (in the workers' drain), after step 5: its step 5 is saved from the stores.
+    The two end with the same losses and weights, bit for bit."""
     steps, dies_before = 5, 4
-    raw = {"checkpoint": {"every": 0, "keep": 5, "export_hf": False}, "train": {"auto_resume": False},
-           "executor": {"embedding_step": "auto"}}
-    whole = tmp_path / "whole.yaml"
-    whole.write_text(json.dumps(tiny_raw(tmp_path / "whole", steps=steps, **raw)))
-    assert cli.main(["train", str(whole)]) == 0, capsys.readouterr().err
-
-    original = Session.train_step
+    raw = {"checkpoint": {"every": 0, "keep": 5, "export_hf": False}, "train": {"auto_resume": False}}
+    original_step, original_save = Session.train_step, Session.save_checkpoint
 
     def dies_before_a_step(session, micro_batches, what="a step"):
         if what == f"step {dies_before}":
             session.drain()  # the last finished step's updates have landed: the worker dies between steps
-            kill_workers(session)
-        return original(session, micro_batches, what)
+            kill(*session.gpus)
+        return original_step(session, micro_batches, what)
+
+    def dies_at_the_final_checkpoint(session, step, data_position):
+        session.drain()  # step 5's updates have landed (else the stores would not hold step 5: a refusal)
+        kill(*session.gpus)
+        return original_save(session, step, data_position)
+
+    monkeypatch.setattr(watchdog, "NODE_MARK_S", 0.5)  # the node is alive: no need to wait for Ray to say so
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    for out in (whole, run):
+        (tmp_path / f"{out.name}.yaml").write_text(json.dumps(tiny_raw(out, steps=steps, **raw)))
+
+    monkeypatch.setattr(Session, "save_checkpoint", dies_at_the_final_checkpoint)
+    assert cli.main(["train", str(tmp_path / "whole.yaml")]) == 3
+    err = capsys.readouterr().err
+    last = whole / "checkpoints" / f"step-{steps:08d}"
+    assert "a process of the run died during the checkpoint of step 5" in err
+    assert f"checkpoint of step {steps}, the last finished step, from the stores: {last}" in err
+    monkeypatch.setattr(Session, "save_checkpoint", original_save)
 
     monkeypatch.setattr(Session, "train_step", dies_before_a_step)
-    monkeypatch.setattr(watchdog, "NODE_MARK_S", 0.5)  # the node is alive: no need to wait for Ray to say so
-    out = tmp_path / "run"
     config = tmp_path / "run.yaml"
-    config.write_text(json.dumps(tiny_raw(out, steps=steps, **raw)))
     code = cli.main(["train", str(config)])
     err = capsys.readouterr().err
     assert code == 3, err
-    checkpoint = out / "checkpoints" / f"step-{dies_before - 1:08d}"
+    checkpoint = run / "checkpoints" / f"step-{dies_before - 1:08d}"
     assert checkpoint.is_dir(), err
     assert "a process of the run died during step 4" in err
     assert f"checkpoint of step {dies_before - 1}, the last finished step, from the stores: {checkpoint}" in err
     assert continue_command(err) == ["megatrain-ray", "train", str(config), "--resume", str(checkpoint)]
-    monkeypatch.setattr(Session, "train_step", original)
+    monkeypatch.setattr(Session, "train_step", original_step)
 
     assert cli.main(["train", str(config), "--resume", str(checkpoint)]) == 0, capsys.readouterr().err
-    assert [r["loss"] for r in steps_of(out)] == [r["loss"] for r in steps_of(tmp_path / "whole")]
-    a = tensors_of(tmp_path / "whole" / "checkpoints" / f"step-{steps:08d}")
-    b = tensors_of(out / "checkpoints" / f"step-{steps:08d}")
+    assert [r["loss"] for r in steps_of(run)] == [r["loss"] for r in steps_of(whole)]
+    a, b = tensors_of(last), tensors_of(run / "checkpoints" / f"step-{steps:08d}")
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    _, meta = ckpt.read_manifest(last)  # every file's hash checked
+    assert meta["step"] == steps and meta["updates_done"] == steps
 
 
 def test_a_dead_worker_that_stepped_the_embedding_writes_no_checkpoint_and_says_why(local_ray, tmp_path,
@@ -142,7 +160,7 @@ def test_a_dead_worker_that_stepped_the_embedding_writes_no_checkpoint_and_says_
 
     def dies_before_a_step(session, micro_batches, what="a step"):
         if what == "step 2":
-            kill_workers(session)
+            kill(*session.gpus)
         return original(session, micro_batches, what)
 
     monkeypatch.setattr(Session, "train_step", dies_before_a_step)
@@ -178,7 +196,7 @@ def test_the_stores_are_saved_only_when_every_layer_holds_the_last_finished_step
         session.start_executor()
         session.train_step(data[0], "step 1")
         session.drain()
-        ray.kill(session.gpus[1])
+        kill(session.gpus[1])
         with pytest.raises(ClusterFault, match="a process of the run died during step 2"):
             session.train_step(data[1], "step 2")
 
