@@ -189,6 +189,15 @@ def shard_files_by_layer(path: Path, manifest: dict) -> dict[int, str]:
     return {layer: str(path / s["file"]) for s in manifest["shards"] for layer in s["layers"]}
 
 
+def shard_update_counts(directory: Path, shards: list[dict]) -> dict[int, int]:
+    """Each layer's update count, as the shards written into `directory` hold it."""
+    counts = {}
+    for shard in shards:
+        with safe_open(str(directory / shard["file"]), framework="pt") as f:
+            counts.update({int(layer): int(n) for layer, n in json.loads(f.metadata()["layer_steps"]).items()})
+    return counts
+
+
 def read_layer_state(file: str, layer: int) -> tuple[dict[str, torch.Tensor], int]:
     """A layer's master, moments and (int8 moments) their scales, as saved; and its update count."""
     with safe_open(file, framework="pt") as f:

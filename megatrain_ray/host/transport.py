@@ -69,7 +69,9 @@ class LayerServer:
 
     `applied[i]` counts the updates the store has finished on layer i (skipped ones included),
     `received[i]` the gradients that have fully landed; an update waits for its gradient, and a
-    request for version v waits until v updates are applied.
+    request for version v waits until v updates are applied. Once a gradient connection closes (the
+    GPU worker died, or its links were closed), an update still waiting for its gradient gives up
+    without touching the layer: the store is free again, for a checkpoint from its state.
     """
 
     def __init__(self, buffers: dict[int, torch.Tensor], host: str, grads: dict[int, torch.Tensor] | None = None):
@@ -79,6 +81,7 @@ class LayerServer:
         self.applied = {i: 0 for i in buffers}
         self.arrived = {i: 0 for i in buffers}  # gradient chunks landed, over all streams
         self.streams = 1
+        self.gradients_cut = False  # a gradient connection closed: no gradient still missing will come
         self.cond = threading.Condition()
         self.listener = socket.create_server((host, 0))
         self.address = (host, self.listener.getsockname()[1])
@@ -122,18 +125,27 @@ class LayerServer:
             conn.sendall(chunk(self.views[layer], k, streams))
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
-        while (header := recv_struct(conn, GRADIENT)) is not None:
-            (layer,) = header
-            if not recv_exact(conn, chunk(self.grad_views[layer], k, self.streams)):
-                raise ConnectionError("gradient cut short")
+        try:
+            while (header := recv_struct(conn, GRADIENT)) is not None:
+                (layer,) = header
+                if not recv_exact(conn, chunk(self.grad_views[layer], k, self.streams)):
+                    raise ConnectionError("gradient cut short")
+                with self.cond:
+                    self.arrived[layer] += 1
+                    self.cond.notify_all()
+        finally:
             with self.cond:
-                self.arrived[layer] += 1
+                self.gradients_cut = True
                 self.cond.notify_all()
 
     def step(self, layer: int, update: Callable[[], None]) -> None:
-        """Run a layer's update once its gradient has landed; then its new weights may leave."""
+        """Run a layer's update once its gradient has landed; then its new weights may leave. A
+        gradient that can no longer come (its connection closed) raises, the layer untouched."""
         with self.cond:
-            self.cond.wait_for(lambda: self.received(layer) > self.applied[layer])
+            self.cond.wait_for(lambda: self.received(layer) > self.applied[layer] or self.gradients_cut)
+            if self.received(layer) <= self.applied[layer]:
+                raise ConnectionError(f"layer {layer}'s gradient never came: the GPU worker's link closed; "
+                                      f"the layer keeps its state")
         update()
         with self.cond:
             self.applied[layer] += 1

@@ -9,6 +9,7 @@ a lost node into a ClusterFault instead of a hang.
 from __future__ import annotations
 
 import errno
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +29,10 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.placement import Placement, largest_models, plan_placement, store_room
 
 Wait = Callable[[Any, str], Any]
+
+
+class StoresNotAtStep(RuntimeError):
+    """After a lost GPU worker or node, the stores do not hold one step's state; the message says why."""
 
 
 def plain_wait(refs, what: str):
@@ -64,7 +69,7 @@ class Session:
         self.arch = arch
         self.wait = wait
         self.placement = placement or place(arch, config)
-        self._updates_done = updates_done
+        self._updates_done = updates_done  # the LR position, and each layer's update count, after the last step
         self.gpus: list = []
         self.stores: list = []
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
@@ -163,7 +168,10 @@ class Session:
 
     # -- running -----------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[dict], what: str = "a step") -> StepResult:
-        return self.run_step("train_step", micro_batches, what)
+        result = self.run_step("train_step", micro_batches, what)
+        if result.finite:  # a non-finite step updates no layer
+            self._updates_done += 1
+        return result
 
     def run_step(self, method: str, micro_batches: list[dict], what: str, out_dir: str | None = None) -> StepResult:
         """Each worker its share of the micro-batches, the step's target count for the loss, and the
@@ -210,10 +218,57 @@ class Session:
 
     # -- checkpoints and export --------------------------------------------------------------------
     def save_checkpoint(self, step: int, data_position: dict | None) -> Path:
-        config = self.config
         updates_done = self.drain(f"the checkpoint of step {step}")
-        root = ckpt.checkpoint_root(config)
+        root = ckpt.checkpoint_root(self.config)
         staging = ckpt.new_staging_dir(root, step)
+        shards = self._write_shards(staging, step)
+        meta = ckpt.checkpoint_meta(self.config, self.arch, step, updates_done, data_position)
+        return ckpt.commit(staging, root, step, shards, meta, self.config.checkpoint.keep)
+
+    def save_from_stores(self, step: int, data_position: dict | None, lost_nodes: tuple[str, ...] = ()) -> Path:
+        """The checkpoint of finished step `step` after a GPU worker died or hung (or its node left),
+        from the stores alone: the workers are stopped first (no drain: a dead one answers nothing;
+        their links close, so a store waiting for a gradient gives up that update), then every store
+        writes its shard, and the checkpoint is kept only if every layer's update count is that
+        step's. Raises StoresNotAtStep, saying why, where the stores cannot hold it: a lost node
+        took layers with it, the embedding's latest state lived on the worker, or the step's
+        updates had begun to land (or had not all landed)."""
+        lost = [i for plan in self.placement.stores if plan.node.node_id in lost_nodes for i in plan.layers]
+        if lost:
+            raise StoresNotAtStep(f"layers {lost[0]}-{lost[-1]} were on the lost node, and their weights and "
+                                  f"optimizer state went with it")
+        if self.plan.embedding_on_device:
+            raise StoresNotAtStep("the embedding's optimizer state was stepped on the worker's device "
+                                  "(executor.embedding_step), and its latest copy went with the worker: the store's "
+                                  "may be a step behind (executor.embedding_step=host keeps it in the store)")
+        self.stop_workers()
+        root = ckpt.checkpoint_root(self.config)
+        staging = ckpt.new_staging_dir(root, step)
+        try:
+            shards = self._write_shards(staging, step)
+            counts = ckpt.shard_update_counts(staging, shards)
+            off = sorted(layer for layer, count in counts.items() if count != self._updates_done)
+            if off:
+                raise StoresNotAtStep(
+                    f"layers {off} hold {sorted({counts[i] for i in off})} updates, not the {self._updates_done} of "
+                    f"step {step}: the worker stopped while a step's updates were landing")
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        meta = ckpt.checkpoint_meta(self.config, self.arch, step, self._updates_done, data_position)
+        return ckpt.commit(staging, root, step, shards, meta, self.config.checkpoint.keep)
+
+    def stop_workers(self) -> None:
+        """Kill the GPU workers (a dead one stays dead; a hung or blocked one ends, and its links close)."""
+        for worker in self.gpus:
+            try:
+                ray.kill(worker)
+            except Exception:
+                pass
+
+    def _write_shards(self, staging: Path, step: int) -> list[dict]:
+        """Every store's layers into `staging`; returns the manifest's entries."""
+        config = self.config
         names = [f"shard-{k:03d}.safetensors" for k in range(len(self.stores))]
         what = f"writing the checkpoint of step {step}"
         if config.checkpoint.transport == "shared":
@@ -231,8 +286,7 @@ class Session:
             for store, name in zip(self.stores, names):
                 tensors, steps = self.wait(store.state_tensors.remote(), what)
                 shards.append(ckpt.write_shard(staging, name, tensors, steps))
-        meta = ckpt.checkpoint_meta(config, self.arch, step, updates_done, data_position)
-        return ckpt.commit(staging, root, step, shards, meta, config.checkpoint.keep)
+        return shards
 
     def export(self, out_dir: Path) -> None:
         """The master weights as a Hugging Face model directory, one layer at a time."""

@@ -66,6 +66,23 @@ def keep_finished_steps(error: Exception, session: Session, step: int, position,
     error.checkpoint = checkpoint
 
 
+def keep_steps_after_fault(fault: ClusterFault, session: Session, step: int, position, progress: Progress,
+                           saved: int | None) -> None:
+    """A GPU worker that died or hung (or its node) leaves the last finished step's state in the
+    stores, where each layer's update count says so: that checkpoint is written from the stores
+    (runtime/session.py, save_from_stores) and named in the fault, whose `checkpoint` the CLI's
+    resume command uses; where they do not hold it, the fault says why, and the run's last
+    checkpoint (train_with_restarts names it) is where it continues."""
+    if step != saved and step > 0:
+        try:
+            progress.checkpoint = session.save_from_stores(step, position.to_dict() if position else None,
+                                                           fault.nodes)
+            kept = f"checkpoint of step {step}, the last finished step, from the stores: {progress.checkpoint}"
+        except Exception as why:  # StoresNotAtStep, or a store lost too: the fault still comes first
+            kept = f"no checkpoint of step {step}, the last finished step: {str(why).strip().splitlines()[0]}"
+        fault.args = (f"{fault}; {kept}",)
+
+
 def under_ray_job() -> bool:
     """`ray job submit` starts the entrypoint with the job's config (holding its submission id) in this
     variable; a plain `python`/`megatrain-ray` driver has no such thing."""
@@ -177,9 +194,10 @@ def train_with_restarts(config: Config, arch: ModelArch, data: tuple, progress: 
             if not auto or restarts >= config.train.max_restarts:
                 hint = (f"continue with `megatrain-ray train CONFIG --resume {last}`" if last else "start the run again")
                 why = "" if not auto else f" (after {restarts} auto-resume(s), train.max_restarts={config.train.max_restarts})"
-                raise ClusterFault(f"{fault}; stopped{why}; {where}; {hint}"
-                                   + ("" if auto else ", or pass --auto-resume to wait for the cluster and continue"),
-                                   fault.nodes) from None
+                more = "" if auto else ", or pass --auto-resume to wait for the cluster and continue"
+                stopped = ClusterFault(f"{fault}; stopped{why}; {where}; {hint}{more}", fault.nodes)
+                stopped.checkpoint = last  # the CLI prints the command that continues from it
+                raise stopped from None
             restarts += 1
             print(f"{fault}; {where}; auto-resume {restarts}/{config.train.max_restarts}: waiting up to "
                   f"{config.train.resume_wait_s:g} s for the cluster to have room", flush=True)
@@ -288,9 +306,9 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
         if stop is not None and stop.requested:  # during the start-up: nothing new to save
             raise RunInterrupted(stop.signum, start_step, progress.checkpoint)
         for step in range(start_step + 1, last_step + 1):
-            micro_batches, position = next(batches)
+            micro_batches, upcoming = next(batches)
             last = session.train_step(micro_batches, f"step {step}")
-            finished = step
+            finished, position = step, upcoming  # `position`: the data position after step `finished`
             due = eval_batches is not None and (step == last_step or (config.eval.every and step % config.eval.every == 0))
             if due:
                 evaluation = validate(session, eval_batches, t.grad_accum, step)
@@ -311,16 +329,19 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
                 if saved != step:
                     progress.checkpoint = session.save_checkpoint(step, position.to_dict())
                 raise RunInterrupted(stop.signum, step, progress.checkpoint)
-    except STOPS_THAT_KEEP_THE_STEPS as error:  # `position` is still the one after step `finished`
+        if step == start_step and progress.checkpoint is not None:
+            final = progress.checkpoint  # nothing ran: the checkpoint we resumed from is the final one
+        else:
+            final = session.save_checkpoint(step, position.to_dict() if position else None)
+            progress.checkpoint = final
+    except STOPS_THAT_KEEP_THE_STEPS as error:
         keep_finished_steps(error, session, finished, position, progress, saved)
+        raise
+    except ClusterFault as fault:
+        keep_steps_after_fault(fault, session, finished, position, progress, saved)
         raise
     finally:
         log.close()
-    if step == start_step and progress.checkpoint is not None:
-        final = progress.checkpoint  # nothing ran: the checkpoint we resumed from is the final one
-    else:
-        final = session.save_checkpoint(step, position.to_dict() if position else None)
-        progress.checkpoint = final
     print(f"checkpoint: {final}", flush=True)
     if config.checkpoint.export_hf:
         from megatrain_ray.files.hf import copy_tokenizer_files

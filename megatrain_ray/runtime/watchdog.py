@@ -21,6 +21,7 @@ FAULTS = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.except
           ray.exceptions.OwnerDiedError, ray.exceptions.WorkerCrashedError, ray.exceptions.LocalRayletDiedError)
 POLL_S = 0.5
 PEER_GRACE_S = 5.0  # after a call fails, how long the calls beside it get to show that a process was lost
+NODE_MARK_S = 10.0  # after an actor's call fails, how long Ray gets to mark its node dead before the process is blamed
 
 
 class RunStopped(RuntimeError):
@@ -112,7 +113,7 @@ class Watchdog:
     def fault(self, what: str, error: Exception) -> ClusterFault:
         """Name the node behind an actor failure: Ray marks a dead node a few seconds after its
         actors' calls fail, so wait a little for that before blaming the process alone."""
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + NODE_MARK_S
         while time.monotonic() < deadline:
             dead = self.dead_nodes()
             if dead:

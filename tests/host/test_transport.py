@@ -54,3 +54,25 @@ def test_a_lost_store_fails_the_transfer_instead_of_hanging(link):
         transfer.wait()
     with pytest.raises(ConnectionError):
         link.fetch(0, 0, torch.empty(1001), [])
+
+
+def test_an_update_waiting_for_a_gradient_gives_up_when_the_worker_link_closes(link):
+    """A GPU worker that dies before its gradient landed must not leave the store's actor blocked
+    (a checkpoint from the stores waits behind it): the update raises and leaves the layer as it was."""
+    server, link, buffers = link
+    before = buffers[0].clone()
+    errors = []
+
+    def update():
+        try:
+            server.step(0, lambda: buffers[0].add_(1))
+        except ConnectionError as e:
+            errors.append(e)
+
+    updater = threading.Thread(target=update, daemon=True)
+    updater.start()
+    link.close()  # what the worker's death does to its sockets
+    updater.join(timeout=5)
+    assert not updater.is_alive(), "the update still waits for a gradient that cannot come"
+    assert len(errors) == 1 and "never came" in str(errors[0])
+    assert torch.equal(buffers[0], before) and server.applied[0] == 0
