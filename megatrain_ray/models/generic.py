@@ -95,11 +95,11 @@ def _local_shapes(tensors: dict[str, torch.Tensor], keep=lambda name: True) -> l
 def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     p = parts(arch)
     base_tensors = hm.persistent_tensors(p.base)
-    norm = p.final_norm + "."
-    embed = _local_shapes(base_tensors, lambda n: not n.startswith("layers.") and not n.startswith(norm))
+    norm, in_layers = p.final_norm + ".", p.layers_name + "."
+    embed = _local_shapes(base_tensors, lambda n: not n.startswith(in_layers) and not n.startswith(norm))
     layouts = [lay_out(0, EMBED, p.base_prefix, embed)]
     for i, layer in enumerate(p.layers):
-        layouts.append(lay_out(i + 1, BLOCK, f"{p.base_prefix}layers.{i}.", _local_shapes(hm.persistent_tensors(layer))))
+        layouts.append(lay_out(i + 1, BLOCK, f"{p.base_prefix}{p.layers_name}.{i}.", _local_shapes(hm.persistent_tensors(layer))))
     outer = _local_shapes(hm.persistent_tensors(p.model), lambda n: not n.startswith(p.base_prefix))
     head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(norm))]
     if p.tied:
@@ -129,7 +129,7 @@ def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerL
         # a block is stored as the small instance's first block of its structure
         small_prefix = layout.prefix
         if layout.kind == BLOCK:
-            small_prefix = f"{p.base_prefix}layers.{p.kinds[layout.index - 1]}."
+            small_prefix = f"{p.base_prefix}{p.layers_name}.{p.kinds[layout.index - 1]}."
         params = []
         for s in layout.params:
             templates = pieces.get(small_prefix + s.name)
@@ -206,7 +206,7 @@ def _buffers_on(config_json: str, where: str, device: torch.device) -> dict[str,
     `where`: "base" (the decoder) or a template's layer index."""
     p = hm.parts_of(config_json)
     module = p.base if where == "base" else p.layers[int(where)]
-    return {n: b.to(device) for n, b in hm.transient_buffers(module).items() if not n.startswith("layers.")}
+    return {n: b.to(device) for n, b in hm.transient_buffers(module).items() if not n.startswith(p.layers_name + ".")}
 
 
 @functools.lru_cache(maxsize=64)
@@ -217,7 +217,8 @@ def _template_frozen(config_json: str, template: int) -> frozenset[str]:
 @functools.lru_cache(maxsize=8)
 def _recording_decoder(config_json: str, stop_after: int):
     calls: list = []
-    return hm.recording_decoder(hm.parts_of(config_json).base, calls, stop_after), calls
+    p = hm.parts_of(config_json)
+    return hm.recording_decoder(p.base, p.layers_name, calls, stop_after), calls
 
 
 @functools.lru_cache(maxsize=8)
@@ -235,9 +236,15 @@ def embed_forward(arch: TransformersArch, w: Weights, input_ids: torch.Tensor) -
     hm.run_until_layers(decoder, {**w, **_buffers_on(arch.hf_config, "base", input_ids.device)}, calls,
                         input_ids=input_ids)
     hidden, args, _ = calls.pop()
-    if args:
-        raise hm.Unsupported("its decoder passes its layers per-layer inputs beside the hidden states")
+    refuse_per_layer_inputs(hidden, args)
     return hidden
+
+
+def refuse_per_layer_inputs(hidden: torch.Tensor, args: tuple) -> None:
+    """A layer's positional arguments beside its hidden states are its decoder's masks and caches
+    (GPT-2 passes them so); a tensor per token is an input of its own (Gemma 3n's per-layer inputs)."""
+    if any(isinstance(a, torch.Tensor) and a.dim() == 3 and a.shape[:2] == hidden.shape[:2] for a in args):
+        raise hm.Unsupported("its decoder passes its layers per-layer inputs beside the hidden states")
 
 
 def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch.dtype) -> list[LayerCall]:
@@ -257,9 +264,8 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     if len(recorded) != len(p.layers):
         raise hm.Unsupported(f"its decoder called {len(recorded)} of its {len(p.layers)} layers")
     out = []
-    for kind, (_, args, kwargs) in zip(p.kinds, recorded):
-        if args:
-            raise hm.Unsupported("its decoder passes its layers per-layer inputs beside the hidden states")
+    for kind, (hidden, args, kwargs) in zip(p.kinds, recorded):
+        refuse_per_layer_inputs(hidden, args)
         out.append(LayerCall(kind, args, kwargs))
     return out
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from megatrain_ray.models import hf_modules as hm
 
 RANDOM_KEYS = ("dropout", "jitter")  # config keys of what a training forward draws at random
+UNUSED_KEYS = ("classifier_dropout", "summary_first_dropout")  # heads other than the causal LM's
 MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "num_mtp_modules")
 RTOL = 1e-4  # fp32, the same modules on the same weights: only summation order differs
 
@@ -57,7 +58,7 @@ def refusal(config: dict[str, Any]) -> str | None:
             return (f"it has multi-token-prediction layers ({key}: {config[key]}), which transformers' model does "
                     f"not run and megatrain-ray does not train; set {key} to 0 in config.json (and leave their "
                     "tensors out of the weights) to train the model without them")
-    random = {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS)
+    random = {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS) and k not in UNUSED_KEYS
               and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
     if random:
         settings = ", ".join(f"{k}: {v}" for k, v in random.items())

@@ -116,9 +116,6 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
 
 
 
-FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_norm", "ln_f", "norm_f")
-
-
 @dataclass
 class Parts:
     """The model as the streaming layers see it."""
@@ -130,27 +127,92 @@ class Parts:
     final_norm: str  # the decoder's child applied after the layers
     kinds: tuple[int, ...]  # per decoder layer: the index of its template (first layer of its structure)
     tied: bool  # the LM head is the input embedding
-
+    layers_name: str = "layers"  # the decoder's child that holds the list of layers
 
 
 def decoder_parts(model: nn.Module) -> Parts:
-    prefix = next((name for name in ("model", getattr(model, "base_model_prefix", "model"))
-                   if isinstance(getattr(getattr(model, name, None), "layers", None), nn.ModuleList)), None)
-    if prefix is None:
-        raise Unsupported("its decoder layers are not at model.layers (a list of layers)")
+    """The decoder's parts found by their roles, whatever the model names them: the decoder is the
+    causal LM's child that holds the input embedding and a list of the config's num_hidden_layers
+    layers; the final norm is the decoder's one other child with weights (the module between the
+    last layer and the LM head)."""
+    prefix, layers_name = _decoder_and_layers(model)
     base = getattr(model, prefix)
-    layers = base.layers
-    norm = next((name for name in FINAL_NORM_NAMES if isinstance(getattr(base, name, None), nn.Module)), None)
-    if norm is None:
-        raise Unsupported(f"its decoder has no final norm under a known name ({', '.join(FINAL_NORM_NAMES)})")
+    layers = getattr(base, layers_name)
     for name, module in layers.named_modules():
         if any(word in name for word in ("cross_attn", "encoder_attn", "crossattention")):
             raise Unsupported(f"its layers have cross-attention ({name})")
+    norm = _final_module(base, layers_name, model.get_input_embeddings())
     keys: dict[str, int] = {}
     kinds = tuple(keys.setdefault(structure_key(layer), i) for i, layer in enumerate(layers))
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
-    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied)
+    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name)
+
+
+def _decoder_and_layers(model: nn.Module) -> tuple[str, str]:
+    """(the causal LM's child that is its decoder, the decoder's child that lists its layers)."""
+    count = getattr(model.config, "num_hidden_layers", None)
+    embedding = model.get_input_embeddings()
+    for prefix, base in model.named_children():
+        if embedding is None or not any(m is embedding for m in base.modules()):
+            continue
+        lists = [(n, c) for n, c in base.named_children() if isinstance(c, nn.ModuleList) and len(c)]
+        lists = [(n, c) for n, c in lists if len(c) == count] or lists
+        if len(lists) == 1:
+            return prefix, lists[0][0]
+        if len(lists) > 1:
+            raise Unsupported(f"its decoder ({prefix}) has several lists of layers "
+                              f"({', '.join(n for n, _ in lists)})")
+    raise Unsupported("its decoder holds no list of layers beside its input embedding")
+
+
+def _final_module(base: nn.Module, layers_name: str, embedding: nn.Module) -> str:
+    """The decoder's child that its forward calls after its last layer; where a run on a stand-in
+    input cannot tell, its one child with weights that is neither its layers nor (part of) its
+    input embedding, or of several the one registered after the layers. The check of a small
+    instance against transformers (generic_check.py) confirms the choice."""
+    called = _called_after_layers(base, layers_name)
+    if called is not None:
+        return called
+    names = list(base._modules)
+    others = [n for n, c in base.named_children()
+              if n != layers_name and c is not embedding and not any(m is embedding for m in c.modules())
+              and persistent_tensors(c)]
+    after = [n for n in others if names.index(n) > names.index(layers_name)]
+    if len(others) == 1 or len(after) == 1:
+        return after[0] if len(after) == 1 else others[0]
+    if not others:
+        raise Unsupported("its decoder has no final norm (no module between its last layer and the LM head)")
+    raise Unsupported(f"its decoder has modules with weights beside its embedding, its layers and one final norm "
+                      f"({', '.join(others)})")
+
+
+def _called_after_layers(base: nn.Module, layers_name: str) -> str | None:
+    """The first of the decoder's children that its forward calls after its last layer, run with
+    layers that pass the hidden states through (None where that run fails before)."""
+    calls: list = []
+    decoder = recording_decoder(base, layers_name, calls, stop_after=-1)
+    count, found = len(decoder._modules[layers_name]), []
+
+    def pre_hook(name):
+        def hook(module, args):
+            if len(calls) >= count:
+                found.append(name)
+                raise _Stop
+        return hook
+
+    hooks = [child.register_forward_pre_hook(pre_hook(n)) for n, child in decoder.named_children() if n != layers_name]
+    try:
+        with torch.no_grad():
+            decoder(inputs_embeds=torch.zeros(1, 2, base.config.hidden_size), use_cache=False)
+    except _Stop:
+        pass
+    except Exception:  # a part before the layers that needs real weights
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found[0] if found else None
 
 
 SIMPLE = (int, float, str, bool, type(None))
@@ -280,12 +342,12 @@ class Recorder(nn.Module):
         return hidden_states
 
 
-def recording_decoder(base: nn.Module, calls: list, stop_after: int) -> nn.Module:
+def recording_decoder(base: nn.Module, layers_name: str, calls: list, stop_after: int) -> nn.Module:
     """A shallow copy of the decoder whose layers record their calls and stop after `stop_after`."""
     clone = copy.copy(base)
     clone._modules = dict(base._modules)
-    clone._modules["layers"] = nn.ModuleList(
-        [Recorder(layer, calls, i == stop_after) for i, layer in enumerate(base.layers)])
+    clone._modules[layers_name] = nn.ModuleList(
+        [Recorder(layer, calls, i == stop_after) for i, layer in enumerate(base._modules[layers_name])])
     return clone
 
 
@@ -317,7 +379,7 @@ class FinalNorm(nn.Module):
         self.norm_name = name
         self.config = config
 
-    def forward(self, inputs_embeds=None, **kwargs):
+    def forward(self, *args, inputs_embeds=None, **kwargs):  # positional: input_ids (None) and the like
         out = _HiddenOnly()
         dict.__setitem__(out, "last_hidden_state", getattr(self, self.norm_name)(inputs_embeds))
         return out

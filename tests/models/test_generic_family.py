@@ -29,6 +29,9 @@ from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from helpers.hf_parity import RTOL, randomize, rel, run_config, saved, the_runs_batches, train_transformers  # noqa: E402
 
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
+# transformers' Lfm2MoeConfig leaves layer_types unset, and its model cannot be built so: the
+# published LFM2-8B-A1B's pattern (short convolutions, six attention layers)
+LFM2_MOE_LAYERS = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(32)]
 # model_type -> what its defaults need to be trainable here: no multi-token-prediction layers, no
 # dropout, and the sizes some defaults leave unset
 MODEL_TYPES = {
@@ -64,6 +67,9 @@ MODEL_TYPES = {
     "ministral": {"head_dim": 128, "num_key_value_heads": 8},
     "nemotron": {"num_key_value_heads": 8},
     "stablelm": {},
+    "gpt_neox": {},  # its decoder is gpt_neox, its final norm final_layer_norm
+    "lfm2": {},  # its final norm is embedding_norm
+    "lfm2_moe": {"layer_types": LFM2_MOE_LAYERS},
 }
 
 
@@ -126,7 +132,7 @@ def prepared(model_type: str, tmp_path: Path):
 # In-process only (the same stores, executor and export, without Ray): model types whose structure
 # one of the others run through `megatrain-ray train` has too. A run's start costs seconds (its
 # actors are processes that import torch and transformers), and the suite's time is bounded.
-IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_dense", "arcee")
+IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_dense", "arcee", "lfm2")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])

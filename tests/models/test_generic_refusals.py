@@ -28,7 +28,7 @@ def write_config(path: Path, config: dict) -> Path:
 @pytest.mark.parametrize("config, named", [
     ({"model_type": "deepseek_v3"}, "multi-token-prediction layers (num_nextn_predict_layers: 1)"),
     ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
-    ({"model_type": "gpt2"}, "its decoder layers are not at model.layers"),
+    ({"model_type": "opt"}, "its decoder holds no list of layers beside its input embedding"),
     ({"model_type": "mllama"}, "its layers have cross-attention"),
     ({"model_type": "gemma3n_text"}, "Gemma 3n/4's per-layer inputs"),
     ({"model_type": "seed_oss"}, "it draws random numbers in training (attention_dropout: 0.1"),
