@@ -26,7 +26,7 @@ from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX, ModelFamily, Weights
 from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, ParamSlot, lay_out
-from megatrain_ray.models.moe import stored_as, stored_per_expert
+from megatrain_ray.models.moe import stored_as, stored_in_rows, stored_per_expert
 
 # config.json keys that say nothing about the model's tensors or arithmetic
 VOLATILE_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures",
@@ -133,7 +133,9 @@ def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerL
         params = []
         for s in layout.params:
             templates = pieces.get(small_prefix + s.name)
-            if templates:
+            if templates and isinstance(templates[0], tuple):  # cut along its rows, in order
+                s = stored_in_rows(s, [(_local(small_prefix, name), shape) for name, shape in templates])
+            elif templates:
                 local = tuple(_local(small_prefix, t) for t in templates)
                 if "{}" in local[0]:
                     s = stored_per_expert(s, lambda e, local=local: [t.format(e) for t in local])

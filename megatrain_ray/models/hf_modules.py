@@ -29,11 +29,14 @@ class Unsupported(ValueError):
 
 
 def config_object(config: dict[str, Any]):
-    """The transformers config of a config.json dict (its own class, defaults filled in)."""
-    from transformers import AutoConfig
+    """The transformers config of a config.json dict (its own class, defaults filled in), read as
+    AutoConfig.from_pretrained reads the file: the floats JSON cannot hold ({"__float__":
+    "Infinity"}, as transformers writes a Mamba layer's time_step_limit) decoded first."""
+    from transformers import CONFIG_MAPPING
 
+    config_class = CONFIG_MAPPING[config["model_type"]]
     fields = {k: v for k, v in config.items() if k != "model_type"}
-    return AutoConfig.for_model(config["model_type"], **fields)
+    return config_class.from_dict(config_class._decode_special_floats(fields))
 
 
 def build_empty(config: dict[str, Any]) -> nn.Module:
@@ -60,11 +63,18 @@ def build_empty(config: dict[str, Any]) -> nn.Module:
 def with_real_buffers(model: nn.Module) -> nn.Module:
     """Non-persistent buffers (rotary frequencies, embedding scales) computed on the CPU as
     transformers computes them after building a model on meta: its own _init_weights."""
-    for module in model.modules():
+    holders: set[str] = set()
+    for name, module in model.named_modules():
         names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
         for n in names:
             module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
         if names:
+            parts = name.split(".") if name else []
+            holders.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    # each holder and the modules above it, children first: a model may fill its layers' buffers
+    # from above (Falcon-H1's decoder writes each Mamba mixer's mup_vector)
+    for name, module in reversed(list(model.named_modules())):
+        if name in holders:
             model._init_weights(module)
     return model
 
@@ -89,6 +99,8 @@ SMALL = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "sliding_window": 8, "attention_chunk_size": 8,
+    "num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 16,
+    "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_chunk_size": 16, "mamba_d_ssm": 64, "mamba_num_heads": 8, "ssm_state_size": 16,
 }
 
 
@@ -100,6 +112,11 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
             small[key] = value
     if config.get("head_dim") is not None and config.get("head_dim") == config.get("qk_rope_head_dim"):
         small["head_dim"] = small["qk_rope_head_dim"]  # MLA: the rotary part's width
+    small.update(rederived(config, small))
+    if all(isinstance(small.get(k), int) for k in ("mamba_expand", "mamba_n_heads", "mamba_d_head", "hidden_size")):
+        # a Mamba layer's heads x head width is its inner width: mamba_d_ssm where set, else expand x hidden
+        inner = small.get("mamba_d_ssm") or small["mamba_expand"] * small["hidden_size"]
+        small["mamba_d_head"] = inner // small["mamba_n_heads"]
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if isinstance(kv, int) and isinstance(heads, int):
         small["num_key_value_heads"] = 1 if kv == 1 else (small["num_attention_heads"] if kv == heads else 2)
@@ -114,6 +131,23 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
             small[key] = value[:layers]
     return small
 
+
+
+def rederived(config: dict[str, Any], small: dict[str, Any]) -> dict[str, Any]:
+    """The values the config class derives from the sizes (Zamba2's mamba_headdim, its attention
+    widths), derived again from the small sizes, where the config holds what the class derives
+    from its own sizes (a config.json that transformers wrote stores them)."""
+    from transformers import CONFIG_MAPPING
+
+    sizes = [k for k in SMALL if k in config and k in small]
+    try:
+        config_class = CONFIG_MAPPING[config["model_type"]]
+        big = config_class(**{k: config[k] for k in sizes}).to_dict()
+        little = config_class(**{k: small[k] for k in sizes}).to_dict()
+    except Exception:  # the class refuses the sizes alone: nothing is derived again
+        return {}
+    return {k: v for k, v in little.items()
+            if k not in sizes and k in config and big.get(k) != v and config[k] == big.get(k)}
 
 
 @dataclass
@@ -141,12 +175,25 @@ def decoder_parts(model: nn.Module) -> Parts:
     for name, module in layers.named_modules():
         if any(word in name for word in ("cross_attn", "encoder_attn", "crossattention")):
             raise Unsupported(f"its layers have cross-attention ({name})")
+    refuse_shared_weights(layers)
     norm = _final_module(base, layers_name, model.get_input_embeddings())
     keys: dict[str, int] = {}
     kinds = tuple(keys.setdefault(structure_key(layer), i) for i, layer in enumerate(layers))
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
     return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name)
+
+
+def refuse_shared_weights(layers: nn.ModuleList) -> None:
+    """Each layer streams with its own weights: a tensor that several layers hold (Zamba2's hybrid
+    layers share one attention block) cannot stream with one of them."""
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for name, t in layer.named_parameters():
+            first = owner.setdefault(id(t), i)
+            if first != i:
+                raise Unsupported(f"its layers {first} and {i} share weights ({name}): each layer streams its own "
+                                  "weights, so a block that several layers reuse cannot stream with one of them")
 
 
 def _decoder_and_layers(model: nn.Module) -> tuple[str, str]:
@@ -280,11 +327,25 @@ def expert_pieces(small_model: nn.Module) -> dict[str, tuple[str, ...]]:
         found.setdefault(owner, []).append((offset, name, t))
     out = {}
     for owner, pieces in found.items():
+        pieces = sorted(pieces, key=lambda p: p[0])
         if len(pieces) == 1 and pieces[0][2].numel() == state[owner].numel():
             out[owner] = (pieces[0][1],)  # stored whole under another name
+        elif split_along_rows(state[owner], pieces):
+            out[owner] = tuple((name, tuple(t.shape)) for _, name, t in pieces)
         else:
             out[owner] = per_expert_names(owner, tuple(state[owner].shape), sorted(pieces, key=lambda p: p[0]))
     return out
+
+
+def split_along_rows(whole: torch.Tensor, pieces: list) -> bool:
+    """Whether the pieces, in order, are the tensor cut along its first dimension (Kimi-Linear's
+    fused q/k/v short convolution stored as three), with no expert index in them."""
+    rows = sum(t.shape[0] for _, _, t in pieces)
+    offsets = [0]
+    for _, _, t in pieces[:-1]:
+        offsets.append(offsets[-1] + t.numel())
+    return (whole.dim() != 3 or len(pieces) % whole.shape[0] != 0) and rows == whole.shape[0] and \
+        all(tuple(t.shape[1:]) == tuple(whole.shape[1:]) and off == o for (off, _, t), o in zip(pieces, offsets))
 
 
 def per_expert_names(owner: str, shape: tuple[int, ...], pieces: list) -> tuple[str, ...]:
@@ -371,13 +432,21 @@ class _HiddenOnly(dict):
 
 
 class FinalNorm(nn.Module):
-    """Stands in for the decoder inside the causal LM: applies the final norm to `inputs_embeds`."""
+    """Stands in for the decoder inside the causal LM: applies the final norm to `inputs_embeds`.
+    Reads of the decoder's other attributes (Falcon-H1's lm_head_multiplier) go to the decoder."""
 
-    def __init__(self, norm: nn.Module, name: str, config):
+    def __init__(self, norm: nn.Module, name: str, decoder: nn.Module):
         super().__init__()
         self.add_module(name, norm)
         self.norm_name = name
-        self.config = config
+        self.config = decoder.config
+        object.__setattr__(self, "_decoder", decoder)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_decoder"), name)
 
     def forward(self, *args, inputs_embeds=None, **kwargs):  # positional: input_ids (None) and the like
         out = _HiddenOnly()
@@ -390,7 +459,7 @@ def head_model(parts: Parts) -> nn.Module:
     head = copy.copy(parts.model)
     head._modules = dict(parts.model._modules)
     prefix = parts.base_prefix[:-1]
-    head._modules[prefix] = FinalNorm(getattr(parts.base, parts.final_norm), parts.final_norm, parts.model.config)
+    head._modules[prefix] = FinalNorm(getattr(parts.base, parts.final_norm), parts.final_norm, parts.base)
     return head
 
 

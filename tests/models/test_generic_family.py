@@ -70,6 +70,12 @@ MODEL_TYPES = {
     "gpt_neox": {},  # its decoder is gpt_neox, its final norm final_layer_norm
     "lfm2": {},  # its final norm is embedding_norm
     "lfm2_moe": {"layer_types": LFM2_MOE_LAYERS},
+    # Mamba-2 and attention layers (a template per kind), their configs read as transformers reads them
+    "falcon_h1": {},
+    "bamba": {},
+    "granitemoehybrid": {},
+    # kimi_linear trains too (examples/model_table.py), but 5 steps here take minutes on the CPU:
+    # transformers' PyTorch fallback of its linear attention loops over a 64-token chunk
 }
 
 
@@ -132,7 +138,8 @@ def prepared(model_type: str, tmp_path: Path):
 # In-process only (the same stores, executor and export, without Ray): model types whose structure
 # one of the others run through `megatrain-ray train` has too. A run's start costs seconds (its
 # actors are processes that import torch and transformers), and the suite's time is bounded.
-IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_dense", "arcee", "lfm2")
+IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_dense", "arcee", "lfm2", "falcon_h1",
+                    "bamba")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])

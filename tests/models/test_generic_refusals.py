@@ -30,6 +30,7 @@ def write_config(path: Path, config: dict) -> Path:
     ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
     ({"model_type": "opt"}, "its decoder holds no list of layers beside its input embedding"),
     ({"model_type": "mllama"}, "its layers have cross-attention"),
+    ({"model_type": "zamba2"}, "its layers 6 and 12 share weights"),
     ({"model_type": "gemma3n_text"}, "Gemma 3n/4's per-layer inputs"),
     ({"model_type": "seed_oss"}, "it draws random numbers in training (attention_dropout: 0.1"),
 ])
