@@ -29,6 +29,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# what a carried tensor may be stored as besides (files/carried.py)
+STORED_DTYPES = {**SAFETENSORS_DTYPES, torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3",
+                 torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+                 torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 CONFIG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 COMPARE_CHUNK_BYTES = 16 * 1024**2
 
@@ -97,12 +101,13 @@ def is_ignored(name: str) -> bool:
 def plan_reads(files: list[Path], arch: ModelArch) -> tuple[list[tuple[str, Path, int, ParamSlot]], Path | None]:
     """Check every header against the layout; returns what to copy where, and the file of a tied lm_head."""
     expected = hf_names(arch)
-    tied_head = family(arch).tied_head_name
+    fam = family(arch)
+    tied_head = fam.tied_head_name
     where: dict[str, Path] = {}
     reads, tied_head_file = [], None
     for file in files:
         for name, (shape, dtype) in sorted(read_header(file).items()):
-            if is_ignored(name):
+            if is_ignored(name) or fam.carried(arch, name):  # carried: files/carried.py
                 continue
             if name in where:
                 raise CheckpointMismatch(f"{name}: present twice, in {where[name]} and in {file}")
@@ -214,7 +219,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
         header[name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "dtype": STORED_DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -292,11 +297,13 @@ def export_hf(
     layer_tensors: Iterable[tuple[int, torch.Tensor]],
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 2 * 1024**3,
+    carried: Iterable[tuple[str, Path]] = (),
 ) -> Path:
     """Write a directory that transformers' from_pretrained loads: config.json and safetensors shards.
 
     `layer_tensors` yields (layer index, flat fp32 buffer) once per layer, in any order; host memory
     stays bounded by one shard plus one layer. Nothing appears at `out_dir` unless all succeeded.
+    `carried`: (name, file) of tensors that join the shards unchanged (files/carried.py).
     """
     if dtype not in SAFETENSORS_DTYPES:
         raise ValueError(f"export dtype {dtype} is not supported; use one of {list(CONFIG_DTYPES.values())}")
@@ -317,6 +324,8 @@ def export_hf(
         missing = sorted(set(range(len(model_layouts(arch)))) - seen)
         if missing:
             raise ValueError(f"layers {missing} were never given")
+        for name, file in carried:
+            writer.add(name, read_tensor(file, name))
         writer.flush()
         weight_map = name_shards(writer)
         if len(writer.shards) > 1:

@@ -59,6 +59,16 @@ class ModelFamily(abc.ABC):
     def layouts(self, arch: ModelArch) -> tuple[LayerLayout, ...]:
         """The streamed layers in order: an EMBED layer, BLOCK layers, a HEAD layer."""
 
+    def carried(self, arch: ModelArch, name: str) -> bool:
+        """Whether a tensor of the model's files is carried unchanged to the checkpoints and the
+        export without being trained or streamed (multi-token-prediction layers that the model's
+        forward does not run): files/carried.py."""
+        return False
+
+    def carried_note(self, arch: ModelArch) -> str | None:
+        """The one line said at start about what `carried` keeps, None if nothing."""
+        return None
+
     def init_param(self, slot: ParamSlot, view: torch.Tensor, gen: torch.Generator, std: float) -> None:
         """Random initialisation of one parameter, in place, from `gen` only: norm weights one,
         biases zero, everything else normal with standard deviation `std`."""

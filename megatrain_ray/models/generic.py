@@ -158,6 +158,24 @@ def _local(prefix: str, name: str) -> str:
     return name[len(prefix):]
 
 
+# config.json keys that count multi-token-prediction layers
+MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "num_mtp_modules")
+
+
+def mtp_layers(config: dict[str, Any]) -> int:
+    return next((config[k] for k in MTP_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
+
+
+def mtp_layer_of(arch: TransformersArch, name: str) -> int | None:
+    """The layer index of a tensor named under the decoder's layers past its last one, else None."""
+    p = parts(arch)
+    prefix = f"{p.base_prefix}{p.layers_name}."
+    if not name.startswith(prefix):
+        return None
+    index = name[len(prefix):].split(".", 1)[0]
+    return int(index) if index.isdigit() and int(index) >= len(p.layers) else None
+
+
 # ---------------------------------------------------------------------------------------------
 # The stateless templates
 # ---------------------------------------------------------------------------------------------
@@ -443,6 +461,18 @@ class TransformersFamily(ModelFamily):
 
     def layouts(self, arch: TransformersArch) -> tuple[LayerLayout, ...]:
         return layouts_of(arch)
+
+    def carried(self, arch: TransformersArch, name: str) -> bool:
+        """The tensors of the multi-token-prediction layers, stored as the decoder's layers after
+        its last (model.layers.61.* for DeepSeek-V3), which transformers' model does not build."""
+        return mtp_layers(arch.config) > 0 and mtp_layer_of(arch, name) is not None
+
+    def carried_note(self, arch: TransformersArch) -> str | None:
+        n = mtp_layers(arch.config)
+        if not n:
+            return None
+        return (f"{n} multi-token-prediction layer{'s' if n > 1 else ''} (config.json): run neither by "
+                "transformers' model nor here; their tensors are carried unchanged to the checkpoints and the export")
 
     def init_param(self, slot: ParamSlot, view: torch.Tensor, gen: torch.Generator, std: float) -> None:
         """Random init for benchmarks: matrices normal, biases zero, other vectors (norms) one."""

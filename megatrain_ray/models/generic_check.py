@@ -21,7 +21,6 @@ from megatrain_ray.models import hf_modules as hm
 
 RANDOM_KEYS = ("dropout", "jitter")  # config keys of what a training forward draws at random
 UNUSED_KEYS = ("classifier_dropout", "summary_first_dropout")  # heads other than the causal LM's
-MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "num_mtp_modules")
 RTOL = 1e-4  # fp32, the same modules on the same weights: only summation order differs
 
 
@@ -53,11 +52,6 @@ def refusal(config: dict[str, Any]) -> str | None:
         return ("its router's load-balancing loss is on (output_router_logits: true), but transformers' model "
                 "records no router logits for it; set model.router_aux_loss_coef to 0 (or output_router_logits "
                 "to false in config.json) to train without it")
-    for key in MTP_KEYS:
-        if isinstance(config.get(key), int) and config[key] > 0:
-            return (f"it has multi-token-prediction layers ({key}: {config[key]}), which transformers' model does "
-                    f"not run and megatrain-ray does not train; set {key} to 0 in config.json (and leave their "
-                    "tensors out of the weights) to train the model without them")
     random = {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS) and k not in UNUSED_KEYS
               and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
     if random:

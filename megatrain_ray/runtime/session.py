@@ -16,6 +16,7 @@ from typing import Any, Callable
 import ray
 
 from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.files.carried import carried_tensors, carry_into
 from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
 from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, gpu_free_bytes, on_node
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
@@ -73,6 +74,7 @@ class Session:
         self.stores: list = []
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
         self.planned_arch = arch  # as the plan saw it: with the working set the workers measured
+        self.carried_from: str | None = None  # where the carried tensors are (files/carried.py)
         try:
             self.gpus = self._launch_workers()
             self.stores = self._launch_stores()  # their processes start beside the workers'
@@ -131,6 +133,7 @@ class Session:
         """From model.path (a Hugging Face directory) when given, else random from train.seed."""
         path = self.config.model.path
         if path:
+            self.carried_from = path
             refs = [store.load_hf.remote(path) for store in self.stores]
         else:
             refs = [s.init_random.remote(self.config.train.seed, self.config.model.init_std) for s in self.stores]
@@ -151,6 +154,7 @@ class Session:
             raise
         self._updates_done = meta["updates_done"]
         ckpt.restore_rng_state(meta.get("rng"))
+        self.carried_from = str(path)
         return meta
 
     def start_executor(self) -> str:
@@ -256,14 +260,18 @@ class Session:
             for store, name in zip(self.stores, names):
                 tensors, steps = self.wait(store.state_tensors.remote(), what)
                 shards.append(ckpt.write_shard(staging, name, tensors, steps))
+        carry_into(staging, self.carried_from, self.arch)
         meta = ckpt.checkpoint_meta(config, self.arch, step, updates_done, data_position)
-        return ckpt.commit(staging, root, step, shards, meta, config.checkpoint.keep)
+        final = ckpt.commit(staging, root, step, shards, meta, config.checkpoint.keep)
+        self.carried_from = str(final)  # the one it came from may be pruned
+        return final
 
     def export(self, out_dir: Path) -> None:
         """The master weights as a Hugging Face model directory, one layer at a time."""
         from megatrain_ray.files.hf import export_hf
 
-        export_hf(out_dir, self.arch, self.iter_layer_weights(), dtype=dtype_of(self.config.checkpoint.export_dtype))
+        export_hf(out_dir, self.arch, self.iter_layer_weights(), dtype=dtype_of(self.config.checkpoint.export_dtype),
+                  carried=carried_tensors(self.carried_from, self.arch))
 
     # -- the end -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 10.0) -> None:

@@ -35,8 +35,8 @@ LFM2_MOE_LAYERS = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" f
 # model_type -> what its defaults need to be trainable here: no multi-token-prediction layers, no
 # dropout, and the sizes some defaults leave unset
 MODEL_TYPES = {
-    "deepseek_v3": {"num_nextn_predict_layers": 0},
-    "glm4_moe": {"num_nextn_predict_layers": 0},
+    "deepseek_v3": {},  # num_nextn_predict_layers 1: its files carry a multi-token-prediction layer
+    "glm4_moe": {},  # the same
     "qwen3_next": {},
     "llama4_text": {},
     "olmo2": {},
@@ -118,10 +118,38 @@ def check_export(export: Path, arch, model, initial: dict) -> None:
             assert not torch.equal(ours[key], initial[key]), f"{key} did not train"
 
 
+def with_mtp_tensors(model_dir: Path, model) -> dict[str, torch.Tensor]:
+    """A multi-token-prediction layer's tensors added to the saved files as DeepSeek-V3's are stored
+    (the decoder's layer after its last; transformers' model builds none): what they hold."""
+    from safetensors.torch import load_file, save_file
+
+    config = model.config
+    if not getattr(config, "num_nextn_predict_layers", 0):
+        return {}
+    gen = torch.Generator().manual_seed(3)
+    h, last = config.hidden_size, config.num_hidden_layers
+    mtp = {f"model.layers.{last}.eh_proj.weight": torch.randn(h, 2 * h, generator=gen).to(torch.bfloat16),
+           f"model.layers.{last}.enorm.weight": torch.randn(h, generator=gen)}
+    file = model_dir / "model.safetensors"
+    save_file({**load_file(file), **mtp}, file, metadata={"format": "pt"})
+    return mtp
+
+
+def check_carried(directory: Path, mtp: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    found = {}
+    for file in directory.glob("*.safetensors"):
+        found.update({k: v for k, v in load_file(file).items() if k in mtp})
+    assert set(found) == set(mtp) and all(found[k].dtype == v.dtype and torch.equal(found[k], v)
+                                          for k, v in mtp.items()), f"MTP tensors carried unchanged to {directory}"
+
+
 def prepared(model_type: str, tmp_path: Path):
     """The saved small model, its arch, the run's config file, the config and the micro-batches it will draw."""
     model = small_model(model_type)
     model_dir = saved(model, tmp_path / "hf")
+    with_mtp_tensors(model_dir, model)
     arch = load_hf_arch(model_dir)
     assert isinstance(arch, TransformersArch), "no hand-written family: transformers' modules run it"
     (tmp_path / "shm").mkdir()
@@ -143,7 +171,7 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
-def test_train_export_equals_transformers_adamw(local_ray, tmp_path, model_type):
+def test_train_export_equals_transformers_adamw(local_ray, tmp_path, capsys, model_type):
     """`megatrain-ray train CONFIG` (the command's own entry, in this process: it joins the module's
     cluster as it would join one that `ray start` made)."""
     model, arch, config_file, config, data = prepared(model_type, tmp_path)
@@ -155,7 +183,17 @@ def test_train_export_equals_transformers_adamw(local_ray, tmp_path, model_type)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=RTOL)
-    check_export(tmp_path / "run" / "checkpoints" / f"step-{STEPS:08d}" / "hf", arch, model, initial)
+    final = tmp_path / "run" / "checkpoints" / f"step-{STEPS:08d}"
+    check_export(final / "hf", arch, model, initial)
+    from safetensors.torch import load_file
+
+    mtp_layer = f"model.layers.{model.config.num_hidden_layers}."  # after the last: transformers builds none
+    carried = {k: v for k, v in load_file(config.model.path + "/model.safetensors").items() if k.startswith(mtp_layer)}
+    assert bool(carried) == bool(getattr(model.config, "num_nextn_predict_layers", 0))
+    if carried:
+        check_carried(final, carried)  # the checkpoint
+        check_carried(final / "hf", carried)  # and the export
+        assert "multi-token-prediction layer (config.json)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model_type", IN_PROCESS_TYPES)

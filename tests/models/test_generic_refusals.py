@@ -26,7 +26,6 @@ def write_config(path: Path, config: dict) -> Path:
 
 
 @pytest.mark.parametrize("config, named", [
-    ({"model_type": "deepseek_v3"}, "multi-token-prediction layers (num_nextn_predict_layers: 1)"),
     ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
     ({"model_type": "opt"}, "its decoder holds no list of layers beside its input embedding"),
     ({"model_type": "mllama"}, "its layers have cross-attention"),
