@@ -12,6 +12,7 @@ model.implementation transformers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -158,6 +159,17 @@ def _local(prefix: str, name: str) -> str:
     return name[len(prefix):]
 
 
+# config.json keys of what a training forward draws at random, and such keys of heads other than the causal LM's
+RANDOM_KEYS = ("dropout", "jitter")
+UNUSED_KEYS = ("classifier_dropout", "summary_first_dropout")
+
+
+def random_settings(config: dict[str, Any]) -> dict[str, float]:
+    """The config's positive dropout and jitter settings (a training forward draws random numbers)."""
+    return {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS) and k not in UNUSED_KEYS
+            and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+
+
 # config.json keys that count multi-token-prediction layers
 MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "num_mtp_modules")
 
@@ -276,7 +288,8 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     calls.clear()
     b, t = position_ids.shape
     stand_in = torch.zeros((), dtype=dtype, device=position_ids.device).expand(b, t, arch.hidden_size)
-    with torch.no_grad():
+    cuda = [position_ids.device] if position_ids.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # the stand-in's dropout draws nothing of the step's
         hm.run_until_layers(decoder, _buffers_on(arch.hf_config, "base", position_ids.device), calls,
                             inputs_embeds=stand_in, position_ids=position_ids)
     recorded = list(calls)
@@ -461,6 +474,19 @@ class TransformersFamily(ModelFamily):
 
     def layouts(self, arch: TransformersArch) -> tuple[LayerLayout, ...]:
         return layouts_of(arch)
+
+    def draws_random(self, arch: TransformersArch) -> bool:
+        return bool(random_settings(arch.config))
+
+    @contextlib.contextmanager
+    def evaluating(self, arch: TransformersArch):
+        """transformers' modules in eval mode (no dropout), then in train mode again."""
+        model = parts(arch).model
+        model.train(False)
+        try:
+            yield
+        finally:
+            model.train(True)
 
     def carried(self, arch: TransformersArch, name: str) -> bool:
         """The tensors of the multi-token-prediction layers, stored as the decoder's layers after

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.models import hf_modules as hm  # noqa: E402
-from megatrain_ray.models.generic import TransformersArch  # noqa: E402
+from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
@@ -47,6 +47,8 @@ MODEL_TYPES = {
     "granitemoe": {},
     "smollm3": {},
     "exaone4": {},
+    # against transformers' own training, which draws its own dropout masks: without dropout here;
+    # with their defaults' (0.1), test_dropout_trains_as_plain_autograd_with_the_same_seed
     "seed_oss": {"attention_dropout": 0.0, "residual_dropout": 0.0},
     "ernie4_5": {},
     "ernie4_5_moe": {},
@@ -74,6 +76,7 @@ MODEL_TYPES = {
     "falcon_h1": {},
     "bamba": {},
     "granitemoehybrid": {},
+    "phimoe": {"router_jitter_noise": 0.0},  # the same (its default: 0.01)
     # kimi_linear trains too (examples/model_table.py), but 5 steps here take minutes on the CPU:
     # transformers' PyTorch fallback of its linear attention loops over a 64-token chunk
 }
@@ -167,7 +170,7 @@ def prepared(model_type: str, tmp_path: Path):
 # one of the others run through `megatrain-ray train` has too. A run's start costs seconds (its
 # actors are processes that import torch and transformers), and the suite's time is bounded.
 IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_dense", "arcee", "lfm2", "falcon_h1",
-                    "bamba")
+                    "bamba", "phimoe")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
@@ -313,3 +316,45 @@ def test_bf16_on_the_gpu_compiled_tracks_transformers_autocast(tmp_path, model_t
     ours = [r.loss for r in local_steps(config, arch, model_dir, data)]
     theirs = train_transformers(model.to("cuda"), config, on_cuda(data), autocast_dtype=torch.bfloat16)
     assert_bf16_tracks(model_type, ours, theirs)
+
+
+# ---------------------------------------------------------------------------------------------- dropout
+
+
+@pytest.mark.parametrize("model_type", ["seed_oss", "phimoe"])
+def test_dropout_trains_as_plain_autograd_with_the_same_seed(tmp_path, model_type):
+    """Seed-OSS's defaults (attention_dropout 0.1, residual_dropout 0.1) and Phi-MoE's (router
+    jitter 0.01): the streaming trainer recomputes each layer in backward, replaying its forward's
+    random draws, so 3 steps equal plain PyTorch autograd of the same modules (no recompute) from
+    the same seed, one micro-batch a step (both then draw in the same order)."""
+    from helpers.reference_training import train_reference
+
+    torch.manual_seed(0)
+    config_dict = {k: v for k, v in AutoConfig.for_model(model_type).to_dict().items() if k != "architectures"}
+    model = randomize(hm.build_small(hm.small_config(config_dict, hm.decoder_parts(hm.build_empty(config_dict)).kinds)))
+    arch = load_hf_arch(saved(model, tmp_path / "hf"))
+    assert TRANSFORMERS.draws_random(arch), "its defaults draw random numbers in training"
+    config = config_from_dict(train_config_dict(tmp_path / "hf", write_documents(tmp_path / "d.jsonl", 128, 5),
+                                                tmp_path / "run"))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=3, grad_accum=1))
+    data = the_runs_batches(config, arch.vocab_size)
+    model_arch(config.model)  # the check at start, dropout and all
+
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            store.load_hf(str(tmp_path / "hf"))
+        init = [w.clone() for w in trainer.layer_weights()]
+        torch.manual_seed(11)
+        losses = [trainer.train_step(step).loss for step in data]
+        ours = trainer.layer_weights()
+        evaluated = [trainer.eval_loss(data[0]).loss_sum for _ in range(2)]
+    finally:
+        trainer.close()
+    torch.manual_seed(11)
+    plain_losses, plain, _ = train_reference(config, arch, init, data)
+    assert losses == pytest.approx(plain_losses, rel=RTOL)
+    for i, (a, b) in enumerate(zip(ours, plain)):
+        assert rel(a, b) < RTOL, f"layer {i}"
+    assert evaluated[0] == evaluated[1], "validation draws nothing: dropout is off there"
+    assert not any(torch.equal(a, b) for a, b in zip(ours, init)), "every layer trained"

@@ -31,7 +31,6 @@ def write_config(path: Path, config: dict) -> Path:
     ({"model_type": "mllama"}, "its layers have cross-attention"),
     ({"model_type": "zamba2"}, "its layers 6 and 12 share weights"),
     ({"model_type": "gemma3n_text"}, "Gemma 3n/4's per-layer inputs"),
-    ({"model_type": "seed_oss"}, "it draws random numbers in training (attention_dropout: 0.1"),
 ])
 def test_a_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
     model_dir = write_config(tmp_path / "hf", config)
