@@ -61,22 +61,32 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
 def arch_from_config(config: dict[str, Any]) -> TransformersArch:
     canon = canonical_config(config)
     cfg = hm.config_object(canon)
+    value = functools.partial(_global_value, cfg)
     hidden = int(cfg.hidden_size)
-    heads = int(getattr(cfg, "num_attention_heads", None) or 1)  # none: a recurrent model
-    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    intermediate = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "moe_intermediate_size", None)
-                    or 4 * hidden)
+    heads = int(value("num_attention_heads") or 1)  # none: a recurrent model
+    kv = int(value("num_key_value_heads") or heads)
+    head_dim = value("head_dim") or hidden // heads
+    intermediate = value("intermediate_size") or value("moe_intermediate_size") or 4 * hidden
     tied = hm.parts_of(json.dumps(canon, sort_keys=True)).tied
     return TransformersArch(
         model_type=canon["model_type"], vocab_size=int(cfg.vocab_size), hidden_size=hidden,
         intermediate_size=int(intermediate), num_layers=int(cfg.num_hidden_layers), num_heads=heads,
         num_kv_heads=kv if heads % kv == 0 else heads, head_dim=int(head_dim),
-        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
+        rms_norm_eps=float(value("rms_norm_eps") or 1e-6),
         tie_word_embeddings=tied,
-        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", None) or 4096),
+        max_position_embeddings=int(value("max_position_embeddings") or 4096),
         hf_config=json.dumps(canon, sort_keys=True),
     )
+
+
+def _global_value(cfg, name: str):
+    """A config value for the planner's shared fields; None where the config has none, or one per
+    layer only (Gemma 4's per_layer_config: the planner's estimate then falls back)."""
+    try:
+        value = getattr(cfg, name, None)
+    except Exception:  # transformers refusing a global read of a per-layer attribute
+        return None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def parts(arch: TransformersArch) -> hm.Parts:

@@ -38,7 +38,13 @@ def refusal(config: dict[str, Any]) -> str | None:
         return "it is an encoder-decoder model; megatrain-ray trains decoder-only causal language models"
     if config.get("hidden_size_per_layer_input"):
         return ("it feeds each layer an input embedding of its own beside the hidden states (Gemma 3n/4's "
-                "per-layer inputs), which megatrain-ray does not stream yet")
+                f"per-layer inputs, hidden_size_per_layer_input: {config['hidden_size_per_layer_input']}, looked up "
+                "in embed_tokens_per_layer and projected from the embedding), which megatrain-ray does not stream "
+                "yet; train this checkpoint with transformers' own Trainer")
+    if config.get("per_layer_config"):
+        return ("its layers each have a configuration of their own (per_layer_config, Gemma 4's), which "
+                "megatrain-ray does not train yet: a small instance passes the start check but its training "
+                "drifts from transformers' after two steps; train it with transformers' own Trainer")
     try:
         hm.decoder_parts(hm.build_empty(config))
     except hm.Unsupported as e:

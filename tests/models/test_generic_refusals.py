@@ -31,6 +31,8 @@ def write_config(path: Path, config: dict) -> Path:
     ({"model_type": "mllama"}, "its layers have cross-attention"),
     ({"model_type": "zamba2"}, "its layers 6 and 12 share weights"),
     ({"model_type": "gemma3n_text"}, "Gemma 3n/4's per-layer inputs"),
+    ({"model_type": "gemma4_text"}, "hidden_size_per_layer_input: 256, looked up in embed_tokens_per_layer"),
+    ({"model_type": "gemma4_text", "hidden_size_per_layer_input": 0}, "a configuration of their own (per_layer_config"),
 ])
 def test_a_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
     model_dir = write_config(tmp_path / "hf", config)
