@@ -171,10 +171,13 @@ def check_config(config_json: str) -> str | None:
     small = hm.small_config(config, parts.kinds)
     # both paths without dropout: it compares their structure (streaming/rng.py replays the draws)
     small.update({k: type(v)(0) for k, v in random_settings(small).items()})
+    # where the model will run when this machine has a GPU: transformers picks a kernel package's
+    # GPU-only kernels (flash-linear-attention's Triton ones) wherever it is installed
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         arch = arch_from_config(small)
-        model = random_model(arch.config)
-        found = differences(arch, model, sample_batch(arch.vocab_size))
+        model = random_model(arch.config).to(device)
+        found = differences(arch, model, {k: v.to(device) for k, v in sample_batch(arch.vocab_size).items()})
     except Exception as e:
         return f"running a small instance of it failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if found:
