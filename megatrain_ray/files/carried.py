@@ -6,21 +6,14 @@ shards as they were stored (same names, dtype and bytes)."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
-import struct
 from pathlib import Path
-
-import torch
 
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family
 
 CARRIED = "carried.safetensors"
-ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-              "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def carried_tensors(source: str | Path | None, arch: ModelArch) -> list[tuple[str, Path]]:
@@ -56,22 +49,8 @@ def carry_into(directory: Path, source: str | Path | None, arch: ModelArch) -> N
 def write_unchanged(path: Path, tensors: list[tuple[str, Path]]) -> None:
     """A safetensors file of the named tensors, their stored dtypes and bytes as they are; one
     tensor in memory at a time."""
-    from megatrain_ray.files.hf import read_header, read_tensor
+    from megatrain_ray.files.hf import read_header, read_tensor, write_tensors
 
     headers = {file: read_header(file) for file in {file for _, file in tensors}}
-    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, file in tensors:
-        shape, dtype = headers[file][name]
-        nbytes = ITEM_BYTES[dtype] * math.prod(shape)
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name, file in tensors:
-            f.write(read_tensor(file, name).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+    specs = [(name, *headers[file][name]) for name, file in tensors]
+    write_tensors(path, specs, (read_tensor(file, name) for name, file in tensors))

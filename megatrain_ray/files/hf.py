@@ -9,6 +9,7 @@ layer into a temporary directory that is renamed into place only once complete.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -33,6 +34,8 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16
 STORED_DTYPES = {**SAFETENSORS_DTYPES, torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3",
                  torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
                  torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+              "I8": 1, "U8": 1, "BOOL": 1}
 CONFIG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 COMPARE_CHUNK_BYTES = 16 * 1024**2
 
@@ -214,22 +217,25 @@ def checked_buffer(buf: torch.Tensor, layer: int, arch: ModelArch) -> torch.Tens
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """The safetensors format written tensor by tensor from the given memory: no second copy of a
     shard, and views that share one flat buffer are fine (safetensors' own writer refuses them)."""
+    specs = [(name, tuple(t.shape), STORED_DTYPES[t.dtype]) for name, t in tensors.items()]
+    write_tensors(path, specs, iter(tensors.values()))
+
+
+def write_tensors(path: Path, specs: list[tuple[str, tuple[int, ...], str]], tensors: Iterable[torch.Tensor]) -> None:
+    """A safetensors file of (name, shape, safetensors dtype) in order, each tensor's bytes taken from
+    `tensors` as it comes (one at a time, when it is a generator)."""
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": STORED_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
+    for name, shape, dtype in specs:
+        nbytes = ITEM_BYTES[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for tensor in tensors.values():
+        for tensor in tensors:
             f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         f.flush()
         os.fsync(f.fileno())

@@ -379,22 +379,29 @@ class _Stop(Exception):
     """Raised by a recording layer to leave the decoder's forward early."""
 
 
-class Recorder(nn.Module):
-    """Stands in for a decoder layer: records what the decoder passes it and hands the hidden
-    states on unchanged. Reads of the layer's attributes (attention_type, layer_type, ...) go to
-    the layer it stands for."""
+class StandIn(nn.Module):
+    """A module that stands in for another: reads of attributes it lacks go to that one."""
 
-    def __init__(self, layer: nn.Module, calls: list, last: bool):
+    def __init__(self, stands_for: nn.Module):
         super().__init__()
-        object.__setattr__(self, "_layer", layer)
-        object.__setattr__(self, "_calls", calls)
-        object.__setattr__(self, "_last", last)
+        object.__setattr__(self, "_stands_for", stands_for)
 
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(object.__getattribute__(self, "_layer"), name)
+            return getattr(object.__getattribute__(self, "_stands_for"), name)
+
+
+class Recorder(StandIn):
+    """Stands in for a decoder layer: records what the decoder passes it and hands the hidden
+    states on unchanged. Reads of the layer's attributes (attention_type, layer_type, ...) go to
+    the layer it stands for."""
+
+    def __init__(self, layer: nn.Module, calls: list, last: bool):
+        super().__init__(layer)
+        object.__setattr__(self, "_calls", calls)
+        object.__setattr__(self, "_last", last)
 
     def forward(self, hidden_states, *args, **kwargs):
         self._calls.append((hidden_states, args, kwargs))
@@ -431,22 +438,16 @@ class _HiddenOnly(dict):
         return (self["last_hidden_state"],)
 
 
-class FinalNorm(nn.Module):
+class FinalNorm(StandIn):
     """Stands in for the decoder inside the causal LM: applies the final norm to `inputs_embeds`.
     Reads of the decoder's other attributes (Falcon-H1's lm_head_multiplier) go to the decoder."""
 
     def __init__(self, norm: nn.Module, name: str, decoder: nn.Module):
-        super().__init__()
-        self.add_module(name, norm)
+        nn.Module.__init__(self)
+        self.add_module(name, norm)  # before it stands for the decoder, which has a module of that name
         self.norm_name = name
         self.config = decoder.config
-        object.__setattr__(self, "_decoder", decoder)
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(object.__getattribute__(self, "_decoder"), name)
+        object.__setattr__(self, "_stands_for", decoder)
 
     def forward(self, *args, inputs_embeds=None, **kwargs):  # positional: input_ids (None) and the like
         out = _HiddenOnly()
