@@ -18,9 +18,12 @@ def checkpoint_layers(path: Path, manifest: dict):
 
 
 def export_checkpoint(path: Path, out_dir: Path, dtype: str = "float32") -> Path:
+    from megatrain_ray.files.carried import carried_tensors
     from megatrain_ray.files.hf import export_hf
 
     ckpt.check_is_checkpoint(path, lambda found: shlex.join(["megatrain-ray", "export", str(found), str(out_dir)]))
     manifest, meta = ckpt.read_manifest(path)
-    export_hf(out_dir, arch_from_dict(meta["arch"]), checkpoint_layers(path, manifest), dtype=dtype_of(dtype))
+    arch = arch_from_dict(meta["arch"])
+    export_hf(out_dir, arch, checkpoint_layers(path, manifest), dtype=dtype_of(dtype),
+              carried=carried_tensors(path, arch))
     return out_dir

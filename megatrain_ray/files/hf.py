@@ -9,6 +9,7 @@ layer into a temporary directory that is renamed into place only once complete.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -29,6 +30,12 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# what a carried tensor may be stored as besides (files/carried.py)
+STORED_DTYPES = {**SAFETENSORS_DTYPES, torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3",
+                 torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+                 torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+              "I8": 1, "U8": 1, "BOOL": 1}
 CONFIG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 COMPARE_CHUNK_BYTES = 16 * 1024**2
 
@@ -97,12 +104,13 @@ def is_ignored(name: str) -> bool:
 def plan_reads(files: list[Path], arch: ModelArch) -> tuple[list[tuple[str, Path, int, ParamSlot]], Path | None]:
     """Check every header against the layout; returns what to copy where, and the file of a tied lm_head."""
     expected = hf_names(arch)
-    tied_head = family(arch).tied_head_name
+    fam = family(arch)
+    tied_head = fam.tied_head_name
     where: dict[str, Path] = {}
     reads, tied_head_file = [], None
     for file in files:
         for name, (shape, dtype) in sorted(read_header(file).items()):
-            if is_ignored(name):
+            if is_ignored(name) or fam.carried(arch, name):  # carried: files/carried.py
                 continue
             if name in where:
                 raise CheckpointMismatch(f"{name}: present twice, in {where[name]} and in {file}")
@@ -209,22 +217,25 @@ def checked_buffer(buf: torch.Tensor, layer: int, arch: ModelArch) -> torch.Tens
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """The safetensors format written tensor by tensor from the given memory: no second copy of a
     shard, and views that share one flat buffer are fine (safetensors' own writer refuses them)."""
+    specs = [(name, tuple(t.shape), STORED_DTYPES[t.dtype]) for name, t in tensors.items()]
+    write_tensors(path, specs, iter(tensors.values()))
+
+
+def write_tensors(path: Path, specs: list[tuple[str, tuple[int, ...], str]], tensors: Iterable[torch.Tensor]) -> None:
+    """A safetensors file of (name, shape, safetensors dtype) in order, each tensor's bytes taken from
+    `tensors` as it comes (one at a time, when it is a generator)."""
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
+    for name, shape, dtype in specs:
+        nbytes = ITEM_BYTES[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for tensor in tensors.values():
+        for tensor in tensors:
             f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         f.flush()
         os.fsync(f.fileno())
@@ -292,11 +303,13 @@ def export_hf(
     layer_tensors: Iterable[tuple[int, torch.Tensor]],
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 2 * 1024**3,
+    carried: Iterable[tuple[str, Path]] = (),
 ) -> Path:
     """Write a directory that transformers' from_pretrained loads: config.json and safetensors shards.
 
     `layer_tensors` yields (layer index, flat fp32 buffer) once per layer, in any order; host memory
     stays bounded by one shard plus one layer. Nothing appears at `out_dir` unless all succeeded.
+    `carried`: (name, file) of tensors that join the shards unchanged (files/carried.py).
     """
     if dtype not in SAFETENSORS_DTYPES:
         raise ValueError(f"export dtype {dtype} is not supported; use one of {list(CONFIG_DTYPES.values())}")
@@ -317,6 +330,8 @@ def export_hf(
         missing = sorted(set(range(len(model_layouts(arch)))) - seen)
         if missing:
             raise ValueError(f"layers {missing} were never given")
+        for name, file in carried:
+            writer.add(name, read_tensor(file, name))
         writer.flush()
         weight_map = name_shards(writer)
         if len(writer.shards) > 1:

@@ -15,6 +15,7 @@ inherits from it instead (Phi-3 from Llama, Qwen3-MoE and GPT-OSS from Mixtral).
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any
 
 import torch
@@ -58,6 +59,25 @@ class ModelFamily(abc.ABC):
     @abc.abstractmethod
     def layouts(self, arch: ModelArch) -> tuple[LayerLayout, ...]:
         """The streamed layers in order: an EMBED layer, BLOCK layers, a HEAD layer."""
+
+    def draws_random(self, arch: ModelArch) -> bool:
+        """Whether a training forward draws random numbers (dropout, a router's jitter): the
+        executor then replays each layer's draws in its recompute (streaming/rng.py)."""
+        return False
+
+    def evaluating(self, arch: ModelArch):
+        """A context in which the templates compute as in evaluation (no dropout)."""
+        return contextlib.nullcontext()
+
+    def carried(self, arch: ModelArch, name: str) -> bool:
+        """Whether a tensor of the model's files is carried unchanged to the checkpoints and the
+        export without being trained or streamed (multi-token-prediction layers that the model's
+        forward does not run): files/carried.py."""
+        return False
+
+    def carried_note(self, arch: ModelArch) -> str | None:
+        """The one line said at start about what `carried` keeps, None if nothing."""
+        return None
 
     def init_param(self, slot: ParamSlot, view: torch.Tensor, gen: torch.Generator, std: float) -> None:
         """Random initialisation of one parameter or a piece of it (`view`), in place, from `gen`

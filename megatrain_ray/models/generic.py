@@ -12,6 +12,7 @@ model.implementation transformers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -26,7 +27,7 @@ from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX, ModelFamily, Weights
 from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, ParamSlot, lay_out
-from megatrain_ray.models.moe import stored_as, stored_per_expert
+from megatrain_ray.models.moe import stored_as, stored_in_rows, stored_per_expert
 
 # config.json keys that say nothing about the model's tensors or arithmetic
 VOLATILE_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures",
@@ -60,22 +61,32 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
 def arch_from_config(config: dict[str, Any]) -> TransformersArch:
     canon = canonical_config(config)
     cfg = hm.config_object(canon)
+    value = functools.partial(_global_value, cfg)
     hidden = int(cfg.hidden_size)
-    heads = int(getattr(cfg, "num_attention_heads", None) or 1)  # none: a recurrent model
-    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    intermediate = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "moe_intermediate_size", None)
-                    or 4 * hidden)
+    heads = int(value("num_attention_heads") or 1)  # none: a recurrent model
+    kv = int(value("num_key_value_heads") or heads)
+    head_dim = value("head_dim") or hidden // heads
+    intermediate = value("intermediate_size") or value("moe_intermediate_size") or 4 * hidden
     tied = hm.parts_of(json.dumps(canon, sort_keys=True)).tied
     return TransformersArch(
         model_type=canon["model_type"], vocab_size=int(cfg.vocab_size), hidden_size=hidden,
         intermediate_size=int(intermediate), num_layers=int(cfg.num_hidden_layers), num_heads=heads,
         num_kv_heads=kv if heads % kv == 0 else heads, head_dim=int(head_dim),
-        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
+        rms_norm_eps=float(value("rms_norm_eps") or 1e-6),
         tie_word_embeddings=tied,
-        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", None) or 4096),
+        max_position_embeddings=int(value("max_position_embeddings") or 4096),
         hf_config=json.dumps(canon, sort_keys=True),
     )
+
+
+def _global_value(cfg, name: str):
+    """A config value for the planner's shared fields; None where the config has none, or one per
+    layer only (Gemma 4's per_layer_config: the planner's estimate then falls back)."""
+    try:
+        value = getattr(cfg, name, None)
+    except Exception:  # transformers refusing a global read of a per-layer attribute
+        return None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def parts(arch: TransformersArch) -> hm.Parts:
@@ -95,11 +106,11 @@ def _local_shapes(tensors: dict[str, torch.Tensor], keep=lambda name: True) -> l
 def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     p = parts(arch)
     base_tensors = hm.persistent_tensors(p.base)
-    norm = p.final_norm + "."
-    embed = _local_shapes(base_tensors, lambda n: not n.startswith("layers.") and not n.startswith(norm))
+    norm, in_layers = p.final_norm + ".", p.layers_name + "."
+    embed = _local_shapes(base_tensors, lambda n: not n.startswith(in_layers) and not n.startswith(norm))
     layouts = [lay_out(0, EMBED, p.base_prefix, embed)]
     for i, layer in enumerate(p.layers):
-        layouts.append(lay_out(i + 1, BLOCK, f"{p.base_prefix}layers.{i}.", _local_shapes(hm.persistent_tensors(layer))))
+        layouts.append(lay_out(i + 1, BLOCK, f"{p.base_prefix}{p.layers_name}.{i}.", _local_shapes(hm.persistent_tensors(layer))))
     outer = _local_shapes(hm.persistent_tensors(p.model), lambda n: not n.startswith(p.base_prefix))
     head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(norm))]
     if p.tied:
@@ -129,11 +140,13 @@ def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerL
         # a block is stored as the small instance's first block of its structure
         small_prefix = layout.prefix
         if layout.kind == BLOCK:
-            small_prefix = f"{p.base_prefix}layers.{p.kinds[layout.index - 1]}."
+            small_prefix = f"{p.base_prefix}{p.layers_name}.{p.kinds[layout.index - 1]}."
         params = []
         for s in layout.params:
             templates = pieces.get(small_prefix + s.name)
-            if templates:
+            if templates and isinstance(templates[0], tuple):  # cut along its rows, in order
+                s = stored_in_rows(s, [(_local(small_prefix, name), shape) for name, shape in templates])
+            elif templates:
                 local = tuple(_local(small_prefix, t) for t in templates)
                 if "{}" in local[0]:
                     s = stored_per_expert(s, lambda e, local=local: [t.format(e) for t in local])
@@ -154,6 +167,35 @@ def _local(prefix: str, name: str) -> str:
     if not name.startswith(prefix):
         raise hm.Unsupported(f"transformers stores a tensor of {prefix or 'the head'} as {name}, outside it")
     return name[len(prefix):]
+
+
+# config.json keys of what a training forward draws at random, and such keys of heads other than the causal LM's
+RANDOM_KEYS = ("dropout", "jitter")
+UNUSED_KEYS = ("classifier_dropout", "summary_first_dropout")
+
+
+def random_settings(config: dict[str, Any]) -> dict[str, float]:
+    """The config's positive dropout and jitter settings (a training forward draws random numbers)."""
+    return {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS) and k not in UNUSED_KEYS
+            and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+
+
+# config.json keys that count multi-token-prediction layers
+MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "num_mtp_modules")
+
+
+def mtp_layers(config: dict[str, Any]) -> int:
+    return next((config[k] for k in MTP_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
+
+
+def mtp_layer_of(arch: TransformersArch, name: str) -> int | None:
+    """The layer index of a tensor named under the decoder's layers past its last one, else None."""
+    p = parts(arch)
+    prefix = f"{p.base_prefix}{p.layers_name}."
+    if not name.startswith(prefix):
+        return None
+    index = name[len(prefix):].split(".", 1)[0]
+    return int(index) if index.isdigit() and int(index) >= len(p.layers) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +248,7 @@ def _buffers_on(config_json: str, where: str, device: torch.device) -> dict[str,
     `where`: "base" (the decoder) or a template's layer index."""
     p = hm.parts_of(config_json)
     module = p.base if where == "base" else p.layers[int(where)]
-    return {n: b.to(device) for n, b in hm.transient_buffers(module).items() if not n.startswith("layers.")}
+    return {n: b.to(device) for n, b in hm.transient_buffers(module).items() if not n.startswith(p.layers_name + ".")}
 
 
 @functools.lru_cache(maxsize=64)
@@ -217,7 +259,8 @@ def _template_frozen(config_json: str, template: int) -> frozenset[str]:
 @functools.lru_cache(maxsize=8)
 def _recording_decoder(config_json: str, stop_after: int):
     calls: list = []
-    return hm.recording_decoder(hm.parts_of(config_json).base, calls, stop_after), calls
+    p = hm.parts_of(config_json)
+    return hm.recording_decoder(p.base, p.layers_name, calls, stop_after), calls
 
 
 @functools.lru_cache(maxsize=8)
@@ -235,9 +278,15 @@ def embed_forward(arch: TransformersArch, w: Weights, input_ids: torch.Tensor) -
     hm.run_until_layers(decoder, {**w, **_buffers_on(arch.hf_config, "base", input_ids.device)}, calls,
                         input_ids=input_ids)
     hidden, args, _ = calls.pop()
-    if args:
-        raise hm.Unsupported("its decoder passes its layers per-layer inputs beside the hidden states")
+    refuse_per_layer_inputs(hidden, args)
     return hidden
+
+
+def refuse_per_layer_inputs(hidden: torch.Tensor, args: tuple) -> None:
+    """A layer's positional arguments beside its hidden states are its decoder's masks and caches
+    (GPT-2 passes them so); a tensor per token is an input of its own (Gemma 3n's per-layer inputs)."""
+    if any(isinstance(a, torch.Tensor) and a.dim() == 3 and a.shape[:2] == hidden.shape[:2] for a in args):
+        raise hm.Unsupported("its decoder passes its layers per-layer inputs beside the hidden states")
 
 
 def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch.dtype) -> list[LayerCall]:
@@ -249,7 +298,8 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     calls.clear()
     b, t = position_ids.shape
     stand_in = torch.zeros((), dtype=dtype, device=position_ids.device).expand(b, t, arch.hidden_size)
-    with torch.no_grad():
+    cuda = [position_ids.device] if position_ids.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # the stand-in's dropout draws nothing of the step's
         hm.run_until_layers(decoder, _buffers_on(arch.hf_config, "base", position_ids.device), calls,
                             inputs_embeds=stand_in, position_ids=position_ids)
     recorded = list(calls)
@@ -257,9 +307,8 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     if len(recorded) != len(p.layers):
         raise hm.Unsupported(f"its decoder called {len(recorded)} of its {len(p.layers)} layers")
     out = []
-    for kind, (_, args, kwargs) in zip(p.kinds, recorded):
-        if args:
-            raise hm.Unsupported("its decoder passes its layers per-layer inputs beside the hidden states")
+    for kind, (hidden, args, kwargs) in zip(p.kinds, recorded):
+        refuse_per_layer_inputs(hidden, args)
         out.append(LayerCall(kind, args, kwargs))
     return out
 
@@ -435,6 +484,31 @@ class TransformersFamily(ModelFamily):
 
     def layouts(self, arch: TransformersArch) -> tuple[LayerLayout, ...]:
         return layouts_of(arch)
+
+    def draws_random(self, arch: TransformersArch) -> bool:
+        return bool(random_settings(arch.config))
+
+    @contextlib.contextmanager
+    def evaluating(self, arch: TransformersArch):
+        """transformers' modules in eval mode (no dropout), then in train mode again."""
+        model = parts(arch).model
+        model.train(False)
+        try:
+            yield
+        finally:
+            model.train(True)
+
+    def carried(self, arch: TransformersArch, name: str) -> bool:
+        """The tensors of the multi-token-prediction layers, stored as the decoder's layers after
+        its last (model.layers.61.* for DeepSeek-V3), which transformers' model does not build."""
+        return mtp_layers(arch.config) > 0 and mtp_layer_of(arch, name) is not None
+
+    def carried_note(self, arch: TransformersArch) -> str | None:
+        n = mtp_layers(arch.config)
+        if not n:
+            return None
+        return (f"{n} multi-token-prediction layer{'s' if n > 1 else ''} (config.json): run neither by "
+                "transformers' model nor here; their tensors are carried unchanged to the checkpoints and the export")
 
     def init_param(self, slot: ParamSlot, view: torch.Tensor, gen: torch.Generator, std: float) -> None:
         """Random init for benchmarks: matrices normal, biases zero, other vectors (norms) one."""

@@ -19,8 +19,6 @@ import torch.nn.functional as F
 
 from megatrain_ray.models import hf_modules as hm
 
-RANDOM_KEYS = ("dropout", "jitter")  # config keys of what a training forward draws at random
-MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "num_mtp_modules")
 RTOL = 1e-4  # fp32, the same modules on the same weights: only summation order differs
 
 
@@ -40,7 +38,13 @@ def refusal(config: dict[str, Any]) -> str | None:
         return "it is an encoder-decoder model; megatrain-ray trains decoder-only causal language models"
     if config.get("hidden_size_per_layer_input"):
         return ("it feeds each layer an input embedding of its own beside the hidden states (Gemma 3n/4's "
-                "per-layer inputs), which megatrain-ray does not stream yet")
+                f"per-layer inputs, hidden_size_per_layer_input: {config['hidden_size_per_layer_input']}, looked up "
+                "in embed_tokens_per_layer and projected from the embedding), which megatrain-ray does not stream "
+                "yet; train this checkpoint with transformers' own Trainer")
+    if config.get("per_layer_config"):
+        return ("its layers each have a configuration of their own (per_layer_config, Gemma 4's), which "
+                "megatrain-ray does not train yet: a small instance passes the start check but its training "
+                "drifts from transformers' after two steps; train it with transformers' own Trainer")
     try:
         hm.decoder_parts(hm.build_empty(config))
     except hm.Unsupported as e:
@@ -52,17 +56,6 @@ def refusal(config: dict[str, Any]) -> str | None:
         return ("its router's load-balancing loss is on (output_router_logits: true), but transformers' model "
                 "records no router logits for it; set model.router_aux_loss_coef to 0 (or output_router_logits "
                 "to false in config.json) to train without it")
-    for key in MTP_KEYS:
-        if isinstance(config.get(key), int) and config[key] > 0:
-            return (f"it has multi-token-prediction layers ({key}: {config[key]}), which transformers' model does "
-                    f"not run and megatrain-ray does not train; set {key} to 0 in config.json (and leave their "
-                    "tensors out of the weights) to train the model without them")
-    random = {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS)
-              and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
-    if random:
-        settings = ", ".join(f"{k}: {v}" for k, v in random.items())
-        return (f"it draws random numbers in training ({settings}), and megatrain-ray recomputes each layer in "
-                "backward, where it would not draw the same ones again; set them to 0 in config.json to train it")
     return None
 
 
@@ -173,15 +166,20 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 @functools.lru_cache(maxsize=16)
 def check_config(config_json: str) -> str | None:
     """The reason the two paths differ on a small instance of this config, or None."""
-    from megatrain_ray.models.generic import arch_from_config
+    from megatrain_ray.models.generic import arch_from_config, random_settings
 
     config = json.loads(config_json)
     parts = hm.parts_of(config_json)
     small = hm.small_config(config, parts.kinds)
+    # both paths without dropout: it compares their structure (streaming/rng.py replays the draws)
+    small.update({k: type(v)(0) for k, v in random_settings(small).items()})
+    # where the model will run when this machine has a GPU: transformers picks a kernel package's
+    # GPU-only kernels (flash-linear-attention's Triton ones) wherever it is installed
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         arch = arch_from_config(small)
-        model = random_model(arch.config)
-        found = differences(arch, model, sample_batch(arch.vocab_size))
+        model = random_model(arch.config).to(device)
+        found = differences(arch, model, {k: v.to(device) for k, v in sample_batch(arch.vocab_size).items()})
     except Exception as e:
         return f"running a small instance of it failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if found:

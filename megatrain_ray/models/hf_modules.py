@@ -29,11 +29,14 @@ class Unsupported(ValueError):
 
 
 def config_object(config: dict[str, Any]):
-    """The transformers config of a config.json dict (its own class, defaults filled in)."""
-    from transformers import AutoConfig
+    """The transformers config of a config.json dict (its own class, defaults filled in), read as
+    AutoConfig.from_pretrained reads the file: the floats JSON cannot hold ({"__float__":
+    "Infinity"}, as transformers writes a Mamba layer's time_step_limit) decoded first."""
+    from transformers import CONFIG_MAPPING
 
+    config_class = CONFIG_MAPPING[config["model_type"]]
     fields = {k: v for k, v in config.items() if k != "model_type"}
-    return AutoConfig.for_model(config["model_type"], **fields)
+    return config_class.from_dict(config_class._decode_special_floats(fields))
 
 
 def build_empty(config: dict[str, Any]) -> nn.Module:
@@ -60,11 +63,18 @@ def build_empty(config: dict[str, Any]) -> nn.Module:
 def with_real_buffers(model: nn.Module) -> nn.Module:
     """Non-persistent buffers (rotary frequencies, embedding scales) computed on the CPU as
     transformers computes them after building a model on meta: its own _init_weights."""
-    for module in model.modules():
+    holders: set[str] = set()
+    for name, module in model.named_modules():
         names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
         for n in names:
             module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
         if names:
+            parts = name.split(".") if name else []
+            holders.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    # each holder and the modules above it, children first: a model may fill its layers' buffers
+    # from above (Falcon-H1's decoder writes each Mamba mixer's mup_vector)
+    for name, module in reversed(list(model.named_modules())):
+        if name in holders:
             model._init_weights(module)
     return model
 
@@ -89,6 +99,8 @@ SMALL = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "sliding_window": 8, "attention_chunk_size": 8,
+    "num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 16,
+    "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_chunk_size": 16, "mamba_d_ssm": 64, "mamba_num_heads": 8, "ssm_state_size": 16,
 }
 
 
@@ -100,6 +112,11 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
             small[key] = value
     if config.get("head_dim") is not None and config.get("head_dim") == config.get("qk_rope_head_dim"):
         small["head_dim"] = small["qk_rope_head_dim"]  # MLA: the rotary part's width
+    small.update(rederived(config, small))
+    if all(isinstance(small.get(k), int) for k in ("mamba_expand", "mamba_n_heads", "mamba_d_head", "hidden_size")):
+        # a Mamba layer's heads x head width is its inner width: mamba_d_ssm where set, else expand x hidden
+        inner = small.get("mamba_d_ssm") or small["mamba_expand"] * small["hidden_size"]
+        small["mamba_d_head"] = inner // small["mamba_n_heads"]
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if isinstance(kv, int) and isinstance(heads, int):
         small["num_key_value_heads"] = 1 if kv == 1 else (small["num_attention_heads"] if kv == heads else 2)
@@ -116,7 +133,21 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
 
 
 
-FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_norm", "ln_f", "norm_f")
+def rederived(config: dict[str, Any], small: dict[str, Any]) -> dict[str, Any]:
+    """The values the config class derives from the sizes (Zamba2's mamba_headdim, its attention
+    widths), derived again from the small sizes, where the config holds what the class derives
+    from its own sizes (a config.json that transformers wrote stores them)."""
+    from transformers import CONFIG_MAPPING
+
+    sizes = [k for k in SMALL if k in config and k in small]
+    try:
+        config_class = CONFIG_MAPPING[config["model_type"]]
+        big = config_class(**{k: config[k] for k in sizes}).to_dict()
+        little = config_class(**{k: small[k] for k in sizes}).to_dict()
+    except Exception:  # the class refuses the sizes alone: nothing is derived again
+        return {}
+    return {k: v for k, v in little.items()
+            if k not in sizes and k in config and big.get(k) != v and config[k] == big.get(k)}
 
 
 @dataclass
@@ -130,27 +161,105 @@ class Parts:
     final_norm: str  # the decoder's child applied after the layers
     kinds: tuple[int, ...]  # per decoder layer: the index of its template (first layer of its structure)
     tied: bool  # the LM head is the input embedding
-
+    layers_name: str = "layers"  # the decoder's child that holds the list of layers
 
 
 def decoder_parts(model: nn.Module) -> Parts:
-    prefix = next((name for name in ("model", getattr(model, "base_model_prefix", "model"))
-                   if isinstance(getattr(getattr(model, name, None), "layers", None), nn.ModuleList)), None)
-    if prefix is None:
-        raise Unsupported("its decoder layers are not at model.layers (a list of layers)")
+    """The decoder's parts found by their roles, whatever the model names them: the decoder is the
+    causal LM's child that holds the input embedding and a list of the config's num_hidden_layers
+    layers; the final norm is the decoder's one other child with weights (the module between the
+    last layer and the LM head)."""
+    prefix, layers_name = _decoder_and_layers(model)
     base = getattr(model, prefix)
-    layers = base.layers
-    norm = next((name for name in FINAL_NORM_NAMES if isinstance(getattr(base, name, None), nn.Module)), None)
-    if norm is None:
-        raise Unsupported(f"its decoder has no final norm under a known name ({', '.join(FINAL_NORM_NAMES)})")
+    layers = getattr(base, layers_name)
     for name, module in layers.named_modules():
         if any(word in name for word in ("cross_attn", "encoder_attn", "crossattention")):
             raise Unsupported(f"its layers have cross-attention ({name})")
+    refuse_shared_weights(layers)
+    norm = _final_module(base, layers_name, model.get_input_embeddings())
     keys: dict[str, int] = {}
     kinds = tuple(keys.setdefault(structure_key(layer), i) for i, layer in enumerate(layers))
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
-    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied)
+    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name)
+
+
+def refuse_shared_weights(layers: nn.ModuleList) -> None:
+    """Each layer streams with its own weights: a tensor that several layers hold (Zamba2's hybrid
+    layers share one attention block) cannot stream with one of them."""
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for name, t in layer.named_parameters():
+            first = owner.setdefault(id(t), i)
+            if first != i:
+                raise Unsupported(f"its layers {first} and {i} share weights ({name}): each layer streams its own "
+                                  "weights, so a block that several layers reuse cannot stream with one of them")
+
+
+def _decoder_and_layers(model: nn.Module) -> tuple[str, str]:
+    """(the causal LM's child that is its decoder, the decoder's child that lists its layers)."""
+    count = getattr(model.config, "num_hidden_layers", None)
+    embedding = model.get_input_embeddings()
+    for prefix, base in model.named_children():
+        if embedding is None or not any(m is embedding for m in base.modules()):
+            continue
+        lists = [(n, c) for n, c in base.named_children() if isinstance(c, nn.ModuleList) and len(c)]
+        lists = [(n, c) for n, c in lists if len(c) == count] or lists
+        if len(lists) == 1:
+            return prefix, lists[0][0]
+        if len(lists) > 1:
+            raise Unsupported(f"its decoder ({prefix}) has several lists of layers "
+                              f"({', '.join(n for n, _ in lists)})")
+    raise Unsupported("its decoder holds no list of layers beside its input embedding")
+
+
+def _final_module(base: nn.Module, layers_name: str, embedding: nn.Module) -> str:
+    """The decoder's child that its forward calls after its last layer; where a run on a stand-in
+    input cannot tell, its one child with weights that is neither its layers nor (part of) its
+    input embedding, or of several the one registered after the layers. The check of a small
+    instance against transformers (generic_check.py) confirms the choice."""
+    called = _called_after_layers(base, layers_name)
+    if called is not None:
+        return called
+    names = list(base._modules)
+    others = [n for n, c in base.named_children()
+              if n != layers_name and c is not embedding and not any(m is embedding for m in c.modules())
+              and persistent_tensors(c)]
+    after = [n for n in others if names.index(n) > names.index(layers_name)]
+    if len(others) == 1 or len(after) == 1:
+        return after[0] if len(after) == 1 else others[0]
+    if not others:
+        raise Unsupported("its decoder has no final norm (no module between its last layer and the LM head)")
+    raise Unsupported(f"its decoder has modules with weights beside its embedding, its layers and one final norm "
+                      f"({', '.join(others)})")
+
+
+def _called_after_layers(base: nn.Module, layers_name: str) -> str | None:
+    """The first of the decoder's children that its forward calls after its last layer, run with
+    layers that pass the hidden states through (None where that run fails before)."""
+    calls: list = []
+    decoder = recording_decoder(base, layers_name, calls, stop_after=-1)
+    count, found = len(decoder._modules[layers_name]), []
+
+    def pre_hook(name):
+        def hook(module, args):
+            if len(calls) >= count:
+                found.append(name)
+                raise _Stop
+        return hook
+
+    hooks = [child.register_forward_pre_hook(pre_hook(n)) for n, child in decoder.named_children() if n != layers_name]
+    try:
+        with torch.no_grad():
+            decoder(inputs_embeds=torch.zeros(1, 2, base.config.hidden_size), use_cache=False)
+    except _Stop:
+        pass
+    except Exception:  # a part before the layers that needs real weights
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found[0] if found else None
 
 
 SIMPLE = (int, float, str, bool, type(None))
@@ -218,11 +327,25 @@ def expert_pieces(small_model: nn.Module) -> dict[str, tuple[str, ...]]:
         found.setdefault(owner, []).append((offset, name, t))
     out = {}
     for owner, pieces in found.items():
+        pieces = sorted(pieces, key=lambda p: p[0])
         if len(pieces) == 1 and pieces[0][2].numel() == state[owner].numel():
             out[owner] = (pieces[0][1],)  # stored whole under another name
+        elif split_along_rows(state[owner], pieces):
+            out[owner] = tuple((name, tuple(t.shape)) for _, name, t in pieces)
         else:
             out[owner] = per_expert_names(owner, tuple(state[owner].shape), sorted(pieces, key=lambda p: p[0]))
     return out
+
+
+def split_along_rows(whole: torch.Tensor, pieces: list) -> bool:
+    """Whether the pieces, in order, are the tensor cut along its first dimension (Kimi-Linear's
+    fused q/k/v short convolution stored as three), with no expert index in them."""
+    rows = sum(t.shape[0] for _, _, t in pieces)
+    offsets = [0]
+    for _, _, t in pieces[:-1]:
+        offsets.append(offsets[-1] + t.numel())
+    return (whole.dim() != 3 or len(pieces) % whole.shape[0] != 0) and rows == whole.shape[0] and \
+        all(tuple(t.shape[1:]) == tuple(whole.shape[1:]) and off == o for (off, _, t), o in zip(pieces, offsets))
 
 
 def per_expert_names(owner: str, shape: tuple[int, ...], pieces: list) -> tuple[str, ...]:
@@ -256,22 +379,29 @@ class _Stop(Exception):
     """Raised by a recording layer to leave the decoder's forward early."""
 
 
-class Recorder(nn.Module):
-    """Stands in for a decoder layer: records what the decoder passes it and hands the hidden
-    states on unchanged. Reads of the layer's attributes (attention_type, layer_type, ...) go to
-    the layer it stands for."""
+class StandIn(nn.Module):
+    """A module that stands in for another: reads of attributes it lacks go to that one."""
 
-    def __init__(self, layer: nn.Module, calls: list, last: bool):
+    def __init__(self, stands_for: nn.Module):
         super().__init__()
-        object.__setattr__(self, "_layer", layer)
-        object.__setattr__(self, "_calls", calls)
-        object.__setattr__(self, "_last", last)
+        object.__setattr__(self, "_stands_for", stands_for)
 
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(object.__getattribute__(self, "_layer"), name)
+            return getattr(object.__getattribute__(self, "_stands_for"), name)
+
+
+class Recorder(StandIn):
+    """Stands in for a decoder layer: records what the decoder passes it and hands the hidden
+    states on unchanged. Reads of the layer's attributes (attention_type, layer_type, ...) go to
+    the layer it stands for."""
+
+    def __init__(self, layer: nn.Module, calls: list, last: bool):
+        super().__init__(layer)
+        object.__setattr__(self, "_calls", calls)
+        object.__setattr__(self, "_last", last)
 
     def forward(self, hidden_states, *args, **kwargs):
         self._calls.append((hidden_states, args, kwargs))
@@ -280,12 +410,12 @@ class Recorder(nn.Module):
         return hidden_states
 
 
-def recording_decoder(base: nn.Module, calls: list, stop_after: int) -> nn.Module:
+def recording_decoder(base: nn.Module, layers_name: str, calls: list, stop_after: int) -> nn.Module:
     """A shallow copy of the decoder whose layers record their calls and stop after `stop_after`."""
     clone = copy.copy(base)
     clone._modules = dict(base._modules)
-    clone._modules["layers"] = nn.ModuleList(
-        [Recorder(layer, calls, i == stop_after) for i, layer in enumerate(base.layers)])
+    clone._modules[layers_name] = nn.ModuleList(
+        [Recorder(layer, calls, i == stop_after) for i, layer in enumerate(base._modules[layers_name])])
     return clone
 
 
@@ -308,16 +438,18 @@ class _HiddenOnly(dict):
         return (self["last_hidden_state"],)
 
 
-class FinalNorm(nn.Module):
-    """Stands in for the decoder inside the causal LM: applies the final norm to `inputs_embeds`."""
+class FinalNorm(StandIn):
+    """Stands in for the decoder inside the causal LM: applies the final norm to `inputs_embeds`.
+    Reads of the decoder's other attributes (Falcon-H1's lm_head_multiplier) go to the decoder."""
 
-    def __init__(self, norm: nn.Module, name: str, config):
-        super().__init__()
-        self.add_module(name, norm)
+    def __init__(self, norm: nn.Module, name: str, decoder: nn.Module):
+        nn.Module.__init__(self)
+        self.add_module(name, norm)  # before it stands for the decoder, which has a module of that name
         self.norm_name = name
-        self.config = config
+        self.config = decoder.config
+        object.__setattr__(self, "_stands_for", decoder)
 
-    def forward(self, inputs_embeds=None, **kwargs):
+    def forward(self, *args, inputs_embeds=None, **kwargs):  # positional: input_ids (None) and the like
         out = _HiddenOnly()
         dict.__setitem__(out, "last_hidden_state", getattr(self, self.norm_name)(inputs_embeds))
         return out
@@ -328,7 +460,7 @@ def head_model(parts: Parts) -> nn.Module:
     head = copy.copy(parts.model)
     head._modules = dict(parts.model._modules)
     prefix = parts.base_prefix[:-1]
-    head._modules[prefix] = FinalNorm(getattr(parts.base, parts.final_norm), parts.final_norm, parts.model.config)
+    head._modules[prefix] = FinalNorm(getattr(parts.base, parts.final_norm), parts.final_norm, parts.base)
     return head
 
 

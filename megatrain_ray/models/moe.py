@@ -19,6 +19,7 @@ recompute once the forward has counted every layer's assignments (models/family.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -110,6 +111,15 @@ def stored_per_expert(slot: ParamSlot, names: Callable[[int], list[str]]) -> Par
     pieces = [ParamSlot(name, (piece, cols), slot.offset + (e * rows + j * piece) * cols)
               for e in range(experts) for j, name in enumerate(names(e))]
     return dataclasses.replace(slot, stored_as=tuple(pieces))
+
+
+def stored_in_rows(slot: ParamSlot, pieces: list[tuple[str, tuple[int, ...]]]) -> ParamSlot:
+    """A slot stored as consecutive pieces along its first dimension, (name, shape) in order."""
+    out, offset = [], slot.offset
+    for name, shape in pieces:
+        out.append(ParamSlot(name, shape, offset))
+        offset += math.prod(shape)
+    return dataclasses.replace(slot, stored_as=tuple(out))
 
 
 def stored_as(slot: ParamSlot, name: str) -> ParamSlot:

@@ -111,7 +111,12 @@ def transformers_arch(config: dict[str, Any]) -> ModelArch:
     why = refusal(config)
     if why:
         raise ValueError(" ".join(f"model_type {model_type!r} cannot be trained: {why}".split()))  # one paragraph
-    return TRANSFORMERS.arch_from_hf(config)
+    try:
+        return TRANSFORMERS.arch_from_hf(config)
+    except (AttributeError, TypeError, KeyError) as e:  # a config without a decoder's sizes (a multimodal one)
+        raise ValueError(" ".join(f"model_type {model_type!r} cannot be trained: its config does not read as a "
+                                  f"decoder's ({type(e).__name__}: {e}); megatrain-ray trains decoder-only causal "
+                                  "language models".split())) from None
 
 
 def arch_to_hf_config(arch: ModelArch, torch_dtype: str = "float32") -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import ray
 
 from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.files.carried import carried_tensors, carry_into
 from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
 from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, on_node
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
@@ -73,6 +74,7 @@ class Session:
         self.gpus: list = []
         self.stores: list = []
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
+        self.carried_from: str | None = None  # where the carried tensors are (files/carried.py)
         try:
             self.gpus = self._launch_workers()
             self.stores = self._launch_stores()  # their processes start beside the workers'
@@ -131,6 +133,7 @@ class Session:
         """From model.path (a Hugging Face directory) when given, else random from train.seed."""
         path = self.config.model.path
         if path:
+            self.carried_from = path
             refs = [store.load_hf.remote(path) for store in self.stores]
         else:
             refs = [s.init_random.remote(self.config.train.seed, self.config.model.init_std) for s in self.stores]
@@ -151,6 +154,7 @@ class Session:
             raise
         self._updates_done = meta["updates_done"]
         ckpt.restore_rng_state(meta.get("rng"))
+        self.carried_from = str(path)
         return meta
 
     def start_executor(self) -> str:
@@ -222,8 +226,7 @@ class Session:
         root = ckpt.checkpoint_root(self.config)
         staging = ckpt.new_staging_dir(root, step)
         shards = self._write_shards(staging, step)
-        meta = ckpt.checkpoint_meta(self.config, self.arch, step, updates_done, data_position)
-        return ckpt.commit(staging, root, step, shards, meta, self.config.checkpoint.keep)
+        return self._commit(staging, root, step, shards, updates_done, data_position)
 
     def save_from_stores(self, step: int, data_position: dict | None, lost_nodes: tuple[str, ...] = ()) -> Path:
         """The checkpoint of finished step `step` after a GPU worker died or hung (or its node left),
@@ -255,8 +258,17 @@ class Session:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        meta = ckpt.checkpoint_meta(self.config, self.arch, step, self._updates_done, data_position)
-        return ckpt.commit(staging, root, step, shards, meta, self.config.checkpoint.keep)
+        return self._commit(staging, root, step, shards, self._updates_done, data_position)
+
+    def _commit(self, staging: Path, root: Path, step: int, shards: list, updates_done: int,
+                data_position: dict | None) -> Path:
+        """The staged shards published as step `step`'s checkpoint, with the tensors carried unchanged
+        beside the model (files/carried.py)."""
+        carry_into(staging, self.carried_from, self.arch)
+        meta = ckpt.checkpoint_meta(self.config, self.arch, step, updates_done, data_position)
+        final = ckpt.commit(staging, root, step, shards, meta, self.config.checkpoint.keep)
+        self.carried_from = str(final)  # the one it came from may be pruned
+        return final
 
     def stop_workers(self) -> None:
         """Kill the GPU workers (a dead one stays dead; a hung or blocked one ends, and its links close)."""
@@ -292,7 +304,8 @@ class Session:
         """The master weights as a Hugging Face model directory, one layer at a time."""
         from megatrain_ray.files.hf import export_hf
 
-        export_hf(out_dir, self.arch, self.iter_layer_weights(), dtype=dtype_of(self.config.checkpoint.export_dtype))
+        export_hf(out_dir, self.arch, self.iter_layer_weights(), dtype=dtype_of(self.config.checkpoint.export_dtype),
+                  carried=carried_tensors(self.carried_from, self.arch))
 
     # -- the end -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 10.0) -> None:

@@ -38,7 +38,7 @@ from megatrain_ray.runtime.output_dir import claim
 from megatrain_ray.runtime.progress import StartupPhases
 from megatrain_ray.runtime.signals import RunInterrupted, StopRequest
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.registry import model_arch, num_params
+from megatrain_ray.models.registry import family, model_arch, num_params
 from megatrain_ray.planning.placement import Placement
 from megatrain_ray.runtime.session import Session, place
 from megatrain_ray.runtime.trackers import check_trackers, open_trackers
@@ -226,6 +226,8 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
     except FAULTS as e:  # a node left between the plan and the actors' start
         raise ClusterFault(f"placing the run's actors failed: {str(e).strip().splitlines()[0]}") from None
     print(session.placement.describe(arch), flush=True)  # with the window the step plan sized
+    if family(arch).carried_note(arch):
+        print(family(arch).carried_note(arch), flush=True)
     meta = None
     try:
         if progress.checkpoint is not None:

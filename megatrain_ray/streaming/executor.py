@@ -40,6 +40,7 @@ from megatrain_ray.models.ops import packs_documents
 from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.streaming.prefetcher import Prefetcher, Slot
 from megatrain_ray.streaming.layer_order import Unit, kept_blocks, model_units, step_order
+from megatrain_ray.streaming import rng
 from megatrain_ray.host.sources import LayerSource
 from megatrain_ray.streaming.step_result import EvalResult, StepResult
 from megatrain_ray.streaming.streams import Streams, TransferStats
@@ -134,8 +135,11 @@ class StreamingExecutor:
         self.offload_activations = offload_activations
         self.kept = kept_blocks(self.units, keep_graphs)
         self.aux = self.family.aux_loss_on(arch)  # the block returns (y, stats) for an auxiliary loss
+        # dropout: each recompute replays its forward's draws (streaming/rng.py); such blocks run
+        # eagerly, as torch.compile's forward and recompute graphs need not draw alike
+        self.replay = self.family.draws_random(arch)
         self.compiled_block = self.compiled_kept_block = self.compiled_head_loss = None
-        if compile_blocks and self.streams.cuda:
+        if compile_blocks and self.streams.cuda and not self.replay:
             self.compiled_block = per_template(compile_block(self.family.block), self.family)
             budget = self.family.kept_activation_budget
             self.compiled_kept_block = (per_template(compile_kept_block(self.family.block, budget), self.family)
@@ -195,6 +199,7 @@ class StreamingExecutor:
         saved = ActivationStash(self.streams, self.offload_activations)
         graphs: dict[Unit, list[BlockGraph]] = {}
         aux = AuxLoss(micro_batches, scale) if self.aux else None
+        draws: dict[tuple[int, int], rng.RngState] = {}  # (layer, micro-batch) -> its forward's generators
         x: list[torch.Tensor] = [mb["input_ids"] for mb in mbs]
         for unit in self.units[:-1]:
             slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
@@ -205,7 +210,7 @@ class StreamingExecutor:
                 else:
                     with torch.no_grad():
                         weights = self._views(slots[0].buffer, unit.layers[0])
-                        inputs, x = x, [self._forward(unit, weights, xi, ctx, aux, i)
+                        inputs, x = x, [self._forward(unit, weights, xi, ctx, aux, i, draws)
                                         for i, (xi, ctx) in enumerate(zip(x, ctxs))]
                     saved.push(inputs)
             for slot in slots:
@@ -228,7 +233,7 @@ class StreamingExecutor:
             else:
                 slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
                 with self._computing():
-                    dy = self._block_backward(unit, slots[0], saved.pop(), dy, ctxs, aux)
+                    dy = self._block_backward(unit, slots[0], saved.pop(), dy, ctxs, aux, draws)
                 for slot in slots:
                     self.prefetcher.release(slot)
             self.grads.send(unit.layers[0])
@@ -269,7 +274,7 @@ class StreamingExecutor:
         cursor = itertools.count()
         x: list[torch.Tensor] = [mb["input_ids"] for mb in mbs]
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        with torch.no_grad():
+        with torch.no_grad(), self.family.evaluating(self.arch):
             for unit in self.units:
                 slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
                 with self._computing():
@@ -304,8 +309,11 @@ class StreamingExecutor:
         return loss_value, math.sqrt(norm_sq)
 
     def _forward(self, unit: Unit, w: dict, x: torch.Tensor, ctx, aux: "AuxLoss | None" = None,
-                 mb: int = 0) -> torch.Tensor:
-        """A unit's forward; a block's auxiliary statistics go to `aux` (validation drops them)."""
+                 mb: int = 0, draws: dict | None = None) -> torch.Tensor:
+        """A unit's forward; a block's auxiliary statistics go to `aux` (validation drops them);
+        with `draws`, the generators' state before it, for its recompute to replay."""
+        if draws is not None and self.replay:
+            draws[(unit.layers[0], mb)] = rng.capture(self.device)
         if unit.kind == EMBED:
             return self.family.embed(self.arch, w, x)
         y = self._block(w, x, self.family.layer_context(self.arch, ctx, unit.layers[0]))
@@ -360,19 +368,21 @@ class StreamingExecutor:
             dxs.append(dx.view(x.shape))
         return loss_sum, dxs
 
-    def _block_backward(self, unit: Unit, slot: Slot, inputs, dys, ctxs, aux: "AuxLoss | None"):
-        """Recompute each micro-batch's forward under a local graph, then backward through it."""
+    def _block_backward(self, unit: Unit, slot: Slot, inputs, dys, ctxs, aux: "AuxLoss | None", draws: dict):
+        """Recompute each micro-batch's forward under a local graph (drawing the random numbers its
+        forward drew), then backward through it."""
         dxs = []
         layer = unit.layers[0]
         for mb, (x, dy, ctx) in enumerate(zip(inputs, dys, ctxs)):
             w = self._bind_leaves(slot.buffer, layer)
-            if unit.kind == EMBED:
-                y = self.family.embed(self.arch, w, x)
-                grads = torch.autograd.grad(y, list(w.values()), dy, allow_unused=True, materialize_grads=True)
-                self.grads.add(layer, dict(zip(w, grads)))
-                dxs.append(None)
-            else:
-                dxs.append(self._differentiate(layer, mb, self._graph(layer, w, x, ctx, aux), dy, aux))
+            with rng.replayed(draws.pop((layer, mb), None), self.device):
+                if unit.kind == EMBED:
+                    y = self.family.embed(self.arch, w, x)
+                    grads = torch.autograd.grad(y, list(w.values()), dy, allow_unused=True, materialize_grads=True)
+                    self.grads.add(layer, dict(zip(w, grads)))
+                    dxs.append(None)
+                else:
+                    dxs.append(self._differentiate(layer, mb, self._graph(layer, w, x, ctx, aux), dy, aux))
         return dxs
 
     def _forward_keeping(self, unit: Unit, slot: Slot, xs, ctxs, aux: "AuxLoss | None") -> list[BlockGraph]:

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.models import hf_modules as hm  # noqa: E402
-from megatrain_ray.models.generic import TransformersArch  # noqa: E402
+from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch  # noqa: E402
 from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
@@ -30,11 +30,14 @@ from helpers.files import write_documents  # noqa: E402
 from helpers.hf_parity import RTOL, randomize, rel, run_config, saved, the_runs_batches, train_transformers  # noqa: E402
 
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
+# transformers' Lfm2MoeConfig leaves layer_types unset, and its model cannot be built so: the
+# published LFM2-8B-A1B's pattern (short convolutions, six attention layers)
+LFM2_MOE_LAYERS = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(32)]
 # model_type -> what its defaults need to be trainable here: no multi-token-prediction layers, no
 # dropout, and the sizes some defaults leave unset
 MODEL_TYPES = {
-    "deepseek_v3": {"num_nextn_predict_layers": 0},
-    "glm4_moe": {"num_nextn_predict_layers": 0},
+    "deepseek_v3": {},  # num_nextn_predict_layers 1: its files carry a multi-token-prediction layer
+    "glm4_moe": {},  # the same
     "qwen3_next": {},
     "llama4_text": {},
     "olmo2": {},
@@ -45,6 +48,8 @@ MODEL_TYPES = {
     "granitemoe": {},
     "smollm3": {},
     "exaone4": {},
+    # against transformers' own training, which draws its own dropout masks: without dropout here;
+    # with their defaults' (0.1), test_dropout_trains_as_plain_autograd_with_the_same_seed
     "seed_oss": {"attention_dropout": 0.0, "residual_dropout": 0.0},
     "ernie4_5": {},
     "ernie4_5_moe": {},
@@ -65,6 +70,16 @@ MODEL_TYPES = {
     "ministral": {"head_dim": 128, "num_key_value_heads": 8},
     "nemotron": {"num_key_value_heads": 8},
     "stablelm": {},
+    "gpt_neox": {},  # its decoder is gpt_neox, its final norm final_layer_norm
+    "lfm2": {},  # its final norm is embedding_norm
+    "lfm2_moe": {"layer_types": LFM2_MOE_LAYERS},
+    # Mamba-2 and attention layers (a template per kind), their configs read as transformers reads them
+    "falcon_h1": {},
+    "bamba": {},
+    "granitemoehybrid": {},
+    "phimoe": {"router_jitter_noise": 0.0},  # the same (its default: 0.01)
+    # kimi_linear trains too (examples/model_table.py), but 5 steps here take minutes on the CPU:
+    # transformers' PyTorch fallback of its linear attention loops over a 64-token chunk
 }
 
 
@@ -99,10 +114,38 @@ def check_export(export: Path, arch, model, initial: dict) -> None:
             assert not torch.equal(ours[key], initial[key]), f"{key} did not train"
 
 
+def with_mtp_tensors(model_dir: Path, model) -> dict[str, torch.Tensor]:
+    """A multi-token-prediction layer's tensors added to the saved files as DeepSeek-V3's are stored
+    (the decoder's layer after its last; transformers' model builds none): what they hold."""
+    from safetensors.torch import load_file, save_file
+
+    config = model.config
+    if not getattr(config, "num_nextn_predict_layers", 0):
+        return {}
+    gen = torch.Generator().manual_seed(3)
+    h, last = config.hidden_size, config.num_hidden_layers
+    mtp = {f"model.layers.{last}.eh_proj.weight": torch.randn(h, 2 * h, generator=gen).to(torch.bfloat16),
+           f"model.layers.{last}.enorm.weight": torch.randn(h, generator=gen)}
+    file = model_dir / "model.safetensors"
+    save_file({**load_file(file), **mtp}, file, metadata={"format": "pt"})
+    return mtp
+
+
+def check_carried(directory: Path, mtp: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    found = {}
+    for file in directory.glob("*.safetensors"):
+        found.update({k: v for k, v in load_file(file).items() if k in mtp})
+    assert set(found) == set(mtp) and all(found[k].dtype == v.dtype and torch.equal(found[k], v)
+                                          for k, v in mtp.items()), f"MTP tensors carried unchanged to {directory}"
+
+
 def prepared(model_type: str, tmp_path: Path):
     """The saved small model, its arch, the run's config file, the config and the micro-batches it will draw."""
     model = small_model(model_type)
     model_dir = saved(model, tmp_path / "hf")
+    with_mtp_tensors(model_dir, model)
     arch = load_hf_arch(model_dir)
     assert isinstance(arch, TransformersArch), "no hand-written family: transformers' modules run it"
     (tmp_path / "shm").mkdir()
@@ -119,11 +162,12 @@ def prepared(model_type: str, tmp_path: Path):
 # In-process only (the same stores, executor and export, without Ray): model types whose structure
 # one of the others run through `megatrain-ray train` has too. A run's start costs seconds (its
 # actors are processes that import torch and transformers), and the suite's time is bounded.
-IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_dense", "arcee")
+IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_dense", "arcee", "lfm2", "falcon_h1",
+                    "bamba", "phimoe")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
-def test_train_export_equals_transformers_adamw(local_ray, tmp_path, model_type):
+def test_train_export_equals_transformers_adamw(local_ray, tmp_path, capsys, model_type):
     """`megatrain-ray train CONFIG` (the command's own entry, in this process: it joins the module's
     cluster as it would join one that `ray start` made)."""
     model, arch, config_file, config, data = prepared(model_type, tmp_path)
@@ -135,7 +179,17 @@ def test_train_export_equals_transformers_adamw(local_ray, tmp_path, model_type)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=RTOL)
-    check_export(tmp_path / "run" / "checkpoints" / f"step-{STEPS:08d}" / "hf", arch, model, initial)
+    final = tmp_path / "run" / "checkpoints" / f"step-{STEPS:08d}"
+    check_export(final / "hf", arch, model, initial)
+    from safetensors.torch import load_file
+
+    mtp_layer = f"model.layers.{model.config.num_hidden_layers}."  # after the last: transformers builds none
+    carried = {k: v for k, v in load_file(config.model.path + "/model.safetensors").items() if k.startswith(mtp_layer)}
+    assert bool(carried) == bool(getattr(model.config, "num_nextn_predict_layers", 0))
+    if carried:
+        check_carried(final, carried)  # the checkpoint
+        check_carried(final / "hf", carried)  # and the export
+        assert "multi-token-prediction layer (config.json)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model_type", IN_PROCESS_TYPES)
@@ -255,3 +309,45 @@ def test_bf16_on_the_gpu_compiled_tracks_transformers_autocast(tmp_path, model_t
     ours = [r.loss for r in local_steps(config, arch, model_dir, data)]
     theirs = train_transformers(model.to("cuda"), config, on_cuda(data), autocast_dtype=torch.bfloat16)
     assert_bf16_tracks(model_type, ours, theirs)
+
+
+# ---------------------------------------------------------------------------------------------- dropout
+
+
+@pytest.mark.parametrize("model_type", ["seed_oss", "phimoe"])
+def test_dropout_trains_as_plain_autograd_with_the_same_seed(tmp_path, model_type):
+    """Seed-OSS's defaults (attention_dropout 0.1, residual_dropout 0.1) and Phi-MoE's (router
+    jitter 0.01): the streaming trainer recomputes each layer in backward, replaying its forward's
+    random draws, so 3 steps equal plain PyTorch autograd of the same modules (no recompute) from
+    the same seed, one micro-batch a step (both then draw in the same order)."""
+    from helpers.reference_training import train_reference
+
+    torch.manual_seed(0)
+    config_dict = {k: v for k, v in AutoConfig.for_model(model_type).to_dict().items() if k != "architectures"}
+    model = randomize(hm.build_small(hm.small_config(config_dict, hm.decoder_parts(hm.build_empty(config_dict)).kinds)))
+    arch = load_hf_arch(saved(model, tmp_path / "hf"))
+    assert TRANSFORMERS.draws_random(arch), "its defaults draw random numbers in training"
+    config = config_from_dict(train_config_dict(tmp_path / "hf", write_documents(tmp_path / "d.jsonl", 128, 5),
+                                                tmp_path / "run"))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=3, grad_accum=1))
+    data = the_runs_batches(config, arch.vocab_size)
+    model_arch(config.model)  # the check at start, dropout and all
+
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            store.load_hf(str(tmp_path / "hf"))
+        init = [w.clone() for w in trainer.layer_weights()]
+        torch.manual_seed(11)
+        losses = [trainer.train_step(step).loss for step in data]
+        ours = trainer.layer_weights()
+        evaluated = [trainer.eval_loss(data[0]).loss_sum for _ in range(2)]
+    finally:
+        trainer.close()
+    torch.manual_seed(11)
+    plain_losses, plain, _ = train_reference(config, arch, init, data)
+    assert losses == pytest.approx(plain_losses, rel=RTOL)
+    for i, (a, b) in enumerate(zip(ours, plain)):
+        assert rel(a, b) < RTOL, f"layer {i}"
+    assert evaluated[0] == evaluated[1], "validation draws nothing: dropout is off there"
+    assert not any(torch.equal(a, b) for a, b in zip(ours, init)), "every layer trained"

@@ -26,12 +26,13 @@ def write_config(path: Path, config: dict) -> Path:
 
 
 @pytest.mark.parametrize("config, named", [
-    ({"model_type": "deepseek_v3"}, "multi-token-prediction layers (num_nextn_predict_layers: 1)"),
     ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
-    ({"model_type": "gpt2"}, "its decoder layers are not at model.layers"),
+    ({"model_type": "opt"}, "its decoder holds no list of layers beside its input embedding"),
     ({"model_type": "mllama"}, "its layers have cross-attention"),
+    ({"model_type": "zamba2"}, "its layers 6 and 12 share weights"),
     ({"model_type": "gemma3n_text"}, "Gemma 3n/4's per-layer inputs"),
-    ({"model_type": "seed_oss"}, "it draws random numbers in training (attention_dropout: 0.1"),
+    ({"model_type": "gemma4_text"}, "hidden_size_per_layer_input: 256, looked up in embed_tokens_per_layer"),
+    ({"model_type": "gemma4_text", "hidden_size_per_layer_input": 0}, "a configuration of their own (per_layer_config"),
 ])
 def test_a_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
     model_dir = write_config(tmp_path / "hf", config)
