@@ -336,7 +336,7 @@ def test_dropout_trains_as_plain_autograd_with_the_same_seed(tmp_path, model_typ
     trainer = LocalTrainer(config, arch)
     try:
         for store in trainer.stores:
-            store.load_hf(str(tmp_path / "hf"))
+            shard.load_hf(store, str(tmp_path / "hf"))
         init = [w.clone() for w in trainer.layer_weights()]
         torch.manual_seed(11)
         losses = [trainer.train_step(step).loss for step in data]
