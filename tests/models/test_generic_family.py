@@ -163,7 +163,7 @@ def prepared(model_type: str, tmp_path: Path):
 # one of the others run through `megatrain-ray train` has too. A run's start costs seconds (its
 # actors are processes that import torch and transformers), and the suite's time is bounded.
 IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_dense", "arcee", "lfm2", "falcon_h1",
-                    "bamba", "phimoe")
+                    "bamba", "phimoe", "cohere", "exaone4", "helium", "ministral", "smollm3", "stablelm", "starcoder2")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
