@@ -248,7 +248,7 @@ def embedding_step_on_device(setting: str, device: str, workers: int, in_reach: 
 
 def embedding_step_line(arch: ModelArch, workers: int = 1) -> str:
     n = model_layouts(arch)[0].numel
-    where = "the GPU" if workers == 1 else f"the GPU that owns its gradient, which sends the others its new weights"
+    where = "the GPU" if workers == 1 else "the GPU that owns its gradient, which sends the others its new weights"
     return (f"the embedding's AdamW step runs on {where} (executor.embedding_step): "
             f"its fp32 state ({size(12 * n)}) crosses PCIe during the last blocks' backward and goes back during the "
             f"next forward, so the next step starts without waiting for the host's update of the step's last gradient")

@@ -19,7 +19,6 @@ def test_a_tiny_model_is_not_zero_billion_params():
 
 
 def test_a_model_run_through_transformers_modules_says_so_and_that_its_check_passed():
-    from megatrain_ray.config import ModelConfig
     from megatrain_ray.models.registry import model_arch
 
     node = NodeInfo("n0", "10.0.0.1", gpus=0.0, ram_node=False, free_bytes=8 * GiB)
