@@ -105,13 +105,7 @@ def test_a_dead_gpu_worker_keeps_the_last_finished_step_and_resume_is_exact(loca
     The two end with the same losses and weights, bit for bit."""
     steps, dies_before = 5, 4
     raw = {"checkpoint": {"every": 0, "keep": 5, "export_hf": False}, "train": {"auto_resume": False}}
-    original_step, original_save = Session.train_step, Session.save_checkpoint
-
-    def dies_before_a_step(session, micro_batches, what="a step"):
-        if what == f"step {dies_before}":
-            session.drain()  # the last finished step's updates have landed: the worker dies between steps
-            kill(*session.gpus)
-        return original_step(session, micro_batches, what)
+    original_save = Session.save_checkpoint
 
     def dies_at_the_final_checkpoint(session, step, data_position):
         session.drain()  # step 5's updates have landed (else the stores would not hold step 5: a refusal)
@@ -131,26 +125,41 @@ def test_a_dead_gpu_worker_keeps_the_last_finished_step_and_resume_is_exact(loca
     assert f"checkpoint of step {steps}, the last finished step, from the stores: {last}" in err
     monkeypatch.setattr(Session, "save_checkpoint", original_save)
 
+    killed_then_resumed(tmp_path / "run.yaml", dies_before, whole, steps, monkeypatch, capsys)
+    _, meta = ckpt.read_manifest(last)  # every file's hash checked
+    assert meta["step"] == steps and meta["updates_done"] == steps
+
+
+def killed_then_resumed(config: Path, dies_before: int, whole: Path, steps: int, monkeypatch, capsys) -> None:
+    """The run of `config` loses its GPU workers between steps `dies_before` - 1 and `dies_before`:
+    the last finished step is saved from the stores and named with the resume command, and the
+    resumed run ends as the uninterrupted one (`whole`), losses and checkpoint bit for bit."""
+    original = Session.train_step
+
+    def dies_before_a_step(session, micro_batches, what="a step"):
+        if what == f"step {dies_before}":
+            session.drain()  # the last finished step's updates have landed: the worker dies between steps
+            kill(*session.gpus)
+        return original(session, micro_batches, what)
+
     monkeypatch.setattr(Session, "train_step", dies_before_a_step)
-    config = tmp_path / "run.yaml"
     code = cli.main(["train", str(config)])
     err = capsys.readouterr().err
     assert code == 3, err
+    run = whole.parent / config.stem
     checkpoint = run / "checkpoints" / f"step-{dies_before - 1:08d}"
     assert checkpoint.is_dir(), err
-    assert "a process of the run died during step 4" in err
+    assert f"a process of the run died during step {dies_before}" in err
     assert f"checkpoint of step {dies_before - 1}, the last finished step, from the stores: {checkpoint}" in err
     assert continue_command(err) == ["megatrain-ray", "train", str(config), "--resume", str(checkpoint)]
-    monkeypatch.setattr(Session, "train_step", original_step)
+    monkeypatch.setattr(Session, "train_step", original)
 
     assert cli.main(["train", str(config), "--resume", str(checkpoint)]) == 0, capsys.readouterr().err
     assert [r["loss"] for r in steps_of(run)] == [r["loss"] for r in steps_of(whole)]
-    a, b = tensors_of(last), tensors_of(run / "checkpoints" / f"step-{steps:08d}")
+    a, b = (tensors_of(out / "checkpoints" / f"step-{steps:08d}") for out in (whole, run))
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    _, meta = ckpt.read_manifest(last)  # every file's hash checked
-    assert meta["step"] == steps and meta["updates_done"] == steps
 
 
 def test_a_dead_worker_that_stepped_the_embedding_keeps_the_last_finished_step_and_resume_is_exact(
@@ -159,14 +168,6 @@ def test_a_dead_worker_that_stepped_the_embedding_keeps_the_last_finished_step_a
     CPU path) the store's marker says which step's state its memory holds: a worker killed between
     steps 1 and 2 leaves step 1 there, which is saved from the stores, and the resumed run ends as
     the uninterrupted one, bit for bit."""
-    original = Session.train_step
-
-    def dies_before_a_step(session, micro_batches, what="a step"):
-        if what == "step 2":
-            session.drain()
-            kill(*session.gpus)
-        return original(session, micro_batches, what)
-
     monkeypatch.setattr(watchdog, "NODE_MARK_S", 0.5)
     raw = {"checkpoint": {"every": 0, "export_hf": False}, "train": {"auto_resume": False},
            "executor": {"embedding_step": "device"}}
@@ -174,24 +175,7 @@ def test_a_dead_worker_that_stepped_the_embedding_keeps_the_last_finished_step_a
     for out in (whole, run):
         (tmp_path / f"{out.name}.yaml").write_text(json.dumps(tiny_raw(out, steps=2, **raw)))
     assert cli.main(["train", str(tmp_path / "whole.yaml")]) == 0, capsys.readouterr().err
-    capsys.readouterr()
-
-    monkeypatch.setattr(Session, "train_step", dies_before_a_step)
-    config = tmp_path / "run.yaml"
-    code = cli.main(["train", str(config)])
-    err = capsys.readouterr().err
-    assert code == 3, err
-    checkpoint = run / "checkpoints" / f"step-{1:08d}"
-    assert f"checkpoint of step 1, the last finished step, from the stores: {checkpoint}" in err
-    assert continue_command(err) == ["megatrain-ray", "train", str(config), "--resume", str(checkpoint)]
-    monkeypatch.setattr(Session, "train_step", original)
-
-    assert cli.main(["train", str(config), "--resume", str(checkpoint)]) == 0, capsys.readouterr().err
-    assert [r["loss"] for r in steps_of(run)] == [r["loss"] for r in steps_of(whole)]
-    a, b = tensors_of(whole / "checkpoints" / f"step-{2:08d}"), tensors_of(run / "checkpoints" / f"step-{2:08d}")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    killed_then_resumed(tmp_path / "run.yaml", 2, whole, 2, monkeypatch, capsys)
 
 
 def held_marker_file(shm_dir: Path) -> torch.Tensor:
