@@ -50,6 +50,8 @@ def load_layers(store: ShardStore, files_by_layer: dict[int, str]) -> None:
             target.copy_(tensors[key])  # an fp32 master into a bf16 one: rounded as the compute copy was
         store.publish(state)
         state.updates = updates
+        if state.held is not None:
+            state.held.fill_(updates)
 
 
 def load_hf(store: ShardStore, model_dir: str) -> None:

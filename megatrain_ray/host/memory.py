@@ -61,7 +61,7 @@ def cuda_host_unregister(t: torch.Tensor) -> None:
 # boot or container sees is never taken for ours). Older names carry the pid alone. A run's id
 # (new_run_id) names its driver the same way: {random}.{pid}.{start}.{boot}.
 SEGMENT = re.compile(r"^megatrain-(?P<run>.+)-(?P<pid>\d+)(?:\.(?P<start>\d+)\.(?P<boot>[0-9a-f]+))?-layer\d+"
-                     r"(?:-(?:master|exp_avg|exp_avg_sq|grad))?$")
+                     r"(?:-(?:master|exp_avg|exp_avg_sq|grad|held))?$")
 DRIVER = re.compile(r"^[0-9a-f]{8}\.(?P<pid>\d+)\.(?P<start>\d+)\.(?P<boot>[0-9a-f]+)$")
 
 

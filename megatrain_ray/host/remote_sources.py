@@ -60,9 +60,10 @@ class SharedMemorySource(LayerSource):
         """The layer's master and moments mapped here too, for its step on this worker's GPU."""
         paths = ray.get(self.store.share_state.remote(layer))
         numel = self.w[layer].numel()
+        held = self._map(Path(paths.pop("held")), 1, torch.int64)
         state = {key: self._map(Path(path), numel, torch.float32) for key, path in paths.items()}
         updates = ray.get(self.store.update_counts.remote())[layer]
-        return HostLayerState(**state, compute=self.w[layer], segments=segments, updates=updates)
+        return HostLayerState(**state, compute=self.w[layer], segments=segments, updates=updates, held=held)
 
     def report_updates(self, layer: int, count: int) -> None:
         ray.get(self.store.set_update_count.remote(layer, count))

@@ -28,6 +28,7 @@ class HostLayerState:
     compute: torch.Tensor
     segments: list[tuple[int, int, bool]]  # (start, end, decays) per parameter, as the store steps them
     updates: int  # AdamW updates applied: the bias correction's count
+    held: torch.Tensor  # the store's marker of the update count these buffers hold (ShardStore.held_marker)
 
 
 class LayerSource(Protocol):
@@ -105,8 +106,10 @@ class LocalSource(LayerSource):
         return self.owner[layer].layers[layer].grad  # see host/store.py: the compute buffer, or its own
 
     def shared_state(self, layer: int, segments: list[tuple[int, int, bool]]) -> HostLayerState:
-        state = self.owner[layer].layers[layer]
-        return HostLayerState(state.master, state.exp_avg, state.exp_avg_sq, state.compute, segments, state.updates)
+        store = self.owner[layer]
+        state, held = store.layers[layer], store.held_marker(layer)
+        return HostLayerState(state.master, state.exp_avg, state.exp_avg_sq, state.compute, segments, state.updates,
+                              held)
 
     def report_updates(self, layer: int, count: int) -> None:
         self.owner[layer].set_update_count(layer, count)

@@ -33,6 +33,9 @@ from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.host.adamw import AdamWStep, adamw_step
 
 
+IN_FLUX = -1  # a held marker's value while a GPU worker writes the layer's state (ShardStore.held_marker)
+
+
 def bytes_per_param(compute_dtype: torch.dtype, state: StateFormat = StateFormat()) -> float:
     """Host bytes each parameter costs: master, two moments (their int8 scales), the compute/gradient copy."""
     return state.bytes_per_param(element_size(compute_dtype))
@@ -48,6 +51,7 @@ class LayerState:
     grad: torch.Tensor  # where the gradient lands: `compute` itself, or (bf16 master) a buffer of its own
     scales: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 moments: a scale per block of each
     updates: int = 0  # AdamW updates applied: this layer's bias correction, and what a checkpoint keeps
+    held: torch.Tensor | None = None  # stepped by a GPU worker: the update count its state holds (`held_marker`)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state a checkpoint holds, as it is held (no compute copy: it follows the master)."""
@@ -191,7 +195,8 @@ class ShardStore:
     def share_state(self, index: int) -> dict[str, str]:
         """Move the layer's master and moments into shared memory, for a GPU worker on this node that
         steps the layer itself (streaming/device_step.py); their paths by name. The store then only counts
-        that layer's updates (`set_update_count`) and saves what the worker wrote back."""
+        that layer's updates (`set_update_count`) and saves what the worker wrote back; the paths
+        include "held", the layer's marker (`held_marker`)."""
         if self._shm_dir is None:
             raise ValueError("share_state needs the store's shared-memory directory (runtime.shm_dir)")
         if not self.format.exact:
@@ -206,7 +211,28 @@ class ShardStore:
                 setattr(state, key, shared)
                 self.extra_shm_paths.append(str(path))
             paths[key] = str(path)
+        self.held_marker(index)
+        paths["held"] = str(self._shm_dir / segment_name(self._run_id, index, "held"))
         return paths
+
+    def held_marker(self, index: int) -> torch.Tensor:
+        """The marker of a layer a GPU worker steps (streaming/device_step.py), one int64 beside its
+        state, in shared memory where the store has it: the update count of the state its buffers
+        hold, IN_FLUX while the worker writes into them. Runtime state: no checkpoint holds it."""
+        state = self.layers[index]
+        if state.held is None:
+            if self._shm_dir is None:
+                state.held = pinned_empty(1, torch.int64)
+            else:
+                path = self._shm_dir / segment_name(self._run_id, index, "held")
+                state.held = shm_tensor(path, 1, torch.int64, create=True)
+                self.extra_shm_paths.append(str(path))
+            state.held.fill_(state.updates)
+        return state.held
+
+    def held_counts(self) -> dict[int, int]:
+        """The markers of the layers GPU workers step: the update count their buffers hold, or IN_FLUX."""
+        return {i: int(state.held.item()) for i, state in self.layers.items() if state.held is not None}
 
     def set_update_count(self, index: int, count: int) -> None:
         """Updates a GPU worker applied to a layer whose state it steps (`share_state`)."""

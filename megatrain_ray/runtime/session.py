@@ -25,6 +25,7 @@ from megatrain_ray.streaming.data_parallel import split_micro_batches, split_une
 from megatrain_ray.streaming.executor import target_tokens
 from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_results
 from megatrain_ray.host.memory import dtype_of, new_run_id
+from megatrain_ray.host.store import IN_FLUX
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.placement import Placement, largest_models, plan_placement, store_room
@@ -233,22 +234,24 @@ class Session:
         from the stores alone: the workers are stopped first (no drain: a dead one answers nothing;
         their links close, so a store waiting for a gradient gives up that update), then every store
         writes its shard, and the checkpoint is kept only if every layer's update count is that
-        step's. Raises StoresNotAtStep, saying why, where the stores cannot hold it: a lost node
-        took layers with it, the embedding's latest state lived on the worker, or the step's
-        updates had begun to land (or had not all landed)."""
+        step's; a layer a worker stepped on its device (the embedding: streaming/device_step.py)
+        counts as its store's marker says, read before and after the write (a worker not dead yet
+        that began writing it in between changed it). Raises StoresNotAtStep, saying why, where the
+        stores cannot hold it: a lost node took layers with it, the embedding's state was being
+        written back, or the step's updates had begun to land (or had not all landed)."""
         lost = [i for plan in self.placement.stores if plan.node.node_id in lost_nodes for i in plan.layers]
         if lost:
             raise StoresNotAtStep(f"layers {lost[0]}-{lost[-1]} were on the lost node, and their weights and "
                                   f"optimizer state went with it")
-        if self.plan.embedding_on_device:
-            raise StoresNotAtStep("the embedding's optimizer state was stepped on the worker's device "
-                                  "(executor.embedding_step), and its latest copy went with the worker: the store's "
-                                  "may be a step behind (executor.embedding_step=host keeps it in the store)")
         self.stop_workers()
+        held = self._held_at_step(step)
         root = ckpt.checkpoint_root(self.config)
         staging = ckpt.new_staging_dir(root, step)
         try:
             shards = self._write_shards(staging, step)
+            if self._held_counts() != held:
+                raise StoresNotAtStep(f"the embedding's optimizer state changed while the checkpoint of step {step} "
+                                      f"was written: the worker that steps it on its device had not stopped yet")
             counts = ckpt.shard_update_counts(staging, shards)
             off = sorted(layer for layer, count in counts.items() if count != self._updates_done)
             if off:
@@ -269,6 +272,26 @@ class Session:
         final = ckpt.commit(staging, root, step, shards, meta, self.config.checkpoint.keep)
         self.carried_from = str(final)  # the one it came from may be pruned
         return final
+
+    def _held_counts(self) -> dict[int, int]:
+        """The stores' markers of the layers workers step on their devices (host/store.py, held_marker)."""
+        return {i: n for counts in self.wait([s.held_counts.remote() for s in self.stores], "reading the stores")
+                for i, n in counts.items()}
+
+    def _held_at_step(self, step: int) -> dict[int, int]:
+        """The markers, each the last finished step's count, which the stores then count as theirs;
+        else StoresNotAtStep."""
+        held = self._held_counts()
+        for layer, count in held.items():
+            if count == IN_FLUX:
+                raise StoresNotAtStep(f"the embedding's optimizer state (layer {layer}) was being copied back from the "
+                                      f"worker's device (executor.embedding_step) when the worker stopped")
+            if count != self._updates_done:
+                raise StoresNotAtStep(f"the embedding's optimizer state (layer {layer}) in its store holds {count} "
+                                      f"updates, not the {self._updates_done} of step {step}")
+        owner = {i: store for store, plan in zip(self.stores, self.placement.stores) for i in plan.layers}
+        self.wait([owner[i].set_update_count.remote(i, n) for i, n in held.items()], "reading the stores")
+        return held
 
     def stop_workers(self) -> None:
         """Kill the GPU workers (a dead one stays dead; a hung or blocked one ends, and its links close)."""

@@ -20,6 +20,11 @@ parameter to each other worker, over the GPUs' link), and the others keep them o
 for the next step: no worker waits for the host's update of the embedding, and there is still one
 copy of its state, the store's.
 
+Beside that state the store keeps a marker (host/store.py, held_marker): the update count the
+state in its memory holds, IN_FLUX while the copy back writes it. A worker that dies between
+steps leaves the marker at the last finished step's count, and the checkpoint written from the
+stores alone (runtime/session.py, save_from_stores) takes the embedding as the store holds it.
+
 It wraps the source that reaches the stores; every other layer passes through untouched.
 """
 
@@ -32,6 +37,7 @@ import torch
 
 from megatrain_ray.host.adamw import CHUNK_ELEMENTS, AdamWStep, adamw_update
 from megatrain_ray.host.sources import HostLayerState, LayerSource
+from megatrain_ray.host.store import IN_FLUX
 from megatrain_ray.streaming.data_parallel import Group
 from megatrain_ray.streaming.streams import Streams
 
@@ -206,10 +212,13 @@ class DeviceStepSource(LayerSource):
 
     def _copy_back(self, state: HostLayerState, flight: InFlight, weights: torch.Tensor, updated, changed: bool):
         """The new weights into the store's compute buffer (what the host reads as this layer's
-        weights), and the changed state into its master and moments, on the copy-out stream."""
+        weights), and the changed state into its master and moments, on the copy-out stream. The
+        store's marker (`held`) says IN_FLUX from before the first byte of the state is written
+        until the copies have landed, then the count they hold: its own copy, queued after them."""
         s = self.streams
         pairs = [(state.compute, weights)]
         if changed:
+            state.held.fill_(IN_FLUX)  # the last copies back have landed (`_upload` settled them): nothing races it
             pairs += [(state.master, flight.master), (state.exp_avg, flight.exp_avg),
                       (state.exp_avg_sq, flight.exp_avg_sq)]
         with s.on(s.d2h):
@@ -218,6 +227,8 @@ class DeviceStepSource(LayerSource):
                 dst.copy_(src, non_blocking=True)
                 if s.cuda:
                     src.record_stream(s.d2h)  # freed now, reused only once the copy has read it
+            if changed:  # made on this stream, in its order: written once the state has landed
+                state.held.copy_(torch.full((1,), state.updates, dtype=torch.int64, device=s.device), non_blocking=True)
             landed = s.record(s.d2h)
         self.copies_back.append(landed)
 

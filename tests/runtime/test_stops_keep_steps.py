@@ -19,6 +19,8 @@ from megatrain_ray import cli
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.host.adamw import AdamWStep
+from megatrain_ray.host.memory import shm_tensor
+from megatrain_ray.host.store import IN_FLUX
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.data import summary
 from megatrain_ray.runtime import watchdog
@@ -103,13 +105,7 @@ def test_a_dead_gpu_worker_keeps_the_last_finished_step_and_resume_is_exact(loca
     The two end with the same losses and weights, bit for bit."""
     steps, dies_before = 5, 4
     raw = {"checkpoint": {"every": 0, "keep": 5, "export_hf": False}, "train": {"auto_resume": False}}
-    original_step, original_save = Session.train_step, Session.save_checkpoint
-
-    def dies_before_a_step(session, micro_batches, what="a step"):
-        if what == f"step {dies_before}":
-            session.drain()  # the last finished step's updates have landed: the worker dies between steps
-            kill(*session.gpus)
-        return original_step(session, micro_batches, what)
+    original_save = Session.save_checkpoint
 
     def dies_at_the_final_checkpoint(session, step, data_position):
         session.drain()  # step 5's updates have landed (else the stores would not hold step 5: a refusal)
@@ -129,64 +125,80 @@ def test_a_dead_gpu_worker_keeps_the_last_finished_step_and_resume_is_exact(loca
     assert f"checkpoint of step {steps}, the last finished step, from the stores: {last}" in err
     monkeypatch.setattr(Session, "save_checkpoint", original_save)
 
-    monkeypatch.setattr(Session, "train_step", dies_before_a_step)
-    config = tmp_path / "run.yaml"
-    code = cli.main(["train", str(config)])
-    err = capsys.readouterr().err
-    assert code == 3, err
-    checkpoint = run / "checkpoints" / f"step-{dies_before - 1:08d}"
-    assert checkpoint.is_dir(), err
-    assert "a process of the run died during step 4" in err
-    assert f"checkpoint of step {dies_before - 1}, the last finished step, from the stores: {checkpoint}" in err
-    assert continue_command(err) == ["megatrain-ray", "train", str(config), "--resume", str(checkpoint)]
-    monkeypatch.setattr(Session, "train_step", original_step)
-
-    assert cli.main(["train", str(config), "--resume", str(checkpoint)]) == 0, capsys.readouterr().err
-    assert [r["loss"] for r in steps_of(run)] == [r["loss"] for r in steps_of(whole)]
-    a, b = tensors_of(last), tensors_of(run / "checkpoints" / f"step-{steps:08d}")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    killed_then_resumed(tmp_path / "run.yaml", dies_before, whole, steps, monkeypatch, capsys)
     _, meta = ckpt.read_manifest(last)  # every file's hash checked
     assert meta["step"] == steps and meta["updates_done"] == steps
 
 
-def test_a_dead_worker_that_stepped_the_embedding_writes_no_checkpoint_and_says_why(local_ray, tmp_path,
-                                                                                    monkeypatch, capsys):
-    """With the embedding's AdamW step on the worker's device its latest state died with the worker
-    (streaming/device_step.py): the store's copy may be a step behind, so nothing is saved, and the
-    message says why."""
+def killed_then_resumed(config: Path, dies_before: int, whole: Path, steps: int, monkeypatch, capsys) -> None:
+    """The run of `config` loses its GPU workers between steps `dies_before` - 1 and `dies_before`:
+    the last finished step is saved from the stores and named with the resume command, and the
+    resumed run ends as the uninterrupted one (`whole`), losses and checkpoint bit for bit."""
     original = Session.train_step
 
     def dies_before_a_step(session, micro_batches, what="a step"):
-        if what == "step 2":
+        if what == f"step {dies_before}":
+            session.drain()  # the last finished step's updates have landed: the worker dies between steps
             kill(*session.gpus)
         return original(session, micro_batches, what)
 
     monkeypatch.setattr(Session, "train_step", dies_before_a_step)
-    monkeypatch.setattr(watchdog, "NODE_MARK_S", 0.5)
-    out = tmp_path / "run"
-    config = tmp_path / "run.yaml"
-    config.write_text(json.dumps(tiny_raw(out, steps=3, checkpoint={"every": 0, "export_hf": False},
-                                          train={"auto_resume": False}, executor={"embedding_step": "device"})))
     code = cli.main(["train", str(config)])
     err = capsys.readouterr().err
     assert code == 3, err
-    assert ("no checkpoint of step 1, the last finished step: the embedding's optimizer state was stepped on the "
-            "worker's device (executor.embedding_step)") in err
-    assert "no checkpoint yet" in err and "continue with: " not in err
-    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+    run = whole.parent / config.stem
+    checkpoint = run / "checkpoints" / f"step-{dies_before - 1:08d}"
+    assert checkpoint.is_dir(), err
+    assert f"a process of the run died during step {dies_before}" in err
+    assert f"checkpoint of step {dies_before - 1}, the last finished step, from the stores: {checkpoint}" in err
+    assert continue_command(err) == ["megatrain-ray", "train", str(config), "--resume", str(checkpoint)]
+    monkeypatch.setattr(Session, "train_step", original)
+
+    assert cli.main(["train", str(config), "--resume", str(checkpoint)]) == 0, capsys.readouterr().err
+    assert [r["loss"] for r in steps_of(run)] == [r["loss"] for r in steps_of(whole)]
+    a, b = (tensors_of(out / "checkpoints" / f"step-{steps:08d}") for out in (whole, run))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_a_dead_worker_that_stepped_the_embedding_keeps_the_last_finished_step_and_resume_is_exact(
+        local_ray, tmp_path, monkeypatch, capsys):
+    """With the embedding's AdamW step on the worker's device (streaming/device_step.py, here its
+    CPU path) the store's marker says which step's state its memory holds: a worker killed between
+    steps 1 and 2 leaves step 1 there, which is saved from the stores, and the resumed run ends as
+    the uninterrupted one, bit for bit."""
+    monkeypatch.setattr(watchdog, "NODE_MARK_S", 0.5)
+    raw = {"checkpoint": {"every": 0, "export_hf": False}, "train": {"auto_resume": False},
+           "executor": {"embedding_step": "device"}}
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    for out in (whole, run):
+        (tmp_path / f"{out.name}.yaml").write_text(json.dumps(tiny_raw(out, steps=2, **raw)))
+    assert cli.main(["train", str(tmp_path / "whole.yaml")]) == 0, capsys.readouterr().err
+    killed_then_resumed(tmp_path / "run.yaml", 2, whole, 2, monkeypatch, capsys)
+
+
+def held_marker_file(shm_dir: Path) -> torch.Tensor:
+    """The embedding's marker in its store's shared memory (host/store.py, held_marker), mapped here."""
+    (path,) = shm_dir.glob("megatrain-*-layer0-held")
+    return shm_tensor(path, 1, torch.int64, create=False)
 
 
 def test_the_stores_are_saved_only_when_every_layer_holds_the_last_finished_step(local_ray, tmp_path, monkeypatch):
-    """Two data-parallel workers, one killed between steps: the other, blocked in a collective with
-    it, is stopped, and the stores' checkpoint of step 1 is written with every layer's count at 1.
-    Once a layer holds one more update than the step (the worker died while a step's updates were
-    landing), nothing is saved, the layer is named, and no staging directory is left behind."""
+    """Two data-parallel workers, the embedding stepped on its owner's device, one killed between
+    steps: the other, blocked in a collective with it, is stopped, and the stores' checkpoint of
+    step 1 is written with every layer's count at 1. Once the embedding's marker says its state is
+    being copied back, or a layer holds one more update than the step (the worker died while a
+    step's updates were landing), nothing is saved, the reason is given, and no staging directory
+    is left behind."""
     monkeypatch.setattr(watchdog, "NODE_MARK_S", 0.5)  # the node is alive: no need to wait for Ray to say so
     monkeypatch.setattr(watchdog, "PEER_GRACE_S", 0.5)  # the other worker is blocked in a collective: it never ends
     arch = PRESETS["tiny-llama"]
-    config = config_from_dict(tiny_raw(tmp_path / "run", steps=2, train={"grad_accum": 4}, runtime={"num_gpus": 2}))
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    config = config_from_dict(tiny_raw(tmp_path / "run", steps=2, train={"grad_accum": 4},
+                                       runtime={"num_gpus": 2, "shm_dir": str(shm_dir)},
+                                       executor={"embedding_step": "device"}))
     data = random_micro_batches(arch, 2, 4, batch=2, seq=12, seed=1)
     placement = place(arch, config)
     session = Session(config, arch, placement=placement, wait=Watchdog(placement, timeout_s=120).get)
@@ -206,6 +218,14 @@ def test_the_stores_are_saved_only_when_every_layer_holds_the_last_finished_step
         assert meta["step"] == 1 and meta["updates_done"] == 1
         counts = {i: n for c in ray.get([s.update_counts.remote() for s in session.stores]) for i, n in c.items()}
         assert set(counts.values()) == {1}
+
+        held = held_marker_file(shm_dir)
+        assert held.item() == 1
+        held.fill_(IN_FLUX)  # as a worker leaves it that dies while the embedding's state is copied back
+        with pytest.raises(StoresNotAtStep, match=r"the embedding's optimizer state \(layer 0\) was being copied "
+                                                  r"back from the worker's device"):
+            session.save_from_stores(1, None)
+        held.fill_(1)
 
         hp = AdamWStep(lr_position=2, lr=1e-3, grad_scale=1.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
         ray.get(session.stores[0].step_layer.remote(3, hp))  # one layer of step 2 landed

@@ -46,7 +46,8 @@ def test_blocks_that_keep_their_forward_graphs_train_like_plain_pytorch(preset, 
 def test_the_embedding_stepped_on_the_device_trains_like_plain_pytorch(preset):
     """executor.embedding_step: device (streaming/device_step.py) on the CPU executor: the embedding's state
     goes in, its AdamW step runs there, state and weights come back; untied (Llama) and tied to
-    the head (Gemma 3), with clipping and weight decay. The store counts the updates it did not run."""
+    the head (Gemma 3), with clipping and weight decay. The store counts the updates it did not run,
+    and its marker says its memory holds the last."""
     config = make_config(preset, embedding_step="device")
     arch = PRESETS[preset]
     data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=7)
@@ -59,6 +60,7 @@ def test_the_embedding_stepped_on_the_device_trains_like_plain_pytorch(preset):
 
     train_both(config, arch, data, check=on_device).assert_trains_like_plain_pytorch()
     assert trainers[0].stores[0].update_counts()[0] == STEPS
+    assert trainers[0].stores[0].held_counts() == {0: STEPS}  # its marker: the state its memory holds
 
 
 def test_where_the_embedding_steps():
