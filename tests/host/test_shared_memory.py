@@ -52,12 +52,12 @@ def test_segments_of_a_killed_run_are_removed_by_the_next_and_a_live_run_keeps_i
     shm.mkdir()
     killed, live = start_stores(tmp_path, shm, "killed", "live")
     try:
-        assert len(segments(shm, "killed")) == len(segments(shm, "live")) == 2 + 3  # weights, state of layer 0
+        assert len(segments(shm, "killed")) == len(segments(shm, "live")) == 2 + 3 + 1  # weights, state of layer 0, its held marker
         for path in segments(shm, "killed") + segments(shm, "live"):
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path  # nobody else reads the weights
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
-        assert len(segments(shm, "killed")) == 5  # a SIGKILL leaves them behind ...
+        assert len(segments(shm, "killed")) == 6  # a SIGKILL leaves them behind ...
         # ... and a segment whose pid was reused since (same pid, another start time) is dead too;
         # a file that is not a segment is none of our business.
         pid, start, boot = owner_tag().split(".")
@@ -68,10 +68,10 @@ def test_segments_of_a_killed_run_are_removed_by_the_next_and_a_live_run_keeps_i
 
         store = ShardStore(PRESETS["tiny-llama"], [2], torch.float32, shm_dir=str(shm), run_id="next")
         assert segments(shm, "killed") == [] and not reused.exists()  # the next run swept them
-        assert len(segments(shm, "live")) == 5 and other.exists()  # a live run keeps its own
+        assert len(segments(shm, "live")) == 6 and other.exists()  # a live run keeps its own
         assert len(segments(shm, "next")) == 1
         store.share_state(2)
-        assert len(segments(shm, "next")) == 4
+        assert len(segments(shm, "next")) == 5  # and its held marker
         store.close()
         assert segments(shm, "next") == []
     finally:
@@ -110,12 +110,12 @@ def test_the_sweep_does_not_wait_on_timing(tmp_path):
 
         store = ShardStore(PRESETS["tiny-llama"], [2], torch.float32, shm_dir=str(shm), run_id="next")
         assert segments(shm, "zombie") == [] and segments(shm, doomed_run) == []
-        assert len(segments(shm, live_run)) == len(segments(shm, "later")) == 5
+        assert len(segments(shm, live_run)) == len(segments(shm, "later")) == 6
 
         later.send_signal(signal.SIGKILL)  # killed while `store` runs, gone before it closes
         wait_for_zombie(later.pid)
         store.close()
-        assert segments(shm, "later") == [] and segments(shm, "next") == [] and len(segments(shm, live_run)) == 5
+        assert segments(shm, "later") == [] and segments(shm, "next") == [] and len(segments(shm, live_run)) == 6
     finally:
         for proc in procs:
             if proc.poll() is None:
