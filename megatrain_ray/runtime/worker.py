@@ -80,9 +80,10 @@ def hold_to_cap(plan: StepPlan, device: torch.device) -> None:
     (or on the CPU, where the cap does not bind) the whole device."""
     if device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = torch.cuda.current_device() if device.index is None else device.index  # the call wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
     fraction = 1.0 if plan.memory_cap is None else min(1.0, plan.memory_cap / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
 def with_embedding_step(layers: LayerSource, arch: ModelArch, config: Config, device: torch.device,

@@ -138,7 +138,8 @@ def test_the_state_upload_never_writes_memory_that_queued_compute_still_reads():
     device = torch.device("cuda")
     n = 1 << 20  # 4 MiB fp32 tensors: the allocator's large pool, as an embedding's state is
     state = HostLayerState(*(torch.full((n,), float(v)).pin_memory() for v in (1, 2, 3)),
-                           compute=torch.empty(n).pin_memory(), segments=[(0, n, True)], updates=0)
+                           compute=torch.empty(n).pin_memory(), segments=[(0, n, True)], updates=0,
+                           held=torch.zeros(1, dtype=torch.int64))
     source = DeviceStepSource(None, {0: state}, device, torch.float32, report_updates=lambda layer, count: None)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # no other free blocks of the compute stream's to hand out instead
