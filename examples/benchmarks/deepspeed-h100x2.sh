@@ -19,8 +19,8 @@ deepspeed_at() {  # MICRO_BATCH GRAD_ACCUM [timeout seconds]
 }
 if [ "$size" = 7b ]; then
   ours --json "$out/7b-ours.json" >"$out/7b-ours.log" 2>&1
-  deepspeed_at 16 1
-  deepspeed_at 8 2
+  deepspeed_at 16 1 260
+  deepspeed_at 8 2 200
 else
   deepspeed_at 16 1 240
   ours --json "$out/14b-ours.json" >"$out/14b-ours.log" 2>&1
