@@ -160,10 +160,15 @@ def prepared(model_type: str, tmp_path: Path):
 
 
 # In-process only (the same stores, executor and export, without Ray): model types whose structure
-# one of the others run through `megatrain-ray train` has too. A run's start costs seconds (its
-# actors are processes that import torch and transformers), and the suite's time is bounded.
+# one of those run through `megatrain-ray train` has too. A run's start costs seconds (its actors are
+# processes that import torch and transformers), and the suite's time is bounded. Through the
+# command: latent attention with experts and a multi-token-prediction layer carried (deepseek_v3),
+# linear attention (qwen3_next), Mamba with experts (granitemoehybrid), a parallel residual and a
+# final norm of its own name (gpt_neox), chunked attention with experts (llama4_text).
 IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_dense", "arcee", "lfm2", "falcon_h1",
-                    "bamba", "phimoe", "cohere", "exaone4", "helium", "ministral", "smollm3", "stablelm", "starcoder2")
+                    "bamba", "phimoe", "cohere", "exaone4", "helium", "ministral", "smollm3", "stablelm", "starcoder2",
+                    "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
+                    "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
