@@ -46,6 +46,13 @@ class LocalTrainer:
     def eval_loss(self, micro_batches: list[dict]) -> EvalResult:
         return self.executor.eval_loss(micro_batches)
 
+    def token_logprobs(self, micro_batches: list[dict]) -> list:
+        return self.executor.token_logprobs(micro_batches)
+
+    def iter_layer_weights(self):
+        """(layer, fp32 master) pairs, once every update has landed (rl/step.py, Policy)."""
+        return enumerate(self.layer_weights())
+
     def layer_weights(self) -> list[torch.Tensor]:
         self.source.drain()
         return [store.master(i) for store in self.stores for i in store.layers]

@@ -1,0 +1,174 @@
+"""The rollout: a copy of the policy that samples each prompt's completions, and the reference.
+
+The copy is transformers' own model of the family, built from the config.json the export writes
+(models' `hf_config`) in grpo.rollout_dtype, its weights loaded from the host's fp32 master
+before every step's sampling (so it is never more than the last update behind: none). It decodes
+a batch of sequences at once with a KV cache, left-padded, sampling each token with temperature
+and top-p from its own generator, whose state the checkpoints keep (`sampler_state`). It reads
+nothing of the run but the weights it is handed and keeps no state but the generator: a Ray actor
+on a GPU of its own can hold it unchanged (the design for rolling out on a second GPU while the
+first trains, one policy version behind). Between phases its weights are parked in host memory
+(`park`), so the trainer has the GPU's memory to itself.
+
+The reference (grpo.kl_coef > 0) is the starting model, model.path, read once into host memory in
+grpo.rollout_dtype; its log-probabilities come from its own forward, moved to the rollout's device
+for the time it takes.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.registry import arch_to_hf_config, model_layouts
+from megatrain_ray.rl.loss import label_logprobs
+
+
+def hf_model(arch: ModelArch, dtype: torch.dtype, path: str | None = None):
+    """transformers' causal LM for `arch`: from the config.json the export writes, or read from
+    `path` (a Hugging Face directory), in `dtype`, evaluating."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if path is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        fields = dict(arch_to_hf_config(arch, torch_dtype=str(dtype).removeprefix("torch.")))
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), within the smallest set of tokens
+    whose probability reaches top_p (the most likely token always in it)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # the mass of the tokens more likely than each
+        sorted_probs = sorted_probs * (before < top_p)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eos_id: int | None = None  # a completion ends after its first EOS (which it keeps); None: at max_new_tokens
+
+
+class Rollout:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int,
+                 reference_path: str | None = None):
+        self.arch, self.dtype, self.device = arch, dtype, device
+        self.model = hf_model(arch, dtype)
+        self.layouts = model_layouts(arch)
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.reference = hf_model(arch, dtype, reference_path) if reference_path is not None else None
+        # transformers renamed the forward's past_key_values to cache
+        self.cache_kw = "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
+
+    # -- weights -------------------------------------------------------------------------------
+    def load(self, layer_weights: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """The policy's weights from (layer, flat fp32 master) pairs, one layer at a time, into the
+        copy on the rollout's device."""
+        params = dict(self.model.named_parameters())
+        seen = set()
+        with torch.no_grad():
+            for layer, flat in layer_weights:
+                layout = self.layouts[layer]
+                for name, view in layout.views(flat).items():
+                    hf_name = layout.hf_name(name)
+                    params[hf_name].copy_(view.reshape(params[hf_name].shape))
+                    seen.add(hf_name)
+        missing = [n for n, p in params.items() if n not in seen and not self._tied(n)]
+        if missing:
+            raise RuntimeError(f"the rollout's copy got no weights for {missing[:3]}: the layouts and transformers' "
+                               f"model of {self.arch.model_type} name them differently")
+
+    def _tied(self, name: str) -> bool:
+        return name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False)
+
+    def park(self) -> None:
+        """Weights (and the reference) to host memory, the device's memory back to the trainer."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def unpark(self) -> None:
+        self.model.to(self.device)
+
+    # -- sampling -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, prompts: list[np.ndarray], group_size: int, s: Sampling) -> tuple[list[np.ndarray], float]:
+        """`group_size` completions of every prompt, prompt by prompt (completion i of the result
+        follows prompt i // group_size), decoded as one batch; and the seconds it took."""
+        t0 = time.perf_counter()
+        self.unpark()
+        rows = [p for p in prompts for _ in range(group_size)]
+        width = max(len(p) for p in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, p in enumerate(rows):  # left-padded: every row's next token is the batch's next column
+            ids[i, width - len(p):] = torch.as_tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            **{self.cache_kw: cache}).logits[:, -1]
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        new, position = [], positions[:, -1:]
+        for _ in range(s.max_new_tokens):
+            token = sample_tokens(logits, s.temperature, s.top_p, self.generator)
+            new.append(torch.where(done, torch.zeros_like(token), token))
+            if s.eos_id is not None:
+                done |= token == s.eos_id
+            if bool(done.all()) or len(new) == s.max_new_tokens:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = position + 1
+            logits = self.model(input_ids=new[-1][:, None], attention_mask=mask, position_ids=position,
+                                use_cache=True, **{self.cache_kw: cache}).logits[:, -1]
+        completions = [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
+        self.park()
+        return completions, time.perf_counter() - t0
+
+    # -- the reference --------------------------------------------------------------------------
+    @torch.no_grad()
+    def reference_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
+        """The reference's log-probability of every label of the micro-batches (0 where ignored)."""
+        model = self.reference.to(self.device)
+        out = []
+        for mb in micro_batches:
+            ids, positions = (torch.as_tensor(mb[k]).to(self.device) for k in ("input_ids", "position_ids"))
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+            out.append(label_logprobs(logits, torch.as_tensor(mb["labels"]).to(self.device))[0].cpu().numpy())
+        self.reference.to("cpu")
+        return out
+
+    # -- the sampler's state, for the checkpoints -----------------------------------------------
+    def sampler_state(self) -> str:
+        return base64.b64encode(self.generator.get_state().numpy().tobytes()).decode()
+
+    def set_sampler_state(self, state: str) -> None:
+        self.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
+
+
+def completion(row: np.ndarray, eos_id: int | None) -> np.ndarray:
+    """A sampled row up to and with its first EOS."""
+    if eos_id is not None:
+        ends = np.flatnonzero(row == eos_id)
+        if len(ends):
+            return row[:ends[0] + 1].astype(np.int64)
+    return row.astype(np.int64)
