@@ -398,6 +398,8 @@ def check_values(config: Config) -> None:
          "grpo.clip_low must be within [0, 1) and grpo.clip_high >= 0"),
         (_finite(g.kl_coef) and g.kl_coef >= 0, "grpo.kl_coef must be a finite number >= 0 (0: no reference)"),
         (g.updates_per_rollout >= 1, "grpo.updates_per_rollout must be >= 1"),
+        (t.objective != "grpo" or g.kl_coef == 0 or m.path is not None,
+         "grpo.kl_coef > 0 needs model.path: the reference policy is the model it names (or set grpo.kl_coef=0)"),
         (g.rollout_dtype in ("bfloat16", "float32"), "grpo.rollout_dtype must be bfloat16 or float32"),
         (g.rollout_device in ("auto", "cuda", "cpu"), "grpo.rollout_device must be auto, cuda or cpu"),
         (t.objective != "grpo" or (g.prompts_per_step * g.group_size) % t.micro_batch_size == 0,

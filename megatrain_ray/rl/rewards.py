@@ -16,14 +16,17 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from megatrain_ray.config import ConfigError
+
 RewardFn = Callable[..., list]
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 ANSWER_TAG = re.compile(r"(?s)<answer>(.*?)</answer>")
 
 
-class RewardError(ValueError):
-    """A reward that cannot be used as configured; the message says what to change."""
+class RewardError(ConfigError):
+    """A reward that cannot be used as configured; the message says what to change (the CLI: a
+    configuration error, exit 2)."""
 
 
 def final_answer(text: str) -> str:

@@ -195,6 +195,11 @@ class GpuWorker:
         self._expect(updates_elsewhere)
         return self.worker.executor.eval_loss(micro_batches)
 
+    def token_logprobs(self, micro_batches: list[dict], updates_elsewhere: dict | None = None) -> list:
+        """Each label's log-probability on this worker's share, with every update so far."""
+        self._expect(updates_elsewhere)
+        return self.worker.executor.token_logprobs(micro_batches)
+
     def drain(self) -> int:
         """Wait until every optimizer step this worker sent or expects has landed; returns the LR
         schedule's position."""

@@ -209,6 +209,14 @@ class Session:
         return EvalResult(sum(p.loss_sum for p in parts), sum(p.target_tokens for p in parts),
                           sum(p.tokens for p in parts), max(p.seconds for p in parts))
 
+    def token_logprobs(self, micro_batches: list[dict], what: str = "the old policy's log-probabilities") -> list:
+        """Each label's log-probability under the current weights, through the streamed forward
+        (the workers' shares, in order): the policy loss's old log-probabilities (rl/step.py)."""
+        shares = split_unevenly(micro_batches, len(self.gpus))
+        parts = self.wait([w.token_logprobs.remote(share, self._tell(rank))
+                           for rank, (w, share) in enumerate(zip(self.gpus, shares)) if share], what)
+        return [lp for part in parts for lp in part]
+
     def drain(self, what: str = "the optimizer's last updates") -> int:
         """Every update issued has landed; returns the number of updates done."""
         return self.wait([w.drain.remote() for w in self.gpus], what)[0]

@@ -1,0 +1,92 @@
+"""A run with train.objective: grpo, on the driver: its config, its prompts (read before Ray
+starts), and its steps for the training loop (runtime/training.py), which checkpoints, logs and
+stops them as it does the next-token steps.
+
+The rollout's policy copy lives in the driver's process, on grpo.rollout_device (rl/rollout.py);
+the updates run on the run's GPU workers and stores like any step. A step's position in the data
+is the prompts taken so far and the sampler's generator, so a resumed run samples what the
+uninterrupted one would have."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatrain_ray.config import Config
+from megatrain_ray.host.memory import dtype_of
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.rl.prompts import Prompt, PromptOrder, Tokens, read_prompts
+from megatrain_ray.rl.rewards import Rewards
+from megatrain_ray.rl.rollout import Rollout
+from megatrain_ray.rl.step import GrpoStep
+
+
+def grpo_run_config(config: Config) -> Config:
+    """The config a GRPO run trains with: a step's micro-batches are its completions
+    (grpo.prompts_per_step x grpo.group_size) in rows of train.micro_batch_size, whatever
+    train.grad_accum says; with several updates per rollout the LR schedule spans every update
+    (unless optim.schedule_steps says otherwise)."""
+    g, t, o = config.grpo, config.train, config.optim
+    accum = g.prompts_per_step * g.group_size // t.micro_batch_size
+    if g.updates_per_rollout > 1 and o.schedule_steps is None:
+        o = dataclasses.replace(o, schedule_steps=t.steps * g.updates_per_rollout)
+    return config.replace(train=dataclasses.replace(t, grad_accum=accum), optim=o)
+
+
+@dataclass(frozen=True)
+class GrpoData:
+    tokens: Tokens
+    prompts: list[Prompt]
+    rewards: Rewards
+
+
+def grpo_data(config: Config, arch: ModelArch) -> GrpoData:
+    """The tokenizer, every prompt and the rewards, checked: a DataError or a RewardError before the
+    cluster starts."""
+    g = config.grpo
+    tokens = Tokens(config)
+    prompts = read_prompts(config, tokens, arch.vocab_size)
+    rewards = Rewards(g.rewards, g.answer_column, g.format_pattern)
+    print(f"prompts: {len(prompts)} from {config.data.source}; {g.group_size} completions each, "
+          f"{g.prompts_per_step} prompts a step; rewards: "
+          f"{', '.join(f'{name} x {weight:g}' for name, weight in g.rewards.items())}", flush=True)
+    return GrpoData(tokens, prompts, rewards)
+
+
+@dataclass(frozen=True)
+class GrpoPosition:
+    """Where a GRPO run is after a step: prompts taken, and the sampler's generator state."""
+
+    prompts: int
+    sampler: str
+
+    def to_dict(self) -> dict:
+        return {"prompts": self.prompts, "sampler": self.sampler}
+
+
+def rollout_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+class GrpoSteps:
+    """The training loop's steps of a GRPO run: each call samples, rewards and updates (rl/step.py)
+    and returns the last update's result, the position after the step and the step's metrics."""
+
+    def __init__(self, session, config: Config, data: GrpoData, position: dict | None):
+        g = config.grpo
+        self.session = session
+        rollout = Rollout(session.arch, dtype_of(g.rollout_dtype), rollout_device(g.rollout_device), config.train.seed,
+                          reference_path=config.model.path if g.kl_coef else None)
+        if position:
+            rollout.set_sampler_state(position["sampler"])
+        self.order = PromptOrder(data.prompts, config.train.seed, config.data.shuffle, (position or {}).get("prompts", 0))
+        self.step = GrpoStep(g, config.train.micro_batch_size, rollout, data.rewards, data.tokens)
+
+    def __call__(self, step: int) -> tuple[Any, GrpoPosition, dict]:
+        results, metrics = self.step(self.session, self.order.take(self.step.settings.prompts_per_step))
+        return results[-1], GrpoPosition(self.order.position, self.step.rollout.sampler_state()), metrics

@@ -1,0 +1,92 @@
+"""`train.objective: grpo` through the run's own path on the session's Ray head (stores and a GPU
+worker as actors, the rollout in the driver), two updates per rollout (the old policy's
+log-probabilities through the workers' streamed forward): metrics per step, and 4 steps in one go
+equal 2 + resume + 2 bit for bit (weights, optimizer state, the prompts' position and the
+sampler's state). A wrong reward path stops the command before Ray, exit 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.runtime.training import run_training
+from helpers.runs import tensors_of
+
+REWARD = "def low_tokens(prompts, completions, completion_ids, **columns):\n" \
+         "    return [sum(t < 32 for t in ids) / len(ids) for ids in completion_ids]\n"
+
+
+def grpo_raw(root: Path, run: str) -> dict:
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [3 * i + k for k in range(5)], "id": i}) + "\n"
+                               for i in range(6)))
+    return {
+        "model": {"preset": "tiny-llama", "compute_dtype": "float32", "init_std": 0.05},
+        "data": {"source": str(prompts), "seq_len": 16},
+        "optim": {"lr": 1e-2, "weight_decay": 0.0},
+        "train": {"objective": "grpo", "steps": 4, "micro_batch_size": 4, "output_dir": str(root / run)},
+        "grpo": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6,
+                 "rewards": {"grpo_test_rewards:low_tokens": 1.0}, "updates_per_rollout": 2},
+        "checkpoint": {"keep": 5, "export_hf": False},
+        "executor": {"device": "cpu", "compile": False},
+        "runtime": {"worker_threads": 1, "optimizer_threads": 1},
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(local_ray, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("grpo")
+    (root / "grpo_test_rewards.py").write_text(REWARD)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(root))
+        run_training(config_from_dict(grpo_raw(root, "whole")))
+        run_training(config_from_dict(grpo_raw(root, "split")), until_step=2)
+        run_training(config_from_dict(grpo_raw(root, "split")), resume="latest")
+    return root
+
+
+def records(root: Path, run: str) -> list[dict]:
+    return [json.loads(line) for line in (root / run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_each_step_logs_its_rewards_and_rates(runs):
+    rows = records(runs, "whole")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert 0 <= r["reward_mean"] <= 1 and r["completion_length"] == 6 and r["updates"] == 2
+        assert r["rollout_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0 and r["entropy"] > 0
+        assert r["kl"] == 0  # no reference
+    # the second update's ratio moves off 1 after the first (lr 1e-2): the old log-probabilities
+    # came back from the workers' forward, and some tokens leave the clip range
+    assert any(r["clip_fraction"] > 0 for r in rows)
+
+
+def test_four_steps_equal_two_then_resume_two(runs):
+    a = ckpt.list_checkpoints(runs / "whole" / "checkpoints")[-1]
+    b = ckpt.list_checkpoints(runs / "split" / "checkpoints")[-1]
+    assert a.name == b.name == "step-00000004"
+    ta, tb = tensors_of(a), tensors_of(b)
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+    ma, mb = (json.loads((c / ckpt.META).read_text()) for c in (a, b))
+    assert ma["data_position"] == mb["data_position"] and ma["data_position"]["prompts"] == 8
+    assert ma["updates_done"] == 8 and ma["config"]["optim"]["schedule_steps"] == 8  # two updates a step
+    keys = ("loss", "grad_norm", "reward_mean", "entropy")
+    assert [[r[k] for k in keys] for r in records(runs, "whole")] == [[r[k] for k in keys] for r in records(runs, "split")]
+
+
+def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path):
+    raw = grpo_raw(tmp_path, "bad")
+    raw["grpo"]["rewards"] = {"no_such_module_xyz:score": 1.0}
+    config = tmp_path / "bad.yaml"
+    config.write_text(json.dumps(raw))
+    done = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "train", str(config)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "no_such_module_xyz" in done.stderr and "cannot be imported" in done.stderr
