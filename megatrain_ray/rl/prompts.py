@@ -56,7 +56,8 @@ class Tokens:
     def completion_text(self, ids: list[int]) -> str:
         if self.encoder is None:
             return " ".join(str(i) for i in ids)
-        return self.encoder.tokenizer.decode(ids, skip_special_tokens=True)
+        known = self.encoder.tokenizer.get_vocab_size(with_added_tokens=True)  # a model's vocabulary may be larger
+        return self.encoder.tokenizer.decode([i for i in ids if i < known], skip_special_tokens=True)
 
 
 def read_prompts(config: Config, tokens: Tokens, vocab_size: int) -> list[Prompt]:

@@ -12,7 +12,9 @@ completion (None counts as 0). The step's reward is the weighted sum of the conf
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -92,6 +94,8 @@ def import_reward(path: str) -> RewardFn:
     if not module_name or not name:
         raise RewardError(f"grpo.rewards names {path!r}: a reward is exact_answer, math_answer, format or the "
                           f"import path of your own function, module:function (e.g. my_rewards:correct)")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a console script's path lacks the directory it runs in
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
