@@ -398,6 +398,9 @@ def check_values(config: Config) -> None:
          "grpo.clip_low must be within [0, 1) and grpo.clip_high >= 0"),
         (_finite(g.kl_coef) and g.kl_coef >= 0, "grpo.kl_coef must be a finite number >= 0 (0: no reference)"),
         (g.updates_per_rollout >= 1, "grpo.updates_per_rollout must be >= 1"),
+        (t.objective != "grpo" or (ev.source is None and ev.holdout_fraction == 0),
+         "train.objective=grpo has no validation loss: unset eval.source and eval.holdout_fraction (the rewards in "
+         "metrics.jsonl tell how it goes)"),
         (t.objective != "grpo" or g.kl_coef == 0 or m.path is not None,
          "grpo.kl_coef > 0 needs model.path: the reference policy is the model it names (or set grpo.kl_coef=0)"),
         (g.rollout_dtype in ("bfloat16", "float32"), "grpo.rollout_dtype must be bfloat16 or float32"),
@@ -443,8 +446,9 @@ def check_values(config: Config) -> None:
     problems = [message for ok, message in checks if not ok]
     if problems:
         raise ConfigError("; ".join(problems))
-    if config.runtime.num_gpus is not None:
-        check_divisible(config.train.grad_accum, config.runtime.num_gpus)
+    if config.runtime.num_gpus is not None:  # a GRPO step's micro-batches are its completions' rows
+        accum = g.prompts_per_step * g.group_size // t.micro_batch_size if t.objective == "grpo" else t.grad_accum
+        check_divisible(accum, config.runtime.num_gpus)
 
 
 def check_divisible(grad_accum: int, num_gpus: int) -> None:

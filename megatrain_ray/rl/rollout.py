@@ -144,18 +144,24 @@ class Rollout:
         self.park()
         return completions, time.perf_counter() - t0
 
-    # -- the reference --------------------------------------------------------------------------
+    # -- log-probabilities ----------------------------------------------------------------------
     @torch.no_grad()
     def reference_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
-        """The reference's log-probability of every label of the micro-batches (0 where ignored)."""
-        model = self.reference.to(self.device)
-        out = []
-        for mb in micro_batches:
-            ids, positions = (torch.as_tensor(mb[k]).to(self.device) for k in ("input_ids", "position_ids"))
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-            out.append(label_logprobs(logits, torch.as_tensor(mb["labels"]).to(self.device))[0].cpu().numpy())
-        self.reference.to("cpu")
-        return out
+        """The reference's log-probability of every label of the micro-batches (0 where ignored),
+        its weights on the rollout's device for the time it takes."""
+        try:
+            return label_logprobs_of(self.reference.to(self.device), micro_batches, self.device)
+        finally:
+            self.reference.to("cpu")
+
+    @torch.no_grad()
+    def policy_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
+        """The same under the rollout's copy of the policy (as last loaded)."""
+        self.unpark()
+        try:
+            return label_logprobs_of(self.model, micro_batches, self.device)
+        finally:
+            self.park()
 
     # -- the sampler's state, for the checkpoints -----------------------------------------------
     def sampler_state(self) -> str:
@@ -163,6 +169,15 @@ class Rollout:
 
     def set_sampler_state(self, state: str) -> None:
         self.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
+
+
+def label_logprobs_of(model, micro_batches: list[dict], device: torch.device) -> list[np.ndarray]:
+    out = []
+    for mb in micro_batches:
+        ids, positions = (torch.as_tensor(mb[k]).to(device) for k in ("input_ids", "position_ids"))
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        out.append(label_logprobs(logits, torch.as_tensor(mb["labels"]).to(device))[0].cpu().numpy())
+    return out
 
 
 def completion(row: np.ndarray, eos_id: int | None) -> np.ndarray:

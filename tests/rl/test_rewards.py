@@ -63,3 +63,20 @@ def test_a_missing_answer_column_and_a_wrong_count_are_refused(tmp_path, monkeyp
     with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
         Rewards({"bad_rewards:one": 1.0})(batch(["a", "b"]))
     sys.modules.pop("bad_rewards", None)
+
+
+@pytest.mark.parametrize("grpo,says", [
+    ({"eval": {"holdout_fraction": 0.1}}, "no validation loss"),
+    ({"grpo": {"kl_coef": 0.1}}, "kl_coef > 0 needs model.path"),
+    ({"train": {"micro_batch_size": 3}}, "multiple of train.micro_batch_size"),
+    ({"grpo": {"max_new_tokens": 64}}, "max_new_tokens must be below data.seq_len"),
+])
+def test_a_grpo_config_that_cannot_work_is_refused(grpo, says):
+    from megatrain_ray.config import ConfigError, config_from_dict
+
+    raw = {"model": {"preset": "tiny-llama"}, "data": {"seq_len": 64}, "grpo": {"max_new_tokens": 16}}
+    for section, values in grpo.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    raw["train"] = {"objective": "grpo", **raw.get("train", {})}
+    with pytest.raises(ConfigError, match=says):
+        config_from_dict(raw)

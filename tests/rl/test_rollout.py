@@ -1,0 +1,68 @@
+"""The rollout's side: transformers' copy of the policy loaded from the stores' master weights and
+the reference read from model.path score every completion token as the streamed forward does;
+sampling (top-p, EOS, the generator's state) does what it says."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.files import shard
+from megatrain_ray.models.registry import load_hf_arch
+from megatrain_ray.rl.batch import policy_micro_batches
+from megatrain_ray.rl.rollout import Rollout, Sampling, completion, sample_tokens
+from megatrain_ray.runtime.local import LocalTrainer
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    config = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    directory = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def test_the_rollout_copy_and_the_reference_score_like_the_streamed_forward(tiny_qwen2):
+    arch = load_hf_arch(tiny_qwen2)
+    config = config_from_dict({"model": {"path": str(tiny_qwen2), "compute_dtype": "float32"},
+                               "executor": {"device": "cpu", "loss_chunk_tokens": 7}})
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, str(tiny_qwen2))
+        rollout = Rollout(arch, torch.float32, torch.device("cpu"), seed=0, reference_path=str(tiny_qwen2))
+        rollout.load(trainer.iter_layer_weights())
+        prompts = [np.array([5, 9, 2]), np.array([7, 1, 4, 8, 3])]
+        completions, _ = rollout.sample(prompts, 3, Sampling(max_new_tokens=5))
+        mbs = policy_micro_batches([p for p in prompts for _ in range(3)], completions, [0.0] * 6, "token", 5, 4)
+        streamed = trainer.token_logprobs(mbs)
+        for name, theirs in (("policy copy", rollout.policy_logprobs(mbs)), ("reference", rollout.reference_logprobs(mbs))):
+            for mb, ours, other in zip(mbs, streamed, theirs):
+                at = mb["labels"] >= 0
+                assert np.abs(ours[at] - other[at]).max() < 1e-5, name  # fp32 rounding: 5e-7 measured
+                assert (ours[~at] == 0).all() and (other[~at] == 0).all()
+    finally:
+        trainer.close()
+    assert [len(c) for c in completions] == [5] * 6  # no EOS given: every completion runs to max_new_tokens
+
+
+def test_top_p_keeps_the_nucleus_and_the_generator_state_replays():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_tokens(logits, 1.0, 0.5, gen) for _ in range(200)])
+    assert set(draws[:, 0].tolist()) == {1, 3} and set(draws[:, 1].tolist()) == {0}  # 1 and 3 hold half the mass
+    assert set(torch.stack([sample_tokens(logits, 1.0, 1e-6, gen) for _ in range(20)])[:, 0].tolist()) == {1}
+    state = gen.get_state()
+    first = sample_tokens(logits, 1.0, 1.0, gen)
+    gen.set_state(state)
+    assert torch.equal(sample_tokens(logits, 1.0, 1.0, gen), first)
+
+
+def test_a_completion_ends_with_its_first_eos():
+    assert completion(np.array([4, 2, 9, 2, 0]), eos_id=2).tolist() == [4, 2]
+    assert completion(np.array([4, 5, 6]), eos_id=2).tolist() == [4, 5, 6]
