@@ -74,7 +74,10 @@ class Rollout:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.reference = hf_model(arch, dtype, reference_path) if reference_path is not None else None
         # transformers renamed the forward's past_key_values to cache
-        self.cache_kw = "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
+        forward = inspect.signature(type(self.model).forward).parameters
+        self.cache_kw = "cache" if "cache" in forward else "past_key_values"
+        # the prompt's forward needs the last position's logits only, not [rows x prompt x vocab]
+        self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
     # -- weights -------------------------------------------------------------------------------
     def load(self, layer_weights: Iterable[tuple[int, torch.Tensor]]) -> None:
@@ -98,22 +101,31 @@ class Rollout:
         return name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False)
 
     def park(self) -> None:
-        """Weights (and the reference) to host memory, the device's memory back to the trainer."""
+        """Weights (and the reference) to host memory, the device's memory back to the trainer (the
+        allocator's cache emptied: the trainer is another process)."""
         if self.device.type == "cuda":
             self.model.to("cpu")
+            if self.reference is not None:
+                self.reference.to("cpu")
             torch.cuda.empty_cache()
 
     def unpark(self) -> None:
         self.model.to(self.device)
 
     # -- sampling -------------------------------------------------------------------------------
-    @torch.no_grad()
     def sample(self, prompts: list[np.ndarray], group_size: int, s: Sampling) -> tuple[list[np.ndarray], float]:
         """`group_size` completions of every prompt, prompt by prompt (completion i of the result
         follows prompt i // group_size), decoded as one batch; and the seconds it took."""
         t0 = time.perf_counter()
         self.unpark()
-        rows = [p for p in prompts for _ in range(group_size)]
+        try:
+            completions = self._decode([p for p in prompts for _ in range(group_size)], s)
+        finally:
+            self.park()  # after the decoding's tensors are gone
+        return completions, time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _decode(self, rows: list[np.ndarray], s: Sampling) -> list[np.ndarray]:
         width = max(len(p) for p in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -126,7 +138,7 @@ class Rollout:
 
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            **{self.cache_kw: cache}).logits[:, -1]
+                            **{self.cache_kw: cache}, **self.last_only).logits[:, -1]
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         new, position = [], positions[:, -1:]
         for _ in range(s.max_new_tokens):
@@ -140,9 +152,7 @@ class Rollout:
             position = position + 1
             logits = self.model(input_ids=new[-1][:, None], attention_mask=mask, position_ids=position,
                                 use_cache=True, **{self.cache_kw: cache}).logits[:, -1]
-        completions = [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
-        self.park()
-        return completions, time.perf_counter() - t0
+        return [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
 
     # -- log-probabilities ----------------------------------------------------------------------
     @torch.no_grad()
@@ -152,7 +162,7 @@ class Rollout:
         try:
             return label_logprobs_of(self.reference.to(self.device), micro_batches, self.device)
         finally:
-            self.reference.to("cpu")
+            self.park()
 
     @torch.no_grad()
     def policy_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:

@@ -50,6 +50,7 @@ class GrpoStep:
         """The step's updates' results and its metrics."""
         g, t0 = self.settings, time.perf_counter()
         self.rollout.load(policy.iter_layer_weights())
+        refresh_s = time.perf_counter() - t0
         completions, rollout_s = self.rollout.sample([p.ids for p in prompts], g.group_size, self.sampling())
         rows = [p for p in prompts for _ in range(g.group_size)]
         totals, each = self.rewards(reward_batch(rows, completions, self.tokens))
@@ -61,7 +62,8 @@ class GrpoStep:
         if g.updates_per_rollout > 1:
             mbs = with_logprobs(mbs, "old_logprobs", policy.token_logprobs(mbs))
         results = [policy.train_step(mbs) for _ in range(g.updates_per_rollout)]
-        return results, step_metrics(totals, each, completions, results, rollout_s, time.perf_counter() - t0)
+        metrics = step_metrics(totals, each, completions, results, rollout_s, time.perf_counter() - t0)
+        return results, {**metrics, "refresh_seconds": refresh_s}
 
 
 def reward_batch(rows: list[Prompt], completions: list[np.ndarray], tokens: Tokens) -> RewardBatch:
@@ -74,7 +76,8 @@ def step_metrics(totals: list[float], each: dict[str, list[float]], completions:
                  rollout_s: float, step_s: float) -> dict[str, Any]:
     """What metrics.jsonl and the progress line say of a GRPO step: rewards (the total's mean and
     std, each reward's mean), completion lengths, the updates' clip fraction, KL and entropy per
-    completion token, and the rollout's and the training's tokens per second."""
+    completion token, and the rollout's and the training's tokens per second (besides the seconds
+    of the rollout, the updates, the whole step and, from the caller, the weights' refresh)."""
     rewards, lengths = np.asarray(totals, dtype=np.float64), np.asarray([len(c) for c in completions])
     sums = {k: sum(r.policy[k] for r in results) for k in results[0].policy}
     tokens = max(1.0, sums["policy_tokens"])

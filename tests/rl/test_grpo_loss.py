@@ -5,6 +5,8 @@ with GRPO's, DAPO's and Dr. GRPO's normalisations. The streaming executor comput
 log-probabilities a chunk at a time at its head, rows split over micro-batches; the loss and every
 layer's gradient must agree within fp32 rounding."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -21,14 +23,17 @@ REWARDS = [1.0, 0.0, 0.5, 0.0, 2.0, 2.0, 1.0, 0.0]  # two prompts, four completi
 
 
 def grpo_config(normalizer: str, kl_coef: float):
-    return config_from_dict({
+    """The KL's weight set past the config's check (a run takes its reference from model.path;
+    here the reference log-probabilities are given)."""
+    config = config_from_dict({
         "model": {"preset": PRESET, "compute_dtype": "float32", "init_std": 0.2},
         "train": {"objective": "grpo", "micro_batch_size": 4, "seed": 3},
         "data": {"seq_len": 16},
         "grpo": {"group_size": G, "prompts_per_step": 2, "max_new_tokens": MAX_NEW, "loss_normalizer": normalizer,
-                 "kl_coef": kl_coef, "clip_low": 0.2, "clip_high": 0.28},
+                 "clip_low": 0.2, "clip_high": 0.28},
         "executor": {"device": "cpu", "loss_chunk_tokens": 5},
     })
+    return config.replace(grpo=dataclasses.replace(config.grpo, kl_coef=kl_coef))
 
 
 def fixed_rollouts(vocab: int):

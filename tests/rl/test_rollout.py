@@ -66,3 +66,35 @@ def test_top_p_keeps_the_nucleus_and_the_generator_state_replays():
 def test_a_completion_ends_with_its_first_eos():
     assert completion(np.array([4, 2, 9, 2, 0]), eos_id=2).tolist() == [4, 2]
     assert completion(np.array([4, 5, 6]), eos_id=2).tolist() == [4, 5, 6]
+
+
+@pytest.mark.gpu
+def test_the_rollout_samples_on_cuda_in_bf16_and_parks_its_weights(tiny_qwen2):
+    """On a GPU: the bf16 copy decodes there, its generator's state replays the same completions,
+    its weights go back to host memory after each phase, and it scores the completions as the
+    streamed forward does within bf16's rounding."""
+    arch = load_hf_arch(tiny_qwen2)
+    config = config_from_dict({"model": {"path": str(tiny_qwen2), "compute_dtype": "float32"},
+                               "executor": {"device": "cpu"}})
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, str(tiny_qwen2))
+        device = torch.device("cuda")
+        rollout = Rollout(arch, torch.bfloat16, device, seed=0)
+        rollout.load(trainer.iter_layer_weights())
+        prompts = [np.arange(3, 3 + n) for n in (4, 7, 2)]
+        before = torch.cuda.memory_allocated(device)
+        state = rollout.sampler_state()
+        completions, seconds = rollout.sample(prompts, 4, Sampling(max_new_tokens=16, temperature=0.8, top_p=0.9))
+        assert torch.cuda.memory_allocated(device) <= before  # parked: the trainer has the GPU back
+        assert [len(c) for c in completions] == [16] * 12 and seconds > 0
+        rollout.set_sampler_state(state)
+        again, _ = rollout.sample(prompts, 4, Sampling(max_new_tokens=16, temperature=0.8, top_p=0.9))
+        assert all((a == b).all() for a, b in zip(completions, again))
+        mbs = policy_micro_batches([p for p in prompts for _ in range(4)], completions, [0.0] * 12, "token", 16, 6)
+        for mb, ours, theirs in zip(mbs, trainer.token_logprobs(mbs), rollout.policy_logprobs(mbs)):
+            at = mb["labels"] >= 0
+            assert np.abs(ours[at] - theirs[at]).max() < 0.1  # bf16 logits against fp32
+    finally:
+        trainer.close()
