@@ -81,8 +81,8 @@ class Rollout:
 
     # -- weights -------------------------------------------------------------------------------
     def load(self, layer_weights: Iterable[tuple[int, torch.Tensor]]) -> None:
-        """The policy's weights from (layer, flat fp32 master) pairs, one layer at a time, into the
-        copy on the rollout's device."""
+        """The policy's weights from (layer, flat weights: the stores' compute copy or the fp32
+        master) pairs, one layer at a time, into the copy (in host memory while it is parked)."""
         params = dict(self.model.named_parameters())
         seen = set()
         with torch.no_grad():

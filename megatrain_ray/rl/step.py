@@ -24,8 +24,8 @@ from megatrain_ray.rl.rollout import Rollout, Sampling
 
 
 class Policy(Protocol):
-    def iter_layer_weights(self) -> Iterable[tuple[int, torch.Tensor]]:
-        """(layer, fp32 master) for every layer, once every update so far has landed."""
+    def rollout_weights(self) -> Iterable[tuple[int, torch.Tensor]]:
+        """(layer, flat weights) for every layer, once every update so far has landed."""
 
     def token_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
         """Each label's log-probability under the current weights, through the streamed forward."""
@@ -49,7 +49,7 @@ class GrpoStep:
     def __call__(self, policy: Policy, prompts: list[Prompt]) -> tuple[list, dict[str, Any]]:
         """The step's updates' results and its metrics."""
         g, t0 = self.settings, time.perf_counter()
-        self.rollout.load(policy.iter_layer_weights())
+        self.rollout.load(policy.rollout_weights())
         refresh_s = time.perf_counter() - t0
         completions, rollout_s = self.rollout.sample([p.ids for p in prompts], g.group_size, self.sampling())
         rows = [p for p in prompts for _ in range(g.group_size)]

@@ -49,9 +49,13 @@ class LocalTrainer:
     def token_logprobs(self, micro_batches: list[dict]) -> list:
         return self.executor.token_logprobs(micro_batches)
 
-    def iter_layer_weights(self):
-        """(layer, fp32 master) pairs, once every update has landed (rl/step.py, Policy)."""
-        return enumerate(self.layer_weights())
+    def rollout_weights(self):
+        """(layer, weights) for the rollout's copy, once every update has landed (rl/step.py,
+        Policy): the stores' compute copies, the embedding's master where it steps on the device."""
+        self.source.drain()
+        for store in self.stores:
+            for i, state in store.layers.items():
+                yield i, state.master if i == 0 and self.plan.embedding_on_device else state.compute
 
     def layer_weights(self) -> list[torch.Tensor]:
         self.source.drain()

@@ -24,7 +24,8 @@ from megatrain_ray.config import Config
 from megatrain_ray.streaming.data_parallel import split_micro_batches, split_unevenly
 from megatrain_ray.streaming.executor import target_tokens
 from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_results
-from megatrain_ray.host.memory import dtype_of, new_run_id
+from megatrain_ray.host.memory import dtype_of, new_run_id, shm_tensor
+from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.placement import Placement, largest_models, plan_placement, store_room
@@ -220,6 +221,24 @@ class Session:
     def drain(self, what: str = "the optimizer's last updates") -> int:
         """Every update issued has landed; returns the number of updates done."""
         return self.wait([w.drain.remote() for w in self.gpus], what)[0]
+
+    def rollout_weights(self):
+        """(layer, weights) for the rollout's copy of the policy (rl/rollout.py), once every update
+        has landed: each store's compute copy read in place through shared memory where the driver
+        is on its node (the weights the workers compute with), else its master sent over; the
+        embedding's master where a worker steps it on its device (the store's compute copy of it is
+        not refreshed then)."""
+        self.drain("the updates before the rollout")
+        here = driver_node_id()
+        dtype = dtype_of(self.config.model.compute_dtype)
+        numels = [layout.numel for layout in model_layouts(self.arch)]
+        for store, plan in zip(self.stores, self.placement.stores):
+            paths = self.wait(store.shared_paths.remote(), "mapping the stores") if plan.node.node_id == here else {}
+            for i in plan.layers:
+                if i in paths and not (i == 0 and self.plan.embedding_on_device):
+                    yield i, shm_tensor(Path(paths[i]), numels[i], dtype, create=False)
+                else:
+                    yield i, self.wait(store.master.remote(i), f"reading layer {i}")
 
     def iter_layer_weights(self):
         """(layer, fp32 master weights) in layer order, one layer in memory at a time."""

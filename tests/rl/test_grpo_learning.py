@@ -36,8 +36,8 @@ class WithoutUpdate:
     def __init__(self, trainer):
         self.trainer = trainer
 
-    def iter_layer_weights(self):
-        return self.trainer.iter_layer_weights()
+    def rollout_weights(self):
+        return self.trainer.rollout_weights()
 
     def token_logprobs(self, micro_batches):
         return self.trainer.token_logprobs(micro_batches)

@@ -90,3 +90,29 @@ def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "no_such_module_xyz" in done.stderr and "cannot be imported" in done.stderr
+
+
+def test_the_rollout_reads_the_weights_the_workers_compute_with(local_ray):
+    """Session.rollout_weights maps each store's bf16 compute copy in place (the driver shares the
+    stores' node): after an update it is the new master rounded to bf16, for every layer."""
+    from megatrain_ray.models.registry import PRESETS
+    from megatrain_ray.runtime.session import Session
+    from helpers.reference_training import random_micro_batches
+
+    arch = PRESETS["tiny-llama"]
+    config = config_from_dict({"model": {"preset": "tiny-llama", "compute_dtype": "bfloat16"},
+                               "train": {"grad_accum": 1, "micro_batch_size": 2},
+                               "executor": {"device": "cpu", "compile": False, "embedding_step": "host"},
+                               "runtime": {"worker_threads": 1, "optimizer_threads": 1}})
+    session = Session(config, arch)
+    try:
+        session.init_weights()
+        session.start_executor()
+        session.train_step(random_micro_batches(arch, 1, 1, batch=2, seq=8, seed=0)[0])
+        rollout = {i: w.clone() for i, w in session.rollout_weights()}
+        masters = dict(session.iter_layer_weights())
+    finally:
+        session.close()
+    assert sorted(rollout) == list(range(len(masters)))
+    for i, master in masters.items():
+        assert rollout[i].dtype == torch.bfloat16 and torch.equal(rollout[i], master.to(torch.bfloat16)), i

@@ -36,7 +36,7 @@ def test_the_rollout_copy_and_the_reference_score_like_the_streamed_forward(tiny
         for store in trainer.stores:
             shard.load_hf(store, str(tiny_qwen2))
         rollout = Rollout(arch, torch.float32, torch.device("cpu"), seed=0, reference_path=str(tiny_qwen2))
-        rollout.load(trainer.iter_layer_weights())
+        rollout.load(trainer.rollout_weights())
         prompts = [np.array([5, 9, 2]), np.array([7, 1, 4, 8, 3])]
         completions, _ = rollout.sample(prompts, 3, Sampling(max_new_tokens=5))
         mbs = policy_micro_batches([p for p in prompts for _ in range(3)], completions, [0.0] * 6, "token", 5, 4)
@@ -82,7 +82,7 @@ def test_the_rollout_samples_on_cuda_in_bf16_and_parks_its_weights(tiny_qwen2):
             shard.load_hf(store, str(tiny_qwen2))
         device = torch.device("cuda")
         rollout = Rollout(arch, torch.bfloat16, device, seed=0)
-        rollout.load(trainer.iter_layer_weights())
+        rollout.load(trainer.rollout_weights())
         prompts = [np.arange(3, 3 + n) for n in (4, 7, 2)]
         before = torch.cuda.memory_allocated(device)
         state = rollout.sampler_state()
