@@ -5,7 +5,6 @@ the same rollouts, rewards and loss, the gradients computed and dropped) stay wh
 In one process (the streaming executor, its stores, the rollout's copy): 0.03 s a step."""
 
 import numpy as np
-import pytest
 import torch
 
 from megatrain_ray.config import config_from_dict
@@ -15,6 +14,7 @@ from megatrain_ray.rl.rewards import Rewards
 from megatrain_ray.rl.rollout import Rollout
 from megatrain_ray.rl.step import GrpoStep
 from megatrain_ray.runtime.local import LocalTrainer
+from helpers.threads import one_thread  # noqa: F401 (a fixture)
 
 STEPS = 20
 
@@ -44,15 +44,6 @@ class WithoutUpdate:
 
     def train_step(self, micro_batches):
         return self.trainer.executor.train_step(micro_batches, None)
-
-
-@pytest.fixture
-def one_thread():
-    """The tiny model's matmuls are faster on one thread than fighting over a shared CPU's cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def mean_rewards(update: bool) -> list[float]:
