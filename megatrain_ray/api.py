@@ -89,7 +89,9 @@ def plan(config: str | Path | Mapping[str, Any] | Config, *, sets: Iterable[str]
     if config.train.objective == "grpo":  # the micro-batches a GRPO step trains on (runtime/grpo.py)
         from megatrain_ray.runtime.grpo import grpo_run_config
 
-        config = grpo_run_config(config)
+        from megatrain_ray.models.registry import model_arch
+
+        config = grpo_run_config(config, model_arch(config.model))
     if cluster is not None:
         return plan_described(config, cluster, network_gbps)
     return plan_live(config, gpu)

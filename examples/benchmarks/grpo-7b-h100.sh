@@ -5,14 +5,15 @@
 #   bash examples/benchmarks/grpo-7b-h100.sh [OUT_DIR] [PROMPTS_PER_STEP] [STEPS]
 # Prints the rollout's and the update's tokens/s and the seconds per step (the median of the steps
 # after the first, which compiles), from the run's metrics.jsonl, and leaves the run in OUT_DIR.
-# The rollout's bf16 copy (15 GiB + the KV cache) shares the GPU with the trainer, which is held to
-# GPU_GIB (executor.gpu_memory_gib) so that both fit; the copy is parked in host memory while the
-# update runs. MegaTrain's README reports ~60 s a step at 7B on one H100 with a smaller rollout batch.
+# The rollout's bf16 copy (15 GiB + the KV cache: about 19 GiB) shares the GPU with the trainer, whose
+# step the run plans within the rest (it says how much; GPU_GIB=N sets executor.gpu_memory_gib
+# instead); the copy is parked in host memory while the update runs. MegaTrain's README reports ~60 s a step at 7B on one H100 with a smaller rollout batch.
 set -euo pipefail
 out=${1:-grpo-7b-results}
 prompts_per_step=${2:-8}
 steps=${3:-4}
-gpu_gib=${GPU_GIB:-48}
+cap=()
+if [[ -n "${GPU_GIB:-}" ]]; then cap=(--set executor.gpu_memory_gib="$GPU_GIB"); fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
@@ -36,8 +37,7 @@ megatrain-ray train /dev/null --overwrite \
   --set train.output_dir="$out/run" --set train.step_timeout_s=3600 \
   --set grpo.group_size=8 --set grpo.prompts_per_step="$prompts_per_step" --set grpo.max_new_tokens=512 \
   --set "grpo.rewards={bench_rewards:low_tokens: 1.0}" \
-  --set optim.lr=1e-6 --set checkpoint.export_hf=false \
-  --set executor.gpu_memory_gib="$gpu_gib" 2>&1 | tee "$out/train.log"
+  --set optim.lr=1e-6 --set checkpoint.export_hf=false "${cap[@]}" 2>&1 | tee "$out/train.log"
 
 python - "$out/run/metrics.jsonl" "$prompts_per_step" <<'PY'
 import json, statistics, sys

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.registry import arch_to_hf_config, model_layouts
+from megatrain_ray.models.registry import arch_to_hf_config, model_layouts, num_params
 from megatrain_ray.rl.loss import label_logprobs
 
 
@@ -43,6 +43,19 @@ def hf_model(arch: ModelArch, dtype: torch.dtype, path: str | None = None):
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval().requires_grad_(False)
+
+
+GiB = 1024**3
+
+
+def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) -> int:
+    """The device memory the rollout's copy takes while it samples `rows` sequences of up to
+    `seq_len` tokens: its weights, every row's KV cache at full length, the sampler's fp32
+    probabilities (a few copies of [rows x vocab]) and 2 GiB for the prompts' forward."""
+    weights = num_params(arch) * dtype_bytes
+    kv_cache = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes * rows * seq_len
+    sampler = 4 * rows * arch.vocab_size * 4
+    return weights + kv_cache + sampler + 2 * GiB
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:

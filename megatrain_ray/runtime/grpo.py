@@ -15,25 +15,50 @@ from typing import Any
 
 import torch
 
-from megatrain_ray.config import Config
+from megatrain_ray.config import Config, ConfigError
 from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.rl.prompts import Prompt, PromptOrder, Tokens, read_prompts
 from megatrain_ray.rl.rewards import Rewards
-from megatrain_ray.rl.rollout import Rollout
+from megatrain_ray.rl.rollout import GiB, Rollout, rollout_bytes
 from megatrain_ray.rl.step import GrpoStep
 
 
-def grpo_run_config(config: Config) -> Config:
+def grpo_run_config(config: Config, arch: ModelArch, say=print) -> Config:
     """The config a GRPO run trains with: a step's micro-batches are its completions
     (grpo.prompts_per_step x grpo.group_size) in rows of train.micro_batch_size, whatever
     train.grad_accum says; with several updates per rollout the LR schedule spans every update
-    (unless optim.schedule_steps says otherwise)."""
+    (unless optim.schedule_steps says otherwise); where the rollout samples on this machine's GPU,
+    the step is planned within what its copy leaves (executor.gpu_memory_gib, unless set)."""
     g, t, o = config.grpo, config.train, config.optim
     accum = g.prompts_per_step * g.group_size // t.micro_batch_size
     if g.updates_per_rollout > 1 and o.schedule_steps is None:
         o = dataclasses.replace(o, schedule_steps=t.steps * g.updates_per_rollout)
-    return config.replace(train=dataclasses.replace(t, grad_accum=accum), optim=o)
+    config = config.replace(train=dataclasses.replace(t, grad_accum=accum), optim=o)
+    device = rollout_device(g.rollout_device)
+    if device.type == "cuda" and config.executor.gpu_memory_gib is None:
+        config = config.replace(executor=dataclasses.replace(config.executor,
+                                                             gpu_memory_gib=trainer_share(config, arch, device, say)))
+    return config
+
+
+def trainer_share(config: Config, arch: ModelArch, device: torch.device, say=print) -> float:
+    """GiB of the GPU the step may plan with beside the rollout's copy (rl/rollout.py, rollout_bytes)."""
+    g = config.grpo
+    room = rollout_bytes(arch, g.prompts_per_step * g.group_size, config.data.seq_len,
+                         torch.tensor([], dtype=dtype_of(g.rollout_dtype)).element_size())
+    total = torch.cuda.get_device_properties(device).total_memory
+    left = (total - room) / GiB
+    if left < 4:
+        raise ConfigError(
+            f"the rollout's copy of the model in {g.rollout_dtype} with the KV cache of "
+            f"{g.prompts_per_step * g.group_size} completions of {config.data.seq_len} tokens takes about "
+            f"{room / GiB:.1f} GiB of the {total / GiB:.0f} GiB GPU, leaving the training step {max(0.0, left):.1f} GiB; "
+            f"a model whose copy does not fit beside the step cannot roll out yet: fewer grpo.prompts_per_step or "
+            f"grpo.group_size, a shorter data.seq_len, or set executor.gpu_memory_gib to share the GPU yourself")
+    say(f"the rollout's copy samples on {device} in about {room / GiB:.1f} GiB: the step is planned within the other "
+        f"{left:.1f} GiB (executor.gpu_memory_gib)")
+    return round(left, 2)
 
 
 @dataclass(frozen=True)

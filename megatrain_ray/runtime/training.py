@@ -149,7 +149,7 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
     if config.train.objective == "grpo":  # prompts and rewards, checked before Ray (runtime/grpo.py)
         from megatrain_ray.runtime.grpo import grpo_data, grpo_run_config
 
-        config = grpo_run_config(config)
+        config = grpo_run_config(config, arch)
         counted, data = None, (grpo_data(config, arch), None)
     else:
         counted = summarize_data(config.data, config.eval, arch.vocab_size, config.train.seed)  # DataError before Ray
