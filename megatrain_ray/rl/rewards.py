@@ -60,10 +60,18 @@ def column(columns: dict[str, list], name: str, reward: str) -> list:
     return columns[name]
 
 
+def reference_answer(value: Any) -> str:
+    """The row's answer: a worked solution's final answer where it marks one (GSM8K's '#### 72',
+    MATH's \\boxed{...}, <answer>...</answer>), else the value itself."""
+    text = str(value)
+    marked = "####" in text or BOXED.search(text) or ANSWER_TAG.search(text)
+    return final_answer(text) if marked else text
+
+
 def exact_answer(completions: list[str], columns: dict[str, list], answer_column: str) -> list[float]:
     """1 where the completion's final answer equals the row's answer (numbers as numbers), else 0."""
     answers = column(columns, answer_column, "exact_answer")
-    return [float(same_answer(final_answer(c), a)) for c, a in zip(completions, answers)]
+    return [float(same_answer(final_answer(c), reference_answer(a))) for c, a in zip(completions, answers)]
 
 
 def math_answer(completions: list[str], columns: dict[str, list], answer_column: str) -> list[float]:

@@ -20,6 +20,9 @@ def test_exact_answer_reads_the_final_answer_and_compares_numbers_as_numbers():
     totals, each = Rewards({"exact_answer": 2.0})(batch(completions, answer=["1000", "12", "seven", "3", "42"]))
     assert each["exact_answer"] == [1.0, 1.0, 1.0, 0.0, 0.0]
     assert totals == [2.0, 2.0, 2.0, 0.0, 0.0]
+    # a worked solution as the answer column (GSM8K's): its marked final answer counts
+    _, each = Rewards({"exact_answer": 1.0})(batch(["it is 72", "70"], answer=["48 + 24 = 72\n#### 72"] * 2))
+    assert each["exact_answer"] == [1.0, 0.0]
 
 
 def test_math_answer_uses_math_verify_for_equal_expressions():
