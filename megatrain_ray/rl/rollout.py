@@ -48,6 +48,13 @@ def hf_model(arch: ModelArch, dtype: torch.dtype, path: str | None = None):
 GiB = 1024**3
 
 
+def rollout_device(name: str) -> torch.device:
+    """grpo.rollout_device as a torch device (auto: a GPU where this process sees one)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
 def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) -> int:
     """The device memory the rollout's copy takes while it samples `rows` sequences of up to
     `seq_len` tokens: its weights, every row's KV cache at full length, the sampler's fp32
@@ -93,6 +100,10 @@ class Rollout:
         self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
     # -- weights -------------------------------------------------------------------------------
+    def refresh(self, policy) -> None:
+        """The weights of `policy` (rl/step.py, Policy) as it holds them now."""
+        self.load(policy.rollout_weights())
+
     def load(self, layer_weights: Iterable[tuple[int, torch.Tensor]]) -> None:
         """The policy's weights from (layer, flat weights: the stores' compute copy or the fp32
         master) pairs, one layer at a time, into the copy (in host memory while it is parked)."""

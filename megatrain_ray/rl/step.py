@@ -38,7 +38,7 @@ class Policy(Protocol):
 class GrpoStep:
     settings: GrpoConfig
     rows_per_micro_batch: int
-    rollout: Rollout
+    rollout: Rollout  # or what gives its methods (runtime/grpo.py: the rollout's actor)
     rewards: Rewards
     tokens: Tokens
 
@@ -49,7 +49,7 @@ class GrpoStep:
     def __call__(self, policy: Policy, prompts: list[Prompt]) -> tuple[list, dict[str, Any]]:
         """The step's updates' results and its metrics."""
         g, t0 = self.settings, time.perf_counter()
-        self.rollout.load(policy.rollout_weights())
+        self.rollout.refresh(policy)
         refresh_s = time.perf_counter() - t0
         completions, rollout_s = self.rollout.sample([p.ids for p in prompts], g.group_size, self.sampling())
         rows = [p for p in prompts for _ in range(g.group_size)]

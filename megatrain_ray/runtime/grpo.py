@@ -2,10 +2,11 @@
 starts), and its steps for the training loop (runtime/training.py), which checkpoints, logs and
 stops them as it does the next-token steps.
 
-The rollout's policy copy lives in the driver's process, on grpo.rollout_device (rl/rollout.py);
-the updates run on the run's GPU workers and stores like any step. A step's position in the data
-is the prompts taken so far and the sampler's generator, so a resumed run samples what the
-uninterrupted one would have."""
+The rollout's copy of the policy lives in an actor on the GPU node (runtime/actors.py,
+RolloutActor), on grpo.rollout_device, sharing rank 0's GPU and reading the stores' weights there;
+the rewards are computed here; the updates run on the run's GPU workers and stores like any step.
+A step's position in the data is the prompts taken so far and the sampler's generator, so a
+resumed run samples what the uninterrupted one would have."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.rl.prompts import Prompt, PromptOrder, Tokens, read_prompts
 from megatrain_ray.rl.rewards import Rewards
-from megatrain_ray.rl.rollout import GiB, Rollout, rollout_bytes
+from megatrain_ray.rl.rollout import GiB, Sampling, rollout_bytes, rollout_device
 from megatrain_ray.rl.step import GrpoStep
 
 
@@ -28,8 +29,9 @@ def grpo_run_config(config: Config, arch: ModelArch, say=print) -> Config:
     """The config a GRPO run trains with: a step's micro-batches are its completions
     (grpo.prompts_per_step x grpo.group_size) in rows of train.micro_batch_size, whatever
     train.grad_accum says; with several updates per rollout the LR schedule spans every update
-    (unless optim.schedule_steps says otherwise); where the rollout samples on this machine's GPU,
-    the step is planned within what its copy leaves (executor.gpu_memory_gib, unless set)."""
+    (unless optim.schedule_steps says otherwise); where this machine has a GPU (the GPU node, in a
+    local run: the rollout's actor shares it), the step is planned within what the rollout's copy
+    leaves (executor.gpu_memory_gib, unless set)."""
     g, t, o = config.grpo, config.train, config.optim
     accum = g.prompts_per_step * g.group_size // t.micro_batch_size
     if g.updates_per_rollout > 1 and o.schedule_steps is None:
@@ -92,10 +94,28 @@ class GrpoPosition:
         return {"prompts": self.prompts, "sampler": self.sampler}
 
 
-def rollout_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+class RemoteRollout:
+    """The rollout's actor as the step's rollout (rl/step.py): each call waits through the session
+    (its watchdog turns a lost node into a ClusterFault)."""
+
+    def __init__(self, session):
+        self.session = session
+        self.actor = session.rollout
+
+    def refresh(self, policy) -> None:
+        self.session.refresh_rollout(self.actor)
+
+    def sample(self, prompts: list, group_size: int, sampling: Sampling):
+        return self.session.wait(self.actor.sample.remote(prompts, group_size, sampling), "sampling the completions")
+
+    def reference_logprobs(self, micro_batches: list[dict]) -> list:
+        return self.session.wait(self.actor.reference_logprobs.remote(micro_batches), "the reference's log-probabilities")
+
+    def sampler_state(self) -> str:
+        return self.session.wait(self.actor.sampler_state.remote(), "the sampler's state")
+
+    def set_sampler_state(self, state: str) -> None:
+        self.session.wait(self.actor.set_sampler_state.remote(state), "the sampler's state")
 
 
 class GrpoSteps:
@@ -105,8 +125,7 @@ class GrpoSteps:
     def __init__(self, session, config: Config, data: GrpoData, position: dict | None):
         g = config.grpo
         self.session = session
-        rollout = Rollout(session.arch, dtype_of(g.rollout_dtype), rollout_device(g.rollout_device), config.train.seed,
-                          reference_path=config.model.path if g.kl_coef else None)
+        rollout = RemoteRollout(session)
         if position:
             rollout.set_sampler_state(position["sampler"])
         self.order = PromptOrder(data.prompts, config.train.seed, config.data.shuffle, (position or {}).get("prompts", 0))

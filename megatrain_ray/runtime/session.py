@@ -17,15 +17,14 @@ import ray
 
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.files.carried import carried_tensors, carry_into
-from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
+from megatrain_ray.runtime.actors import GpuWorker, RolloutActor, ShardStoreActor, store_weights
 from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, on_node
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
 from megatrain_ray.config import Config
 from megatrain_ray.streaming.data_parallel import split_micro_batches, split_unevenly
 from megatrain_ray.streaming.executor import target_tokens
 from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_results
-from megatrain_ray.host.memory import dtype_of, new_run_id, shm_tensor
-from megatrain_ray.models.registry import model_layouts
+from megatrain_ray.host.memory import dtype_of, new_run_id
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.placement import Placement, largest_models, plan_placement, store_room
@@ -74,12 +73,16 @@ class Session:
         self._updates_done = updates_done  # the LR position, and each layer's update count, after the last step
         self.gpus: list = []
         self.stores: list = []
+        self.rollouts: list = []  # a GRPO run's rollout actor (_launch_rollout)
+        self.gpu_ids: list[list[str]] = []  # each worker's GPUs, as Ray gave them
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
         self.carried_from: str | None = None  # where the carried tensors are (files/carried.py)
         try:
             self.gpus = self._launch_workers()
             self.stores = self._launch_stores()  # their processes start beside the workers'
             facts = self._device_facts()
+            if config.train.objective == "grpo":  # its process starts while the stores fill
+                self.rollouts.append(self._launch_rollout())
             self.plan: StepPlan = self._plan(config, facts, stores_allocated=False)
             self._allocate_stores()
         except BaseException:
@@ -99,6 +102,7 @@ class Session:
         """Each worker's device, shown all the workers' GPUs (NCCL copies directly between GPUs only
         when a process sees both; Ray would show each worker its own GPU alone)."""
         ids = self.wait([w.gpu_ids.remote() for w in self.gpus], "starting the GPU workers")
+        self.gpu_ids = ids
         visible = [i for worker_ids in ids for i in worker_ids]
         return self.wait([w.take_device.remote(visible) for w in self.gpus], "starting the GPU workers")
 
@@ -223,22 +227,32 @@ class Session:
         return self.wait([w.drain.remote() for w in self.gpus], what)[0]
 
     def rollout_weights(self):
-        """(layer, weights) for the rollout's copy of the policy (rl/rollout.py), once every update
-        has landed: each store's compute copy read in place through shared memory where the driver
-        is on its node (the weights the workers compute with), else its master sent over; the
-        embedding's master where a worker steps it on its device (the store's compute copy of it is
-        not refreshed then)."""
+        """(layer, weights) for a rollout's copy of the policy in the driver (rl/rollout.py), once
+        every update has landed (runtime/actors.py, store_weights: in place where the driver shares
+        a store's node)."""
         self.drain("the updates before the rollout")
-        here = driver_node_id()
-        dtype = dtype_of(self.config.model.compute_dtype)
-        numels = [layout.numel for layout in model_layouts(self.arch)]
-        for store, plan in zip(self.stores, self.placement.stores):
-            paths = self.wait(store.shared_paths.remote(), "mapping the stores") if plan.node.node_id == here else {}
-            for i in plan.layers:
-                if i in paths and not (i == 0 and self.plan.embedding_on_device):
-                    yield i, shm_tensor(Path(paths[i]), numels[i], dtype, create=False)
-                else:
-                    yield i, self.wait(store.master.remote(i), f"reading layer {i}")
+        yield from store_weights(self.stores, self._store_nodes(), driver_node_id(), self.arch,
+                                 dtype_of(self.config.model.compute_dtype), self.plan.embedding_on_device, self.wait)
+
+    def _store_nodes(self) -> list[str]:
+        return [plan.node.node_id for plan in self.placement.stores]
+
+    def _launch_rollout(self):
+        """A GRPO run's rollout actor (runtime/actors.py, RolloutActor) on the GPU node, shown rank
+        0's GPU, which it shares; it ends with the session."""
+        return (ray.remote(RolloutActor).options(num_cpus=0, scheduling_strategy=on_node(self.placement.gpu.node_id))
+                .remote(self.arch, self.config, self.gpu_ids[0]))
+
+    @property
+    def rollout(self):
+        """The rollout actor a GRPO run's session started (None for any other run)."""
+        return self.rollouts[0] if self.rollouts else None
+
+    def refresh_rollout(self, actor) -> None:
+        """The rollout actor loads the weights of every update so far, from the stores themselves."""
+        self.drain("the updates before the rollout")
+        self.wait(actor.load_from_stores.remote(self.stores, self._store_nodes(), self.plan.embedding_on_device),
+                  "loading the rollout's weights")
 
     def iter_layer_weights(self):
         """(layer, fp32 master weights) in layer order, one layer in memory at a time."""
@@ -338,7 +352,7 @@ class Session:
     def close(self, timeout_s: float = 10.0) -> None:
         """For a run that may have lost actors too: ask the living ones to release their shared
         memory (a bounded wait), then kill them all."""
-        actors = list(self.gpus) + list(self.stores)
+        actors = list(self.gpus) + list(self.stores) + list(self.rollouts)
         refs = []
         for actor in actors:
             try:
