@@ -154,7 +154,7 @@ class Rollout:
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for i, p in enumerate(rows):  # left-padded: every row's next token is the batch's next column
-            ids[i, width - len(p):] = torch.as_tensor(p)
+            ids[i, width - len(p):] = torch.tensor(p)  # a copy: Ray hands arrays over read-only
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -208,9 +208,9 @@ class Rollout:
 def label_logprobs_of(model, micro_batches: list[dict], device: torch.device) -> list[np.ndarray]:
     out = []
     for mb in micro_batches:
-        ids, positions = (torch.as_tensor(mb[k]).to(device) for k in ("input_ids", "position_ids"))
+        ids, positions = (torch.tensor(mb[k]).to(device) for k in ("input_ids", "position_ids"))
         logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        out.append(label_logprobs(logits, torch.as_tensor(mb["labels"]).to(device))[0].cpu().numpy())
+        out.append(label_logprobs(logits, torch.tensor(mb["labels"]).to(device))[0].cpu().numpy())
     return out
 
 
