@@ -99,6 +99,10 @@ class Rollout:
         # the prompt's forward needs the last position's logits only, not [rows x prompt x vocab]
         self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
+    def describe(self) -> str:
+        where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return f"{self.device} ({where}), {str(self.dtype).removeprefix('torch.')}"
+
     # -- weights -------------------------------------------------------------------------------
     def refresh(self, policy) -> None:
         """The weights of `policy` (rl/step.py, Policy) as it holds them now."""

@@ -101,6 +101,7 @@ class RemoteRollout:
     def __init__(self, session):
         self.session = session
         self.actor = session.rollout
+        print(f"rollout device: {session.wait(self.actor.describe.remote(), 'starting the rollout')}", flush=True)
 
     def refresh(self, policy) -> None:
         self.session.refresh_rollout(self.actor)

@@ -116,3 +116,22 @@ def test_the_rollout_reads_the_weights_the_workers_compute_with(local_ray):
     assert sorted(rollout) == list(range(len(masters)))
     for i, master in masters.items():
         assert rollout[i].dtype == torch.bfloat16 and torch.equal(rollout[i], master.to(torch.bfloat16)), i
+
+
+@pytest.mark.gpu
+def test_a_grpo_run_rolls_out_on_the_gpu_it_trains_on(local_ray, tmp_path, capsys):
+    """On a GPU machine: the rollout's actor sees rank 0's GPU and samples there in bf16 while the
+    step trains on it (the run plans the step within what the rollout's copy leaves)."""
+    (tmp_path / "grpo_test_rewards.py").write_text(REWARD)
+    raw = grpo_raw(tmp_path, "gpu")
+    raw["model"]["compute_dtype"] = "bfloat16"
+    raw["train"]["steps"] = 2
+    raw["executor"] = {"device": "cuda"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(tmp_path))
+        run_training(config_from_dict(raw))
+    out = capsys.readouterr().out
+    assert "rollout device: cuda" in out and "bfloat16" in out.split("rollout device:")[1].splitlines()[0]
+    assert "the step is planned within the other" in out
+    rows = records(tmp_path, "gpu")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["rollout_tokens_per_s"] > 0 for r in rows)
