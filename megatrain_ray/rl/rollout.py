@@ -7,12 +7,13 @@ a batch of sequences at once with a KV cache, left-padded, sampling each token w
 and top-p from its own generator, whose state the checkpoints keep (`sampler_state`). It reads
 nothing of the run but the weights it is handed and keeps no state but the generator: a Ray actor
 on a GPU of its own can hold it unchanged (the design for rolling out on a second GPU while the
-first trains, one policy version behind). Between phases its weights are parked in host memory
-(`park`), so the trainer has the GPU's memory to itself.
+first trains, one policy version behind). On a GPU its weights stay there, as the run plans the
+training step within what the copy leaves (runtime/grpo.py, trainer_share, from `rollout_bytes`);
+the decoding's memory (the KV cache, the sampler's tensors) goes back after each sampling
+(`free_cache`): moving 15 GB of weights each way each step would cost seconds and buy nothing.
 
-The reference (grpo.kl_coef > 0) is the starting model, model.path, read once into host memory in
-grpo.rollout_dtype; its log-probabilities come from its own forward, moved to the rollout's device
-for the time it takes.
+The reference (grpo.kl_coef > 0) is the starting model, model.path, read once in grpo.rollout_dtype
+onto the rollout's device; its log-probabilities come from its own forward.
 """
 
 from __future__ import annotations
@@ -55,11 +56,11 @@ def rollout_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) -> int:
-    """The device memory the rollout's copy takes while it samples `rows` sequences of up to
-    `seq_len` tokens: its weights, every row's KV cache at full length, the sampler's fp32
-    probabilities (a few copies of [rows x vocab]) and 2 GiB for the prompts' forward."""
-    weights = num_params(arch) * dtype_bytes
+def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int, reference: bool = False) -> int:
+    """The device memory the rollout takes while it samples `rows` sequences of up to `seq_len`
+    tokens: its copy's weights (and the reference's), every row's KV cache at full length, the
+    sampler's fp32 probabilities (a few copies of [rows x vocab]) and 2 GiB for the prompts' forward."""
+    weights = num_params(arch) * dtype_bytes * (2 if reference else 1)
     kv_cache = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes * rows * seq_len
     sampler = 4 * rows * arch.vocab_size * 4
     return weights + kv_cache + sampler + 2 * GiB
@@ -89,10 +90,10 @@ class Rollout:
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int,
                  reference_path: str | None = None):
         self.arch, self.dtype, self.device = arch, dtype, device
-        self.model = hf_model(arch, dtype)
+        self.model = hf_model(arch, dtype).to(device)
         self.layouts = model_layouts(arch)
         self.generator = torch.Generator(device).manual_seed(seed)
-        self.reference = hf_model(arch, dtype, reference_path) if reference_path is not None else None
+        self.reference = hf_model(arch, dtype, reference_path).to(device) if reference_path is not None else None
         # transformers renamed the forward's past_key_values to cache
         forward = inspect.signature(type(self.model).forward).parameters
         self.cache_kw = "cache" if "cache" in forward else "past_key_values"
@@ -110,7 +111,7 @@ class Rollout:
 
     def load(self, layer_weights: Iterable[tuple[int, torch.Tensor]]) -> None:
         """The policy's weights from (layer, flat weights: the stores' compute copy or the fp32
-        master) pairs, one layer at a time, into the copy (in host memory while it is parked)."""
+        master) pairs, one layer at a time, into the copy on the rollout's device."""
         params = dict(self.model.named_parameters())
         seen = set()
         with torch.no_grad():
@@ -128,28 +129,21 @@ class Rollout:
     def _tied(self, name: str) -> bool:
         return name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False)
 
-    def park(self) -> None:
-        """Weights (and the reference) to host memory, the device's memory back to the trainer (the
-        allocator's cache emptied: the trainer is another process)."""
+    def free_cache(self) -> None:
+        """The decoding's memory back to the device (the trainer is another process: the allocator's
+        cache is emptied); the weights stay."""
         if self.device.type == "cuda":
-            self.model.to("cpu")
-            if self.reference is not None:
-                self.reference.to("cpu")
             torch.cuda.empty_cache()
-
-    def unpark(self) -> None:
-        self.model.to(self.device)
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, prompts: list[np.ndarray], group_size: int, s: Sampling) -> tuple[list[np.ndarray], float]:
         """`group_size` completions of every prompt, prompt by prompt (completion i of the result
         follows prompt i // group_size), decoded as one batch; and the seconds it took."""
         t0 = time.perf_counter()
-        self.unpark()
         try:
             completions = self._decode([p for p in prompts for _ in range(group_size)], s)
         finally:
-            self.park()  # after the decoding's tensors are gone
+            self.free_cache()  # after the decoding's tensors are gone
         return completions, time.perf_counter() - t0
 
     @torch.no_grad()
@@ -185,21 +179,19 @@ class Rollout:
     # -- log-probabilities ----------------------------------------------------------------------
     @torch.no_grad()
     def reference_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
-        """The reference's log-probability of every label of the micro-batches (0 where ignored),
-        its weights on the rollout's device for the time it takes."""
+        """The reference's log-probability of every label of the micro-batches (0 where ignored)."""
         try:
-            return label_logprobs_of(self.reference.to(self.device), micro_batches, self.device)
+            return label_logprobs_of(self.reference, micro_batches, self.device)
         finally:
-            self.park()
+            self.free_cache()
 
     @torch.no_grad()
     def policy_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
         """The same under the rollout's copy of the policy (as last loaded)."""
-        self.unpark()
         try:
             return label_logprobs_of(self.model, micro_batches, self.device)
         finally:
-            self.park()
+            self.free_cache()
 
     # -- the sampler's state, for the checkpoints -----------------------------------------------
     def sampler_state(self) -> str:

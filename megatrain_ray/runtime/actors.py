@@ -244,7 +244,7 @@ def store_weights(stores: list, store_nodes: list[str], here: str, arch: ModelAr
 
 class RolloutActor(Rollout):
     """The rollout (rl/rollout.py) in a Ray actor on the GPU node, seeing the GPU it is given (rank
-    0's, which it shares with the trainer: its copy is parked in host memory between phases), and
+    0's, which it shares with the trainer: the step is planned within what its copy leaves), and
     reading the stores' weights from there itself: none of them passes through the driver."""
 
     def __init__(self, arch: ModelArch, config: Config, visible_gpus: list[str] = ()):

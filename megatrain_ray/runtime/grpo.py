@@ -48,7 +48,7 @@ def trainer_share(config: Config, arch: ModelArch, device: torch.device, say=pri
     """GiB of the GPU the step may plan with beside the rollout's copy (rl/rollout.py, rollout_bytes)."""
     g = config.grpo
     room = rollout_bytes(arch, g.prompts_per_step * g.group_size, config.data.seq_len,
-                         torch.tensor([], dtype=dtype_of(g.rollout_dtype)).element_size())
+                         torch.tensor([], dtype=dtype_of(g.rollout_dtype)).element_size(), reference=g.kl_coef > 0)
     total = torch.cuda.get_device_properties(device).total_memory
     left = (total - room) / GiB
     if left < 4:

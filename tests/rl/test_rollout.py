@@ -69,10 +69,10 @@ def test_a_completion_ends_with_its_first_eos():
 
 
 @pytest.mark.gpu
-def test_the_rollout_samples_on_cuda_in_bf16_and_parks_its_weights(tiny_qwen2):
+def test_the_rollout_samples_on_cuda_in_bf16_and_frees_its_cache(tiny_qwen2):
     """On a GPU: the bf16 copy decodes there, its generator's state replays the same completions,
-    its weights go back to host memory after each phase, and it scores the completions as the
-    streamed forward does within bf16's rounding."""
+    the decoding's memory goes back after each sampling (the weights stay), and it scores the
+    completions as the streamed forward does within bf16's rounding."""
     arch = load_hf_arch(tiny_qwen2)
     config = config_from_dict({"model": {"path": str(tiny_qwen2), "compute_dtype": "float32"},
                                "executor": {"device": "cpu"}})
@@ -87,7 +87,7 @@ def test_the_rollout_samples_on_cuda_in_bf16_and_parks_its_weights(tiny_qwen2):
         before = torch.cuda.memory_allocated(device)
         state = rollout.sampler_state()
         completions, seconds = rollout.sample(prompts, 4, Sampling(max_new_tokens=16, temperature=0.8, top_p=0.9))
-        assert torch.cuda.memory_allocated(device) <= before  # parked: the trainer has the GPU back
+        assert torch.cuda.memory_allocated(device) <= before  # the KV cache and the sampler's tensors are gone
         assert [len(c) for c in completions] == [16] * 12 and seconds > 0
         rollout.set_sampler_state(state)
         again, _ = rollout.sample(prompts, 4, Sampling(max_new_tokens=16, temperature=0.8, top_p=0.9))
