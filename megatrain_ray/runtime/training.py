@@ -323,8 +323,8 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
     bad_in_a_row, last, position, step, evaluation = 0, None, start_pos, start_step, None
     counted_whole = (progress.data_summary or {}).get("train", {}).get("complete", False)
     bad_rows = BadRowCount(None if counted_whole else config.data.max_bad_fraction)  # the summary judged a whole source
-    steps = (grpo_steps(session, config, dataset, meta) if t.objective == "grpo"
-             else lm_steps(session, dataset.batches(t.micro_batch_size, t.grad_accum, start_pos, bad_rows)))
+    steps = (lm_steps(session, dataset.batches(t.micro_batch_size, t.grad_accum, start_pos, bad_rows)) if lm
+             else grpo_steps(session, config, dataset, meta))
     finished = start_step  # the last step whose update the stores hold, and the data position after it
     saved = start_step if progress.checkpoint is not None else None
     try:
