@@ -116,9 +116,9 @@ class GrpoConfig:
     scale_rewards: bool = True  # advantages over the group's std; false: Dr. GRPO's unscaled advantages
     clip_low: float = 0.2  # the policy ratio is clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2  # DAPO's clip-higher: 0.28
-    kl_coef: float = 0.0  # weight of the KL to the reference (the starting policy, k3 estimator); 0: no reference kept
+    kl_coef: float = 0.0  # weight of the KL to the reference, model.path (k3 estimator), whose weights the GPU worker keeps once in host memory and streams; 0: none kept
     updates_per_rollout: int = 1  # optimizer updates on each step's completions (more than 1: the old policy's log-probabilities are computed and the ratio clips)
-    rollout_dtype: str = "bfloat16"  # bfloat16 | float32: the rollout's copy of the policy (and the reference's)
+    rollout_dtype: str = "bfloat16"  # bfloat16 | float32: the rollout's copy of the policy
     rollout_device: str = "auto"  # auto | cuda | cpu: where the rollout copy samples
 
 

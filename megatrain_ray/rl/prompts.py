@@ -7,6 +7,7 @@ that `position` (prompts consumed) fixes, so a resumed run takes the same prompt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,9 +34,10 @@ class Tokens:
 
     def __init__(self, config: Config):
         d = config.data
-        self.encoder = TextEncoder.load(d.tokenizer or config.model.path, d) if (d.tokenizer or config.model.path) else None
-        self.template = (load_chat_template(d.chat_template, tokenizer_file(d.tokenizer or config.model.path))
-                         if self.encoder is not None else None)
+        where = d.tokenizer or config.model.path  # a model's directory is the default (files/hub.py)
+        where = where if where is not None and has_tokenizer(where) else None
+        self.encoder = TextEncoder.load(where, d) if where else None
+        self.template = load_chat_template(d.chat_template, tokenizer_file(where)) if where else None
         self.eos_id = d.eos_token_id if d.eos_token_id is not None else (self.encoder.eos_id if self.encoder else None)
 
     def prompt(self, row: dict[str, Any], where: str) -> tuple[np.ndarray, str]:
@@ -58,6 +60,12 @@ class Tokens:
             return " ".join(str(i) for i in ids)
         known = self.encoder.tokenizer.get_vocab_size(with_added_tokens=True)  # a model's vocabulary may be larger
         return self.encoder.tokenizer.decode([i for i in ids if i < known], skip_special_tokens=True)
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether a tokenizer.json is there (a file, or a directory holding one): a model without one
+    takes token prompts, and text prompts say they need one."""
+    return Path(path).is_file() or (Path(path) / "tokenizer.json").is_file()
 
 
 def read_prompts(config: Config, tokens: Tokens, vocab_size: int) -> list[Prompt]:

@@ -1,4 +1,4 @@
-"""The rollout: a copy of the policy that samples each prompt's completions, and the reference.
+"""The rollout: a copy of the policy that samples each prompt's completions.
 
 The copy is transformers' own model of the family, built from the config.json the export writes
 (models' `hf_config`) in grpo.rollout_dtype, its weights loaded from the host's fp32 master
@@ -12,8 +12,6 @@ training step within what the copy leaves (runtime/grpo.py, trainer_share, from 
 the decoding's memory (the KV cache, the sampler's tensors) goes back after each sampling
 (`free_cache`): moving 15 GB of weights each way each step would cost seconds and buy nothing.
 
-The reference (grpo.kl_coef > 0) is the starting model, model.path, read once in grpo.rollout_dtype
-onto the rollout's device; its log-probabilities come from its own forward.
 """
 
 from __future__ import annotations
@@ -32,18 +30,14 @@ from megatrain_ray.models.registry import arch_to_hf_config, model_layouts, num_
 from megatrain_ray.rl.loss import label_logprobs
 
 
-def hf_model(arch: ModelArch, dtype: torch.dtype, path: str | None = None):
-    """transformers' causal LM for `arch`: from the config.json the export writes, or read from
-    `path` (a Hugging Face directory), in `dtype`, evaluating."""
+def hf_model(arch: ModelArch, dtype: torch.dtype):
+    """transformers' causal LM for `arch`, from the config.json the export writes, in `dtype`,
+    evaluating (its weights are loaded later: `Rollout.load`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if path is not None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    else:
-        fields = dict(arch_to_hf_config(arch, torch_dtype=str(dtype).removeprefix("torch.")))
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval().requires_grad_(False)
+    fields = dict(arch_to_hf_config(arch, torch_dtype=str(dtype).removeprefix("torch.")))
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
 
 
 GiB = 1024**3
@@ -56,11 +50,11 @@ def rollout_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int, reference: bool = False) -> int:
+def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) -> int:
     """The device memory the rollout takes while it samples `rows` sequences of up to `seq_len`
-    tokens: its copy's weights (and the reference's), every row's KV cache at full length, the
-    sampler's fp32 probabilities (a few copies of [rows x vocab]) and 2 GiB for the prompts' forward."""
-    weights = num_params(arch) * dtype_bytes * (2 if reference else 1)
+    tokens: its copy's weights, every row's KV cache at full length, the sampler's fp32
+    probabilities (a few copies of [rows x vocab]) and 2 GiB for the prompts' forward."""
+    weights = num_params(arch) * dtype_bytes
     kv_cache = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes * rows * seq_len
     sampler = 4 * rows * arch.vocab_size * 4
     return weights + kv_cache + sampler + 2 * GiB
@@ -87,13 +81,11 @@ class Sampling:
 
 
 class Rollout:
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int,
-                 reference_path: str | None = None):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int):
         self.arch, self.dtype, self.device = arch, dtype, device
         self.model = hf_model(arch, dtype).to(device)
         self.layouts = model_layouts(arch)
         self.generator = torch.Generator(device).manual_seed(seed)
-        self.reference = hf_model(arch, dtype, reference_path).to(device) if reference_path is not None else None
         # transformers renamed the forward's past_key_values to cache
         forward = inspect.signature(type(self.model).forward).parameters
         self.cache_kw = "cache" if "cache" in forward else "past_key_values"
@@ -178,16 +170,9 @@ class Rollout:
 
     # -- log-probabilities ----------------------------------------------------------------------
     @torch.no_grad()
-    def reference_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
-        """The reference's log-probability of every label of the micro-batches (0 where ignored)."""
-        try:
-            return label_logprobs_of(self.reference, micro_batches, self.device)
-        finally:
-            self.free_cache()
-
-    @torch.no_grad()
     def policy_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
-        """The same under the rollout's copy of the policy (as last loaded)."""
+        """The log-probability of every label of the micro-batches (0 where ignored) under the
+        rollout's copy of the policy, as last loaded."""
         try:
             return label_logprobs_of(self.model, micro_batches, self.device)
         finally:
@@ -201,7 +186,9 @@ class Rollout:
         self.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
 
 
+@torch.no_grad()
 def label_logprobs_of(model, micro_batches: list[dict], device: torch.device) -> list[np.ndarray]:
+    """Each label's log-probability under a transformers model (0 where ignored), a micro-batch at a time."""
     out = []
     for mb in micro_batches:
         ids, positions = (torch.tensor(mb[k]).to(device) for k in ("input_ids", "position_ids"))

@@ -30,6 +30,9 @@ class Policy(Protocol):
     def token_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
         """Each label's log-probability under the current weights, through the streamed forward."""
 
+    def reference_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
+        """The same under the reference policy's weights (model.path), streamed from host memory."""
+
     def train_step(self, micro_batches: list[dict]) -> Any:
         """One optimizer update on the micro-batches (a StepResult)."""
 
@@ -58,7 +61,7 @@ class GrpoStep:
         mbs = policy_micro_batches([p.ids for p in rows], completions, advantages, g.loss_normalizer,
                                    g.max_new_tokens, self.rows_per_micro_batch)
         if g.kl_coef:
-            mbs = with_logprobs(mbs, "ref_logprobs", self.rollout.reference_logprobs(mbs))
+            mbs = with_logprobs(mbs, "ref_logprobs", policy.reference_logprobs(mbs))
         if g.updates_per_rollout > 1:
             mbs = with_logprobs(mbs, "old_logprobs", policy.token_logprobs(mbs))
         results = [policy.train_step(mbs) for _ in range(g.updates_per_rollout)]

@@ -23,7 +23,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, measured_facts
 from megatrain_ray.rl.rollout import Rollout, rollout_device
-from megatrain_ray.runtime.worker import Rendezvous, Worker, assemble_worker
+from megatrain_ray.runtime.worker import Rendezvous, Worker, assemble_worker, reference_source
 from megatrain_ray.streaming.executor import pick_device
 from megatrain_ray.streaming.step_result import EvalResult, StepResult
 
@@ -107,6 +107,7 @@ class GpuWorker:
         self.window: WindowSource | None = None
         self.kinds: list[str] = []  # how it reaches each store: "shm" or "stream"
         self.facts: DeviceFacts | None = None
+        self.reference = None  # a GRPO run's reference weights (reference_logprobs), read at first use
 
     def gpu_ids(self) -> list[str]:
         """The GPU Ray gave this actor (none on the CPU path)."""
@@ -204,6 +205,13 @@ class GpuWorker:
         self._expect(updates_elsewhere)
         return self.worker.executor.token_logprobs(micro_batches)
 
+    def reference_logprobs(self, micro_batches: list[dict]) -> list:
+        """Each label's log-probability under the reference policy (model.path), streamed through
+        this worker's slots from its copy in host memory (runtime/worker.py, reference_source)."""
+        if self.reference is None:
+            self.reference = reference_source(self.arch, self.config, self.device)
+        return self.worker.executor.token_logprobs(micro_batches, self.reference)
+
     def drain(self) -> int:
         """Wait until every optimizer step this worker sent or expects has landed; returns the LR
         schedule's position."""
@@ -252,8 +260,7 @@ class RolloutActor(Rollout):
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
         g = config.grpo
         self.compute_dtype = dtype_of(config.model.compute_dtype)
-        super().__init__(arch, dtype_of(g.rollout_dtype), rollout_device(g.rollout_device), config.train.seed,
-                         reference_path=config.model.path if g.kl_coef else None)
+        super().__init__(arch, dtype_of(g.rollout_dtype), rollout_device(g.rollout_device), config.train.seed)
 
     def load_from_stores(self, stores: list, store_nodes: list[str], embedding_master: bool) -> None:
         here = ray.get_runtime_context().get_node_id()

@@ -48,7 +48,7 @@ def trainer_share(config: Config, arch: ModelArch, device: torch.device, say=pri
     """GiB of the GPU the step may plan with beside the rollout's copy (rl/rollout.py, rollout_bytes)."""
     g = config.grpo
     room = rollout_bytes(arch, g.prompts_per_step * g.group_size, config.data.seq_len,
-                         torch.tensor([], dtype=dtype_of(g.rollout_dtype)).element_size(), reference=g.kl_coef > 0)
+                         torch.tensor([], dtype=dtype_of(g.rollout_dtype)).element_size())
     total = torch.cuda.get_device_properties(device).total_memory
     left = (total - room) / GiB
     if left < 4:
@@ -108,9 +108,6 @@ class RemoteRollout:
 
     def sample(self, prompts: list, group_size: int, sampling: Sampling):
         return self.session.wait(self.actor.sample.remote(prompts, group_size, sampling), "sampling the completions")
-
-    def reference_logprobs(self, micro_batches: list[dict]) -> list:
-        return self.session.wait(self.actor.reference_logprobs.remote(micro_batches), "the reference's log-probabilities")
 
     def sampler_state(self) -> str:
         return self.session.wait(self.actor.sampler_state.remote(), "the sampler's state")

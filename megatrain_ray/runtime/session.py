@@ -222,6 +222,11 @@ class Session:
                            for rank, (w, share) in enumerate(zip(self.gpus, shares)) if share], what)
         return [lp for part in parts for lp in part]
 
+    def reference_logprobs(self, micro_batches: list[dict]) -> list:
+        """Each label's log-probability under the reference policy, streamed by rank 0's worker from
+        the one copy of its weights in host memory (GpuWorker.reference_logprobs)."""
+        return self.wait(self.gpus[0].reference_logprobs.remote(micro_batches), "the reference's log-probabilities")
+
     def drain(self, what: str = "the optimizer's last updates") -> int:
         """Every update issued has landed; returns the number of updates done."""
         return self.wait([w.drain.remote() for w in self.gpus], what)[0]

@@ -289,10 +289,18 @@ class StreamingExecutor:
         return EvalResult(loss_sum, sum(target_tokens(mb) for mb in micro_batches),
                           sum(mb["input_ids"].numel() for mb in mbs), time.perf_counter() - t0)
 
-    def token_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
+    def token_logprobs(self, micro_batches: list[dict], source: LayerSource | None = None) -> list[np.ndarray]:
         """Each micro-batch's log-probability of every label under the weights the stores hold now
         (0 where the label is ignored), [rows x tokens] in fp32: a forward like `eval_loss`'s, the
-        head's logits made a chunk at a time. The policy loss's old (and reference) log-probabilities."""
+        head's logits made a chunk at a time. The policy loss's old log-probabilities; with `source`
+        (host/sources.py, FrozenSource), under its weights instead, through the same slots (a step
+        starts with none resident): the reference's."""
+        if source is not None:
+            main, self.prefetcher.source = self.prefetcher.source, source
+            try:
+                return self.token_logprobs(micro_batches)
+            finally:
+                self.prefetcher.source = main
         out: list[torch.Tensor] = []
 
         def at_head(head_w, embed_w, x, mb):

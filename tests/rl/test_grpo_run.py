@@ -1,8 +1,9 @@
-"""`train.objective: grpo` through the run's own path on the session's Ray head (stores and a GPU
-worker as actors, the rollout in the driver), two updates per rollout (the old policy's
-log-probabilities through the workers' streamed forward): metrics per step, and 4 steps in one go
-equal 2 + resume + 2 bit for bit (weights, optimizer state, the prompts' position and the
-sampler's state). A wrong reward path stops the command before Ray, exit 2."""
+"""`train.objective: grpo` through the run's own path on the session's Ray head (stores, a GPU
+worker and the rollout as actors), from a Hugging Face model with a KL to it (the reference
+streamed by the worker from its copy in host memory) and two updates per rollout (the old
+policy's log-probabilities through the worker's streamed forward): metrics per step, and 4 steps
+in one go equal 2 + resume + 2 bit for bit (weights, optimizer state, the prompts' position and
+the sampler's state). A wrong reward path stops the command before Ray, exit 2."""
 
 import json
 import subprocess
@@ -21,17 +22,28 @@ REWARD = "def low_tokens(prompts, completions, completion_ids, **columns):\n" \
          "    return [sum(t < 32 for t in ids) / len(ids) for ids in completion_ids]\n"
 
 
+def tiny_model(root: Path) -> Path:
+    """A small random Qwen2 in transformers' own files (the run's start and its KL's reference)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
+    return root / "model"
+
+
 def grpo_raw(root: Path, run: str) -> dict:
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": [3 * i + k for k in range(5)], "id": i}) + "\n"
                                for i in range(6)))
     return {
-        "model": {"preset": "tiny-llama", "compute_dtype": "float32", "init_std": 0.05},
+        "model": {"path": str(root / "model"), "compute_dtype": "float32"},
         "data": {"source": str(prompts), "seq_len": 16},
         "optim": {"lr": 1e-2, "weight_decay": 0.0},
         "train": {"objective": "grpo", "steps": 4, "micro_batch_size": 4, "output_dir": str(root / run)},
         "grpo": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6,
-                 "rewards": {"grpo_test_rewards:low_tokens": 1.0}, "updates_per_rollout": 2},
+                 "rewards": {"grpo_test_rewards:low_tokens": 1.0}, "updates_per_rollout": 2, "kl_coef": 0.05},
         "checkpoint": {"keep": 5, "export_hf": False},
         "executor": {"device": "cpu", "compile": False},
         "runtime": {"worker_threads": 1, "optimizer_threads": 1},
@@ -42,6 +54,7 @@ def grpo_raw(root: Path, run: str) -> dict:
 def runs(local_ray, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("grpo")
     (root / "grpo_test_rewards.py").write_text(REWARD)
+    tiny_model(root)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(root))
         run_training(config_from_dict(grpo_raw(root, "whole")))
@@ -60,7 +73,8 @@ def test_each_step_logs_its_rewards_and_rates(runs):
     for r in rows:
         assert 0 <= r["reward_mean"] <= 1 and r["completion_length"] == 6 and r["updates"] == 2
         assert r["rollout_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0 and r["entropy"] > 0
-        assert r["kl"] == 0  # no reference
+        assert r["kl"] >= 0  # k3 is never negative
+    assert rows[0]["kl"] > 0  # the second update of the first step already differs from the reference
     # the second update's ratio moves off 1 after the first (lr 1e-2): the old log-probabilities
     # came back from the workers' forward, and some tokens leave the clip range
     assert any(r["clip_fraction"] > 0 for r in rows)
@@ -82,6 +96,7 @@ def test_four_steps_equal_two_then_resume_two(runs):
 
 
 def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path):
+    tiny_model(tmp_path)
     raw = grpo_raw(tmp_path, "bad")
     raw["grpo"]["rewards"] = {"no_such_module_xyz:score": 1.0}
     config = tmp_path / "bad.yaml"
@@ -123,6 +138,7 @@ def test_a_grpo_run_rolls_out_on_the_gpu_it_trains_on(local_ray, tmp_path, capsy
     """On a GPU machine: the rollout's actor sees rank 0's GPU and samples there in bf16 while the
     step trains on it (the run plans the step within what the rollout's copy leaves)."""
     (tmp_path / "grpo_test_rewards.py").write_text(REWARD)
+    tiny_model(tmp_path)
     raw = grpo_raw(tmp_path, "gpu")
     raw["model"]["compute_dtype"] = "bfloat16"
     raw["train"]["steps"] = 2

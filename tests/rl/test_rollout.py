@@ -1,6 +1,6 @@
-"""The rollout's side: transformers' copy of the policy loaded from the stores' master weights and
-the reference read from model.path score every completion token as the streamed forward does;
-sampling (top-p, EOS, the generator's state) does what it says."""
+"""The rollout's side: transformers' copy of the policy loaded from the stores, the streamed forward
+and the streamed reference (model.path, from host memory) score every completion token as
+transformers' own model does; sampling (top-p, EOS, the generator's state) does what it says."""
 
 import numpy as np
 import pytest
@@ -10,8 +10,9 @@ from megatrain_ray.config import config_from_dict
 from megatrain_ray.files import shard
 from megatrain_ray.models.registry import load_hf_arch
 from megatrain_ray.rl.batch import policy_micro_batches
-from megatrain_ray.rl.rollout import Rollout, Sampling, completion, sample_tokens
+from megatrain_ray.rl.rollout import Rollout, Sampling, completion, label_logprobs_of, sample_tokens
 from megatrain_ray.runtime.local import LocalTrainer
+from helpers.reference_training import random_micro_batches
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,25 +28,37 @@ def tiny_qwen2(tmp_path_factory):
     return directory
 
 
-def test_the_rollout_copy_and_the_reference_score_like_the_streamed_forward(tiny_qwen2):
+def test_the_rollout_copy_and_the_streamed_reference_score_like_transformers(tiny_qwen2):
+    """The rollout's copy, loaded from the stores, and the streamed forward score every completion
+    token as transformers' own model read from model.path does; after an update moves the policy,
+    the reference, streamed from its copy of model.path in host memory, still does."""
     arch = load_hf_arch(tiny_qwen2)
     config = config_from_dict({"model": {"path": str(tiny_qwen2), "compute_dtype": "float32"},
-                               "executor": {"device": "cpu", "loss_chunk_tokens": 7}})
+                               "optim": {"lr": 1e-2}, "executor": {"device": "cpu", "loss_chunk_tokens": 7}})
     trainer = LocalTrainer(config, arch)
     try:
         for store in trainer.stores:
             shard.load_hf(store, str(tiny_qwen2))
-        rollout = Rollout(arch, torch.float32, torch.device("cpu"), seed=0, reference_path=str(tiny_qwen2))
+        rollout = Rollout(arch, torch.float32, torch.device("cpu"), seed=0)
         rollout.load(trainer.rollout_weights())
         prompts = [np.array([5, 9, 2]), np.array([7, 1, 4, 8, 3])]
         completions, _ = rollout.sample(prompts, 3, Sampling(max_new_tokens=5))
         mbs = policy_micro_batches([p for p in prompts for _ in range(3)], completions, [0.0] * 6, "token", 5, 4)
-        streamed = trainer.token_logprobs(mbs)
-        for name, theirs in (("policy copy", rollout.policy_logprobs(mbs)), ("reference", rollout.reference_logprobs(mbs))):
-            for mb, ours, other in zip(mbs, streamed, theirs):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+        expected = label_logprobs_of(hf, mbs, torch.device("cpu"))
+
+        def assert_scores_like_transformers(scores, what):
+            for mb, ours, theirs in zip(mbs, scores, expected):
                 at = mb["labels"] >= 0
-                assert np.abs(ours[at] - other[at]).max() < 1e-5, name  # fp32 rounding: 5e-7 measured
-                assert (ours[~at] == 0).all() and (other[~at] == 0).all()
+                assert np.abs(ours[at] - theirs[at]).max() < 1e-5, what  # fp32 rounding: 5e-7 measured
+                assert (ours[~at] == 0).all(), what
+
+        assert_scores_like_transformers(trainer.token_logprobs(mbs), "streamed policy")
+        assert_scores_like_transformers(rollout.policy_logprobs(mbs), "rollout copy")
+        trainer.train_step(random_micro_batches(arch, 1, 1, batch=2, seq=8, seed=0)[0])
+        moved = trainer.token_logprobs(mbs)
+        assert max(np.abs(a - b).max() for a, b in zip(moved, expected)) > 1e-3, "the update moved the policy"
+        assert_scores_like_transformers(trainer.reference_logprobs(mbs), "streamed reference")
     finally:
         trainer.close()
     assert [len(c) for c in completions] == [5] * 6  # no EOS given: every completion runs to max_new_tokens
