@@ -258,6 +258,8 @@ class RolloutActor(Rollout):
     def __init__(self, arch: ModelArch, config: Config, visible_gpus: list[str] = ()):
         if visible_gpus:  # an actor that asked Ray for no GPU sees none, unless told
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
+        if config.runtime.worker_threads:  # as a GPU worker's (it runs while they wait)
+            torch.set_num_threads(config.runtime.worker_threads)
         g = config.grpo
         self.compute_dtype = dtype_of(config.model.compute_dtype)
         super().__init__(arch, dtype_of(g.rollout_dtype), rollout_device(g.rollout_device), config.train.seed)

@@ -17,6 +17,7 @@ from megatrain_ray.rl.batch import policy_micro_batches, with_logprobs
 from megatrain_ray.rl.loss import group_advantages
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_model import ReferenceModel
+from helpers.threads import one_thread  # noqa: F401 (a fixture)
 
 PRESET, G, MAX_NEW = "tiny-llama", 4, 6
 REWARDS = [1.0, 0.0, 0.5, 0.0, 2.0, 2.0, 1.0, 0.0]  # two prompts, four completions each
@@ -71,6 +72,7 @@ def plain_grpo_loss(model, prompts, completions, rewards, old_shift, ref_shift, 
     return sum(l.sum() for l in per_completion) / (len(per_completion) * MAX_NEW)
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("normalizer,kl_coef", [("sequence", 0.0), ("token", 0.05), ("constant", 0.05)])
 def test_one_update_equals_plain_pytorch(normalizer, kl_coef):
     arch = PRESETS[PRESET]

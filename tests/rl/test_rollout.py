@@ -13,6 +13,7 @@ from megatrain_ray.rl.batch import policy_micro_batches
 from megatrain_ray.rl.rollout import Rollout, Sampling, completion, label_logprobs_of, sample_tokens
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_training import random_micro_batches
+from helpers.threads import one_thread  # noqa: F401 (a fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,6 +29,7 @@ def tiny_qwen2(tmp_path_factory):
     return directory
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_the_rollout_copy_and_the_streamed_reference_score_like_transformers(tiny_qwen2):
     """The rollout's copy, loaded from the stores, and the streamed forward score every completion
     token as transformers' own model read from model.path does; after an update moves the policy,
