@@ -8,6 +8,9 @@ writes
                             2 layers, vocab 256), tokenizer.json and tokenizer_config.json with
                             a ChatML chat template (<|im_start|>role ... <|im_end|>), as Qwen's
     runs/tiny-hf/sft.jsonl  alpaca rows {"instruction", "input", "output"}
+    runs/tiny-hf/prompts.jsonl  prompts for reinforcement learning (examples/grpo.yaml): chat
+                            {"messages"} asking for the first or last of a list of words, and
+                            the "answer" the rewards compare with
 
 The tokenizer is a word-level one (the `tokenizers` library) over the few words the data uses,
 with "<|im_end|>" as EOS (the end of an assistant turn); its vocabulary is smaller than the
@@ -89,6 +92,16 @@ def sft_rows(count: int, seed: int) -> list[dict[str, str]]:
     return rows
 
 
+def prompt_rows(count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed + 1)
+    rows = []
+    for i in range(count):
+        task, words = ("first", "last")[i % 2], rng.sample(WORDS, rng.randint(2, 4))
+        rows.append({"messages": [{"role": "user", "content": f"{task} {' '.join(words)}"}],
+                     "answer": answer(task, words)[0]})
+    return rows
+
+
 def write_model(directory: Path, seed: int, vocab_size: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -116,7 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     with open(out / "sft.jsonl", "w") as f:
         for row in sft_rows(args.rows, args.seed):
             f.write(json.dumps(row) + "\n")
-    print(f"model + tokenizer: {model_dir}\nSFT data ({args.rows} rows): {out / 'sft.jsonl'}")
+    with open(out / "prompts.jsonl", "w") as f:
+        for row in prompt_rows(args.rows, args.seed):
+            f.write(json.dumps(row) + "\n")
+    print(f"model + tokenizer: {model_dir}\nSFT data ({args.rows} rows): {out / 'sft.jsonl'}\n"
+          f"prompts ({args.rows} rows): {out / 'prompts.jsonl'}")
 
 
 if __name__ == "__main__":

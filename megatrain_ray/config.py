@@ -99,6 +99,27 @@ class TrainConfig:
     resume_wait_s: float = 600.0  # how long auto-resume waits for the cluster to have room again
     max_restarts: int = 3  # auto-resumes per run before giving up
     step_timeout_s: float = 1800.0  # a step (or checkpoint) that takes longer stops the run; 0 = no limit
+    objective: str = "lm"  # lm: next-token loss on data.source | grpo: reinforcement learning with verifiable rewards on the prompts of data.source (the grpo section)
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    group_size: int = 8  # completions sampled per prompt (G); the advantages are normalised within each group
+    prompts_per_step: int = 4  # prompts per step: a step trains on prompts_per_step x group_size completions, train.micro_batch_size rows at a time
+    max_new_tokens: int = 256  # tokens sampled per completion at most (it ends earlier at the EOS); a prompt may take data.seq_len less this
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability
+    rewards: dict[str, float] = field(default_factory=lambda: {"exact_answer": 1.0})  # reward -> weight: exact_answer, math_answer (math-verify), format, or module:function
+    answer_column: str = "answer"  # the column the exact_answer and math_answer rewards compare with
+    format_pattern: str = r"(?s)^.*<answer>.+</answer>\s*$"  # the format reward: 1 where the completion matches this regex (re.fullmatch)
+    loss_normalizer: str = "sequence"  # sequence (GRPO: mean over completions of their mean token loss) | token (DAPO: over every token of the step) | constant (Dr. GRPO: over completions x max_new_tokens)
+    scale_rewards: bool = True  # advantages over the group's std; false: Dr. GRPO's unscaled advantages
+    clip_low: float = 0.2  # the policy ratio is clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2  # DAPO's clip-higher: 0.28
+    kl_coef: float = 0.0  # weight of the KL to the reference, model.path (k3 estimator), whose weights the GPU worker keeps once in host memory and streams; 0: none kept
+    updates_per_rollout: int = 1  # optimizer updates on each step's completions (more than 1: the old policy's log-probabilities are computed and the ratio clips)
+    rollout_dtype: str = "bfloat16"  # bfloat16 | float32: the rollout's copy of the policy
+    rollout_device: str = "auto"  # auto | cuda | cpu: where the rollout copy samples
 
 
 @dataclass(frozen=True)
@@ -152,6 +173,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
@@ -309,7 +331,7 @@ def check_values(config: Config) -> None:
     the problems of a config in one message, not one per run."""
     m, d, o, t, ex, rt, ck = (config.model, config.data, config.optim, config.train, config.executor,
                               config.runtime, config.checkpoint)
-    ev, mt = config.eval, config.metrics
+    ev, mt, g = config.eval, config.metrics, config.grpo
     checks = [
         (m.compute_dtype in ("bfloat16", "float32"), "model.compute_dtype must be bfloat16 or float32"),
         (m.implementation in ("auto", "native", "transformers"), "model.implementation must be auto, native or transformers"),
@@ -360,6 +382,32 @@ def check_values(config: Config) -> None:
         (t.resume_wait_s >= 0, "train.resume_wait_s must be >= 0"),
         (t.max_restarts >= 0, "train.max_restarts must be >= 0"),
         (t.step_timeout_s >= 0, "train.step_timeout_s must be >= 0 (0: no limit)"),
+        (t.objective in ("lm", "grpo"), "train.objective must be lm or grpo"),
+        (g.group_size >= 2, "grpo.group_size must be >= 2 (the advantages compare a prompt's completions)"),
+        (g.prompts_per_step >= 1, "grpo.prompts_per_step must be >= 1"),
+        (g.max_new_tokens >= 1, "grpo.max_new_tokens must be >= 1"),
+        (t.objective != "grpo" or g.max_new_tokens < d.seq_len,
+         "grpo.max_new_tokens must be below data.seq_len (a row holds the prompt and its completion)"),
+        (_finite(g.temperature) and g.temperature > 0, "grpo.temperature must be a finite number > 0"),
+        (0 < g.top_p <= 1, "grpo.top_p must be within (0, 1]"),
+        (len(g.rewards) >= 1 and all(isinstance(w, (int, float)) and _finite(w) for w in g.rewards.values()),
+         "grpo.rewards must map at least one reward (exact_answer, math_answer, format or module:function) to a "
+         "finite weight"),
+        (g.loss_normalizer in ("sequence", "token", "constant"), "grpo.loss_normalizer must be sequence, token or constant"),
+        (0 <= g.clip_low < 1 and _finite(g.clip_high) and g.clip_high >= 0,
+         "grpo.clip_low must be within [0, 1) and grpo.clip_high >= 0"),
+        (_finite(g.kl_coef) and g.kl_coef >= 0, "grpo.kl_coef must be a finite number >= 0 (0: no reference)"),
+        (g.updates_per_rollout >= 1, "grpo.updates_per_rollout must be >= 1"),
+        (t.objective != "grpo" or (ev.source is None and ev.holdout_fraction == 0),
+         "train.objective=grpo has no validation loss: unset eval.source and eval.holdout_fraction (the rewards in "
+         "metrics.jsonl tell how it goes)"),
+        (t.objective != "grpo" or g.kl_coef == 0 or m.path is not None,
+         "grpo.kl_coef > 0 needs model.path: the reference policy is the model it names (or set grpo.kl_coef=0)"),
+        (g.rollout_dtype in ("bfloat16", "float32"), "grpo.rollout_dtype must be bfloat16 or float32"),
+        (g.rollout_device in ("auto", "cuda", "cpu"), "grpo.rollout_device must be auto, cuda or cpu"),
+        (t.objective != "grpo" or (g.prompts_per_step * g.group_size) % t.micro_batch_size == 0,
+         f"grpo.prompts_per_step x grpo.group_size ({g.prompts_per_step * g.group_size} completions a step) must be "
+         f"a multiple of train.micro_batch_size ({t.micro_batch_size}): the step's rows fill its micro-batches"),
         (ex.device in ("auto", "cuda", "cpu"), "executor.device must be auto, cuda or cpu"),
         (ex.num_slots is None or ex.num_slots >= 2,
          "executor.num_slots must be >= 2 (one computing, one prefetching), or null: the plan chooses"),
@@ -398,8 +446,9 @@ def check_values(config: Config) -> None:
     problems = [message for ok, message in checks if not ok]
     if problems:
         raise ConfigError("; ".join(problems))
-    if config.runtime.num_gpus is not None:
-        check_divisible(config.train.grad_accum, config.runtime.num_gpus)
+    if config.runtime.num_gpus is not None:  # a GRPO step's micro-batches are its completions' rows
+        accum = g.prompts_per_step * g.group_size // t.micro_batch_size if t.objective == "grpo" else t.grad_accum
+        check_divisible(accum, config.runtime.num_gpus)
 
 
 def check_divisible(grad_accum: int, num_gpus: int) -> None:

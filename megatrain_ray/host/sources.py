@@ -128,3 +128,21 @@ class LocalSource(LayerSource):
     def close(self) -> None:
         self.drain()
         self.pool.shutdown()
+
+
+class FrozenSource(LayerSource):
+    """Fixed weights in this process's memory, one flat compute-dtype buffer per layer: a reference
+    policy's (rl/README.md), streamed through the executor's slots for a forward only. Nothing is
+    ever written or updated."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers = buffers
+
+    def weights(self, layer: int) -> torch.Tensor:
+        return self.buffers[layer]
+
+    def grad_buffer(self, layer: int) -> torch.Tensor:
+        raise RuntimeError("a frozen source takes no gradient")
+
+    def update(self, layer: int, hp: AdamWStep | None, gradient_landed) -> None:
+        raise RuntimeError("a frozen source is never updated")

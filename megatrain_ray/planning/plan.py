@@ -47,6 +47,10 @@ NCCL_BUFFER_BYTES = GiB // 2
 # sequence. A block's working set is its family's to say (ModelFamily.working_set_bytes), fitted to
 # the same peaks.
 LOSS_BYTES_PER_LOGIT = 9
+# The policy loss of reinforcement learning (train.objective: grpo, rl/loss.py) runs uncompiled:
+# bf16 logits, their fp32 copy, the log-softmax, the entropy's two fp32 temporaries, then the
+# log-softmax's and the cast's gradients. An estimate from those tensors, not yet measured.
+POLICY_LOSS_BYTES_PER_LOGIT = 20
 
 
 BOUNDARY = "boundary activations (input of every layer, every micro-batch)"
@@ -212,7 +216,8 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
     plan.by_use["one layer's working set"] = family(arch).working_set_bytes(arch, mb_tokens, mlp_tokens, d)
     chunk = min(loss_chunk_setting(config), mb_tokens)
-    plan.by_use["loss chunk"] = chunk * arch.vocab_size * LOSS_BYTES_PER_LOGIT
+    per_logit = POLICY_LOSS_BYTES_PER_LOGIT if config.train.objective == "grpo" else LOSS_BYTES_PER_LOGIT
+    plan.by_use["loss chunk"] = chunk * arch.vocab_size * per_logit
     plan.by_use["RoPE tables"] = 2 * micro_batches_per_gpu(config, num_gpus) * mb_tokens * arch.head_dim * d
     plan.by_use[KEPT] = kept * kept_graph_bytes(arch, config, num_gpus)
     if embedding_on_device:

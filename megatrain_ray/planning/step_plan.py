@@ -28,6 +28,7 @@ from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NU
                                          embedding_step_on_device, fit_auto_settings, fits_leanest, gpu_memory,
                                          host_memory, host_parking, micro_batches_per_gpu, with_auto_settings)
 from megatrain_ray.planning.probe import measure_working_set
+from megatrain_ray.rl.loss import PolicyLoss
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class StepPlan:
     headroom: int = dataclasses.field(default=0, compare=False)  # the workers' node's, beside stores and windows
     placement: Placement | None = dataclasses.field(default=None, compare=False)  # with its window (None: in process)
     refused: str | None = dataclasses.field(default=None, compare=False)  # why it cannot run (plan_step refuse=False)
+    policy: PolicyLoss | None = None  # the head's loss: None, next-token cross-entropy; else the policy loss (rl/loss.py)
 
     def describe(self) -> str:
         """The decisions as the run's start line tells them."""
@@ -114,6 +116,15 @@ class StepPlan:
         return config.replace(executor=dataclasses.replace(config.executor, loss_chunk_tokens=self.loss_chunk_tokens,
                                                            mlp_chunk_tokens=self.mlp_chunk_tokens,
                                                            num_slots=self.num_slots))
+
+
+def head_loss(config: Config) -> PolicyLoss | None:
+    """The loss the head computes (train.objective): the token cross-entropy (None), or GRPO's
+    clipped policy-ratio loss with its clipping and KL weight."""
+    if config.train.objective != "grpo":
+        return None
+    g = config.grpo
+    return PolicyLoss(g.clip_low, g.clip_high, g.kl_coef)
 
 
 def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceFacts],
@@ -152,7 +163,7 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
                     on_device, placed.window_slots if placed is not None else 0, measured,
                     config.executor.loss_chunk_tokens, config.executor.mlp_chunk_tokens, config.executor.num_slots,
                     int(cap * GiB) if cap is not None and tightest.kind == "cuda" else None, memory,
-                    budget, headroom, placed)
+                    budget, headroom, placed, policy=head_loss(config))
     try:
         check_step_fits(planned, config, plan, where)
     except PlanError as e:

@@ -1,10 +1,13 @@
 """The Ray actors of a run: a ShardStore on each store node, and the GPU workers (one per GPU, data
 parallel) that host the streaming executor and reach each store through shared memory (same node)
-or its TCP link (other nodes, through one bounded window of pinned slots per worker)."""
+or its TCP link (other nodes, through one bounded window of pinned slots per worker); with
+train.objective: grpo, the rollout (rl/rollout.py) on the GPU node."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Callable, Iterator
 
 import ray
 import torch
@@ -12,14 +15,15 @@ import torch
 from megatrain_ray.config import Config
 from megatrain_ray.files import shard
 from megatrain_ray.host.adamw import AdamWStep
-from megatrain_ray.host.memory import dtype_of
+from megatrain_ray.host.memory import dtype_of, shm_tensor
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, WindowSource
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.host.transport import LayerLink, LayerServer
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, measured_facts
-from megatrain_ray.runtime.worker import Rendezvous, Worker, assemble_worker
+from megatrain_ray.rl.rollout import Rollout, rollout_device
+from megatrain_ray.runtime.worker import Rendezvous, Worker, assemble_worker, reference_source
 from megatrain_ray.streaming.executor import pick_device
 from megatrain_ray.streaming.step_result import EvalResult, StepResult
 
@@ -103,6 +107,7 @@ class GpuWorker:
         self.window: WindowSource | None = None
         self.kinds: list[str] = []  # how it reaches each store: "shm" or "stream"
         self.facts: DeviceFacts | None = None
+        self.reference = None  # a GRPO run's reference weights (reference_logprobs), read at first use
 
     def gpu_ids(self) -> list[str]:
         """The GPU Ray gave this actor (none on the CPU path)."""
@@ -195,6 +200,18 @@ class GpuWorker:
         self._expect(updates_elsewhere)
         return self.worker.executor.eval_loss(micro_batches)
 
+    def token_logprobs(self, micro_batches: list[dict], updates_elsewhere: dict | None = None) -> list:
+        """Each label's log-probability on this worker's share, with every update so far."""
+        self._expect(updates_elsewhere)
+        return self.worker.executor.token_logprobs(micro_batches)
+
+    def reference_logprobs(self, micro_batches: list[dict]) -> list:
+        """Each label's log-probability under the reference policy (model.path), streamed through
+        this worker's slots from its copy in host memory (runtime/worker.py, reference_source)."""
+        if self.reference is None:
+            self.reference = reference_source(self.arch, self.config, self.device)
+        return self.worker.executor.token_logprobs(micro_batches, self.reference)
+
     def drain(self) -> int:
         """Wait until every optimizer step this worker sent or expects has landed; returns the LR
         schedule's position."""
@@ -214,3 +231,43 @@ class GpuWorker:
             self.worker.group.close()
         elif self.layers is not None:  # the assembly failed (a process group that never formed)
             self.layers.close()
+
+
+def store_weights(stores: list, store_nodes: list[str], here: str, arch: ModelArch, dtype: torch.dtype,
+                  embedding_master: bool, get: Callable) -> Iterator[tuple[int, torch.Tensor]]:
+    """(layer, weights) of every store once its updates have landed: each store's compute copy read
+    in place through shared memory where it lives on this process's node (`here`), the weights the
+    workers compute with; else its master sent over Ray. `embedding_master`: the embedding's master
+    (a worker steps it on its device, and the store's compute copy of it is not refreshed then).
+    `get`: how to wait for an actor's answer (ray.get, or the driver's watchdog)."""
+    numels = [layout.numel for layout in model_layouts(arch)]
+    for store, node in zip(stores, store_nodes):
+        paths = get(store.shared_paths.remote(), "mapping the stores") if node == here else {}
+        for i in get(store.layer_ids.remote(), "mapping the stores"):
+            if i in paths and not (i == 0 and embedding_master):
+                yield i, shm_tensor(Path(paths[i]), numels[i], dtype, create=False)
+            else:
+                yield i, get(store.master.remote(i), f"reading layer {i}")
+
+
+class RolloutActor(Rollout):
+    """The rollout (rl/rollout.py) in a Ray actor on the GPU node, seeing the GPU it is given (rank
+    0's, which it shares with the trainer: the step is planned within what its copy leaves), and
+    reading the stores' weights from there itself: none of them passes through the driver."""
+
+    def __init__(self, arch: ModelArch, config: Config, visible_gpus: list[str] = ()):
+        if visible_gpus:  # an actor that asked Ray for no GPU sees none, unless told
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
+        if config.runtime.worker_threads:  # as a GPU worker's (it runs while they wait)
+            torch.set_num_threads(config.runtime.worker_threads)
+        g = config.grpo
+        self.compute_dtype = dtype_of(config.model.compute_dtype)
+        super().__init__(arch, dtype_of(g.rollout_dtype), rollout_device(g.rollout_device), config.train.seed)
+
+    def load_from_stores(self, stores: list, store_nodes: list[str], embedding_master: bool) -> None:
+        here = ray.get_runtime_context().get_node_id()
+        self.load(store_weights(stores, store_nodes, here, self.arch, self.compute_dtype, embedding_master,
+                                lambda refs, what: ray.get(refs)))
+
+    def close(self) -> None:
+        """Nothing to release: its memory goes with its process."""

@@ -32,14 +32,17 @@ class MetricsLog:
         self.data_summary = data_summary  # into this log's first row (data/summary.py)
 
     def step(self, step: int, r: StepResult, evaluation: EvalResult | None = None,
-             bad_rows: dict[str, int] | None = None) -> dict:
-        """`bad_rows`: the bad rows skipped so far by reason (data/bad_rows.py), in the row when any."""
+             bad_rows: dict[str, int] | None = None, extra: dict | None = None) -> dict:
+        """`bad_rows`: the bad rows skipped so far by reason (data/bad_rows.py), in the row when any;
+        `extra`: what the step's kind adds (a GRPO step's rewards and rates: rl/step.py)."""
         record = {"step": step, "time": time.time(), **dataclasses.asdict(r),
                   "tokens_per_s": r.tokens / r.seconds if r.seconds else 0.0}
         if bad_rows:
             record["bad_rows"] = dict(bad_rows)
         if self.data_summary is not None:
             record["data"], self.data_summary = self.data_summary, None
+        if extra:
+            record.update(extra)
         if evaluation is not None:
             record.update(eval_loss=evaluation.loss, eval_target_tokens=evaluation.target_tokens,
                           eval_seconds=evaluation.seconds)
@@ -51,7 +54,7 @@ class MetricsLog:
             raise
         for tracker in self.trackers:
             tracker.log(step, scalars_of(record))
-        self.progress.show(step, r, evaluation)
+        self.progress.show(step, r, evaluation, extra)
         return record
 
     def close(self) -> None:

@@ -41,6 +41,13 @@ class StartupPhases:
         print(f"[{time.monotonic() - self.t0:6.1f} s] {text}", file=self.stream, flush=True)
 
 
+def rl_parts(m: dict) -> list[str]:
+    """A GRPO step's part of the line (rl/step.py, step_metrics)."""
+    return [f"reward {m['reward_mean']:.3f}±{m['reward_std']:.3f}", f"len {m['completion_length']:.0f}",
+            f"clip {m['clip_fraction']:.3f}", f"kl {m['kl']:.4f}", f"entropy {m['entropy']:.2f}",
+            f"rollout {m['rollout_tokens_per_s']:,.0f} tok/s", f"train {m['train_tokens_per_s']:,.0f} tok/s"]
+
+
 class ProgressLine:
     """The step line; see the module docstring."""
 
@@ -54,7 +61,7 @@ class ProgressLine:
         self.last_eval: tuple[int, float] | None = None
         self.drawn = False
 
-    def text(self, step: int, r: StepResult, evaluation: EvalResult | None = None) -> str:
+    def text(self, step: int, r: StepResult, evaluation: EvalResult | None = None, rl: dict | None = None) -> str:
         now = time.monotonic()
         done = step - self.start_step
         if done == 1:
@@ -67,10 +74,13 @@ class ProgressLine:
         if self.last_eval is not None:
             at = "" if self.last_eval[0] == step else f" (step {self.last_eval[0]})"
             parts.append(f"val_loss {self.last_eval[1]:.4f}{at}")
+        if rl is not None:
+            parts += rl_parts(rl)
         parts.append(f"grad_norm {r.grad_norm:.3f}")
         if r.lr is not None:
             parts.append(f"lr {r.lr:.2e}")
-        parts.append(f"{tokens / seconds if seconds else 0:,.0f} tok/s")
+        if rl is None:  # a GRPO step tells its rollout's and its updates' rates apart
+            parts.append(f"{tokens / seconds if seconds else 0:,.0f} tok/s")
         parts.append(f"elapsed {clock(now - self.t0)}")
         parts.append(f"ETA {self.eta(step, now)}")
         line = " | ".join(parts)
@@ -84,8 +94,8 @@ class ProgressLine:
             return "?"
         return clock((now - self.after_first) / later * (self.total - step))
 
-    def show(self, step: int, r: StepResult, evaluation: EvalResult | None = None) -> str:
-        line = self.text(step, r, evaluation)
+    def show(self, step: int, r: StepResult, evaluation: EvalResult | None = None, rl: dict | None = None) -> str:
+        line = self.text(step, r, evaluation, rl)
         if self.live:
             width = shutil.get_terminal_size((200, 24)).columns - 1
             self.stream.write("\r" + line[:width] + ERASE_TO_END)

@@ -17,7 +17,7 @@ import ray
 
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.files.carried import carried_tensors, carry_into
-from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
+from megatrain_ray.runtime.actors import GpuWorker, RolloutActor, ShardStoreActor, store_weights
 from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, on_node
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
 from megatrain_ray.config import Config
@@ -74,12 +74,16 @@ class Session:
         self._updates_done = updates_done  # the LR position, and each layer's update count, after the last step
         self.gpus: list = []
         self.stores: list = []
+        self.rollouts: list = []  # a GRPO run's rollout actor (_launch_rollout)
+        self.gpu_ids: list[list[str]] = []  # each worker's GPUs, as Ray gave them
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
         self.carried_from: str | None = None  # where the carried tensors are (files/carried.py)
         try:
             self.gpus = self._launch_workers()
             self.stores = self._launch_stores()  # their processes start beside the workers'
             facts = self._device_facts()
+            if config.train.objective == "grpo":  # its process starts while the stores fill
+                self.rollouts.append(self._launch_rollout())
             self.plan: StepPlan = self._plan(config, facts, stores_allocated=False)
             self._allocate_stores()
         except BaseException:
@@ -99,6 +103,7 @@ class Session:
         """Each worker's device, shown all the workers' GPUs (NCCL copies directly between GPUs only
         when a process sees both; Ray would show each worker its own GPU alone)."""
         ids = self.wait([w.gpu_ids.remote() for w in self.gpus], "starting the GPU workers")
+        self.gpu_ids = ids
         visible = [i for worker_ids in ids for i in worker_ids]
         return self.wait([w.take_device.remote(visible) for w in self.gpus], "starting the GPU workers")
 
@@ -210,9 +215,50 @@ class Session:
         return EvalResult(sum(p.loss_sum for p in parts), sum(p.target_tokens for p in parts),
                           sum(p.tokens for p in parts), max(p.seconds for p in parts))
 
+    def token_logprobs(self, micro_batches: list[dict], what: str = "the old policy's log-probabilities") -> list:
+        """Each label's log-probability under the current weights, through the streamed forward
+        (the workers' shares, in order): the policy loss's old log-probabilities (rl/step.py)."""
+        shares = split_unevenly(micro_batches, len(self.gpus))
+        parts = self.wait([w.token_logprobs.remote(share, self._tell(rank))
+                           for rank, (w, share) in enumerate(zip(self.gpus, shares)) if share], what)
+        return [lp for part in parts for lp in part]
+
+    def reference_logprobs(self, micro_batches: list[dict]) -> list:
+        """Each label's log-probability under the reference policy, streamed by rank 0's worker from
+        the one copy of its weights in host memory (GpuWorker.reference_logprobs)."""
+        return self.wait(self.gpus[0].reference_logprobs.remote(micro_batches), "the reference's log-probabilities")
+
     def drain(self, what: str = "the optimizer's last updates") -> int:
         """Every update issued has landed; returns the number of updates done."""
         return self.wait([w.drain.remote() for w in self.gpus], what)[0]
+
+    def rollout_weights(self):
+        """(layer, weights) for a rollout's copy of the policy in the driver (rl/rollout.py), once
+        every update has landed (runtime/actors.py, store_weights: in place where the driver shares
+        a store's node)."""
+        self.drain("the updates before the rollout")
+        yield from store_weights(self.stores, self._store_nodes(), driver_node_id(), self.arch,
+                                 dtype_of(self.config.model.compute_dtype), self.plan.embedding_on_device, self.wait)
+
+    def _store_nodes(self) -> list[str]:
+        return [plan.node.node_id for plan in self.placement.stores]
+
+    def _launch_rollout(self):
+        """A GRPO run's rollout actor (runtime/actors.py, RolloutActor) on the GPU node, shown rank
+        0's GPU, which it shares; it ends with the session."""
+        return (ray.remote(RolloutActor).options(num_cpus=0, scheduling_strategy=on_node(self.placement.gpu.node_id))
+                .remote(self.arch, self.config, self.gpu_ids[0]))
+
+    @property
+    def rollout(self):
+        """The rollout actor a GRPO run's session started (None for any other run)."""
+        return self.rollouts[0] if self.rollouts else None
+
+    def refresh_rollout(self, actor) -> None:
+        """The rollout actor loads the weights of every update so far, from the stores themselves."""
+        self.drain("the updates before the rollout")
+        self.wait(actor.load_from_stores.remote(self.stores, self._store_nodes(), self.plan.embedding_on_device),
+                  "loading the rollout's weights")
 
     def iter_layer_weights(self):
         """(layer, fp32 master weights) in layer order, one layer in memory at a time."""
@@ -334,7 +380,7 @@ class Session:
     def close(self, timeout_s: float = 10.0) -> None:
         """For a run that may have lost actors too: ask the living ones to release their shared
         memory (a bounded wait), then kill them all."""
-        actors = list(self.gpus) + list(self.stores)
+        actors = list(self.gpus) + list(self.stores) + list(self.rollouts)
         refs = []
         for actor in actors:
             try:

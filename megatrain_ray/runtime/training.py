@@ -146,8 +146,14 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
     in_job = under_ray_job() or in_job_copy(Path.cwd())  # outputs outside Ray's copy of the working dir
     config, resume = for_this_run(config, in_job), resume_moved(resume, in_job)
     arch = model_arch(config.model)
-    counted = summarize_data(config.data, config.eval, arch.vocab_size, config.train.seed)  # DataError before Ray
-    data = datasets(config, arch.vocab_size)  # the validation batches too
+    if config.train.objective == "grpo":  # prompts and rewards, checked before Ray (runtime/grpo.py)
+        from megatrain_ray.runtime.grpo import grpo_data, grpo_run_config
+
+        config = grpo_run_config(config, arch)
+        counted, data = None, (grpo_data(config, arch), None)
+    else:
+        counted = summarize_data(config.data, config.eval, arch.vocab_size, config.train.seed)  # DataError before Ray
+        data = datasets(config, arch.vocab_size)  # the validation batches too
     check_trackers(config.metrics)
     resume_path = ckpt.resolve(resume, ckpt.checkpoint_root(config)) if resume else None
     if resume_path is not None:  # the one verification of its files (hashes) in this run
@@ -287,6 +293,22 @@ def validate(session: Session, batches: list[dict], group: int, step: int) -> Ev
                       sum(p.tokens for p in parts), sum(p.seconds for p in parts))
 
 
+def lm_steps(session: Session, batches):
+    """The next-token steps: each call takes a step's micro-batches and trains on them; returns its
+    result, the data position after it and no further metrics."""
+    def step_on(step: int):
+        micro_batches, upcoming = next(batches)
+        return session.train_step(micro_batches, f"step {step}"), upcoming, None
+    return step_on
+
+
+def grpo_steps(session: Session, config: Config, data, meta: dict | None):
+    """The GRPO steps (runtime/grpo.py), from the position a resumed checkpoint holds."""
+    from megatrain_ray.runtime.grpo import GrpoSteps
+
+    return GrpoSteps(session, config, data, meta.get("data_position") if meta else None)
+
+
 def _loop(session: Session, config: Config, data: tuple, meta: dict | None, progress: Progress, out: Path,
           until_step: int | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
     from megatrain_ray.data import DataPosition
@@ -294,13 +316,15 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
     t = config.train
     dataset, eval_batches = data  # datasets(): a pure function of the config, reread from any position
     start_step = meta["step"] if meta else 0
-    start_pos = DataPosition.from_dict(meta["data_position"]) if meta and meta.get("data_position") else None
+    lm = t.objective != "grpo"
+    start_pos = DataPosition.from_dict(meta["data_position"]) if lm and meta and meta.get("data_position") else None
     log = MetricsLog(out / "metrics.jsonl", t.steps, open_trackers(config.metrics, out, config.to_dict()), start_step,
                      progress.data_summary)
     bad_in_a_row, last, position, step, evaluation = 0, None, start_pos, start_step, None
     counted_whole = (progress.data_summary or {}).get("train", {}).get("complete", False)
     bad_rows = BadRowCount(None if counted_whole else config.data.max_bad_fraction)  # the summary judged a whole source
-    batches = dataset.batches(t.micro_batch_size, t.grad_accum, start_pos, bad_rows)
+    steps = (lm_steps(session, dataset.batches(t.micro_batch_size, t.grad_accum, start_pos, bad_rows)) if lm
+             else grpo_steps(session, config, dataset, meta))
     finished = start_step  # the last step whose update the stores hold, and the data position after it
     saved = start_step if progress.checkpoint is not None else None
     try:
@@ -308,13 +332,12 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
         if stop is not None and stop.requested:  # during the start-up: nothing new to save
             raise RunInterrupted(stop.signum, start_step, progress.checkpoint)
         for step in range(start_step + 1, last_step + 1):
-            micro_batches, upcoming = next(batches)
-            last = session.train_step(micro_batches, f"step {step}")
+            last, upcoming, extra = steps(step)
             finished, position = step, upcoming  # `position`: the data position after step `finished`
             due = eval_batches is not None and (step == last_step or (config.eval.every and step % config.eval.every == 0))
             if due:
                 evaluation = validate(session, eval_batches, t.grad_accum, step)
-            log.step(step, last, evaluation if due else None, bad_rows.by_reason)
+            log.step(step, last, evaluation if due else None, bad_rows.by_reason, extra)
             bad_in_a_row = 0 if last.finite else bad_in_a_row + 1
             if not last.finite:
                 print(f"warning: step {step} had a non-finite loss or gradient (loss {last.loss}, grad_norm "

@@ -13,7 +13,7 @@ import torch
 from megatrain_ray.config import Config
 from megatrain_ray.host.adamw import LrSchedule
 from megatrain_ray.host.memory import dtype_of
-from megatrain_ray.host.sources import LayerSource
+from megatrain_ray.host.sources import FrozenSource, LayerSource
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.step_plan import StepPlan
@@ -69,8 +69,20 @@ def build_executor(arch: ModelArch, config: Config, plan: StepPlan, source: Laye
     return StreamingExecutor(
         arch, source, device, dtype_of(config.model.compute_dtype), plan.num_slots, plan.loss_chunk_tokens,
         compile_blocks=ex.compile, mlp_chunk_tokens=plan.mlp_chunk_tokens, offload_activations=plan.offload,
-        group=group, keep_graphs=plan.kept, hooks=hooks,
+        group=group, keep_graphs=plan.kept, hooks=hooks, policy=plan.policy,
     )
+
+
+def reference_source(arch: ModelArch, config: Config, device: torch.device) -> FrozenSource:
+    """The reference policy of a GRPO run with a KL (grpo.kl_coef > 0): model.path read once into
+    host memory in the compute dtype (pinned where a GPU copies from it), for the executor to
+    stream through its slots (StreamingExecutor.token_logprobs with `source`)."""
+    from megatrain_ray.files.hf import load_hf_weights
+
+    dtype, pinned = dtype_of(config.model.compute_dtype), device.type == "cuda"
+    buffers = [torch.empty(layout.numel, dtype=dtype, pin_memory=pinned) for layout in model_layouts(arch)]
+    load_hf_weights(config.model.path, arch, buffers.__getitem__)
+    return FrozenSource(buffers)
 
 
 def hold_to_cap(plan: StepPlan, device: torch.device) -> None:

@@ -14,6 +14,11 @@ from its family (models/family.py) and nothing else.
 With several data-parallel workers (streaming/data_parallel.py) each runs this same step on its share of the
 micro-batches; the loss is scaled by the step's global target count, each gradient is summed across
 the workers before it leaves and leaves from its owner only, and the loss and norm are summed once.
+
+The head's loss is the step plan's choice: the next-token cross-entropy, or the clipped
+policy-ratio loss of reinforcement learning (`policy`, rl/loss.py), whose token log-probabilities
+come chunk by chunk from the same head and whose per-token advantages, old and reference
+log-probabilities and normalising weights ride in the micro-batches beside the labels.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from megatrain_ray.models.family import IGNORE_INDEX
 from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout
 from megatrain_ray.models.ops import packs_documents
 from megatrain_ray.models.registry import family, model_layouts
+from megatrain_ray.rl.loss import PolicyLoss, PolicyMetrics, label_logprobs, token_losses
 from megatrain_ray.streaming.prefetcher import Prefetcher, Slot
 from megatrain_ray.streaming.layer_order import Unit, kept_blocks, model_units, step_order
 from megatrain_ray.streaming import rng
@@ -119,8 +125,10 @@ class StreamingExecutor:
         group: Group | None = None,
         keep_graphs: int = 0,
         hooks: StepHooks = NO_HOOKS,
+        policy: PolicyLoss | None = None,
     ):
         self.arch = arch
+        self.policy = policy  # None: the token cross-entropy; else the policy loss (rl/loss.py)
         self.source = source
         self.device = device
         self.dtype = compute_dtype
@@ -139,6 +147,7 @@ class StreamingExecutor:
         # eagerly, as torch.compile's forward and recompute graphs need not draw alike
         self.replay = self.family.draws_random(arch)
         self.compiled_block = self.compiled_kept_block = self.compiled_head_loss = None
+        self.metrics: PolicyMetrics | None = None
         if compile_blocks and self.streams.cuda and not self.replay:
             self.compiled_block = per_template(compile_block(self.family.block), self.family)
             budget = self.family.kept_activation_budget
@@ -194,6 +203,7 @@ class StreamingExecutor:
         scale = 1.0 / max(1, target if step_target_tokens is None else step_target_tokens)
         mbs = [_to_device(mb, self.device) for mb in micro_batches]
         ctxs = self._contexts(micro_batches, mbs)
+        self.metrics = PolicyMetrics(self.device) if self.policy is not None else None
 
         cursor = itertools.count()
         saved = ActivationStash(self.streams, self.offload_activations)
@@ -249,6 +259,7 @@ class StreamingExecutor:
                 self.source.update(layer, hp, self.grads.landed.get(layer))
         result = self._result(t0, loss_value, grad_norm, finite, mbs, target)
         result.lr = getattr(hp, "lr", None)
+        result.policy = self.metrics.as_dict() if self.metrics is not None else None
         return result
 
     def _update_order(self) -> list[int]:
@@ -267,13 +278,50 @@ class StreamingExecutor:
         its backward: no input is kept for a recompute, no gradient is made or sent, no store is
         touched. Weights are read as the stores hold them (after any pending update has landed)."""
         t0 = time.perf_counter()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+
+        def at_head(head_w, embed_w, x, mb):
+            nonlocal total
+            total += self.family.head_loss(self.arch, head_w, embed_w, x, mb["labels"], self.loss_chunk_tokens, 1.0)
+
+        mbs = self._forward_only(micro_batches, at_head)
+        loss_sum = float(total)  # the one sync
+        return EvalResult(loss_sum, sum(target_tokens(mb) for mb in micro_batches),
+                          sum(mb["input_ids"].numel() for mb in mbs), time.perf_counter() - t0)
+
+    def token_logprobs(self, micro_batches: list[dict], source: LayerSource | None = None) -> list[np.ndarray]:
+        """Each micro-batch's log-probability of every label under the weights the stores hold now
+        (0 where the label is ignored), [rows x tokens] in fp32: a forward like `eval_loss`'s, the
+        head's logits made a chunk at a time. The policy loss's old log-probabilities; with `source`
+        (host/sources.py, FrozenSource), under its weights instead, through the same slots (a step
+        starts with none resident): the reference's."""
+        if source is not None:
+            main, self.prefetcher.source = self.prefetcher.source, source
+            try:
+                return self.token_logprobs(micro_batches)
+            finally:
+                self.prefetcher.source = main
+        out: list[torch.Tensor] = []
+
+        def at_head(head_w, embed_w, x, mb):
+            flat_x, labels = x.reshape(-1, x.shape[-1]), mb["labels"].reshape(-1)
+            chunks = [label_logprobs(self.family.logits(self.arch, head_w, embed_w, flat_x[start:start + n]),
+                                     labels[start:start + n])[0] for start in range(0, labels.numel(), n)]
+            out.append(torch.cat(chunks).view(mb["labels"].shape))
+
+        n = self.loss_chunk_tokens
+        self._forward_only(micro_batches, at_head)
+        return [lp.cpu().numpy() for lp in out]
+
+    def _forward_only(self, micro_batches: list[dict], at_head: Callable) -> list[dict]:
+        """The step's forward without autograd over every layer, evaluating (no dropout); the head
+        hands each micro-batch's final hidden states to `at_head(head_w, embed_w, x, mb)`."""
         self.stats = self.prefetcher.stats = self.grads.stats = TransferStats()
         self.prefetcher.begin_step([layer for unit in self.units for layer in unit.layers])
         mbs = [_to_device(mb, self.device) for mb in micro_batches]
         ctxs = self._contexts(micro_batches, mbs)
         cursor = itertools.count()
         x: list[torch.Tensor] = [mb["input_ids"] for mb in mbs]
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
         with torch.no_grad(), self.family.evaluating(self.arch):
             for unit in self.units:
                 slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
@@ -282,15 +330,12 @@ class StreamingExecutor:
                     if unit.kind == HEAD:
                         embed_w = weights[1] if len(weights) > 1 else None
                         for xi, mb in zip(x, mbs):
-                            total += self.family.head_loss(self.arch, weights[0], embed_w, xi, mb["labels"],
-                                                           self.loss_chunk_tokens, 1.0)
+                            at_head(weights[0], embed_w, xi, mb)
                     else:
                         x = [self._forward(unit, weights[0], xi, ctx) for xi, ctx in zip(x, ctxs)]
                 for slot in slots:
                     self.prefetcher.release(slot)
-        loss_sum = float(total)  # the one sync
-        return EvalResult(loss_sum, sum(target_tokens(mb) for mb in micro_batches),
-                          sum(mb["input_ids"].numel() for mb in mbs), time.perf_counter() - t0)
+        return mbs
 
     def _contexts(self, micro_batches: list[dict], mbs: list[dict]) -> list:
         """Each micro-batch's context, told from the host's copy whether a row packs documents."""
@@ -356,8 +401,11 @@ class StreamingExecutor:
             for start in range(0, flat_x.shape[0], self.loss_chunk_tokens):
                 chunk = slice(start, start + self.loss_chunk_tokens)
                 x_chunk = _leaf(flat_x[chunk])
-                loss = head_loss(self.arch, head_w, embed_w, x_chunk, flat_labels[chunk], self.loss_chunk_tokens,
-                                 1.0) * scale
+                if self.policy is not None:
+                    loss = self._policy_loss(head_w, embed_w, x_chunk, mb, chunk)
+                else:
+                    loss = head_loss(self.arch, head_w, embed_w, x_chunk, flat_labels[chunk], self.loss_chunk_tokens,
+                                     1.0) * scale
                 dx_chunk, *grads = torch.autograd.grad(loss, [x_chunk, *params], allow_unused=True,
                                                        materialize_grads=True)
                 dx[chunk] = dx_chunk
@@ -367,6 +415,19 @@ class StreamingExecutor:
                     self.grads.add(layer, {name: next(per_param) for name in w})
             dxs.append(dx.view(x.shape))
         return loss_sum, dxs
+
+    def _policy_loss(self, head_w, embed_w, x_chunk: torch.Tensor, mb: dict, chunk: slice) -> torch.Tensor:
+        """One chunk's share of the step's policy loss (rl/loss.py): its tokens' losses weighted by
+        the step's normalisation (`loss_weights`, 0 off the completions). Without `old_logprobs`
+        (one update per rollout) the old policy is this one: the ratio is 1, its gradient A."""
+        take = lambda key: mb[key].reshape(-1)[chunk]  # noqa: E731
+        labels = take("labels")
+        logp, entropy = label_logprobs(self.family.logits(self.arch, head_w, embed_w, x_chunk), labels)
+        old = take("old_logprobs") if "old_logprobs" in mb else logp.detach()
+        ref = take("ref_logprobs") if "ref_logprobs" in mb else None
+        losses = token_losses(logp, old, take("advantages"), ref, self.policy)
+        self.metrics.add(labels != IGNORE_INDEX, losses, entropy)
+        return (losses.loss * take("loss_weights")).sum()
 
     def _block_backward(self, unit: Unit, slot: Slot, inputs, dys, ctxs, aux: "AuxLoss | None", draws: dict):
         """Recompute each micro-batch's forward under a local graph (drawing the random numbers its

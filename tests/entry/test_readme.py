@@ -13,6 +13,7 @@ from megatrain_ray.config_reference import END, START, field_comments, readme_se
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # wherever tests/ puts this file
 README = ROOT / "README.md"
 DOCS = [README, ROOT / "megatrain_ray" / "README.md", ROOT / "megatrain_ray" / "models" / "README.md",
+        ROOT / "megatrain_ray" / "rl" / "README.md",
         *sorted((ROOT / "examples" / "benchmarks").glob("*.md"))]
 SECTIONS = ["Install", "Quick start", "Three ways to run", "Models", "Fine-tuning and data formats",
             "Plan before you run", "Host memory modes", "Configuration reference", "Stopping and resuming",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatrain_ray"
 # bottom to top: a part may import the parts before it, never one after it
-ORDER = ("config", "config_reference", "models", "data", "host", "files", "streaming", "planning", "runtime", "api",
+ORDER = ("config", "config_reference", "models", "data", "rl", "host", "files", "streaming", "planning", "runtime", "api",
          "bench", "cli", "megatrain_ray")
 HARNESS = {"megatrain_ray.runtime.local"}  # the in-process trainer, for tests
 TOP = {"megatrain_ray.cli", "megatrain_ray.api", "megatrain_ray"}  # entry points may reach everything

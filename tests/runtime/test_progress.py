@@ -20,3 +20,12 @@ def test_an_earlier_validation_loss_names_its_step():
     assert all("val_loss" not in t for t in texts[:3])
     assert "| val_loss 4.6089 |" in texts[3]  # measured at this step
     assert "| val_loss 4.6089 (step 4) |" in texts[4] and "| val_loss 4.6089 (step 4) |" in texts[5]
+
+
+def test_a_grpo_step_shows_its_rewards_and_both_rates():
+    rl = {"reward_mean": 0.4375, "reward_std": 0.25, "completion_length": 31.6, "clip_fraction": 0.012, "kl": 0.0031,
+          "entropy": 2.345, "rollout_tokens_per_s": 1234.5, "train_tokens_per_s": 5678.9}
+    text = ProgressLine(6, stream=io.StringIO(), live=False).text(1, step_result(0.1), None, rl)
+    assert ("| reward 0.438±0.250 | len 32 | clip 0.012 | kl 0.0031 | entropy 2.35 | rollout 1,234 tok/s | "
+            "train 5,679 tok/s | grad_norm") in text
+    assert text.count("tok/s") == 2  # the update's rate once, as train

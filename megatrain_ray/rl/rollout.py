@@ -1,0 +1,206 @@
+"""The rollout: a copy of the policy that samples each prompt's completions.
+
+The copy is transformers' own model of the family, built from the config.json the export writes
+(models' `hf_config`) in grpo.rollout_dtype, its weights loaded from the host's fp32 master
+before every step's sampling (so it is never more than the last update behind: none). It decodes
+a batch of sequences at once with a KV cache, left-padded, sampling each token with temperature
+and top-p from its own generator, whose state the checkpoints keep (`sampler_state`). It reads
+nothing of the run but the weights it is handed and keeps no state but the generator: a Ray actor
+on a GPU of its own can hold it unchanged (the design for rolling out on a second GPU while the
+first trains, one policy version behind). On a GPU its weights stay there, as the run plans the
+training step within what the copy leaves (runtime/grpo.py, trainer_share, from `rollout_bytes`);
+the decoding's memory (the KV cache, the sampler's tensors) goes back after each sampling
+(`free_cache`): moving 15 GB of weights each way each step would cost seconds and buy nothing.
+
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.registry import arch_to_hf_config, model_layouts, num_params
+from megatrain_ray.rl.loss import label_logprobs
+
+
+def hf_model(arch: ModelArch, dtype: torch.dtype):
+    """transformers' causal LM for `arch`, from the config.json the export writes, in `dtype`,
+    evaluating (its weights are loaded later: `Rollout.load`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(arch_to_hf_config(arch, torch_dtype=str(dtype).removeprefix("torch.")))
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+
+
+GiB = 1024**3
+
+
+def rollout_device(name: str) -> torch.device:
+    """grpo.rollout_device as a torch device (auto: a GPU where this process sees one)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) -> int:
+    """The device memory the rollout takes while it samples `rows` sequences of up to `seq_len`
+    tokens: its copy's weights, every row's KV cache at full length, the sampler's fp32
+    probabilities (a few copies of [rows x vocab]) and 2 GiB for the prompts' forward."""
+    weights = num_params(arch) * dtype_bytes
+    kv_cache = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes * rows * seq_len
+    sampler = 4 * rows * arch.vocab_size * 4
+    return weights + kv_cache + sampler + 2 * GiB
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), within the smallest set of tokens
+    whose probability reaches top_p (the most likely token always in it)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # the mass of the tokens more likely than each
+        sorted_probs = sorted_probs * (before < top_p)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eos_id: int | None = None  # a completion ends after its first EOS (which it keeps); None: at max_new_tokens
+
+
+class Rollout:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int):
+        self.arch, self.dtype, self.device = arch, dtype, device
+        self.model = hf_model(arch, dtype).to(device)
+        self.layouts = model_layouts(arch)
+        self.generator = torch.Generator(device).manual_seed(seed)
+        # transformers renamed the forward's past_key_values to cache
+        forward = inspect.signature(type(self.model).forward).parameters
+        self.cache_kw = "cache" if "cache" in forward else "past_key_values"
+        # the prompt's forward needs the last position's logits only, not [rows x prompt x vocab]
+        self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+
+    def describe(self) -> str:
+        where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return f"{self.device} ({where}), {str(self.dtype).removeprefix('torch.')}"
+
+    # -- weights -------------------------------------------------------------------------------
+    def refresh(self, policy) -> None:
+        """The weights of `policy` (rl/step.py, Policy) as it holds them now."""
+        self.load(policy.rollout_weights())
+
+    def load(self, layer_weights: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """The policy's weights from (layer, flat weights: the stores' compute copy or the fp32
+        master) pairs, one layer at a time, into the copy on the rollout's device."""
+        params = dict(self.model.named_parameters())
+        seen = set()
+        with torch.no_grad():
+            for layer, flat in layer_weights:
+                layout = self.layouts[layer]
+                for name, view in layout.views(flat).items():
+                    hf_name = layout.hf_name(name)
+                    params[hf_name].copy_(view.reshape(params[hf_name].shape))
+                    seen.add(hf_name)
+        missing = [n for n, p in params.items() if n not in seen and not self._tied(n)]
+        if missing:
+            raise RuntimeError(f"the rollout's copy got no weights for {missing[:3]}: the layouts and transformers' "
+                               f"model of {self.arch.model_type} name them differently")
+
+    def _tied(self, name: str) -> bool:
+        return name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False)
+
+    def free_cache(self) -> None:
+        """The decoding's memory back to the device (the trainer is another process: the allocator's
+        cache is emptied); the weights stay."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- sampling -------------------------------------------------------------------------------
+    def sample(self, prompts: list[np.ndarray], group_size: int, s: Sampling) -> tuple[list[np.ndarray], float]:
+        """`group_size` completions of every prompt, prompt by prompt (completion i of the result
+        follows prompt i // group_size), decoded as one batch; and the seconds it took."""
+        t0 = time.perf_counter()
+        try:
+            completions = self._decode([p for p in prompts for _ in range(group_size)], s)
+        finally:
+            self.free_cache()  # after the decoding's tensors are gone
+        return completions, time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _decode(self, rows: list[np.ndarray], s: Sampling) -> list[np.ndarray]:
+        width = max(len(p) for p in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, p in enumerate(rows):  # left-padded: every row's next token is the batch's next column
+            ids[i, width - len(p):] = torch.tensor(p)  # a copy: Ray hands arrays over read-only
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            **{self.cache_kw: cache}, **self.last_only).logits[:, -1]
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        new, position = [], positions[:, -1:]
+        for _ in range(s.max_new_tokens):
+            token = sample_tokens(logits, s.temperature, s.top_p, self.generator)
+            new.append(torch.where(done, torch.zeros_like(token), token))
+            if s.eos_id is not None:
+                done |= token == s.eos_id
+            if bool(done.all()) or len(new) == s.max_new_tokens:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = position + 1
+            logits = self.model(input_ids=new[-1][:, None], attention_mask=mask, position_ids=position,
+                                use_cache=True, **{self.cache_kw: cache}).logits[:, -1]
+        return [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
+
+    # -- log-probabilities ----------------------------------------------------------------------
+    @torch.no_grad()
+    def policy_logprobs(self, micro_batches: list[dict]) -> list[np.ndarray]:
+        """The log-probability of every label of the micro-batches (0 where ignored) under the
+        rollout's copy of the policy, as last loaded."""
+        try:
+            return label_logprobs_of(self.model, micro_batches, self.device)
+        finally:
+            self.free_cache()
+
+    # -- the sampler's state, for the checkpoints -----------------------------------------------
+    def sampler_state(self) -> str:
+        return base64.b64encode(self.generator.get_state().numpy().tobytes()).decode()
+
+    def set_sampler_state(self, state: str) -> None:
+        self.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
+
+
+@torch.no_grad()
+def label_logprobs_of(model, micro_batches: list[dict], device: torch.device) -> list[np.ndarray]:
+    """Each label's log-probability under a transformers model (0 where ignored), a micro-batch at a time."""
+    out = []
+    for mb in micro_batches:
+        ids, positions = (torch.tensor(mb[k]).to(device) for k in ("input_ids", "position_ids"))
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        out.append(label_logprobs(logits, torch.tensor(mb["labels"]).to(device))[0].cpu().numpy())
+    return out
+
+
+def completion(row: np.ndarray, eos_id: int | None) -> np.ndarray:
+    """A sampled row up to and with its first EOS."""
+    if eos_id is not None:
+        ends = np.flatnonzero(row == eos_id)
+        if len(ends):
+            return row[:ends[0] + 1].astype(np.int64)
+    return row.astype(np.int64)

@@ -1,0 +1,153 @@
+"""`train.objective: grpo` through the run's own path on the session's Ray head (stores, a GPU
+worker and the rollout as actors), from a Hugging Face model with a KL to it (the reference
+streamed by the worker from its copy in host memory) and two updates per rollout (the old
+policy's log-probabilities through the worker's streamed forward): metrics per step, and 4 steps
+in one go equal 2 + resume + 2 bit for bit (weights, optimizer state, the prompts' position and
+the sampler's state). A wrong reward path stops the command before Ray, exit 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.runtime.training import run_training
+from helpers.runs import tensors_of
+
+REWARD = "def low_tokens(prompts, completions, completion_ids, **columns):\n" \
+         "    return [sum(t < 32 for t in ids) / len(ids) for ids in completion_ids]\n"
+
+
+def tiny_model(root: Path) -> Path:
+    """A small random Qwen2 in transformers' own files (the run's start and its KL's reference)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
+    return root / "model"
+
+
+def grpo_raw(root: Path, run: str) -> dict:
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [3 * i + k for k in range(5)], "id": i}) + "\n"
+                               for i in range(6)))
+    return {
+        "model": {"path": str(root / "model"), "compute_dtype": "float32"},
+        "data": {"source": str(prompts), "seq_len": 16},
+        "optim": {"lr": 1e-2, "weight_decay": 0.0},
+        "train": {"objective": "grpo", "steps": 4, "micro_batch_size": 4, "output_dir": str(root / run)},
+        "grpo": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6,
+                 "rewards": {"grpo_test_rewards:low_tokens": 1.0}, "updates_per_rollout": 2, "kl_coef": 0.05},
+        "checkpoint": {"keep": 5, "export_hf": False},
+        "executor": {"device": "cpu", "compile": False},
+        "runtime": {"worker_threads": 1, "optimizer_threads": 1},
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(local_ray, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("grpo")
+    (root / "grpo_test_rewards.py").write_text(REWARD)
+    tiny_model(root)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(root))
+        run_training(config_from_dict(grpo_raw(root, "whole")))
+        run_training(config_from_dict(grpo_raw(root, "split")), until_step=2)
+        run_training(config_from_dict(grpo_raw(root, "split")), resume="latest")
+    return root
+
+
+def records(root: Path, run: str) -> list[dict]:
+    return [json.loads(line) for line in (root / run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_each_step_logs_its_rewards_and_rates(runs):
+    rows = records(runs, "whole")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert 0 <= r["reward_mean"] <= 1 and r["completion_length"] == 6 and r["updates"] == 2
+        assert r["rollout_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0 and r["entropy"] > 0
+        assert r["kl"] >= 0  # k3 is never negative
+    assert rows[0]["kl"] > 0  # the second update of the first step already differs from the reference
+    # the second update's ratio moves off 1 after the first (lr 1e-2): the old log-probabilities
+    # came back from the workers' forward, and some tokens leave the clip range
+    assert any(r["clip_fraction"] > 0 for r in rows)
+
+
+def test_four_steps_equal_two_then_resume_two(runs):
+    a = ckpt.list_checkpoints(runs / "whole" / "checkpoints")[-1]
+    b = ckpt.list_checkpoints(runs / "split" / "checkpoints")[-1]
+    assert a.name == b.name == "step-00000004"
+    ta, tb = tensors_of(a), tensors_of(b)
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+    ma, mb = (json.loads((c / ckpt.META).read_text()) for c in (a, b))
+    assert ma["data_position"] == mb["data_position"] and ma["data_position"]["prompts"] == 8
+    assert ma["updates_done"] == 8 and ma["config"]["optim"]["schedule_steps"] == 8  # two updates a step
+    keys = ("loss", "grad_norm", "reward_mean", "entropy")
+    assert [[r[k] for k in keys] for r in records(runs, "whole")] == [[r[k] for k in keys] for r in records(runs, "split")]
+
+
+def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path):
+    tiny_model(tmp_path)
+    raw = grpo_raw(tmp_path, "bad")
+    raw["grpo"]["rewards"] = {"no_such_module_xyz:score": 1.0}
+    config = tmp_path / "bad.yaml"
+    config.write_text(json.dumps(raw))
+    done = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "train", str(config)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "no_such_module_xyz" in done.stderr and "cannot be imported" in done.stderr
+
+
+def test_the_rollout_reads_the_weights_the_workers_compute_with(local_ray):
+    """Session.rollout_weights maps each store's bf16 compute copy in place (the driver shares the
+    stores' node): after an update it is the new master rounded to bf16, for every layer."""
+    from megatrain_ray.models.registry import PRESETS
+    from megatrain_ray.runtime.session import Session
+    from helpers.reference_training import random_micro_batches
+
+    arch = PRESETS["tiny-llama"]
+    config = config_from_dict({"model": {"preset": "tiny-llama", "compute_dtype": "bfloat16"},
+                               "train": {"grad_accum": 1, "micro_batch_size": 2},
+                               "executor": {"device": "cpu", "compile": False, "embedding_step": "host"},
+                               "runtime": {"worker_threads": 1, "optimizer_threads": 1}})
+    session = Session(config, arch)
+    try:
+        session.init_weights()
+        session.start_executor()
+        session.train_step(random_micro_batches(arch, 1, 1, batch=2, seq=8, seed=0)[0])
+        rollout = {i: w.clone() for i, w in session.rollout_weights()}
+        masters = dict(session.iter_layer_weights())
+    finally:
+        session.close()
+    assert sorted(rollout) == list(range(len(masters)))
+    for i, master in masters.items():
+        assert rollout[i].dtype == torch.bfloat16 and torch.equal(rollout[i], master.to(torch.bfloat16)), i
+
+
+@pytest.mark.gpu
+def test_a_grpo_run_rolls_out_on_the_gpu_it_trains_on(local_ray, tmp_path, capsys):
+    """On a GPU machine: the rollout's actor sees rank 0's GPU and samples there in bf16 while the
+    step trains on it (the run plans the step within what the rollout's copy leaves)."""
+    (tmp_path / "grpo_test_rewards.py").write_text(REWARD)
+    tiny_model(tmp_path)
+    raw = grpo_raw(tmp_path, "gpu")
+    raw["model"]["compute_dtype"] = "bfloat16"
+    raw["train"]["steps"] = 2
+    raw["executor"] = {"device": "cuda"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(tmp_path))
+        run_training(config_from_dict(raw))
+    out = capsys.readouterr().out
+    assert "rollout device: cuda" in out and "bfloat16" in out.split("rollout device:")[1].splitlines()[0]
+    assert "the step is planned within the other" in out
+    rows = records(tmp_path, "gpu")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["rollout_tokens_per_s"] > 0 for r in rows)

@@ -1,0 +1,115 @@
+"""The rollout's side: transformers' copy of the policy loaded from the stores, the streamed forward
+and the streamed reference (model.path, from host memory) score every completion token as
+transformers' own model does; sampling (top-p, EOS, the generator's state) does what it says."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.files import shard
+from megatrain_ray.models.registry import load_hf_arch
+from megatrain_ray.rl.batch import policy_micro_batches
+from megatrain_ray.rl.rollout import Rollout, Sampling, completion, label_logprobs_of, sample_tokens
+from megatrain_ray.runtime.local import LocalTrainer
+from helpers.reference_training import random_micro_batches
+from helpers.threads import one_thread  # noqa: F401 (a fixture)
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    config = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    directory = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_rollout_copy_and_the_streamed_reference_score_like_transformers(tiny_qwen2):
+    """The rollout's copy, loaded from the stores, and the streamed forward score every completion
+    token as transformers' own model read from model.path does; after an update moves the policy,
+    the reference, streamed from its copy of model.path in host memory, still does."""
+    arch = load_hf_arch(tiny_qwen2)
+    config = config_from_dict({"model": {"path": str(tiny_qwen2), "compute_dtype": "float32"},
+                               "optim": {"lr": 1e-2}, "executor": {"device": "cpu", "loss_chunk_tokens": 7}})
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, str(tiny_qwen2))
+        rollout = Rollout(arch, torch.float32, torch.device("cpu"), seed=0)
+        rollout.load(trainer.rollout_weights())
+        prompts = [np.array([5, 9, 2]), np.array([7, 1, 4, 8, 3])]
+        completions, _ = rollout.sample(prompts, 3, Sampling(max_new_tokens=5))
+        mbs = policy_micro_batches([p for p in prompts for _ in range(3)], completions, [0.0] * 6, "token", 5, 4)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+        expected = label_logprobs_of(hf, mbs, torch.device("cpu"))
+
+        def assert_scores_like_transformers(scores, what):
+            for mb, ours, theirs in zip(mbs, scores, expected):
+                at = mb["labels"] >= 0
+                assert np.abs(ours[at] - theirs[at]).max() < 1e-5, what  # fp32 rounding: 5e-7 measured
+                assert (ours[~at] == 0).all(), what
+
+        assert_scores_like_transformers(trainer.token_logprobs(mbs), "streamed policy")
+        assert_scores_like_transformers(rollout.policy_logprobs(mbs), "rollout copy")
+        trainer.train_step(random_micro_batches(arch, 1, 1, batch=2, seq=8, seed=0)[0])
+        moved = trainer.token_logprobs(mbs)
+        assert max(np.abs(a - b).max() for a, b in zip(moved, expected)) > 1e-3, "the update moved the policy"
+        assert_scores_like_transformers(trainer.reference_logprobs(mbs), "streamed reference")
+    finally:
+        trainer.close()
+    assert [len(c) for c in completions] == [5] * 6  # no EOS given: every completion runs to max_new_tokens
+
+
+def test_top_p_keeps_the_nucleus_and_the_generator_state_replays():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_tokens(logits, 1.0, 0.5, gen) for _ in range(200)])
+    assert set(draws[:, 0].tolist()) == {1, 3} and set(draws[:, 1].tolist()) == {0}  # 1 and 3 hold half the mass
+    assert set(torch.stack([sample_tokens(logits, 1.0, 1e-6, gen) for _ in range(20)])[:, 0].tolist()) == {1}
+    state = gen.get_state()
+    first = sample_tokens(logits, 1.0, 1.0, gen)
+    gen.set_state(state)
+    assert torch.equal(sample_tokens(logits, 1.0, 1.0, gen), first)
+
+
+def test_a_completion_ends_with_its_first_eos():
+    assert completion(np.array([4, 2, 9, 2, 0]), eos_id=2).tolist() == [4, 2]
+    assert completion(np.array([4, 5, 6]), eos_id=2).tolist() == [4, 5, 6]
+
+
+@pytest.mark.gpu
+def test_the_rollout_samples_on_cuda_in_bf16_and_frees_its_cache(tiny_qwen2):
+    """On a GPU: the bf16 copy decodes there, its generator's state replays the same completions,
+    the decoding's memory goes back after each sampling (the weights stay), and it scores the
+    completions as the streamed forward does within bf16's rounding."""
+    arch = load_hf_arch(tiny_qwen2)
+    config = config_from_dict({"model": {"path": str(tiny_qwen2), "compute_dtype": "float32"},
+                               "executor": {"device": "cpu"}})
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, str(tiny_qwen2))
+        device = torch.device("cuda")
+        rollout = Rollout(arch, torch.bfloat16, device, seed=0)
+        rollout.load(trainer.rollout_weights())
+        prompts = [np.arange(3, 3 + n) for n in (4, 7, 2)]
+        before = torch.cuda.memory_allocated(device)
+        state = rollout.sampler_state()
+        completions, seconds = rollout.sample(prompts, 4, Sampling(max_new_tokens=16, temperature=0.8, top_p=0.9))
+        assert torch.cuda.memory_allocated(device) <= before  # the KV cache and the sampler's tensors are gone
+        assert [len(c) for c in completions] == [16] * 12 and seconds > 0
+        rollout.set_sampler_state(state)
+        again, _ = rollout.sample(prompts, 4, Sampling(max_new_tokens=16, temperature=0.8, top_p=0.9))
+        assert all((a == b).all() for a, b in zip(completions, again))
+        mbs = policy_micro_batches([p for p in prompts for _ in range(4)], completions, [0.0] * 12, "token", 16, 6)
+        for mb, ours, theirs in zip(mbs, trainer.token_logprobs(mbs), rollout.policy_logprobs(mbs)):
+            at = mb["labels"] >= 0
+            assert np.abs(ours[at] - theirs[at]).max() < 0.1  # bf16 logits against fp32
+    finally:
+        trainer.close()
