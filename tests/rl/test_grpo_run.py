@@ -2,10 +2,11 @@
 worker and the rollout as actors), from a Hugging Face model with a KL to it (the reference
 streamed by the worker from its copy in host memory) and two updates per rollout (the old
 policy's log-probabilities through the worker's streamed forward): metrics per step, and 4 steps
-in one go equal 2 + resume + 2 bit for bit (weights, optimizer state, the prompts' position and
+in one go equal its first 2 + resume + 2 bit for bit (weights, optimizer state, the prompts' position and
 the sampler's state). A wrong reward path stops the command before Ray, exit 2."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,10 +58,21 @@ def runs(local_ray, tmp_path_factory) -> Path:
     tiny_model(root)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(root))
-        run_training(config_from_dict(grpo_raw(root, "whole")))
-        run_training(config_from_dict(grpo_raw(root, "split")), until_step=2)
+        whole = grpo_raw(root, "whole")
+        whole["checkpoint"]["every"] = 2
+        run_training(config_from_dict(whole))
+        split_at_step_2(root)
         run_training(config_from_dict(grpo_raw(root, "split")), resume="latest")
     return root
+
+
+def split_at_step_2(root: Path) -> None:
+    """The run "whole" as it stood after its step 2 (its checkpoint then, its metrics to then) in
+    the directory "split": the resume from there is a run of its own (two runs, not three)."""
+    (root / "split" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(root / "whole" / "checkpoints" / "step-00000002", root / "split" / "checkpoints" / "step-00000002")
+    lines = (root / "whole" / "metrics.jsonl").read_text().splitlines()[:2]
+    (root / "split" / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
 
 
 def records(root: Path, run: str) -> list[dict]:
