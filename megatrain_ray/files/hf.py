@@ -109,7 +109,8 @@ def plan_reads(files: list[Path], arch: ModelArch) -> tuple[list[tuple[str, Path
     where: dict[str, Path] = {}
     reads, tied_head_file = [], None
     for file in files:
-        for name, (shape, dtype) in sorted(read_header(file).items()):
+        for stored, (shape, dtype) in sorted(read_header(file).items()):
+            name = fam.read_as(arch, stored)
             if is_ignored(name) or fam.carried(arch, name):  # carried: files/carried.py
                 continue
             if name in where:
@@ -125,7 +126,7 @@ def plan_reads(files: list[Path], arch: ModelArch) -> tuple[list[tuple[str, Path
             check_shape(name, slot.shape, shape, file)
             if dtype not in FLOAT_DTYPES:
                 raise CheckpointMismatch(f"{name}: dtype {dtype} is not a float type, in {file}")
-            reads.append((name, file, layer, slot))
+            reads.append((stored, file, layer, slot))
     for name, (_, slot) in expected.items():
         if name not in where:
             files_text = ", ".join(str(f) for f in files)

@@ -30,6 +30,9 @@ class ParamSlot:
     # their own (local) names, shapes and offsets in the layer, e.g. the stacked experts of a
     # mixture-of-experts layer stored one tensor per expert. Empty: stored as itself.
     stored_as: tuple["ParamSlot", ...] = ()
+    # False: frozen (an image-text model's vision tower unless model.train_vision): the step gives
+    # it no gradient and AdamW no weight decay, so it stays as it is
+    trained: bool = True
 
     @property
     def numel(self) -> int:
@@ -42,7 +45,7 @@ class ParamSlot:
     def decays(self) -> bool:
         """Weight decay applies to matrices only, never to norms and biases (stacked per-expert
         biases are 2-D and still biases)."""
-        return len(self.shape) >= 2 and not self.name.endswith("bias")
+        return self.trained and len(self.shape) >= 2 and not self.name.endswith("bias")
 
     def stored(self) -> tuple["ParamSlot", ...]:
         """The tensors a checkpoint holds for this parameter."""

@@ -17,6 +17,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import ModelFamily
 from megatrain_ray.models.gemma3 import GEMMA3
 from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch
+from megatrain_ray.models.hf_modules import is_image_text
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 from megatrain_ray.models.gpt_oss import GPT_OSS
 from megatrain_ray.models.llama import LLAMA
@@ -89,7 +90,7 @@ def arch_from_hf_config(config: dict[str, Any], implementation: str = "auto") ->
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"model.implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     native = model_type in SUPPORTED_MODEL_TYPES or any(model_type in f.refused for f in FAMILIES)
-    if implementation == "transformers" or (implementation == "auto" and not native):
+    if implementation == "transformers" or (implementation == "auto" and (not native or is_image_text(config))):
         return transformers_arch(config)
     try:
         fam = family_of(model_type)
@@ -166,9 +167,11 @@ def model_arch(cfg: ModelConfig) -> ModelArch:
             from megatrain_ray.models.generic_check import checked
 
             arch = checked(with_config_overrides(arch, cfg.overrides, cfg.router_aux_loss_coef))
-            return arch
+            return with_train_vision(arch, cfg.train_vision)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
+    if cfg.train_vision:
+        raise ConfigError(f"model.train_vision: {arch.model_type} has no vision tower (image-text models only)")
     arch = with_router_aux_loss(arch, cfg.router_aux_loss_coef)
     if not cfg.overrides:
         return arch
@@ -214,6 +217,15 @@ def with_config_overrides(arch: TransformersArch, overrides: dict[str, Any], aux
         if aux_coef:
             config["router_aux_loss_coef"] = aux_coef
     return transformers_arch(config)
+
+
+def with_train_vision(arch: TransformersArch, train: bool) -> TransformersArch:
+    """model.train_vision: an image-text model's vision tower and projector train (else frozen)."""
+    if not train:
+        return arch
+    if not is_image_text(arch.config):
+        raise ConfigError(f"model.train_vision: {arch.model_type} has no vision tower (image-text models only)")
+    return arch.replace(train_vision=True)
 
 
 def with_router_aux_loss(arch: ModelArch, coef: float | None) -> ModelArch:

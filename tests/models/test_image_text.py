@@ -1,0 +1,111 @@
+"""Image-text models through transformers' own modules: a tiny model of each covered type (its
+config class's defaults, only sizes cut: helpers/image_text.py), image-text SFT rows with tiny
+random images read through the data path and the model's own processor, 3 AdamW steps of the
+streaming trainer against transformers' model trained by torch.optim.AdamW on the same
+micro-batches (its vision tower frozen as ours is, or trained with model.train_vision), the
+export read back by transformers, which generates."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForImageTextToText  # noqa: E402
+
+from megatrain_ray.config import config_from_dict  # noqa: E402
+from megatrain_ray.files import shard  # noqa: E402
+from megatrain_ray.files.hf import export_hf  # noqa: E402
+from megatrain_ray.models.image_text import embed_inputs  # noqa: E402
+from megatrain_ray.models.registry import model_arch  # noqa: E402
+from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
+from helpers.hf_parity import PARITY_OPTIM, RTOL, the_runs_batches, token_loss_sum, train_transformers  # noqa: E402
+from helpers.reference_training import assert_within_fp32_noise  # noqa: E402
+from helpers.image_text import TYPES, tiny_model_dir, write_images, write_rows  # noqa: E402
+
+STEPS, ROWS, BROKEN = 3, 7, 1
+
+
+def run_dict(model_dir: Path, data: Path, out: Path, train_vision: bool = False) -> dict:
+    return {
+        "model": {"path": str(model_dir), "compute_dtype": "float32", "train_vision": train_vision},
+        "data": {"source": str(data), "tokenizer": str(model_dir), "seq_len": 40, "shuffle": False},
+        "optim": dict(PARITY_OPTIM),
+        "train": {"steps": STEPS, "grad_accum": 1, "micro_batch_size": 2, "seed": 0, "output_dir": str(out)},
+        "checkpoint": {"export_hf": True, "export_dtype": "float32"},
+        "executor": {"device": "cpu", "loss_chunk_tokens": 7, "compile": False},
+    }
+
+
+def prepared(model_type: str, tmp_path: Path, train_vision: bool = False):
+    model, model_dir = tiny_model_dir(model_type, tmp_path / "hf")
+    images = write_images(tmp_path / "images", 3)
+    rows = write_rows(tmp_path / "rows.jsonl", images, ROWS, broken=BROKEN)
+    config = config_from_dict(run_dict(model_dir, rows, tmp_path / "run", train_vision))
+    return model, config
+
+
+def vision_of(model) -> set[str]:
+    """transformers' names of the vision tower and projector: all but the language model and head."""
+    decoder = model.get_decoder()
+    inner = {n for n, _ in decoder.named_parameters()}
+    prefix = next(n for n, m in model.named_modules() if m is decoder) + "."
+    return {n for n, _ in model.named_parameters() if n[len(prefix):] not in inner and not n.startswith("lm_head")}
+
+
+def transformers_losses(model, config, data, train_vision: bool) -> list[float]:
+    for name, p in model.named_parameters():
+        p.requires_grad_(train_vision or name not in vision_of(model))
+
+    def loss_sum(mb):
+        return token_loss_sum(model(**embed_inputs(mb), use_cache=False).logits, mb["labels"])
+
+    return train_transformers(model, config, data, loss_sum=loss_sum)
+
+
+def check_export(export: Path, model, exact_model, initial: dict, frozen: set[str]) -> None:
+    """Each tensor within fp32's noise of transformers' run (helpers/reference_training.py: a few
+    Adam steps amplify rounding where gradients are near zero), frozen ones exactly as they were."""
+    exported = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
+    ours, theirs, exact = exported.state_dict(), model.state_dict(), exact_model.state_dict()
+    assert set(ours) == set(theirs)
+    for key, expected in theirs.items():
+        assert_within_fp32_noise(ours[key], expected, exact[key], key)
+        if key in frozen:
+            assert torch.equal(ours[key], initial[key]), f"{key} is frozen: carried through unchanged"
+    unchanged = [k for k in theirs if k not in frozen and torch.equal(ours[k], initial[k])]
+    assert not unchanged, f"{unchanged} did not train"
+    out = exported.generate(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6), "the export generates"
+
+
+def steps_in_process(model_type: str, tmp_path: Path, train_vision: bool = False) -> None:
+    model, config = prepared(model_type, tmp_path, train_vision)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    arch = model_arch(config.model)
+    data = the_runs_batches(config, arch.vocab_size)
+    assert all("pixel_values" in mb for step in data for mb in step), "each micro-batch carries its images"
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, str(config.model.path))
+        losses = [trainer.train_step(step).loss for step in data]
+        export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
+    finally:
+        trainer.close()
+    exact_model = copy.deepcopy(model).double()  # the exact result fp32's runs both round
+    assert losses == pytest.approx(transformers_losses(model, config, data, train_vision), rel=RTOL)
+    transformers_losses(exact_model, config, data, train_vision)
+    check_export(export, model, exact_model, initial, set() if train_vision else vision_of(model))
+
+
+@pytest.mark.parametrize("model_type", list(TYPES))
+def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type):
+    steps_in_process(model_type, tmp_path)
+
+
+def test_train_vision_trains_the_tower_as_transformers_does(tmp_path):
+    steps_in_process("qwen2_5_vl", tmp_path, train_vision=True)
