@@ -333,6 +333,16 @@ def refuse_per_layer_inputs(hidden: torch.Tensor, args: tuple) -> None:
         raise hm.Unsupported("its decoder passes its layers per-layer inputs beside the hidden states")
 
 
+def stand_in_weights(p: hm.Parts, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Zeros (one element, expanded) for the tensors the model's forward reads before its first
+    layer: what its forward reads of them without images is their dtype and device."""
+    zero = {}
+    for name, t in hm.persistent_tensors(p.root).items():
+        kind = dtype if t.is_floating_point() else t.dtype
+        zero[name] = torch.zeros((), dtype=kind, device=device).expand(t.shape)
+    return zero
+
+
 def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch.dtype,
                 inputs: dict | None = None) -> list[LayerCall]:
     """Per decoder layer, the arguments its decoder passes it for these positions, recorded from
@@ -350,8 +360,7 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
         stand_in = torch.zeros((), dtype=dtype, device=position_ids.device).expand(b, t, arch.hidden_size)
         kwargs = {"inputs_embeds": stand_in, "position_ids": position_ids}
     else:  # an image-text model's own forward from its inputs, without images: its positions and masks
-        embedding = torch.zeros((), dtype=dtype, device=position_ids.device).expand(arch.vocab_size, arch.hidden_size)
-        state = {**state, input_embedding_name(p): embedding}
+        state = {**state, **stand_in_weights(p, dtype, position_ids.device)}
         kwargs = {k: v for k, v in inputs.items() if k not in PIXEL_KEYS}
     cuda = [position_ids.device] if position_ids.device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # the stand-in's dropout draws nothing of the step's

@@ -21,7 +21,8 @@ VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "d
 TOKEN_KEYS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>",
               "vision_end_token_id": "<|vision_end|>", "image_token_index": "<image>", "boi_token_index": "<start_of_image>",
               "eoi_token_index": "<end_of_image>"}
-TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}}
+TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"},
+                   "idefics3": {"image_token_id": "<image>"}}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
           "{% else %}{% for c in m.content %}{% if c.type == 'image' %}IMAGE{% else %}{{ c.text }}{% endif %}"
@@ -42,6 +43,21 @@ TYPES = {
                {"text_config": {"num_hidden_layers": 6, "sliding_window": 8, "query_pre_attn_scalar": 16},
                 "vision_config": {"image_size": IMAGE, "patch_size": 14}, "mm_tokens_per_image": 4},
                {"size": {"height": IMAGE, "width": IMAGE}}),
+    "llava_next": (["<image>"], "<image>",
+                   {"vision_config": {"image_size": IMAGE, "patch_size": 14, "num_hidden_layers": 2,
+                                      "projection_dim": 32},
+                    "image_grid_pinpoints": [[IMAGE, 2 * IMAGE], [2 * IMAGE, IMAGE]]},
+                   {"size": {"shortest_edge": IMAGE}, "crop_size": {"height": IMAGE, "width": IMAGE},
+                    "image_grid_pinpoints": [[IMAGE, 2 * IMAGE], [2 * IMAGE, IMAGE]]}),
+    "idefics3": (["<fake_token_around_image>", "<image>", "<global-img>"], "<image>",
+                 {"vision_config": {"image_size": IMAGE, "patch_size": 14}},
+                 {"size": {"longest_edge": IMAGE}, "max_image_size": {"longest_edge": IMAGE},
+                  "do_image_splitting": False}),
+    "qwen2_vl": (["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+                 "<|vision_start|><|image_pad|><|vision_end|>",
+                 {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
+                  "vision_config": {"embed_dim": 32, "hidden_size": 64}},
+                 {"min_pixels": 28 * 28, "max_pixels": 56 * 56}),
 }
 
 
@@ -109,7 +125,10 @@ def save_processor(model_type: str, tokenizer, chat_template: str, directory: Pa
 
 PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy": "default",
                               "num_additional_image_tokens": 1},
-                    "gemma3": {"image_seq_length": 4}}
+                    "gemma3": {"image_seq_length": 4},
+                    "llava_next": {"patch_size": 14, "vision_feature_select_strategy": "default",
+                                   "num_additional_image_tokens": 1},
+                    "idefics3": {"image_seq_len": 1}}
 
 
 def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
