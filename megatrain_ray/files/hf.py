@@ -347,11 +347,13 @@ def export_hf(
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json",
+                   # an image-text model's processor
+                   "preprocessor_config.json", "processor_config.json", "chat_template.json")
 
 
 def copy_tokenizer_files(tokenizer: str | None, out_dir: Path) -> list[str]:
-    """The tokenizer's files (and chat template) beside exported weights, so that the directory
+    """The tokenizer's files (chat template, an image-text model's processor) beside exported weights, so that the directory
     loads as any model; `tokenizer` is data.tokenizer (a tokenizer.json or its directory)."""
     if not tokenizer:
         return []

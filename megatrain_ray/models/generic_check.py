@@ -28,11 +28,9 @@ def refusal(config: dict[str, Any]) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = config.get("model_type")
-    if hm.is_image_text(config):
-        why = image_text.refusal(config)
-        if why:
-            return why
-    elif model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if model_type in image_text.REFUSED:
+        return image_text.REFUSED[model_type]
+    if not hm.of_image_text_model(config) and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return (f"the installed transformers has no causal language model for model_type {model_type!r} "
                 "(AutoModelForCausalLM does not know it); a newer transformers may")
     try:
@@ -57,6 +55,8 @@ def refusal(config: dict[str, Any]) -> str | None:
                "a final norm and an LM head"
     except Exception as e:  # transformers refusing its own config: say what it said
         return f"transformers cannot build it from this config: {type(e).__name__}: {e}"
+    if hm.is_image_text(config):
+        return image_text.refusal(config)
     if config.get("output_router_logits") and not records_router_logits(config):
         return ("its router's load-balancing loss is on (output_router_logits: true), but transformers' model "
                 "records no router logits for it; set model.router_aux_loss_coef to 0 (or output_router_logits "

@@ -45,6 +45,15 @@ def is_image_text(config: dict[str, Any]) -> bool:
     return isinstance(config.get("text_config"), dict) and isinstance(config.get("vision_config"), dict)
 
 
+def of_image_text_model(config: dict[str, Any]) -> bool:
+    """is_image_text of a config.json with its class's defaults filled in (False where
+    transformers cannot read it)."""
+    try:
+        return is_image_text({**config_object(config).to_dict(), **config})
+    except Exception:  # no config class for it, or one that refuses it: refused elsewhere, saying why
+        return False
+
+
 def auto_class(config: dict[str, Any]):
     """transformers' auto class that builds the model: the image-text one, or the causal LM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText

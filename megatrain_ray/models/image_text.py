@@ -47,7 +47,8 @@ REFUSED = {
 
 
 def refusal(config: dict[str, Any]) -> str | None:
-    """Why an image-text model cannot train here, in one paragraph; None for a covered type."""
+    """Why an image-text model whose structure the transformers family runs cannot train here, in
+    one paragraph; None for a covered type."""
     model_type = config.get("model_type")
     if model_type in REFUSED:
         return REFUSED[model_type]

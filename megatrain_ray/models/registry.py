@@ -17,7 +17,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import ModelFamily
 from megatrain_ray.models.gemma3 import GEMMA3
 from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch
-from megatrain_ray.models.hf_modules import is_image_text
+from megatrain_ray.models.hf_modules import is_image_text, of_image_text_model
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 from megatrain_ray.models.gpt_oss import GPT_OSS
 from megatrain_ray.models.llama import LLAMA
@@ -90,7 +90,7 @@ def arch_from_hf_config(config: dict[str, Any], implementation: str = "auto") ->
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"model.implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     native = model_type in SUPPORTED_MODEL_TYPES or any(model_type in f.refused for f in FAMILIES)
-    if implementation == "transformers" or (implementation == "auto" and (not native or is_image_text(config))):
+    if implementation == "transformers" or (implementation == "auto" and (not native or of_image_text_model(config))):
         return transformers_arch(config)
     try:
         fam = family_of(model_type)

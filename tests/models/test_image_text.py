@@ -8,14 +8,17 @@ export read back by transformers, which generates."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForImageTextToText  # noqa: E402
 
+from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
@@ -100,6 +103,29 @@ def steps_in_process(model_type: str, tmp_path: Path, train_vision: bool = False
     assert losses == pytest.approx(transformers_losses(model, config, data, train_vision), rel=RTOL)
     transformers_losses(exact_model, config, data, train_vision)
     check_export(export, model, exact_model, initial, set() if train_vision else vision_of(model))
+
+
+def test_train_command_trains_as_transformers_and_skips_an_unreadable_image(local_ray, tmp_path, capsys):
+    """`megatrain-ray train CONFIG` on the module's Ray cluster: the unreadable image's row is
+    counted and skipped at start, the metrics' losses and the export are transformers'."""
+    model, config = prepared("qwen2_5_vl", tmp_path)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    (tmp_path / "shm").mkdir()
+    fields = {**run_dict(Path(config.model.path), Path(config.data.source), tmp_path / "run"),
+              "runtime": {"shm_dir": str(tmp_path / "shm")}}
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(fields))
+
+    assert cli.main(["train", str(config_file)]) == 0
+    assert "1 unreadable image" in capsys.readouterr().out
+    data = the_runs_batches(config, model.config.text_config.vocab_size)
+    exact_model = copy.deepcopy(model).double()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records] == pytest.approx(transformers_losses(model, config, data, False), rel=RTOL)
+    transformers_losses(exact_model, config, data, False)
+    final = tmp_path / "run" / "checkpoints" / f"step-{STEPS:08d}" / "hf"
+    assert (final / "preprocessor_config.json").is_file(), "the export carries the processor"
+    check_export(final, model, exact_model, initial, vision_of(model))
 
 
 @pytest.mark.parametrize("model_type", list(TYPES))
