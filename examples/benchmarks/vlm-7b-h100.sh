@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# A Qwen2.5-VL-7B-shaped model (8.29 B: the 7.6 B decoder, a 0.67 B vision tower and merger; random init)
+# fine-tuned on generated image-text rows (examples/benchmarks/vlm_data.py: two 896 x 896 images a row,
+# 2,048 image tokens, the rest of 4,096 positions text), bf16 compute, 131,072 positions a step as the
+# text-only 7B headline: the vision tower frozen (4 x 8 rows), then trained (model.train_vision; 1 x 32
+# rows: the tower's activations under autograd are not in the plan's count), then the text-only
+# Qwen2.5-7B shape in the same call. vlm_bench.py runs the session `megatrain-ray train` runs, without its
+# final checkpoint (8 B parameters of optimizer state would not fit the disk), and prints tokens/s, the
+# GPU peak and the plan (host memory). One H100 80GB, 128 GiB host; a few minutes a line.
+# Usage from the repository root: bash examples/benchmarks/vlm-7b-h100.sh OUT_DIR
+set -uo pipefail
+out=${1:?OUT_DIR}
+mkdir -p "$out"
+source examples/benchmarks/device-setup.sh
+export CUDA_VISIBLE_DEVICES=0 RAY_memory_monitor_refresh_ms=0
+python3 examples/benchmarks/vlm_data.py "$out/vl" --rows 64 || exit
+V="python3 examples/benchmarks/vlm_bench.py $out/vl/model $out/vl/rows.jsonl --seq-len 4096 --steps 3 --warmup 1"
+
+$V --micro-batch 4 --grad-accum 8 --json "$out/vl-frozen.json" 2>&1 | tee "$out/vl-frozen.log" \
+  | grep -E "^(model|data|executor|step|result|host|  )|GiB|Error"
+$V --micro-batch 1 --grad-accum 32 --train-vision --json "$out/vl-train-vision.json" 2>&1 \
+  | tee "$out/vl-train-vision.log" | grep -E "^(model|data|executor|step|result|host|  )|GiB|Error"
+mr bench --model qwen2.5-7b --seq-len 4096 --micro-batch 4 --grad-accum 8 --steps 3 --warmup 1 \
+  --loss-chunk-tokens 2048 --json "$out/text-7b.json" 2>&1 | tee "$out/text-7b.log" | tail -15
