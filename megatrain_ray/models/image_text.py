@@ -32,6 +32,7 @@ COVERED = {
     "llava": "a CLIP tower and projector",
     "llava_next": "a CLIP tower over image tiles, a projector and the image-newline embedding",
     "idefics3": "a SigLIP-like tower over image tiles, a pixel-shuffle connector",
+    "mistral3": "a Pixtral tower, patch merger and projector",
 }
 # model_type -> why it is refused, and what to do
 REFUSED = {

@@ -21,7 +21,7 @@ VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "d
 TOKEN_KEYS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>",
               "vision_end_token_id": "<|vision_end|>", "image_token_index": "<image>", "boi_token_index": "<start_of_image>",
               "eoi_token_index": "<end_of_image>"}
-TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"},
+TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistral3": {"image_token_index": "[IMG]"},
                    "idefics3": {"image_token_id": "<image>"}}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
@@ -58,7 +58,12 @@ TYPES = {
                  {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
                   "vision_config": {"embed_dim": 32, "hidden_size": 64}},
                  {"min_pixels": 28 * 28, "max_pixels": 56 * 56}),
+    # its processor (Pixtral's) needs torchvision, which the CPU machines lack: no processor files;
+    # its micro-batches are made by hand (hand_made_batches)
+    "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
+                 {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "spatial_merge_size": 2}, None),
 }
+WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 
 def word_tokenizer(directory: Path, specials: list[str]):
@@ -149,8 +154,38 @@ def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
             if p.dim() == 1:
                 p.normal_(1.0 if p.abs().sum() > 0 else 0.0, 0.3)
     model.save_pretrained(directory)
-    save_processor(model_type, tokenizer, CHATML.replace("IMAGE", placeholder), directory)
+    if TYPES[model_type][3] is not None:
+        save_processor(model_type, tokenizer, CHATML.replace("IMAGE", placeholder), directory)
+    else:
+        tokenizer.save_pretrained(directory)
     return model, directory
+
+
+def hand_made_batches(model_dir: Path, steps: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
+    """Mistral 3's micro-batches as its processor makes them, for an image of IMAGE pixels a side
+    (one merged patch: `[IMG][IMG_END]`): two rows of a question with an image and an answer, the
+    loss on the answer and its end of turn; pixel values random, image_sizes the image's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        rows, labels = [], []
+        for _ in range(2):
+            prompt = tok("<|im_start|>user [IMG][IMG_END] " + " ".join(rng.choice(WORDS, 3)) + "<|im_end|> "
+                         "<|im_start|>assistant")["input_ids"]
+            answer = tok(" ".join(rng.choice(WORDS, 3)) + "<|im_end|>")["input_ids"]
+            ids = (prompt + answer + [0] * 16)[:16]
+            target = [-100] * len(prompt) + answer + [-100] * 16
+            rows.append(ids)
+            labels.append((target[1:] + [-100])[:16])
+        out.append([{"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
+                     "position_ids": torch.arange(16).expand(2, 16).contiguous(),
+                     "pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen),
+                     "image_sizes": torch.tensor([[IMAGE, IMAGE]] * 2)}])
+    return out
 
 
 def write_images(directory: Path, count: int, seed: int = 0) -> list[str]:
