@@ -20,12 +20,9 @@ from transformers import AutoModelForImageTextToText  # noqa: E402
 
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
-from megatrain_ray.files import shard  # noqa: E402
-from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.image_text import embed_inputs  # noqa: E402
 from megatrain_ray.models.registry import model_arch  # noqa: E402
-from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
-from helpers.hf_parity import PARITY_OPTIM, RTOL, the_runs_batches, token_loss_sum, train_transformers  # noqa: E402
+from helpers.hf_parity import PARITY_OPTIM, RTOL, steps_and_export, the_runs_batches, token_loss_sum, train_transformers  # noqa: E402
 from helpers.reference_training import assert_within_fp32_noise  # noqa: E402
 from helpers.image_text import WITH_PROCESSOR, hand_made_batches, tiny_model_dir, write_images, write_rows  # noqa: E402
 
@@ -91,14 +88,7 @@ def steps_in_process(model_type: str, tmp_path: Path, train_vision: bool = False
     arch = model_arch(config.model)
     data = the_runs_batches(config, arch.vocab_size)
     assert all("pixel_values" in mb for step in data for mb in step), "each micro-batch carries its images"
-    trainer = LocalTrainer(config, arch)
-    try:
-        for store in trainer.stores:
-            shard.load_hf(store, str(config.model.path))
-        losses = [trainer.train_step(step).loss for step in data]
-        export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
-    finally:
-        trainer.close()
+    losses, export = steps_and_export(config, arch, config.model.path, data, tmp_path / "export")
     exact_model = copy.deepcopy(model).double()  # the exact result fp32's runs both round
     assert losses == pytest.approx(transformers_losses(model, config, data, train_vision), rel=RTOL)
     transformers_losses(exact_model, config, data, train_vision)
@@ -141,14 +131,7 @@ def test_mistral3_from_micro_batches_made_as_its_processor_makes_them(tmp_path):
     config = config_from_dict(run_dict(model_dir, tmp_path / "unused.jsonl", tmp_path / "run"))
     arch = model_arch(config.model)
     data = hand_made_batches(model_dir, STEPS)
-    trainer = LocalTrainer(config, arch)
-    try:
-        for store in trainer.stores:
-            shard.load_hf(store, str(model_dir))
-        losses = [trainer.train_step(step).loss for step in data]
-        export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
-    finally:
-        trainer.close()
+    losses, export = steps_and_export(config, arch, model_dir, data, tmp_path / "export")
     exact_model = copy.deepcopy(model).double()
     assert losses == pytest.approx(transformers_losses(model, config, data, False), rel=RTOL)
     transformers_losses(exact_model, config, data, False)
