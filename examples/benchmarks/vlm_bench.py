@@ -5,7 +5,7 @@ time the driver spent making them is printed beside it). No checkpoint is writte
 optimizer state would not fit the GPU machine's disk.
 
     python examples/benchmarks/vlm_bench.py MODEL_DIR ROWS [--train-vision] [--micro-batch 4]
-        [--grad-accum 8] [--seq-len 4096] [--steps 3] [--warmup 1] [--device cuda] [--json OUT]
+        [--grad-accum 8] [--seq-len 4096] [--steps 3] [--warmup 1] [--device cuda] [--moments fp32] [--json OUT]
 
 MODEL_DIR holds config.json (random init) and the processor's files (vlm_data.py makes both).
 """
@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--moments", default="fp32", help="optim.moments (bf16: 10 bytes a parameter on the host, not 14)")
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -42,6 +43,7 @@ def main() -> None:
     config = config_from_dict({
         "model": {"preset": f"{args.model_dir}/config.json", "compute_dtype": dtype, "train_vision": args.train_vision},
         "data": {"source": args.rows, "tokenizer": args.model_dir, "seq_len": args.seq_len},
+        "optim": {"moments": args.moments},
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": args.micro_batch, "grad_accum": args.grad_accum},
         "executor": {"device": args.device, "loss_chunk_tokens": 2048},
     })
@@ -77,7 +79,7 @@ def main() -> None:
     result = {"tokens_per_s": sum(r.tokens for r in timed) / wall,
               "loss_tokens_per_s": sum(r.target_tokens for r in timed) / wall,
               "gpu_peak_gib": max(r.peak_device_bytes for r in rows) / 2**30,
-              "data_seconds_per_step": data_s, "train_vision": args.train_vision,
+              "data_seconds_per_step": data_s, "train_vision": args.train_vision, "moments": args.moments,
               "losses": [r.loss for r in rows]}
     print(f"result: {result['tokens_per_s']:,.0f} tokens/s ({result['loss_tokens_per_s']:,.0f} loss tokens/s), "
           f"GPU peak {result['gpu_peak_gib']:.1f} GiB", flush=True)

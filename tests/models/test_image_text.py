@@ -21,7 +21,9 @@ from transformers import AutoModelForImageTextToText  # noqa: E402
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.models.image_text import embed_inputs  # noqa: E402
+from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.models.registry import model_arch  # noqa: E402
+from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from helpers.hf_parity import PARITY_OPTIM, RTOL, steps_and_export, the_runs_batches, token_loss_sum, train_transformers  # noqa: E402
 from helpers.reference_training import assert_within_fp32_noise  # noqa: E402
 from helpers.image_text import WITH_PROCESSOR, hand_made_batches, tiny_model_dir, write_images, write_rows  # noqa: E402
@@ -136,6 +138,25 @@ def test_mistral3_from_micro_batches_made_as_its_processor_makes_them(tmp_path):
     assert losses == pytest.approx(transformers_losses(model, config, data, False), rel=RTOL)
     transformers_losses(exact_model, config, data, False)
     check_export(export, model, exact_model, initial, vision_of(model))
+
+
+def test_validation_loss_is_transformers_with_the_images(tmp_path):
+    """eval_loss (forward only, layer-major) on image-text micro-batches: transformers' summed loss."""
+    model, config = prepared("gemma3", tmp_path)
+    arch = model_arch(config.model)
+    data = the_runs_batches(config, arch.vocab_size)[0]
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, str(config.model.path))
+        ours = trainer.eval_loss(data)
+    finally:
+        trainer.close()
+    model.eval()
+    with torch.no_grad():
+        theirs = sum(float(token_loss_sum(model(**embed_inputs(mb), use_cache=False).logits, mb["labels"]))
+                     for mb in data)
+    assert ours.loss_sum == pytest.approx(theirs, rel=RTOL)
 
 
 def test_train_vision_trains_the_tower_as_transformers_does(tmp_path):
