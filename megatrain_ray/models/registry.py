@@ -56,6 +56,10 @@ def how_it_runs(arch: ModelArch) -> str:
     that its check against transformers (model_arch: models/generic_check.py) passed."""
     if implementation_of(arch) == "native":
         return ""
+    if is_image_text(arch.config):
+        vision = "trained (model.train_vision)" if arch.train_vision else "frozen (model.train_vision: false)"
+        return (f" through transformers' own modules, an image-text model of a type tested against transformers "
+                f"with images; its vision tower and projector {vision}")
     return (" through transformers' own modules (its check against transformers' model passed: a small random "
             "instance's logits and gradients agree)")
 

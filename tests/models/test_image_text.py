@@ -109,7 +109,8 @@ def test_train_command_trains_as_transformers_and_skips_an_unreadable_image(loca
     config_file.write_text(yaml.safe_dump(fields))
 
     assert cli.main(["train", str(config_file)]) == 0
-    assert "1 unreadable image" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 unreadable image" in out and "its vision tower and projector frozen" in out
     data = the_runs_batches(config, model.config.text_config.vocab_size)
     exact_model = copy.deepcopy(model).double()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
