@@ -114,7 +114,9 @@ def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     # the embedding: everything the model runs before its first layer (an image-text model's vision
     # tower and projector too), as named under the module that runs it
     embed = _local_shapes(hm.persistent_tensors(p.root), lambda n: not n.startswith(in_layers) and not n.startswith(norm))
-    frozen_names = () if arch.train_vision else vision_names(p)
+    vision = vision_names(p)
+    embed = [s for s in embed if s[0] not in vision] + [s for s in embed if s[0] in vision]  # the vision tower last
+    frozen_names = frozenset() if arch.train_vision else vision
     layouts = [frozen_slots(lay_out(0, EMBED, p.root_prefix, embed), frozen_names)]
     for i, layer in enumerate(p.layers):
         layouts.append(lay_out(i + 1, BLOCK, f"{p.base_prefix}{p.layers_name}.{i}.", _local_shapes(hm.persistent_tensors(layer))))
@@ -146,7 +148,9 @@ def vision_names(p: hm.Parts) -> frozenset[str]:
 
 
 def frozen_slots(layout: LayerLayout, names: frozenset[str]) -> LayerLayout:
-    """The layout with the named tensors marked untrained (ParamSlot.trained)."""
+    """The layout with the named tensors marked untrained (ParamSlot.trained): the vision tower, at
+    the embedding layer's end whether it trains or not (the same offsets either way), then holds no
+    optimizer state (LayerLayout.trained_numel)."""
     if not names:
         return layout
     params = tuple(dataclasses.replace(s, trained=False) if s.name in names else s for s in layout.params)

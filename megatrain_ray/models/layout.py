@@ -63,6 +63,16 @@ class LayerLayout:
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
+    @property
+    def trained_numel(self) -> int:
+        """Elements of the trained parameters where the frozen ones (ParamSlot.trained) all lie after
+        them: the optimizer's moments cover these only (an image-text model's frozen vision tower
+        holds none); else every element."""
+        frozen = [p.offset for p in self.params if not p.trained]
+        if not frozen or any(p.trained and p.offset > min(frozen) for p in self.params):
+            return self.numel
+        return min(frozen)
+
     def hf_name(self, local: str) -> str:
         return self.prefix + local
 

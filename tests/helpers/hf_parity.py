@@ -89,6 +89,16 @@ def steps_and_export(config, arch, model_dir: Path, steps_data, export_dir: Path
         trainer.close()
 
 
+def save(trainer: LocalTrainer, directory: Path) -> dict[int, str]:
+    """The in-process trainer's stores as checkpoint shards in `directory`: each layer's file."""
+    trainer.source.drain()
+    files = {}
+    for k, store in enumerate(trainer.stores):
+        shard.save_shard(store, str(directory), f"shard{k}.safetensors")
+        files.update({i: str(directory / f"shard{k}.safetensors") for i in store.layers})
+    return files
+
+
 def bf16_cuda_config(model_dir: Path, steps: int, grad_accum: int, **sections):
     """The bf16 GPU checks' run: the executor compiles the block (its default), 2-row micro-batches."""
     return config_from_dict({
