@@ -18,8 +18,8 @@ export CUDA_VISIBLE_DEVICES=0 RAY_memory_monitor_refresh_ms=0
 [ -s "$out/vl/rows.jsonl" ] || python3 examples/benchmarks/vlm_data.py "$out/vl" --rows 64 || exit
 V="python3 examples/benchmarks/vlm_bench.py $out/vl/model $out/vl/rows.jsonl --seq-len 4096 --steps 3 --warmup 1"
 
-# 8.29 B x 14 bytes of host state (108 GiB; the frozen tower's moments included) may not fit a 128 GiB
-# box: where the plan refuses it, the same run with bf16 moments (10 bytes a parameter)
+# 7.6 B x 14 bytes of host state and the frozen tower's 0.67 B x 6 (103 GiB; trained: 108 GiB) may not
+# fit a 128 GiB box: where the plan refuses it, the same run with bf16 moments (10 bytes a parameter)
 show() { grep -E "^(model|data|executor|step|result|host|  )|GiB|Error|refuse|fit"; }
 for run in "frozen --micro-batch 4 --grad-accum 8" "train-vision --micro-batch 1 --grad-accum 32 --train-vision"; do
   name=${run%% *}; opts=${run#* }

@@ -232,8 +232,10 @@ class ShardStore:
             return index
         state.updates += 1
         k = state.exp_avg.numel()  # the trained parameters; a frozen tail after them is not stepped
+        master = state.master if k == state.layout.numel else state.master[:k]
+        compute = master if state.compute is state.master else state.compute[:k]  # a bf16 master is the copy
         adamw_step(
-            state.master[:k], state.exp_avg, state.exp_avg_sq, state.compute[:k],
+            master, state.exp_avg, state.exp_avg_sq, compute,
             [s for s in state.layout.segments() if s[1] <= k], hp, state.updates,
             grad=None if state.grad is state.compute else state.grad[:k], scales=state.scales,
             rounding_key=precision.rounding_key(self.seed, index, state.updates),
