@@ -27,7 +27,7 @@ from megatrain_ray.config import DataConfig, EvalConfig
 from megatrain_ray.data.bad_rows import BadRowCount, apply_policy
 from megatrain_ray.data.chat_template import ChatTemplate, load_chat_template
 from megatrain_ray.data.documents import BadRow, DataError, DataPosition, Document, Origin, Row, RowBatch
-from megatrain_ray.data.image_text import image_text_documents
+from megatrain_ray.data.image_text import IMAGE_READ_ROWS, RowConverter, image_text_documents, in_order_on_threads
 from megatrain_ray.data.processor import load_image_text_processor
 from megatrain_ray.data.packing import fit_length, packed_rows, stack_rows, unpacked_rows
 from megatrain_ray.data.readers import column_spec, detect_format, first_row_columns, read_rows, resolve_files
@@ -109,12 +109,25 @@ class Dataset:
         if self.cfg.shuffle:
             order = np.random.default_rng([self.seed, epoch, 0]).permutation(len(files))
             files = [files[i] for i in order]
-        docs = (doc for path in files for doc in self.file_documents(path))
+        if self.format == IMAGE_FORMAT:
+            docs = self.image_text_documents(files, epoch)
+        else:
+            docs = (doc for path in files for doc in self.file_documents(path))
         if count is not None:
             docs = counted(docs, count)
-        if self.cfg.shuffle:
+        if self.cfg.shuffle and self.format != IMAGE_FORMAT:
             docs = shuffled(docs, max(1, self.cfg.shuffle_buffer), np.random.default_rng([self.seed, epoch, 1]))
         yield from docs
+
+    def image_text_documents(self, files: list[Path], epoch: int) -> Iterator[Document]:
+        """Image-text rows shuffled as rows (a document holds its images' pixel tensors: the buffer
+        holds rows instead), then made into documents a few at a time on several threads, in order."""
+        rows = ((origin, row) for path in files for batch in read_rows(path, column_spec(self.format, ""), IMAGE_READ_ROWS)
+                for origin, row in batch if self.holdout is None or self.holdout.admits(origin))
+        if self.cfg.shuffle:
+            rows = shuffled(rows, max(1, self.cfg.shuffle_buffer), np.random.default_rng([self.seed, epoch, 1]))
+        convert = RowConverter(self.processor, self.template, self.vocab_size, self.cfg.seq_len, self.cfg.bad_rows)
+        yield from in_order_on_threads(convert, rows)
 
     def file_documents(self, path: Path) -> Iterator[Document]:
         columns = column_spec(self.format, self.cfg.text_column)
