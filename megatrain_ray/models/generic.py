@@ -340,8 +340,10 @@ def refuse_per_layer_inputs(hidden: torch.Tensor, args: tuple) -> None:
 def stand_in_weights(p: hm.Parts, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Zeros (one element, expanded) for the tensors the model's forward reads before its first
     layer: what its forward reads of them without images is their dtype and device."""
-    zero = {}
+    zero, layers = {}, p.decoder_in_root + p.layers_name + "."
     for name, t in hm.persistent_tensors(p.root).items():
+        if name.startswith(layers):
+            continue
         kind = dtype if t.is_floating_point() else t.dtype
         zero[name] = torch.zeros((), dtype=kind, device=device).expand(t.shape)
     return zero
