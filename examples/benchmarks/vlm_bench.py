@@ -5,7 +5,7 @@ time the driver spent making them is printed beside it). No checkpoint is writte
 optimizer state would not fit the GPU machine's disk.
 
     python examples/benchmarks/vlm_bench.py MODEL_DIR ROWS [--train-vision] [--micro-batch 4]
-        [--grad-accum 8] [--seq-len 4096] [--steps 3] [--warmup 1] [--device cuda] [--moments fp32] [--json OUT]
+        [--grad-accum 8] [--seq-len 4096] [--steps 3] [--warmup 1] [--device cuda] [--moments fp32] [--no-compile] [--json OUT]
 
 MODEL_DIR holds config.json (random init) and the processor's files (vlm_data.py makes both).
 """
@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="cuda")
     p.add_argument("--moments", default="fp32", help="optim.moments (bf16: 10 bytes a parameter on the host, not 14)")
+    p.add_argument("--no-compile", action="store_true", help="executor.compile: false")
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -45,7 +46,7 @@ def main() -> None:
         "data": {"source": args.rows, "tokenizer": args.model_dir, "seq_len": args.seq_len},
         "optim": {"moments": args.moments},
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": args.micro_batch, "grad_accum": args.grad_accum},
-        "executor": {"device": args.device, "loss_chunk_tokens": 2048},
+        "executor": {"device": args.device, "loss_chunk_tokens": 2048, "compile": not args.no_compile},
     })
     arch = model_arch(config.model)
     print(f"model: {arch.model_type}, {params_text(num_params(arch))} (embedding layer with the vision tower: "
