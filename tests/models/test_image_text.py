@@ -22,6 +22,8 @@ from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.models.image_text import embed_inputs  # noqa: E402
 from megatrain_ray.files import shard  # noqa: E402
+from megatrain_ray.files.checkpoint import CheckpointError  # noqa: E402
+from megatrain_ray.host.store import ShardStore  # noqa: E402
 from megatrain_ray.models.registry import model_arch, model_layouts  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from helpers.hf_parity import PARITY_OPTIM, RTOL, save, steps_and_export, the_runs_batches, token_loss_sum, train_transformers  # noqa: E402
@@ -186,6 +188,9 @@ def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
         files = save(first, tmp_path / "ckpt")
     finally:
         first.close()
+    unfrozen = ShardStore(arch.replace(train_vision=True), list(files), torch.float32)
+    with pytest.raises(CheckpointError, match="saved with another model.train_vision"):
+        shard.load_layers(unfrozen, files)
     second = LocalTrainer(config, arch)
     try:
         for store in second.stores:
