@@ -218,9 +218,14 @@ UNUSED_KEYS = ("classifier_dropout", "summary_first_dropout")
 
 
 def random_settings(config: dict[str, Any]) -> dict[str, float]:
-    """The config's positive dropout and jitter settings (a training forward draws random numbers)."""
-    return {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS) and k not in UNUSED_KEYS
-            and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    """The config's positive dropout and jitter settings (a training forward draws random numbers),
+    an image-text model's sub-configs' too (as `text_config.attention_dropout`)."""
+    found = {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS) and k not in UNUSED_KEYS
+             and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    for part in ("text_config", "vision_config"):
+        if isinstance(config.get(part), dict):
+            found.update({f"{part}.{k}": v for k, v in random_settings(config[part]).items()})
+    return found
 
 
 # config.json keys that count multi-token-prediction layers

@@ -205,3 +205,16 @@ def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
 
 def test_train_vision_trains_the_tower_as_transformers_does(tmp_path):
     steps_in_process("qwen2_5_vl", tmp_path, train_vision=True)
+
+
+def test_dropout_in_a_sub_config_is_replayed_in_the_recompute(tmp_path):
+    """A training forward that draws random numbers in the decoder or the tower (their sub-configs'
+    dropout) has its draws replayed (streaming/rng.py), as for a decoder alone."""
+    from megatrain_ray.models.generic import TRANSFORMERS
+
+    model, config = prepared("llava", tmp_path)
+    assert not TRANSFORMERS.draws_random(model_arch(config.model))
+    saved = json.loads((Path(config.model.path) / "config.json").read_text())
+    saved["text_config"]["attention_dropout"] = 0.1
+    (Path(config.model.path) / "config.json").write_text(json.dumps(saved))
+    assert TRANSFORMERS.draws_random(model_arch(config.model))
