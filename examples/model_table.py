@@ -41,6 +41,8 @@ def one_type(model_type: str) -> dict:
 
     config = {k: v for k, v in AutoConfig.for_model(model_type).to_dict().items()
               if k not in ("transformers_version", "architectures")}
+    if hm.is_image_text(config):  # its small instance needs images: tests/models/test_image_text.py
+        return image_text_row(config)
     with tempfile.TemporaryDirectory() as tmp:
         full_dir = Path(tmp) / "full"
         full_dir.mkdir()
@@ -65,6 +67,18 @@ def one_type(model_type: str) -> dict:
     if worst[0] > RTOL:
         return {"result": "differs", "why": f"after {STEPS} steps {worst[1]} differs by {worst[0]:.1e} (relative)"}
     return {"result": "trains", "why": f"{STEPS} steps equal to transformers + AdamW (worst {worst[0]:.0e})"}
+
+
+def image_text_row(config: dict) -> dict:
+    """An image-text model among the causal LM's types: refused as `train` refuses it, or trained
+    with images by the tests (models/image_text.py, COVERED)."""
+    from megatrain_ray.models.generic_check import refusal
+
+    why = refusal(config)
+    if why:
+        return {"result": "refused", "why": why}
+    return {"result": "image-text", "why": "trains with images as an image-text model: tests/models/test_image_text.py, "
+                                           "3 steps against transformers + AdamW"}
 
 
 def run_config(model_dir: Path):

@@ -35,12 +35,13 @@ class ModelConfig:
     overrides: dict[str, Any] = field(default_factory=dict)  # ModelArch fields to change, e.g. num_layers
     router_aux_loss_coef: float | None = None  # MoE load-balancing loss; None: as config.json says, 0: off
     implementation: str = "auto"  # auto | native | transformers: a hand-written family, or transformers' own modules (auto: hand-written where one exists)
+    train_vision: bool = False  # an image-text model's vision tower and projector train too (default: frozen)
 
 
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "synthetic"  # synthetic | a file, directory or glob of parquet/arrow/jsonl
-    format: str = "auto"  # auto (from the columns: input_ids tokens, conversations or messages sharegpt, instruction + output alpaca, text_column text) | tokens | text | alpaca | sharegpt
+    format: str = "auto"  # auto (from the columns: input_ids tokens, conversations or messages sharegpt (with images: sharegpt_images), instruction + output alpaca, text_column text) | tokens | text | alpaca | sharegpt | sharegpt_images
     tokenizer: str | None = None  # tokenizer.json (or its directory, or a Hub name) for text and SFT; default: model.path
     chat_template: str = "auto"  # SFT: auto (the model's, else fallback) | model | fallback (### User:/### Assistant:) | a .jinja file
     text_column: str = "text"  # column holding the text of format text

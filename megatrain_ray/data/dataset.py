@@ -27,13 +27,16 @@ from megatrain_ray.config import DataConfig, EvalConfig
 from megatrain_ray.data.bad_rows import BadRowCount, apply_policy
 from megatrain_ray.data.chat_template import ChatTemplate, load_chat_template
 from megatrain_ray.data.documents import BadRow, DataError, DataPosition, Document, Origin, Row, RowBatch
+from megatrain_ray.data.image_text import IMAGE_READ_ROWS, RowConverter, image_text_documents, in_order_on_threads
+from megatrain_ray.data.processor import load_image_text_processor
 from megatrain_ray.data.packing import fit_length, packed_rows, stack_rows, unpacked_rows
 from megatrain_ray.data.readers import column_spec, detect_format, first_row_columns, read_rows, resolve_files
 from megatrain_ray.data.sft import sft_documents
 from megatrain_ray.data.synthetic import synthetic_documents
 from megatrain_ray.data.tokenization import TextEncoder, text_documents, token_document, tokenizer_file
 
-FORMATS = ("auto", "tokens", "text", "alpaca", "sharegpt")
+FORMATS = ("auto", "tokens", "text", "alpaca", "sharegpt", "sharegpt_images")
+IMAGE_FORMAT = "sharegpt_images"  # image-text SFT rows, through the model's processor (image_text.py)
 SFT_FORMATS = ("alpaca", "sharegpt")
 SPLITTABLE_FORMATS = ("tokens", "text", "synthetic")
 
@@ -78,15 +81,18 @@ class Dataset:
     """The micro-batch stream of one data config; see the module docstring."""
 
     def __init__(self, cfg: DataConfig, vocab_size: int, seed: int, files: list[Path], fmt: str,
-                 encoder: TextEncoder | None, template: ChatTemplate | None = None, holdout: Holdout | None = None):
+                 encoder: TextEncoder | None, template: ChatTemplate | None = None, holdout: Holdout | None = None,
+                 processor=None):
         self.cfg, self.vocab_size, self.seed = cfg, vocab_size, seed_words(seed)
         self.files, self.format, self.encoder = files, fmt, encoder
-        self.template, self.holdout = template, holdout
+        self.template, self.holdout, self.processor = template, holdout, processor
 
     def describe(self) -> str:
         if self.format == "synthetic":
             return f"synthetic data, {self.cfg.synthetic_docs} documents per epoch"
         tok = f", tokenizer {self.encoder.path}" if self.encoder else ""
+        if self.format == IMAGE_FORMAT:
+            tok = f", the processor {type(self.processor).__name__} of {self.cfg.tokenizer}"
         if self.format in SFT_FORMATS:
             tok += f", chat template {self.template.source}" if self.template else ", the fallback chat template"
         if self.holdout is not None:
@@ -103,12 +109,25 @@ class Dataset:
         if self.cfg.shuffle:
             order = np.random.default_rng([self.seed, epoch, 0]).permutation(len(files))
             files = [files[i] for i in order]
-        docs = (doc for path in files for doc in self.file_documents(path))
+        if self.format == IMAGE_FORMAT:
+            docs = self.image_text_documents(files, epoch)
+        else:
+            docs = (doc for path in files for doc in self.file_documents(path))
         if count is not None:
             docs = counted(docs, count)
-        if self.cfg.shuffle:
+        if self.cfg.shuffle and self.format != IMAGE_FORMAT:
             docs = shuffled(docs, max(1, self.cfg.shuffle_buffer), np.random.default_rng([self.seed, epoch, 1]))
         yield from docs
+
+    def image_text_documents(self, files: list[Path], epoch: int) -> Iterator[Document]:
+        """Image-text rows shuffled as rows (a document holds its images' pixel tensors: the buffer
+        holds rows instead), then made into documents a few at a time on several threads, in order."""
+        rows = ((origin, row) for path in files for batch in read_rows(path, column_spec(self.format, ""), IMAGE_READ_ROWS)
+                for origin, row in batch if self.holdout is None or self.holdout.admits(origin))
+        if self.cfg.shuffle:
+            rows = shuffled(rows, max(1, self.cfg.shuffle_buffer), np.random.default_rng([self.seed, epoch, 1]))
+        convert = RowConverter(self.processor, self.template, self.vocab_size, self.cfg.seq_len, self.cfg.bad_rows)
+        yield from in_order_on_threads(convert, rows)
 
     def file_documents(self, path: Path) -> Iterator[Document]:
         columns = column_spec(self.format, self.cfg.text_column)
@@ -138,6 +157,8 @@ class Dataset:
             return []
         if self.format == "tokens":
             return [token_document(row, origin, self.vocab_size) for origin, row in batch]
+        if self.format == IMAGE_FORMAT:
+            return image_text_documents(batch, self.processor, self.template, self.vocab_size, self.cfg.seq_len)
         assert self.encoder is not None
         if self.format == "text":
             return text_documents(batch, self.cfg.text_column, self.encoder, self.vocab_size)
@@ -149,7 +170,7 @@ class Dataset:
         splittable = self.format in SPLITTABLE_FORMATS
         docs = (fit_length(d, cfg.seq_len, cfg.truncate, splittable) for d in self.documents(epoch, count))
         docs = (d for d in docs if d.has_targets())
-        if cfg.pack:
+        if cfg.pack and self.format != IMAGE_FORMAT:  # an image-text row's positions are its model's own
             return packed_rows(docs, cfg.seq_len, splittable)
         return unpacked_rows(docs, cfg.seq_len)
 
@@ -234,6 +255,10 @@ def build_dataset(cfg: DataConfig, vocab_size: int, seed: int, holdout: tuple[fl
     files = resolve_files(cfg.source)
     first, names = first_row_columns(files)
     fmt = detect_format(first, names, cfg.text_column) if cfg.format == "auto" else cfg.format
+    if fmt == IMAGE_FORMAT:
+        processor, template = load_image_text_processor(cfg.tokenizer)
+        split = Holdout(holdout[0], holdout[1], data_root(files)) if holdout else None
+        return Dataset(cfg, vocab_size, seed, files, fmt, None, template, split, processor)
     template = None
     if fmt in SFT_FORMATS:
         template = load_chat_template(cfg.chat_template, tokenizer_file(cfg.tokenizer))

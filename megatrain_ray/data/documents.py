@@ -74,6 +74,7 @@ class Document:
     origin: Origin
     skip: str | None = None  # why a row gives nothing to train on, when that is known before tokenizing
     bad: BadRow | None = None  # a bad row skipped under data.bad_rows=skip (skip holds its reason)
+    images: Any = None  # an image-text row's inputs for the vision side (data/image_text.py, ImageInputs)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -82,7 +83,10 @@ class Document:
         return bool((self.labels != IGNORE_INDEX).any())
 
     def piece(self, start: int, stop: int) -> "Document":
-        return Document(self.input_ids[start:stop], self.labels[start:stop], self.origin)
+        """Positions start..stop; an image-text document only whole (its image tokens cannot be cut)."""
+        whole = start == 0 and stop >= len(self)
+        return Document(self.input_ids[start:stop], self.labels[start:stop], self.origin,
+                        images=self.images if whole else None)
 
     @classmethod
     def skipped(cls, origin: Origin, reason: str) -> "Document":
@@ -103,6 +107,7 @@ class Row:
     input_ids: np.ndarray
     labels: np.ndarray
     position_ids: np.ndarray
+    images: Any = None  # an image-text row's inputs for the vision side (its one document's)
 
 
 RowBatch = list[tuple[Origin, dict[str, Any]]]  # a reader's rows: a row may be the BadRow it is (malformed JSON)

@@ -12,6 +12,8 @@ def guess_format(names: Iterable[str], text_column: str = "text") -> str | None:
     names = set(names)
     if "input_ids" in names:
         return "tokens"
+    if ("conversations" in names or "messages" in names) and "images" in names:
+        return "sharegpt_images"
     if "conversations" in names or "messages" in names:
         return "sharegpt"
     if "instruction" in names and "output" in names:

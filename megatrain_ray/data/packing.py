@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from megatrain_ray.data.documents import IGNORE_INDEX, DataError, Document, Row
+from megatrain_ray.data.image_text import stack_image_inputs
 
 
 def fit_length(doc: Document, seq_len: int, truncate: bool, splittable: bool) -> Document:
@@ -41,6 +42,7 @@ def make_row(pieces: list[Document], seq_len: int) -> Row:
         np.concatenate([p.input_ids for p in pieces] + [np.zeros(pad, dtype=np.int64)]),
         np.concatenate([p.labels for p in pieces] + [np.full(pad, IGNORE_INDEX, dtype=np.int64)]),
         np.concatenate(positions),
+        pieces[0].images if len(pieces) == 1 else None,
     )
 
 
@@ -75,8 +77,10 @@ def unpacked_rows(docs: Iterable[Document], seq_len: int) -> Iterator[Row]:
 
 
 def stack_rows(rows: list[Row]) -> dict[str, np.ndarray]:
+    """The rows as one micro-batch; image-text rows add their image inputs (data/image_text.py)."""
     return {
         "input_ids": np.stack([r.input_ids for r in rows]),
         "labels": np.stack([r.labels for r in rows]),
         "position_ids": np.stack([r.position_ids for r in rows]),
+        **stack_image_inputs(rows, len(rows[0].input_ids)),
     }

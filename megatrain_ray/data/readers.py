@@ -51,6 +51,7 @@ def column_spec(fmt: str, text_column: str) -> ColumnSpec:
         "text": ColumnSpec((text_column,), fmt="text", text_column=text_column),
         "alpaca": ColumnSpec(("instruction", "output"), ("input", "system"), fmt="alpaca"),
         "sharegpt": ColumnSpec(any_of=("conversations", "messages"), fmt="sharegpt"),
+        "sharegpt_images": ColumnSpec(("images",), any_of=("conversations", "messages"), fmt="sharegpt_images"),
     }[fmt]
 
 

@@ -109,7 +109,8 @@ def plan_reads(files: list[Path], arch: ModelArch) -> tuple[list[tuple[str, Path
     where: dict[str, Path] = {}
     reads, tied_head_file = [], None
     for file in files:
-        for name, (shape, dtype) in sorted(read_header(file).items()):
+        for stored, (shape, dtype) in sorted(read_header(file).items()):
+            name = fam.read_as(arch, stored)
             if is_ignored(name) or fam.carried(arch, name):  # carried: files/carried.py
                 continue
             if name in where:
@@ -125,7 +126,7 @@ def plan_reads(files: list[Path], arch: ModelArch) -> tuple[list[tuple[str, Path
             check_shape(name, slot.shape, shape, file)
             if dtype not in FLOAT_DTYPES:
                 raise CheckpointMismatch(f"{name}: dtype {dtype} is not a float type, in {file}")
-            reads.append((name, file, layer, slot))
+            reads.append((stored, file, layer, slot))
     for name, (_, slot) in expected.items():
         if name not in where:
             files_text = ", ".join(str(f) for f in files)
@@ -346,11 +347,13 @@ def export_hf(
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json",
+                   # an image-text model's processor
+                   "preprocessor_config.json", "processor_config.json", "chat_template.json")
 
 
 def copy_tokenizer_files(tokenizer: str | None, out_dir: Path) -> list[str]:
-    """The tokenizer's files (and chat template) beside exported weights, so that the directory
+    """The tokenizer's files (chat template, an image-text model's processor) beside exported weights, so that the directory
     loads as any model; `tokenizer` is data.tokenizer (a tokenizer.json or its directory)."""
     if not tokenizer:
         return []

@@ -42,6 +42,11 @@ def load_layers(store: ShardStore, files_by_layer: dict[int, str]) -> None:
         if held.moments != store.format.moments:
             tensors.update(precision.convert_moments(*precision.moments_as_fp32(tensors), store.format))
         for key, target in state.tensors().items():
+            if key != "master" and tensors[key].shape != target.shape and tensors["master"].shape == state.master.shape:
+                raise checkpoint.CheckpointError(
+                    f"layer {i}'s optimizer state covers {tensors[key].numel()} of its {state.master.numel()} "
+                    f"parameters in the checkpoint and {target.numel()} here: it was saved with another "
+                    "model.train_vision (a frozen vision tower has none); resume with the setting it was saved with")
             if tensors[key].shape != target.shape:
                 raise checkpoint.CheckpointError(
                     f"layer {i} {key} has {tensors[key].numel()} elements in the checkpoint but the model "

@@ -68,8 +68,11 @@ class StateFormat:
     def bytes_per_param(self, compute_bytes: int) -> float:
         """Host bytes per parameter: master, moments (and their int8 scales), compute copy or gradient."""
         master = 4 if self.master == "fp32" else 2
-        moments = {"fp32": 8, "bf16": 4, "int8": 2 + 2 * 4 / QUANT_BLOCK}[self.moments]
-        return master + moments + (compute_bytes if self.master == "fp32" else 2)
+        return master + self.moment_bytes() + (compute_bytes if self.master == "fp32" else 2)
+
+    def moment_bytes(self) -> float:
+        """Host bytes per parameter of its two moments (and their int8 scales): none for a frozen one."""
+        return {"fp32": 8, "bf16": 4, "int8": 2 + 2 * 4 / QUANT_BLOCK}[self.moments]
 
     def describe(self) -> str:
         master = "fp32 master" if self.master == "fp32" else "bf16 master (stochastic rounding, the compute copy)"

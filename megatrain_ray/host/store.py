@@ -41,6 +41,12 @@ def bytes_per_param(compute_dtype: torch.dtype, state: StateFormat = StateFormat
     return state.bytes_per_param(element_size(compute_dtype))
 
 
+def layer_bytes(layout: LayerLayout, compute_dtype: torch.dtype, state: StateFormat = StateFormat()) -> float:
+    """Host bytes of a layer's state: its frozen parameters (LayerLayout.trained_numel) hold no moments."""
+    frozen = layout.numel - layout.trained_numel
+    return layout.numel * bytes_per_param(compute_dtype, state) - frozen * state.moment_bytes()
+
+
 @dataclass
 class LayerState:
     layout: LayerLayout
@@ -152,10 +158,11 @@ class ShardStore:
         else:
             master, grad = torch.empty(n, dtype=torch.float32), compute
         m_dtype, v_dtype = fmt.moment_dtypes()
-        scales = ((torch.zeros(precision.num_blocks(n)), torch.zeros(precision.num_blocks(n)))
+        k = layout.trained_numel  # moments for the trained parameters only (a frozen tail holds none)
+        scales = ((torch.zeros(precision.num_blocks(k)), torch.zeros(precision.num_blocks(k)))
                   if fmt.quantized else None)
-        return LayerState(layout, master=master, exp_avg=torch.zeros(n, dtype=m_dtype),
-                          exp_avg_sq=torch.zeros(n, dtype=v_dtype), compute=compute, grad=grad, scales=scales)
+        return LayerState(layout, master=master, exp_avg=torch.zeros(k, dtype=m_dtype),
+                          exp_avg_sq=torch.zeros(k, dtype=v_dtype), compute=compute, grad=grad, scales=scales)
 
     def host_bytes(self) -> int:
         """Bytes of every buffer this store holds (a bf16 master is counted once: it is the compute copy)."""
@@ -206,7 +213,7 @@ class ShardStore:
         for key in ("master", "exp_avg", "exp_avg_sq"):
             path = self._shm_dir / segment_name(self._run_id, index, key)
             if not path.exists():
-                shared = shm_tensor(path, state.layout.numel, torch.float32, create=True)
+                shared = shm_tensor(path, getattr(state, key).numel(), torch.float32, create=True)
                 shared.copy_(getattr(state, key))
                 setattr(state, key, shared)
                 self.extra_shm_paths.append(str(path))
@@ -250,11 +257,17 @@ class ShardStore:
             self.publish(state)
             return index
         state.updates += 1
+        k = state.exp_avg.numel()  # the trained parameters; a frozen tail after them is not stepped
+        master = state.master if k == state.layout.numel else state.master[:k]
+        compute = master if state.compute is state.master else state.compute[:k]  # a bf16 master is the copy
         adamw_step(
-            state.master, state.exp_avg, state.exp_avg_sq, state.compute, state.layout.segments(), hp, state.updates,
-            grad=None if state.grad is state.compute else state.grad, scales=state.scales,
+            master, state.exp_avg, state.exp_avg_sq, compute,
+            [s for s in state.layout.segments() if s[1] <= k], hp, state.updates,
+            grad=None if state.grad is state.compute else state.grad[:k], scales=state.scales,
             rounding_key=precision.rounding_key(self.seed, index, state.updates),
         )
+        if k < state.layout.numel and state.grad is state.compute:  # the tail's (zero) gradient over its weights
+            state.compute[k:].copy_(state.master[k:])
         self.optimizer_seconds += time.perf_counter() - t0
         return index
 

@@ -69,6 +69,11 @@ class ModelFamily(abc.ABC):
         """A context in which the templates compute as in evaluation (no dropout)."""
         return contextlib.nullcontext()
 
+    def read_as(self, arch: ModelArch, name: str) -> str:
+        """The layouts' name of a tensor that a model's files hold under `name` (an older name
+        transformers still loads), else `name`."""
+        return name
+
     def carried(self, arch: ModelArch, name: str) -> bool:
         """Whether a tensor of the model's files is carried unchanged to the checkpoints and the
         export without being trained or streamed (multi-token-prediction layers that the model's
@@ -102,6 +107,15 @@ class ModelFamily(abc.ABC):
         when every block is alike (this default); a sliding-window block's own RoPE tables and mask
         (Gemma 3). Called outside the compiled block, once per block call."""
         return ctx
+
+    def batch_context(self, arch: ModelArch, mb: dict[str, torch.Tensor], dtype: torch.dtype,
+                      packed: bool | None = None) -> Any:
+        """`context` of a micro-batch (an image-text model's reads more of it than its positions)."""
+        return self.context(arch, mb["position_ids"], dtype, packed)
+
+    def embed_inputs(self, arch: ModelArch, mb: dict[str, torch.Tensor]) -> Any:
+        """What `embed` takes of a micro-batch: its token ids (an image-text model's: its images too)."""
+        return mb["input_ids"]
 
     @abc.abstractmethod
     def embed(self, arch: ModelArch, w: Weights, input_ids: torch.Tensor) -> torch.Tensor: ...

@@ -13,6 +13,7 @@ model.implementation transformers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import re
@@ -27,6 +28,7 @@ from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX, ModelFamily, Weights
 from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, ParamSlot, lay_out
+from megatrain_ray.models.image_text import PIXEL_KEYS, embed_inputs, vision_kwargs
 from megatrain_ray.models.moe import stored_as, stored_in_rows, stored_per_expert
 
 # config.json keys that say nothing about the model's tensors or arithmetic
@@ -43,13 +45,15 @@ class TransformersArch(ModelArch):
     # A layer's working set per token in units of the compute dtype, the largest of its kinds as
     # planning/probe.py measured it on the run's device; 0: the estimate (WORKING_SET_PER_TOKEN)
     measured_working_set: float = 0.0
+    # An image-text model's vision tower and projector train (model.train_vision); else frozen
+    train_vision: bool = False
 
     @property
     def config(self) -> dict[str, Any]:
         return json.loads(self.hf_config)
 
     def model_fields(self) -> list[str]:
-        return [name for name in super().model_fields() if name != "measured_working_set"]
+        return [name for name in super().model_fields() if name not in ("measured_working_set", "train_vision")]
 
 
 def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +64,7 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def arch_from_config(config: dict[str, Any]) -> TransformersArch:
     canon = canonical_config(config)
-    cfg = hm.config_object(canon)
+    cfg = hm.config_object(canon).get_text_config()  # an image-text model's sizes are its decoder's
     value = functools.partial(_global_value, cfg)
     hidden = int(cfg.hidden_size)
     heads = int(value("num_attention_heads") or 1)  # none: a recurrent model
@@ -106,13 +110,18 @@ def _local_shapes(tensors: dict[str, torch.Tensor], keep=lambda name: True) -> l
 def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     p = parts(arch)
     base_tensors = hm.persistent_tensors(p.base)
-    norm, in_layers = p.final_norm + ".", p.layers_name + "."
-    embed = _local_shapes(base_tensors, lambda n: not n.startswith(in_layers) and not n.startswith(norm))
-    layouts = [lay_out(0, EMBED, p.base_prefix, embed)]
+    norm, in_layers = p.decoder_in_root + p.final_norm + ".", p.decoder_in_root + p.layers_name + "."
+    # the embedding: everything the model runs before its first layer (an image-text model's vision
+    # tower and projector too), as named under the module that runs it
+    embed = _local_shapes(hm.persistent_tensors(p.root), lambda n: not n.startswith(in_layers) and not n.startswith(norm))
+    vision = vision_names(p)
+    embed = [s for s in embed if s[0] not in vision] + [s for s in embed if s[0] in vision]  # the vision tower last
+    frozen_names = frozenset() if arch.train_vision else vision
+    layouts = [frozen_slots(lay_out(0, EMBED, p.root_prefix, embed), frozen_names)]
     for i, layer in enumerate(p.layers):
         layouts.append(lay_out(i + 1, BLOCK, f"{p.base_prefix}{p.layers_name}.{i}.", _local_shapes(hm.persistent_tensors(layer))))
-    outer = _local_shapes(hm.persistent_tensors(p.model), lambda n: not n.startswith(p.base_prefix))
-    head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(norm))]
+    outer = _local_shapes(hm.persistent_tensors(p.model), lambda n: not n.startswith(p.root_prefix))
+    head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(p.final_norm + "."))]
     if p.tied:
         outer = [(n, s) for n, s in outer if n != output_embedding_name(p)]
     layouts.append(lay_out(len(p.layers) + 1, HEAD, "", head + outer))
@@ -125,14 +134,33 @@ def output_embedding_name(p: hm.Parts) -> str:
 
 
 def input_embedding_name(p: hm.Parts) -> str:
+    """The input embedding's name in the embedding layer (under the module that runs it)."""
     inp = p.model.get_input_embeddings()
-    return next(n for n, m in p.base.named_modules() if m is inp) + ".weight"
+    return next(n for n, m in p.root.named_modules() if m is inp) + ".weight"
+
+
+def vision_names(p: hm.Parts) -> frozenset[str]:
+    """An image-text model's vision tower and projector: the embedding layer's tensors outside its
+    language model (none for a decoder alone)."""
+    if not p.decoder_in_root:
+        return frozenset()
+    return frozenset(n for n in hm.persistent_tensors(p.root) if not n.startswith(p.decoder_in_root))
+
+
+def frozen_slots(layout: LayerLayout, names: frozenset[str]) -> LayerLayout:
+    """The layout with the named tensors marked untrained (ParamSlot.trained): the vision tower, at
+    the embedding layer's end whether it trains or not (the same offsets either way), then holds no
+    optimizer state (LayerLayout.trained_numel)."""
+    if not names:
+        return layout
+    params = tuple(dataclasses.replace(s, trained=False) if s.name in names else s for s in layout.params)
+    return LayerLayout(layout.index, layout.kind, layout.prefix, params)
 
 
 def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerLayout, ...]) -> tuple[LayerLayout, ...]:
     """Each slot that transformers stores in pieces (stacked experts stored one by one) says so
     (ParamSlot.stored_as), as a small instance of the same structure shows (hf_modules.expert_pieces)."""
-    pieces = _expert_pieces(arch.hf_config, p.kinds)
+    pieces = {} if p.decoder_in_root else _expert_pieces(arch.hf_config, p.kinds)  # image-text: renamed_in_files
     if not pieces:
         return layouts
     out = []
@@ -163,6 +191,21 @@ def _expert_pieces(config_json: str, kinds: tuple[int, ...]) -> dict[str, tuple[
     return hm.expert_pieces(hm.build_small(hm.small_config(config, kinds)))
 
 
+@functools.lru_cache(maxsize=8)
+def renamed_in_files(config_json: str) -> dict[str, str]:
+    """An image-text model's tensors that save_pretrained stores under other names (their names
+    before transformers 5: `language_model.model.layers.0...`, `visual.blocks...`): stored name ->
+    in-memory name, by transformers' own reverse conversion. The layouts and the exports use the
+    in-memory names, which transformers loads as they are; files in the older names are read too."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = hm.parts_of(config_json).model
+    state = model.state_dict()
+    memory = {id(t): name for name, t in state.items()}
+    stored = revert_weight_conversion(model, dict(state))
+    return {name: memory[id(t)] for name, t in stored.items() if memory.get(id(t), name) != name}
+
+
 def _local(prefix: str, name: str) -> str:
     if not name.startswith(prefix):
         raise hm.Unsupported(f"transformers stores a tensor of {prefix or 'the head'} as {name}, outside it")
@@ -175,9 +218,14 @@ UNUSED_KEYS = ("classifier_dropout", "summary_first_dropout")
 
 
 def random_settings(config: dict[str, Any]) -> dict[str, float]:
-    """The config's positive dropout and jitter settings (a training forward draws random numbers)."""
-    return {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS) and k not in UNUSED_KEYS
-            and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    """The config's positive dropout and jitter settings (a training forward draws random numbers),
+    an image-text model's sub-configs' too (as `text_config.attention_dropout`)."""
+    found = {k: v for k, v in config.items() if any(word in k for word in RANDOM_KEYS) and k not in UNUSED_KEYS
+             and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    for part in ("text_config", "vision_config"):
+        if isinstance(config.get(part), dict):
+            found.update({f"{part}.{k}": v for k, v in random_settings(config[part]).items()})
+    return found
 
 
 # config.json keys that count multi-token-prediction layers
@@ -247,8 +295,9 @@ def _buffers_on(config_json: str, where: str, device: torch.device) -> dict[str,
     """A module's non-persistent buffers (rotary frequencies) on `device`, made once per device.
     `where`: "base" (the decoder) or a template's layer index."""
     p = hm.parts_of(config_json)
-    module = p.base if where == "base" else p.layers[int(where)]
-    return {n: b.to(device) for n, b in hm.transient_buffers(module).items() if not n.startswith(p.layers_name + ".")}
+    module = p.root if where == "base" else p.layers[int(where)]
+    layers = p.decoder_in_root + p.layers_name + "." if where == "base" else "\0"
+    return {n: b.to(device) for n, b in hm.transient_buffers(module).items() if not n.startswith(layers)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -258,9 +307,9 @@ def _template_frozen(config_json: str, template: int) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=8)
 def _recording_decoder(config_json: str, stop_after: int):
+    """The module that runs from the inputs to the first layer, its layers recording (hm.recording_root)."""
     calls: list = []
-    p = hm.parts_of(config_json)
-    return hm.recording_decoder(p.base, p.layers_name, calls, stop_after), calls
+    return hm.recording_root(hm.parts_of(config_json), calls, stop_after), calls
 
 
 @functools.lru_cache(maxsize=8)
@@ -270,13 +319,17 @@ def head_call(config_json: str) -> HeadCall:
     return HeadCall(hm.head_model(p), buffer_names(p.model), tied)
 
 
-def embed_forward(arch: TransformersArch, w: Weights, input_ids: torch.Tensor) -> torch.Tensor:
-    """The decoder's own forward from the token ids to its first layer's input (scaling included)."""
+def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
+    """The decoder's own forward from the token ids to its first layer's input (scaling included);
+    an image-text model's from its inputs (`inputs`, a dict: image_text.embed_inputs), its image
+    features in place of the image tokens' embeddings, as its own forward puts them."""
     decoder, calls = _recording_decoder(arch.hf_config, 0)
     calls.clear()
-    w = frozen(w, buffer_names(hm.parts_of(arch.hf_config).base))
-    hm.run_until_layers(decoder, {**w, **_buffers_on(arch.hf_config, "base", input_ids.device)}, calls,
-                        input_ids=input_ids)
+    p = hm.parts_of(arch.hf_config)
+    w = frozen(w, buffer_names(p.root) | (frozenset() if arch.train_vision else vision_names(p)))
+    kwargs = vision_kwargs(inputs, w) if isinstance(inputs, dict) else {"input_ids": inputs}
+    device = kwargs["input_ids"].device
+    hm.run_until_layers(decoder, {**w, **_buffers_on(arch.hf_config, "base", device)}, calls, **kwargs)
     hidden, args, _ = calls.pop()
     refuse_per_layer_inputs(hidden, args)
     return hidden
@@ -289,19 +342,40 @@ def refuse_per_layer_inputs(hidden: torch.Tensor, args: tuple) -> None:
         raise hm.Unsupported("its decoder passes its layers per-layer inputs beside the hidden states")
 
 
-def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch.dtype) -> list[LayerCall]:
+def stand_in_weights(p: hm.Parts, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Zeros (one element, expanded) for the tensors the model's forward reads before its first
+    layer: what its forward reads of them without images is their dtype and device."""
+    zero, layers = {}, p.decoder_in_root + p.layers_name + "."
+    for name, t in hm.persistent_tensors(p.root).items():
+        if name.startswith(layers):
+            continue
+        kind = dtype if t.is_floating_point() else t.dtype
+        zero[name] = torch.zeros((), dtype=kind, device=device).expand(t.shape)
+    return zero
+
+
+def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch.dtype,
+                inputs: dict | None = None) -> list[LayerCall]:
     """Per decoder layer, the arguments its decoder passes it for these positions, recorded from
     the decoder's own forward on a stand-in input (so masks, windows, chunks and rotary tables are
-    the model's own; packed documents are told from the position ids as transformers tells them)."""
+    the model's own; packed documents are told from the position ids as transformers tells them).
+    An image-text model's are recorded from its own forward on its `inputs` (image_text.embed_inputs)
+    with a stand-in embedding and no images: its positions (Qwen2.5-VL's 3D rotary positions from
+    the image grids) and masks (Gemma 3's bidirectional attention within an image) as it makes them."""
     p = parts(arch)
     decoder, calls = _recording_decoder(arch.hf_config, len(p.layers) - 1)
     calls.clear()
     b, t = position_ids.shape
-    stand_in = torch.zeros((), dtype=dtype, device=position_ids.device).expand(b, t, arch.hidden_size)
+    state = _buffers_on(arch.hf_config, "base", position_ids.device)
+    if inputs is None:
+        stand_in = torch.zeros((), dtype=dtype, device=position_ids.device).expand(b, t, arch.hidden_size)
+        kwargs = {"inputs_embeds": stand_in, "position_ids": position_ids}
+    else:  # an image-text model's own forward from its inputs, without images: its positions and masks
+        state = {**state, **stand_in_weights(p, dtype, position_ids.device)}
+        kwargs = {k: v for k, v in inputs.items() if k not in PIXEL_KEYS}
     cuda = [position_ids.device] if position_ids.device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # the stand-in's dropout draws nothing of the step's
-        hm.run_until_layers(decoder, _buffers_on(arch.hf_config, "base", position_ids.device), calls,
-                            inputs_embeds=stand_in, position_ids=position_ids)
+        hm.run_until_layers(decoder, state, calls, **kwargs)
     recorded = list(calls)
     calls.clear()
     if len(recorded) != len(p.layers):
@@ -498,6 +572,9 @@ class TransformersFamily(ModelFamily):
         finally:
             model.train(True)
 
+    def read_as(self, arch: TransformersArch, name: str) -> str:
+        return renamed_in_files(arch.hf_config).get(name, name) if parts(arch).decoder_in_root else name
+
     def carried(self, arch: TransformersArch, name: str) -> bool:
         """The tensors of the multi-token-prediction layers, stored as the decoder's layers after
         its last (model.layers.61.* for DeepSeek-V3), which transformers' model does not build."""
@@ -534,7 +611,18 @@ class TransformersFamily(ModelFamily):
     def context(self, arch: TransformersArch, position_ids: torch.Tensor, dtype: torch.dtype,
                 packed: bool | None = None) -> list[LayerCall]:
         self._head(arch)
-        return layer_calls(arch, position_ids, dtype)
+        inputs = {"input_ids": torch.zeros_like(position_ids)} if parts(arch).decoder_in_root else None
+        return layer_calls(arch, position_ids, dtype, inputs)
+
+    def embed_inputs(self, arch: TransformersArch, mb: dict[str, torch.Tensor]):
+        return embed_inputs(mb) if parts(arch).decoder_in_root else mb["input_ids"]
+
+    def batch_context(self, arch: TransformersArch, mb: dict[str, torch.Tensor], dtype: torch.dtype,
+                      packed: bool | None = None) -> list[LayerCall]:
+        if not parts(arch).decoder_in_root:
+            return self.context(arch, mb["position_ids"], dtype, packed)
+        self._head(arch)
+        return layer_calls(arch, mb["position_ids"], dtype, embed_inputs(mb))
 
     def layer_context(self, arch: TransformersArch, ctx: list[LayerCall], layer: int) -> LayerCall:
         call = ctx[layer - 1]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_ray.models import hf_modules as hm
+from megatrain_ray.models import image_text
 
 RTOL = 1e-4  # fp32, the same modules on the same weights: only summation order differs
 
@@ -27,7 +28,9 @@ def refusal(config: dict[str, Any]) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = config.get("model_type")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if model_type in image_text.REFUSED:
+        return image_text.REFUSED[model_type]
+    if not hm.of_image_text_model(config) and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return (f"the installed transformers has no causal language model for model_type {model_type!r} "
                 "(AutoModelForCausalLM does not know it); a newer transformers may")
     try:
@@ -52,6 +55,8 @@ def refusal(config: dict[str, Any]) -> str | None:
                "a final norm and an LM head"
     except Exception as e:  # transformers refusing its own config: say what it said
         return f"transformers cannot build it from this config: {type(e).__name__}: {e}"
+    if hm.is_image_text(config):
+        return image_text.refusal(config)
     if config.get("output_router_logits") and not records_router_logits(config):
         return ("its router's load-balancing loss is on (output_router_logits: true), but transformers' model "
                 "records no router logits for it; set model.router_aux_loss_coef to 0 (or output_router_logits "
@@ -189,7 +194,11 @@ def check_config(config_json: str) -> str | None:
 
 def checked(arch):
     """`arch` once a small instance of its config ran alike through both paths; a ValueError that
-    says how they differed otherwise."""
+    says how they differed otherwise. An image-text model is of a covered type (image_text.COVERED,
+    each checked against transformers by the tests, images included): a small instance of it
+    needs the sizes of its vision tower cut to match its processor's, which differ by type."""
+    if hm.is_image_text(arch.config):
+        return arch
     why = check_config(arch.hf_config)
     if why:
         raise ValueError(" ".join(f"model_type {arch.model_type!r} cannot be trained through transformers' modules: "

@@ -39,11 +39,31 @@ def config_object(config: dict[str, Any]):
     return config_class.from_dict(config_class._decode_special_floats(fields))
 
 
-def build_empty(config: dict[str, Any]) -> nn.Module:
-    """The causal LM with parameters on meta, in fp32, attention through SDPA where the model offers
-    it (eager where it does not: soft-capped attention)."""
-    from transformers import AutoModelForCausalLM
+def is_image_text(config: dict[str, Any]) -> bool:
+    """An image-text model (AutoModelForImageTextToText): a language decoder beside a vision tower,
+    each with its own config (text_config, vision_config)."""
+    return isinstance(config.get("text_config"), dict) and isinstance(config.get("vision_config"), dict)
 
+
+def of_image_text_model(config: dict[str, Any]) -> bool:
+    """is_image_text of a config.json with its class's defaults filled in (False where
+    transformers cannot read it)."""
+    try:
+        return is_image_text({**config_object(config).to_dict(), **config})
+    except Exception:  # no config class for it, or one that refuses it: refused elsewhere, saying why
+        return False
+
+
+def auto_class(config: dict[str, Any]):
+    """transformers' auto class that builds the model: the image-text one, or the causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM
+
+
+def build_empty(config: dict[str, Any]) -> nn.Module:
+    """The causal LM (or image-text model) with parameters on meta, in fp32, attention through SDPA
+    where the model offers it (eager where it does not: soft-capped attention)."""
     cfg = config_object(config)
     if getattr(cfg, "is_encoder_decoder", False):
         raise Unsupported("it is an encoder-decoder model")
@@ -51,7 +71,7 @@ def build_empty(config: dict[str, Any]) -> nn.Module:
     for attn in ("sdpa", "eager"):
         try:
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+                model = auto_class(config).from_config(cfg, attn_implementation=attn, dtype=torch.float32)
             return with_real_buffers(model)
         except ValueError as e:  # transformers refuses an attention implementation the model lacks
             last_error = e
@@ -73,19 +93,20 @@ def with_real_buffers(model: nn.Module) -> nn.Module:
             holders.update(".".join(parts[:i]) for i in range(len(parts) + 1))
     # each holder and the modules above it, children first: a model may fill its layers' buffers
     # from above (Falcon-H1's decoder writes each Mamba mixer's mup_vector)
+    # (an image-text model's vision tower is a model of its own, whose _init_weights fills its buffers)
+    owners = {n: m for n, m in model.named_modules() if hasattr(m, "_init_weights")}
     for name, module in reversed(list(model.named_modules())):
         if name in holders:
-            model._init_weights(module)
+            owner = max((n for n in owners if n == "" or name == n or name.startswith(n + ".")), key=len)
+            owners[owner]._init_weights(module)
     return model
 
 
 def build_small(config: dict[str, Any]) -> nn.Module:
     """transformers' model of a small config, with real (CPU, fp32) weights as the model draws
     them, its attention as build_empty picks it."""
-    from transformers import AutoModelForCausalLM
-
     attn = build_empty(config).config._attn_implementation
-    return AutoModelForCausalLM.from_config(config_object(config), attn_implementation=attn, dtype=torch.float32)
+    return auto_class(config).from_config(config_object(config), attn_implementation=attn, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,6 +183,12 @@ class Parts:
     kinds: tuple[int, ...]  # per decoder layer: the index of its template (first layer of its structure)
     tied: bool  # the LM head is the input embedding
     layers_name: str = "layers"  # the decoder's child that holds the list of layers
+    # The module whose forward runs from the model's inputs to its first layer, and its prefix: the
+    # decoder itself, or an image-text model's inner model (its vision tower, its projector and the
+    # decoder, at `decoder_in_root`: "language_model.")
+    root: nn.Module | None = None
+    root_prefix: str = ""
+    decoder_in_root: str = ""
 
 
 def decoder_parts(model: nn.Module) -> Parts:
@@ -170,7 +197,7 @@ def decoder_parts(model: nn.Module) -> Parts:
     layers; the final norm is the decoder's one other child with weights (the module between the
     last layer and the LM head)."""
     prefix, layers_name = _decoder_and_layers(model)
-    base = getattr(model, prefix)
+    base = model.get_submodule(prefix)
     layers = getattr(base, layers_name)
     for name, module in layers.named_modules():
         if any(word in name for word in ("cross_attn", "encoder_attn", "crossattention")):
@@ -181,7 +208,9 @@ def decoder_parts(model: nn.Module) -> Parts:
     kinds = tuple(keys.setdefault(structure_key(layer), i) for i, layer in enumerate(layers))
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
-    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name)
+    root_prefix, _, decoder_in_root = prefix.partition(".")
+    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name,
+                 getattr(model, root_prefix), root_prefix + ".", decoder_in_root + "." if decoder_in_root else "")
 
 
 def refuse_shared_weights(layers: nn.ModuleList) -> None:
@@ -197,9 +226,17 @@ def refuse_shared_weights(layers: nn.ModuleList) -> None:
 
 
 def _decoder_and_layers(model: nn.Module) -> tuple[str, str]:
-    """(the causal LM's child that is its decoder, the decoder's child that lists its layers)."""
-    count = getattr(model.config, "num_hidden_layers", None)
+    """(the causal LM's child that is its decoder, the decoder's child that lists its layers); an
+    image-text model's decoder is its language model (model.language_model), a grandchild."""
+    count = getattr(model.config.get_text_config(), "num_hidden_layers", None)
     embedding = model.get_input_embeddings()
+    if hasattr(model.config, "vision_config"):
+        decoder = model.get_decoder()
+        path = next(n for n, m in model.named_modules() if m is decoder)
+        lists = [n for n, c in decoder.named_children() if isinstance(c, nn.ModuleList) and len(c) == count]
+        if len(lists) != 1:
+            raise Unsupported(f"its language model ({path}) has no one list of its {count} layers")
+        return path, lists[0]
     for prefix, base in model.named_children():
         if embedding is None or not any(m is embedding for m in base.modules()):
             continue
@@ -419,6 +456,19 @@ def recording_decoder(base: nn.Module, layers_name: str, calls: list, stop_after
     return clone
 
 
+def recording_root(parts: Parts, calls: list, stop_after: int) -> nn.Module:
+    """The module that runs from the inputs to the first layer (parts.root), its decoder's layers
+    recording: the recording decoder itself, or a shallow copy of an image-text model's inner
+    model holding it."""
+    decoder = recording_decoder(parts.base, parts.layers_name, calls, stop_after)
+    if not parts.decoder_in_root:
+        return decoder
+    clone = copy.copy(parts.root)
+    clone._modules = dict(parts.root._modules)
+    clone._modules[parts.decoder_in_root[:-1]] = decoder
+    return clone
+
+
 def run_until_layers(decoder: nn.Module, state: dict[str, torch.Tensor], calls: list, **inputs) -> None:
     """The decoder's forward on `state` (the weights and buffers it reads) until a recording layer stops it."""
     with contextlib.suppress(_Stop):
@@ -439,19 +489,26 @@ class _HiddenOnly(dict):
 
 
 class FinalNorm(StandIn):
-    """Stands in for the decoder inside the causal LM: applies the final norm to `inputs_embeds`.
-    Reads of the decoder's other attributes (Falcon-H1's lm_head_multiplier) go to the decoder."""
+    """Stands in for the decoder (an image-text model's inner model) inside the causal LM: applies
+    the final norm to `inputs_embeds`. The norm sits at its own path below it (`norm`, or
+    `language_model.norm`), so that its tensors keep their names. Reads of the decoder's other
+    attributes (Falcon-H1's lm_head_multiplier) go to the decoder."""
 
-    def __init__(self, norm: nn.Module, name: str, decoder: nn.Module):
+    def __init__(self, norm: nn.Module, path: str, decoder: nn.Module):
         nn.Module.__init__(self)
-        self.add_module(name, norm)  # before it stands for the decoder, which has a module of that name
-        self.norm_name = name
+        holder: nn.Module = self
+        *above, name = path.split(".")
+        for part in above:  # before it stands for the decoder, which has modules of these names
+            holder.add_module(part, nn.Module())
+            holder = getattr(holder, part)
+        holder.add_module(name, norm)
+        self.norm_path = path
         self.config = decoder.config
         object.__setattr__(self, "_stands_for", decoder)
 
     def forward(self, *args, inputs_embeds=None, **kwargs):  # positional: input_ids (None) and the like
         out = _HiddenOnly()
-        dict.__setitem__(out, "last_hidden_state", getattr(self, self.norm_name)(inputs_embeds))
+        dict.__setitem__(out, "last_hidden_state", self.get_submodule(self.norm_path)(inputs_embeds))
         return out
 
 
@@ -459,8 +516,8 @@ def head_model(parts: Parts) -> nn.Module:
     """A shallow copy of the causal LM whose decoder is only the final norm."""
     head = copy.copy(parts.model)
     head._modules = dict(parts.model._modules)
-    prefix = parts.base_prefix[:-1]
-    head._modules[prefix] = FinalNorm(getattr(parts.base, parts.final_norm), parts.final_norm, parts.base)
+    head._modules[parts.root_prefix[:-1]] = FinalNorm(getattr(parts.base, parts.final_norm),
+                                                      parts.decoder_in_root + parts.final_norm, parts.root)
     return head
 
 

@@ -30,6 +30,9 @@ class ParamSlot:
     # their own (local) names, shapes and offsets in the layer, e.g. the stacked experts of a
     # mixture-of-experts layer stored one tensor per expert. Empty: stored as itself.
     stored_as: tuple["ParamSlot", ...] = ()
+    # False: frozen (an image-text model's vision tower unless model.train_vision): the step gives
+    # it no gradient and AdamW no weight decay, so it stays as it is
+    trained: bool = True
 
     @property
     def numel(self) -> int:
@@ -42,7 +45,7 @@ class ParamSlot:
     def decays(self) -> bool:
         """Weight decay applies to matrices only, never to norms and biases (stacked per-expert
         biases are 2-D and still biases)."""
-        return len(self.shape) >= 2 and not self.name.endswith("bias")
+        return self.trained and len(self.shape) >= 2 and not self.name.endswith("bias")
 
     def stored(self) -> tuple["ParamSlot", ...]:
         """The tensors a checkpoint holds for this parameter."""
@@ -59,6 +62,16 @@ class LayerLayout:
     @property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def trained_numel(self) -> int:
+        """Elements of the trained parameters where the frozen ones (ParamSlot.trained) all lie after
+        them: the optimizer's moments cover these only (an image-text model's frozen vision tower
+        holds none); else every element."""
+        frozen = [p.offset for p in self.params if not p.trained]
+        if not frozen or any(p.trained and p.offset > min(frozen) for p in self.params):
+            return self.numel
+        return min(frozen)
 
     def hf_name(self, local: str) -> str:
         return self.prefix + local

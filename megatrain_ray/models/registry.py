@@ -17,6 +17,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import ModelFamily
 from megatrain_ray.models.gemma3 import GEMMA3
 from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch
+from megatrain_ray.models.hf_modules import is_image_text, of_image_text_model
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 from megatrain_ray.models.gpt_oss import GPT_OSS
 from megatrain_ray.models.llama import LLAMA
@@ -55,6 +56,10 @@ def how_it_runs(arch: ModelArch) -> str:
     that its check against transformers (model_arch: models/generic_check.py) passed."""
     if implementation_of(arch) == "native":
         return ""
+    if is_image_text(arch.config):
+        vision = "trained (model.train_vision)" if arch.train_vision else "frozen (model.train_vision: false)"
+        return (f" through transformers' own modules, an image-text model of a type tested against transformers "
+                f"with images; its vision tower and projector {vision}")
     return (" through transformers' own modules (its check against transformers' model passed: a small random "
             "instance's logits and gradients agree)")
 
@@ -89,7 +94,7 @@ def arch_from_hf_config(config: dict[str, Any], implementation: str = "auto") ->
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"model.implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     native = model_type in SUPPORTED_MODEL_TYPES or any(model_type in f.refused for f in FAMILIES)
-    if implementation == "transformers" or (implementation == "auto" and not native):
+    if implementation == "transformers" or (implementation == "auto" and (not native or of_image_text_model(config))):
         return transformers_arch(config)
     try:
         fam = family_of(model_type)
@@ -166,9 +171,11 @@ def model_arch(cfg: ModelConfig) -> ModelArch:
             from megatrain_ray.models.generic_check import checked
 
             arch = checked(with_config_overrides(arch, cfg.overrides, cfg.router_aux_loss_coef))
-            return arch
+            return with_train_vision(arch, cfg.train_vision)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
+    if cfg.train_vision:
+        raise ConfigError(f"model.train_vision: {arch.model_type} has no vision tower (image-text models only)")
     arch = with_router_aux_loss(arch, cfg.router_aux_loss_coef)
     if not cfg.overrides:
         return arch
@@ -214,6 +221,15 @@ def with_config_overrides(arch: TransformersArch, overrides: dict[str, Any], aux
         if aux_coef:
             config["router_aux_loss_coef"] = aux_coef
     return transformers_arch(config)
+
+
+def with_train_vision(arch: TransformersArch, train: bool) -> TransformersArch:
+    """model.train_vision: an image-text model's vision tower and projector train (else frozen)."""
+    if not train:
+        return arch
+    if not is_image_text(arch.config):
+        raise ConfigError(f"model.train_vision: {arch.model_type} has no vision tower (image-text models only)")
+    return arch.replace(train_vision=True)
 
 
 def with_router_aux_loss(arch: ModelArch, coef: float | None) -> ModelArch:

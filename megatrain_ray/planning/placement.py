@@ -19,7 +19,7 @@ from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import how_it_runs, model_layouts, num_params, params_text
 from megatrain_ray.host.precision import StateFormat, format_of
-from megatrain_ray.host.store import bytes_per_param
+from megatrain_ray.host.store import bytes_per_param, layer_bytes
 from megatrain_ray.host.window import window_bytes
 from megatrain_ray.planning.plan import num_slots_setting
 
@@ -225,11 +225,12 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
     numels = [layout.numel for layout in model_layouts(arch)]
     fmt = format_of(config.optim)
     bpp = bytes_per_param(dtype_of(config.model.compute_dtype), fmt)
+    held = [layer_bytes(layout, dtype_of(config.model.compute_dtype), fmt) for layout in model_layouts(arch)]
     esize = element_size(dtype_of(config.model.compute_dtype))
     stated = rt.store_memory_gib is not None
     sharing = Counter(n.ip for n in holders)
     reserve, streams = room.reserve, room.streams
-    need, have = sum(numels) * bpp, sum(capacities)
+    need, have = sum(held), sum(capacities)
     if need > have:
         raise ConfigError(
             f"the model needs {need / GiB:.1f} GiB of host memory ({params_text(sum(numels))} x {bpp:.4g} bytes, "
@@ -250,7 +251,7 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
         )
     ranges = split_by_capacity(numels, capacities)
     stores = tuple(
-        StorePlan(node, tuple(r), int(sum(numels[i] for i in r) * bpp), cap)
+        StorePlan(node, tuple(r), int(sum(held[i] for i in r)), cap)
         for node, r, cap in zip(holders, ranges, capacities) if r
     )
     placement = Placement(gpu, use_cuda, stores, bpp, num_gpus=workers, stated_memory=stated, state_format=fmt,

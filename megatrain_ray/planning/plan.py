@@ -236,14 +236,20 @@ EMBEDDING_STEP = "the embedding's AdamW step on the GPU (new weights between ste
 
 
 def embedding_step_on_device(setting: str, device: str, workers: int, in_reach: bool,
-                             exact_state: bool = True) -> bool:
+                             exact_state: bool = True, frozen_part: bool = False) -> bool:
     """executor.embedding_step: `device` wherever it can run, `auto` on a GPU, `host` never. It can
     run where the process of the worker that owns the embedding's gradient reaches its store memory
     (in process, or shared memory on its node: not over the network); with several data-parallel
     workers that owner steps it and sends the new weights to the others (`workers` changes nothing).
     Lean optimizer state (optim.master/optim.moments: `exact_state` False) steps on the host only:
-    the device step moves and updates fp32 state (config validation refuses `device` with it)."""
-    if setting == "host" or (setting == "auto" and (device != "cuda" or not exact_state)):
+    the device step moves and updates fp32 state (config validation refuses `device` with it). An
+    embedding layer with a frozen part (an image-text model's vision tower), whose moments the store
+    does not hold, steps on the host too."""
+    if frozen_part and setting == "device":
+        raise PlanError("executor.embedding_step is 'device' but the embedding layer holds a frozen vision tower, "
+                        "which has no optimizer state to step there; set it to auto or host, or "
+                        "model.train_vision: true")
+    if setting == "host" or (setting == "auto" and (device != "cuda" or not exact_state or frozen_part)):
         return False
     if setting == "device" and not in_reach:
         raise PlanError("executor.embedding_step is 'device' but the embedding's step cannot run on the device "

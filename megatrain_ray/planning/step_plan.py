@@ -22,6 +22,7 @@ from megatrain_ray.config import Config
 from megatrain_ray.host.memory import dtype_of, host_headroom
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.placement import Placement, with_window
 from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, GiB, GpuPlan, PlanError,
                                          check_gpu_fit, check_host_fit, check_parked_fit, device_budget,
@@ -142,9 +143,10 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
     planned = arch.replace(measured_working_set=measured) if measured else arch
     workers = placement.num_gpus if placement is not None else 1
     where = f"the {tightest.name} of node {placement.gpu.ip}" if placement is not None else tightest.name
+    embedding = model_layouts(arch)[0]
     on_device = embedding_step_on_device(config.executor.embedding_step, tightest.kind, workers,
                                          placement is None or 0 not in placement.remote_layers(),
-                                         format_of(config.optim).exact)
+                                         format_of(config.optim).exact, embedding.trained_numel < embedding.numel)
     budget = device_budget(tightest.free_bytes, config)
     if tightest.kind == "cuda":
         # auto: the embedding steps here only where that takes nothing else the step would give up for it

@@ -22,7 +22,7 @@ class ActivationStash:
         self.back: dict[int, tuple[list[torch.Tensor], object]] = {}
 
     def push(self, xs: list[torch.Tensor]) -> None:
-        if not self.offload or not xs[0].is_floating_point():
+        if not self.offload or not isinstance(xs[0], torch.Tensor) or not xs[0].is_floating_point():
             self.items.append(("device", xs, None))
             return
         s = self.streams

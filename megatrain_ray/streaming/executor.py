@@ -210,7 +210,7 @@ class StreamingExecutor:
         graphs: dict[Unit, list[BlockGraph]] = {}
         aux = AuxLoss(micro_batches, scale) if self.aux else None
         draws: dict[tuple[int, int], rng.RngState] = {}  # (layer, micro-batch) -> its forward's generators
-        x: list[torch.Tensor] = [mb["input_ids"] for mb in mbs]
+        x: list = [self.family.embed_inputs(self.arch, mb) for mb in mbs]
         for unit in self.units[:-1]:
             slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
             with self._computing():
@@ -321,7 +321,7 @@ class StreamingExecutor:
         mbs = [_to_device(mb, self.device) for mb in micro_batches]
         ctxs = self._contexts(micro_batches, mbs)
         cursor = itertools.count()
-        x: list[torch.Tensor] = [mb["input_ids"] for mb in mbs]
+        x: list = [self.family.embed_inputs(self.arch, mb) for mb in mbs]
         with torch.no_grad(), self.family.evaluating(self.arch):
             for unit in self.units:
                 slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
@@ -339,7 +339,7 @@ class StreamingExecutor:
 
     def _contexts(self, micro_batches: list[dict], mbs: list[dict]) -> list:
         """Each micro-batch's context, told from the host's copy whether a row packs documents."""
-        return [self.family.context(self.arch, mb["position_ids"], self.dtype, packs_documents(host["position_ids"]))
+        return [self.family.batch_context(self.arch, mb, self.dtype, packs_documents(host["position_ids"]))
                 for host, mb in zip(micro_batches, mbs)]
 
     def _loss_and_norm(self, loss: torch.Tensor) -> tuple[float, float]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.data import build_dataset
 from megatrain_ray.files import shard
-from megatrain_ray.files.hf import load_hf_weights
+from megatrain_ray.files.hf import export_hf, load_hf_weights
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_model import ReferenceModel
 from megatrain_ray.models.layout import module_key
@@ -74,6 +74,29 @@ def local_steps(config, arch, model_dir: Path, steps_data) -> list:
         return [trainer.train_step(step) for step in steps_data]
     finally:
         trainer.close()
+
+
+def steps_and_export(config, arch, model_dir: Path, steps_data, export_dir: Path) -> tuple[list[float], Path]:
+    """The streaming trainer in one process from `model_dir`'s weights: each step's loss, and its
+    Hugging Face export after the last."""
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, str(model_dir))
+        losses = [trainer.train_step(step).loss for step in steps_data]
+        return losses, export_hf(export_dir, arch, enumerate(trainer.layer_weights()))
+    finally:
+        trainer.close()
+
+
+def save(trainer: LocalTrainer, directory: Path) -> dict[int, str]:
+    """The in-process trainer's stores as checkpoint shards in `directory`: each layer's file."""
+    trainer.source.drain()
+    files = {}
+    for k, store in enumerate(trainer.stores):
+        shard.save_shard(store, str(directory), f"shard{k}.safetensors")
+        files.update({i: str(directory / f"shard{k}.safetensors") for i in store.layers})
+    return files
 
 
 def bf16_cuda_config(model_dir: Path, steps: int, grad_accum: int, **sections):

@@ -19,6 +19,7 @@ from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.threads import three_threads  # noqa: F401 (a fixture)
+from helpers.hf_parity import save
 from helpers.reference_training import random_micro_batches
 from helpers.runs import tensors_of, tiny_raw
 from megatrain_ray.runtime.training import run_training
@@ -299,15 +300,6 @@ def trainer_config(master: str, moments: str, steps: int = 10):
         "train": {"steps": steps, "grad_accum": 1, "micro_batch_size": 1, "seed": 5},
         "executor": {"device": "cpu", "compile": False, "loss_chunk_tokens": 16},
     })
-
-
-def save(trainer: LocalTrainer, directory: Path) -> dict[int, str]:
-    trainer.source.drain()
-    files = {}
-    for k, store in enumerate(trainer.stores):
-        shard.save_shard(store, str(directory), f"shard{k}.safetensors")
-        files.update({i: str(directory / f"shard{k}.safetensors") for i in store.layers})
-    return files
 
 
 @pytest.mark.parametrize("master,moments", NAMED)

@@ -289,12 +289,13 @@ def test_multimodal_gemma3_is_refused_with_what_to_do(tmp_path):
     from megatrain_ray.config import ConfigError, ModelConfig
     from megatrain_ray.models.registry import model_arch
 
-    def arch_of(config: dict):
+    def arch_of(config: dict, implementation: str = "auto"):
         (tmp_path / "config.json").write_text(json.dumps(config))
-        return model_arch(ModelConfig(path=str(tmp_path)))
+        return model_arch(ModelConfig(path=str(tmp_path), implementation=implementation))
 
+    # the hand-written family (auto runs it through transformers' modules: tests/models/test_image_text.py)
     with pytest.raises(ConfigError, match="multimodal Gemma 3.*Gemma3ForCausalLM"):
-        arch_of({"model_type": "gemma3", "text_config": HUB_CONFIGS["gemma-3-4b"]})
+        arch_of({"model_type": "gemma3", "text_config": HUB_CONFIGS["gemma-3-4b"]}, "native")
     with pytest.raises(ConfigError, match="'opt' cannot be trained: its decoder holds no list of layers"):
         arch_of({"model_type": "opt"})  # no hand-written family, and its decoder's layers are one level down
 

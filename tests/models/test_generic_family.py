@@ -27,7 +27,8 @@ from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from helpers.files import write_documents  # noqa: E402
-from helpers.hf_parity import RTOL, randomize, rel, run_config, saved, the_runs_batches, train_transformers  # noqa: E402
+from helpers.hf_parity import (RTOL, randomize, rel, run_config, saved, steps_and_export, the_runs_batches,  # noqa: E402
+                               train_transformers)
 
 STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
 # transformers' Lfm2MoeConfig leaves layer_types unset, and its model cannot be built so: the
@@ -203,14 +204,7 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     model_arch(config.model)  # what `train` checks first: a small instance against transformers
 
-    trainer = LocalTrainer(config, arch)
-    try:
-        for store in trainer.stores:
-            shard.load_hf(store, str(config.model.path))
-        losses = [trainer.train_step(step).loss for step in data]
-        export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
-    finally:
-        trainer.close()
+    losses, export = steps_and_export(config, arch, config.model.path, data, tmp_path / "export")
     assert losses == pytest.approx(train_transformers(model, config, data), rel=RTOL)
     check_export(export, arch, model, initial)
 

@@ -73,3 +73,18 @@ def test_a_transformers_arch_survives_a_checkpoint_and_a_measurement(tmp_path):
     other = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers", overrides={"num_layers": 1}))
     with pytest.raises(CheckpointError, match="from another model"):
         check_compatible(meta, other, tmp_path)
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"model_type": "qwen3_vl"}, "deepstack features to the hidden states after its first layers"),
+    ({"model_type": "paligemma"}, "an image-text model of a type megatrain-ray has not been checked on"),
+])
+def test_an_image_text_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
+    """Image-text models of other types: refused by the command before Ray starts, exit 2, one paragraph."""
+    model_dir = write_config(tmp_path / "hf", config)
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(f"model: {{path: {model_dir}, compute_dtype: float32}}\nexecutor: {{device: cpu}}\n")
+    assert cli_main(["train", str(config_file)]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "cannot be trained" in err and "\n" not in err.strip()
+    assert not ray.is_initialized(), "refused before Ray starts"

@@ -1,0 +1,54 @@
+"""Image-text SFT rows through the model's own processor: the image placeholders become the
+model's image tokens and pixel tensors, the loss falls on the assistant's tokens only, and a row
+whose image cannot be read is a bad row, counted by reason before the run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from megatrain_ray.config import DataConfig  # noqa: E402
+from megatrain_ray.data import build_dataset  # noqa: E402
+from megatrain_ray.data.documents import IGNORE_INDEX  # noqa: E402
+from megatrain_ray.data.summary import summarize  # noqa: E402
+from helpers.image_text import TEXT, tiny_model_dir, write_images, write_rows  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return tiny_model_dir("qwen2_5_vl", tmp_path_factory.mktemp("vl") / "hf")[1]
+
+
+def test_the_loss_falls_on_the_assistants_tokens_and_the_images_on_their_tokens(qwen_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    images = write_images(tmp_path / "images", 1)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "<image>what is this"}, {"role": "assistant", "content": "a red cat"},
+        {"role": "user", "content": "sky"}, {"role": "assistant", "content": "blue"}], "images": images}) + "\n")
+    data = build_dataset(DataConfig(source=str(rows), tokenizer=str(qwen_dir), seq_len=48), TEXT["vocab_size"], 0)
+    assert data.format == "sharegpt_images"
+    mb = data.fixed_batches(1, 1)[0]
+    tok = AutoTokenizer.from_pretrained(qwen_dir)
+    ids, labels = mb["input_ids"][0], mb["labels"][0]
+    targets = [int(t) for t in labels if t != IGNORE_INDEX]
+    assert tok.decode(targets) == tok.decode(tok("a red cat<|im_end|> blue<|im_end|>")["input_ids"])
+    image_token = tok.convert_tokens_to_ids("<|image_pad|>")
+    grid = mb["image_grid_thw"]
+    assert int((ids == image_token).sum()) == int(np.prod(grid, axis=1).sum()) // 4, "a token per 2 x 2 patches"
+    assert mb["pixel_values"].shape[0] == int(np.prod(grid, axis=1).sum())
+    assert set(mb["mm_token_type_ids"][0][ids == image_token]) == {1}, "the image's tokens are typed as such"
+
+
+def test_an_unreadable_image_is_a_bad_row_counted_before_the_run(qwen_dir, tmp_path):
+    images = write_images(tmp_path / "images", 2)
+    rows = write_rows(tmp_path / "rows.jsonl", images, 5, broken=1)
+    (tmp_path / "images" / "image1.png").write_bytes(b"not a png")  # rows 2 and 4 name it, row 5 a missing file
+    cfg = DataConfig(source=str(rows), tokenizer=str(qwen_dir), seq_len=48, max_bad_fraction=0.05)
+    summary = summarize(build_dataset(cfg, TEXT["vocab_size"], 0))
+    assert summary.rows_bad == {"unreadable image": 3} and summary.rows_trainable == 2

@@ -1,0 +1,217 @@
+"""Tiny image-text models as a user's directory holds them: transformers' config class with its
+default values, only the sizes cut (widths, layers, image size, image tokens), a word-level
+tokenizer with the model's image tokens, the model's own processor saved beside them (its image
+processor's PIL path: no torchvision here), and image-text SFT rows with tiny random images."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+WORDS = "user assistant a the cat dog red blue sky is on what see picture describe this it yes no".split()
+TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 96}
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1, "num_attention_heads": 2,
+          "num_heads": 2, "head_dim": 16}
+# a config's token ids -> the tokens they are (of the type's tokens)
+TOKEN_KEYS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>",
+              "vision_end_token_id": "<|vision_end|>", "image_token_index": "<image>", "boi_token_index": "<start_of_image>",
+              "eoi_token_index": "<end_of_image>"}
+TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistral3": {"image_token_index": "[IMG]"},
+                   "idefics3": {"image_token_id": "<image>"}}
+IMAGE = 28  # pixels a side: 2 x 2 patches of 14
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+          "{% else %}{% for c in m.content %}{% if c.type == 'image' %}IMAGE{% else %}{{ c.text }}{% endif %}"
+          "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# model_type -> (its tokens beside ChatML's, the placeholder its template writes for an image,
+#                its config's sizes beside TEXT and VISION, its image processor's sizes)
+TYPES = {
+    "qwen2_5_vl": (["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+                   "<|vision_start|><|image_pad|><|vision_end|>",
+                   {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
+                    "vision_config": {"out_hidden_size": 64, "fullatt_block_indexes": [0], "window_size": 56}},
+                   {"min_pixels": 28 * 28, "max_pixels": 56 * 56}),
+    "llava": (["<image>"], "<image>",
+              {"vision_config": {"image_size": IMAGE, "patch_size": 14, "num_hidden_layers": 2, "projection_dim": 32}},
+              {"size": {"shortest_edge": IMAGE}, "crop_size": {"height": IMAGE, "width": IMAGE}}),
+    "gemma3": (["<start_of_image>", "<end_of_image>", "<image_soft_token>"], "<start_of_image>",
+               {"text_config": {"num_hidden_layers": 6, "sliding_window": 8, "query_pre_attn_scalar": 16},
+                "vision_config": {"image_size": IMAGE, "patch_size": 14}, "mm_tokens_per_image": 4},
+               {"size": {"height": IMAGE, "width": IMAGE}}),
+    "llava_next": (["<image>"], "<image>",
+                   {"vision_config": {"image_size": IMAGE, "patch_size": 14, "num_hidden_layers": 2,
+                                      "projection_dim": 32},
+                    "image_grid_pinpoints": [[IMAGE, 2 * IMAGE], [2 * IMAGE, IMAGE]]},
+                   {"size": {"shortest_edge": IMAGE}, "crop_size": {"height": IMAGE, "width": IMAGE},
+                    "image_grid_pinpoints": [[IMAGE, 2 * IMAGE], [2 * IMAGE, IMAGE]]}),
+    "idefics3": (["<fake_token_around_image>", "<image>", "<global-img>"], "<image>",
+                 {"vision_config": {"image_size": IMAGE, "patch_size": 14}},
+                 {"size": {"longest_edge": IMAGE}, "max_image_size": {"longest_edge": IMAGE},
+                  "do_image_splitting": False}),
+    "qwen2_vl": (["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+                 "<|vision_start|><|image_pad|><|vision_end|>",
+                 {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
+                  "vision_config": {"embed_dim": 32, "hidden_size": 64}},
+                 {"min_pixels": 28 * 28, "max_pixels": 56 * 56}),
+    # its processor (Pixtral's) needs torchvision, which the CPU machines lack: no processor files;
+    # its micro-batches are made by hand (hand_made_batches)
+    "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
+                 {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "spatial_merge_size": 2}, None),
+}
+WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
+
+
+def word_tokenizer(directory: Path, specials: list[str]):
+    """A fast tokenizer of one token a word, with ChatML's and the model's special tokens."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "[UNK]", *WORDS])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    named = {name: token for name, token in NAMED_TOKENS.items() if token in specials}
+    # the tokens a processor reads by name (Gemma 3's tokenizer.boi_token) as extra_special_tokens
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="[UNK]", eos_token="<|im_end|>",
+                                   extra_special_tokens=named)
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *specials]})
+    return fast
+
+
+NAMED_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def tiny_config(model_type: str, tokenizer) -> dict:
+    """The config class's defaults, its sizes cut (TEXT, VISION and the type's), the image tokens
+    the tokenizer's ids."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type).to_dict()
+    specials, _, sizes, _ = TYPES[model_type]
+    for part, small in (("text_config", TEXT), ("vision_config", VISION)):
+        config[part].update({k: v for k, v in small.items() if k in config[part]})
+        for key, value in sizes.get(part, {}).items():
+            config[part][key] = {**config[part][key], **value} if isinstance(value, dict) else value
+        layers = config[part].get("num_hidden_layers")
+        if isinstance(config[part].get("layer_types"), list):
+            config[part]["layer_types"] = config[part]["layer_types"][:layers]
+    config.update({k: v for k, v in sizes.items() if k not in ("text_config", "vision_config")})
+    for key, value in list(config.items()):
+        if key.endswith(("token_id", "token_index")) and isinstance(value, int):
+            token = {**TOKEN_KEYS, **TYPE_TOKEN_KEYS.get(model_type, {})}.get(key)
+            config[key] = tokenizer.convert_tokens_to_ids(token) if token in specials else min(value, TEXT["vocab_size"] - 1)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(config["text_config"].get(key), int):
+            config["text_config"][key] = min(config["text_config"][key], TEXT["vocab_size"] - 1)
+    return {k: v for k, v in config.items() if k not in ("transformers_version", "architectures")}
+
+
+def save_processor(model_type: str, tokenizer, chat_template: str, directory: Path) -> None:
+    """The model's processor's files as its makers publish them: its own (PIL) image processor's
+    preprocessor_config.json, the tokenizer, processor_config.json and chat_template.jinja."""
+    from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
+                                                                get_image_processor_class_from_name)
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    image_sizes, extra = TYPES[model_type][3], PROCESSOR_KWARGS.get(model_type, {})
+    image_processor = get_image_processor_class_from_name(IMAGE_PROCESSOR_MAPPING_NAMES[model_type]["pil"])(**image_sizes)
+    image_processor.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (directory / "chat_template.jinja").write_text(chat_template)
+    (directory / "processor_config.json").write_text(json.dumps(
+        {"processor_class": PROCESSOR_MAPPING_NAMES[model_type], **extra}))
+
+
+PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy": "default",
+                              "num_additional_image_tokens": 1},
+                    "gemma3": {"image_seq_length": 4},
+                    "llava_next": {"patch_size": 14, "vision_feature_select_strategy": "default",
+                                   "num_additional_image_tokens": 1},
+                    "idefics3": {"image_seq_len": 1}}
+
+
+def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
+    """The saved tiny model with its processor's files; returns (model, directory)."""
+    from transformers import AutoModelForImageTextToText
+
+    from megatrain_ray.models.hf_modules import config_object
+
+    directory.mkdir(parents=True, exist_ok=True)
+    specials, placeholder, _, _ = TYPES[model_type]
+    tokenizer = word_tokenizer(directory, specials)
+    config = tiny_config(model_type, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config_object(config), dtype=torch.float32,
+                                                    attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if p.abs().sum() > 0 else 0.0, 0.3)
+    model.save_pretrained(directory)
+    if TYPES[model_type][3] is not None:
+        save_processor(model_type, tokenizer, CHATML.replace("IMAGE", placeholder), directory)
+    else:
+        tokenizer.save_pretrained(directory)
+    return model, directory
+
+
+def hand_made_batches(model_dir: Path, steps: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
+    """Mistral 3's micro-batches as its processor makes them, for an image of IMAGE pixels a side
+    (one merged patch: `[IMG][IMG_END]`): two rows of a question with an image and an answer, the
+    loss on the answer and its end of turn; pixel values random, image_sizes the image's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        rows, labels = [], []
+        for _ in range(2):
+            prompt = tok("<|im_start|>user [IMG][IMG_END] " + " ".join(rng.choice(WORDS, 3)) + "<|im_end|> "
+                         "<|im_start|>assistant")["input_ids"]
+            answer = tok(" ".join(rng.choice(WORDS, 3)) + "<|im_end|>")["input_ids"]
+            ids = (prompt + answer + [0] * 16)[:16]
+            target = [-100] * len(prompt) + answer + [-100] * 16
+            rows.append(ids)
+            labels.append((target[1:] + [-100])[:16])
+        out.append([{"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
+                     "position_ids": torch.arange(16).expand(2, 16).contiguous(),
+                     "pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen),
+                     "image_sizes": torch.tensor([[IMAGE, IMAGE]] * 2)}])
+    return out
+
+
+def write_images(directory: Path, count: int, seed: int = 0) -> list[str]:
+    """`count` random RGB images of IMAGE x IMAGE pixels as PNG files."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(count):
+        path = directory / f"image{i}.png"
+        Image.fromarray(rng.integers(0, 256, (IMAGE, IMAGE, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def write_rows(path: Path, images: list[str], count: int, seed: int = 0, broken: int = 0) -> Path:
+    """ShareGPT rows as LlamaFactory writes them: `messages` with `<image>` placeholders, `images`
+    paths; the last `broken` rows name an image file that does not exist."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(count):
+        question = " ".join(rng.choice(WORDS, 3))
+        answer = " ".join(rng.choice(WORDS, int(rng.integers(2, 5))))
+        image = images[i % len(images)] if i < count - broken else str(path.parent / "missing.png")
+        rows.append({"messages": [{"role": "user", "content": f"<image>{question}"},
+                                  {"role": "assistant", "content": answer}], "images": [image]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -1,0 +1,220 @@
+"""Image-text models through transformers' own modules: a tiny model of each covered type (its
+config class's defaults, only sizes cut: helpers/image_text.py), image-text SFT rows with tiny
+random images read through the data path and the model's own processor, 3 AdamW steps of the
+streaming trainer against transformers' model trained by torch.optim.AdamW on the same
+micro-batches (its vision tower frozen as ours is, or trained with model.train_vision), the
+export read back by transformers, which generates."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForImageTextToText  # noqa: E402
+
+from megatrain_ray import cli  # noqa: E402
+from megatrain_ray.config import config_from_dict  # noqa: E402
+from megatrain_ray.models.image_text import embed_inputs  # noqa: E402
+from megatrain_ray.files import shard  # noqa: E402
+from megatrain_ray.files.checkpoint import CheckpointError  # noqa: E402
+from megatrain_ray.host.store import ShardStore  # noqa: E402
+from megatrain_ray.models.registry import model_arch, model_layouts  # noqa: E402
+from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
+from helpers.hf_parity import PARITY_OPTIM, RTOL, save, steps_and_export, the_runs_batches, token_loss_sum, train_transformers  # noqa: E402
+from helpers.reference_training import assert_within_fp32_noise  # noqa: E402
+from helpers.image_text import WITH_PROCESSOR, hand_made_batches, tiny_model_dir, write_images, write_rows  # noqa: E402
+
+STEPS, ROWS, BROKEN = 3, 7, 1
+
+
+def run_dict(model_dir: Path, data: Path, out: Path, train_vision: bool = False) -> dict:
+    return {
+        "model": {"path": str(model_dir), "compute_dtype": "float32", "train_vision": train_vision},
+        "data": {"source": str(data), "tokenizer": str(model_dir), "seq_len": 40, "shuffle": False},
+        "optim": dict(PARITY_OPTIM),
+        "train": {"steps": STEPS, "grad_accum": 1, "micro_batch_size": 2, "seed": 0, "output_dir": str(out)},
+        "checkpoint": {"export_hf": True, "export_dtype": "float32"},
+        "executor": {"device": "cpu", "loss_chunk_tokens": 7, "compile": False},
+    }
+
+
+def prepared(model_type: str, tmp_path: Path, train_vision: bool = False):
+    model, model_dir = tiny_model_dir(model_type, tmp_path / "hf")
+    images = write_images(tmp_path / "images", 3)
+    rows = write_rows(tmp_path / "rows.jsonl", images, ROWS, broken=BROKEN)
+    config = config_from_dict(run_dict(model_dir, rows, tmp_path / "run", train_vision))
+    return model, config
+
+
+def vision_of(model) -> set[str]:
+    """transformers' names of the vision tower and projector: all but the language model and head."""
+    decoder = model.get_decoder()
+    inner = {n for n, _ in decoder.named_parameters()}
+    prefix = next(n for n, m in model.named_modules() if m is decoder) + "."
+    return {n for n, _ in model.named_parameters() if n[len(prefix):] not in inner and not n.startswith("lm_head")}
+
+
+def transformers_losses(model, config, data, train_vision: bool) -> list[float]:
+    for name, p in model.named_parameters():
+        p.requires_grad_(train_vision or name not in vision_of(model))
+
+    def loss_sum(mb):
+        return token_loss_sum(model(**embed_inputs(mb), use_cache=False).logits, mb["labels"])
+
+    return train_transformers(model, config, data, loss_sum=loss_sum)
+
+
+def check_export(export: Path, model, exact_model, initial: dict, frozen: set[str]) -> None:
+    """Each tensor within fp32's noise of transformers' run (helpers/reference_training.py: a few
+    Adam steps amplify rounding where gradients are near zero), frozen ones exactly as they were."""
+    exported = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
+    ours, theirs, exact = exported.state_dict(), model.state_dict(), exact_model.state_dict()
+    assert set(ours) == set(theirs)
+    for key, expected in theirs.items():
+        assert_within_fp32_noise(ours[key], expected, exact[key], key)
+        if key in frozen:
+            assert torch.equal(ours[key], initial[key]), f"{key} is frozen: carried through unchanged"
+    unchanged = [k for k in theirs if k not in frozen and torch.equal(ours[k], initial[k])]
+    assert not unchanged, f"{unchanged} did not train"
+    out = exported.generate(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6), "the export generates"
+
+
+def steps_in_process(model_type: str, tmp_path: Path, train_vision: bool = False) -> None:
+    model, config = prepared(model_type, tmp_path, train_vision)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    arch = model_arch(config.model)
+    data = the_runs_batches(config, arch.vocab_size)
+    assert all("pixel_values" in mb for step in data for mb in step), "each micro-batch carries its images"
+    losses, export = steps_and_export(config, arch, config.model.path, data, tmp_path / "export")
+    exact_model = copy.deepcopy(model).double()  # the exact result fp32's runs both round
+    assert losses == pytest.approx(transformers_losses(model, config, data, train_vision), rel=RTOL)
+    transformers_losses(exact_model, config, data, train_vision)
+    check_export(export, model, exact_model, initial, set() if train_vision else vision_of(model))
+
+
+def test_train_command_trains_as_transformers_and_skips_an_unreadable_image(local_ray, tmp_path, capsys):
+    """`megatrain-ray train CONFIG` on the module's Ray cluster: the unreadable image's row is
+    counted and skipped at start, the metrics' losses and the export are transformers'."""
+    model, config = prepared("qwen2_5_vl", tmp_path)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    (tmp_path / "shm").mkdir()
+    fields = {**run_dict(Path(config.model.path), Path(config.data.source), tmp_path / "run"),
+              "runtime": {"shm_dir": str(tmp_path / "shm")}}
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(fields))
+
+    assert cli.main(["train", str(config_file)]) == 0
+    out = capsys.readouterr().out
+    assert "1 unreadable image" in out and "its vision tower and projector frozen" in out
+    data = the_runs_batches(config, model.config.text_config.vocab_size)
+    exact_model = copy.deepcopy(model).double()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records] == pytest.approx(transformers_losses(model, config, data, False), rel=RTOL)
+    transformers_losses(exact_model, config, data, False)
+    final = tmp_path / "run" / "checkpoints" / f"step-{STEPS:08d}" / "hf"
+    assert (final / "preprocessor_config.json").is_file(), "the export carries the processor"
+    check_export(final, model, exact_model, initial, vision_of(model))
+
+
+@pytest.mark.parametrize("model_type", WITH_PROCESSOR)
+def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type):
+    steps_in_process(model_type, tmp_path)
+
+
+def test_mistral3_from_micro_batches_made_as_its_processor_makes_them(tmp_path):
+    """Pixtral's processor needs torchvision (absent here): the micro-batches are made by hand,
+    the rest as for the other types."""
+    model, model_dir = tiny_model_dir("mistral3", tmp_path / "hf")
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    config = config_from_dict(run_dict(model_dir, tmp_path / "unused.jsonl", tmp_path / "run"))
+    arch = model_arch(config.model)
+    data = hand_made_batches(model_dir, STEPS)
+    losses, export = steps_and_export(config, arch, model_dir, data, tmp_path / "export")
+    exact_model = copy.deepcopy(model).double()
+    assert losses == pytest.approx(transformers_losses(model, config, data, False), rel=RTOL)
+    transformers_losses(exact_model, config, data, False)
+    check_export(export, model, exact_model, initial, vision_of(model))
+
+
+def test_validation_loss_is_transformers_with_the_images(tmp_path):
+    """eval_loss (forward only, layer-major) on image-text micro-batches: transformers' summed loss."""
+    model, config = prepared("gemma3", tmp_path)
+    arch = model_arch(config.model)
+    data = the_runs_batches(config, arch.vocab_size)[0]
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, str(config.model.path))
+        ours = trainer.eval_loss(data)
+    finally:
+        trainer.close()
+    model.eval()
+    with torch.no_grad():
+        theirs = sum(float(token_loss_sum(model(**embed_inputs(mb), use_cache=False).logits, mb["labels"]))
+                     for mb in data)
+    assert ours.loss_sum == pytest.approx(theirs, rel=RTOL)
+
+
+def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
+    """The vision tower, at the embedding layer's end, has no moments while frozen (8 bytes a
+    parameter less in fp32), and 3 steps equal 2, a checkpoint and 1 more, bit for bit."""
+    model, config = prepared("llava", tmp_path)
+    arch = model_arch(config.model)
+    embedding = model_layouts(arch)[0]
+    vision = sum(p.numel() for n, p in model.named_parameters() if n in vision_of(model))
+    assert embedding.trained_numel == embedding.numel - vision
+    data = the_runs_batches(config, arch.vocab_size)
+    whole = LocalTrainer(config, arch)
+    trained = LocalTrainer(config, arch.replace(train_vision=True))
+    try:
+        assert whole.stores[0].layers[0].exp_avg.numel() == embedding.trained_numel
+        assert trained.stores[0].host_bytes() - whole.stores[0].host_bytes() == 8 * vision
+        losses = [whole.train_step(step).loss for step in data]
+        ours = [t.clone() for t in whole.layer_weights()]
+    finally:
+        whole.close()
+        trained.close()
+    first = LocalTrainer(config, arch)
+    try:
+        split = [first.train_step(step).loss for step in data[:2]]
+        (tmp_path / "ckpt").mkdir()
+        files = save(first, tmp_path / "ckpt")
+    finally:
+        first.close()
+    unfrozen = ShardStore(arch.replace(train_vision=True), list(files), torch.float32)
+    with pytest.raises(CheckpointError, match="saved with another model.train_vision"):
+        shard.load_layers(unfrozen, files)
+    second = LocalTrainer(config, arch)
+    try:
+        for store in second.stores:
+            shard.load_layers(store, files)
+        second.lr_schedule.updates_done = 2
+        split.append(second.train_step(data[2]).loss)
+        resumed = second.layer_weights()
+        assert split == losses and all(torch.equal(a, b) for a, b in zip(ours, resumed))
+    finally:
+        second.close()
+
+
+def test_train_vision_trains_the_tower_as_transformers_does(tmp_path):
+    steps_in_process("qwen2_5_vl", tmp_path, train_vision=True)
+
+
+def test_dropout_in_a_sub_config_is_replayed_in_the_recompute(tmp_path):
+    """A training forward that draws random numbers in the decoder or the tower (their sub-configs'
+    dropout) has its draws replayed (streaming/rng.py), as for a decoder alone."""
+    from megatrain_ray.models.generic import TRANSFORMERS
+
+    model, config = prepared("llava", tmp_path)
+    assert not TRANSFORMERS.draws_random(model_arch(config.model))
+    saved = json.loads((Path(config.model.path) / "config.json").read_text())
+    saved["text_config"]["attention_dropout"] = 0.1
+    (Path(config.model.path) / "config.json").write_text(json.dumps(saved))
+    assert TRANSFORMERS.draws_random(model_arch(config.model))
