@@ -32,6 +32,9 @@ COVERED = {
     "llava": "a CLIP tower and projector",
     "llava_next": "a CLIP tower over image tiles, a projector and the image-newline embedding",
     "idefics3": "a SigLIP-like tower over image tiles, a pixel-shuffle connector",
+    "vipllava": "a CLIP tower, features of several of its layers, a projector",
+    "llava_onevision": "a SigLIP tower over image tiles, a projector and the image-newline embedding",
+    "smolvlm": "Idefics3's tower and pixel-shuffle connector (its processor needs num2words)",
     "mistral3": "a Pixtral tower, patch merger and projector",
 }
 # model_type -> why it is refused, and what to do

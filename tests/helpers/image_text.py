@@ -22,7 +22,9 @@ TOKEN_KEYS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|
               "vision_end_token_id": "<|vision_end|>", "image_token_index": "<image>", "boi_token_index": "<start_of_image>",
               "eoi_token_index": "<end_of_image>"}
 TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistral3": {"image_token_index": "[IMG]"},
-                   "idefics3": {"image_token_id": "<image>"}}
+                   "idefics3": {"image_token_id": "<image>"},
+                   "smolvlm": {"image_token_id": "<image>"},
+                   "llava_onevision": {"video_token_index": "<video>"}}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
           "{% else %}{% for c in m.content %}{% if c.type == 'image' %}IMAGE{% else %}{{ c.text }}{% endif %}"
@@ -53,6 +55,18 @@ TYPES = {
                  {"vision_config": {"image_size": IMAGE, "patch_size": 14}},
                  {"size": {"longest_edge": IMAGE}, "max_image_size": {"longest_edge": IMAGE},
                   "do_image_splitting": False}),
+    "smolvlm": (["<fake_token_around_image>", "<image>", "<global-img>"], "<image>",
+                {"vision_config": {"image_size": IMAGE, "patch_size": 14}},
+                {"size": {"longest_edge": IMAGE}, "max_image_size": {"longest_edge": IMAGE},
+                 "do_image_splitting": False}),
+    "vipllava": (["<image>"], "<image>",
+                 {"vision_config": {"image_size": IMAGE, "patch_size": 14, "num_hidden_layers": 5, "projection_dim": 32},
+                  "vision_feature_layers": [-2, -5]},
+                 {"size": {"shortest_edge": IMAGE}, "crop_size": {"height": IMAGE, "width": IMAGE}}),
+    "llava_onevision": (["<image>", "<video>"], "<image>",
+                        {"vision_config": {"image_size": IMAGE, "patch_size": 14},
+                         "image_grid_pinpoints": [[IMAGE, 2 * IMAGE], [2 * IMAGE, IMAGE]]},
+                        {"size": {"height": IMAGE, "width": IMAGE}, "image_grid_pinpoints": [[IMAGE, 2 * IMAGE], [2 * IMAGE, IMAGE]]}),
     "qwen2_vl": (["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
                  "<|vision_start|><|image_pad|><|vision_end|>",
                  {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
@@ -133,7 +147,10 @@ PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy"
                     "gemma3": {"image_seq_length": 4},
                     "llava_next": {"patch_size": 14, "vision_feature_select_strategy": "default",
                                    "num_additional_image_tokens": 1},
-                    "idefics3": {"image_seq_len": 1}}
+                    "idefics3": {"image_seq_len": 1},
+                    "smolvlm": {"image_seq_len": 1},
+                    "vipllava": {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
+                    "llava_onevision": {"vision_feature_select_strategy": "full", "num_image_tokens": 4}}
 
 
 def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
