@@ -107,6 +107,7 @@ def micro_batches(vocab: int) -> list[list[dict]]:
 def streamed_steps(model_dir: Path, tmp: Path) -> Path:
     import torch
 
+    from megatrain_ray.files import shard
     from megatrain_ray.files.hf import export_hf
     from megatrain_ray.models.registry import model_arch
     from megatrain_ray.runtime.local import LocalTrainer
@@ -116,7 +117,7 @@ def streamed_steps(model_dir: Path, tmp: Path) -> Path:
     trainer = LocalTrainer(config, arch)
     try:
         for store in trainer.stores:
-            store.load_hf(str(model_dir))
+            shard.load_hf(store, str(model_dir))
         for i, step in enumerate(micro_batches(arch.vocab_size)):
             torch.manual_seed(100 + i)  # dropout: the same draws as transformers' step (one micro-batch, same order)
             trainer.train_step(step)
