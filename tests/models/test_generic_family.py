@@ -226,6 +226,31 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     check_export(export, arch, model, initial)
 
 
+def test_per_layer_inputs_flow_behind_the_hidden_states_and_the_plan_counts_them(tmp_path):
+    """Gemma 4's per-layer input embeddings: the embedding layer hands on the hidden states and
+    every layer's per-layer input (the model's own, as its decoder passes them), a block hands them
+    on unchanged behind its output, and the planner's boundary activations are that wide."""
+    from megatrain_ray.planning.plan import hidden_state_bytes
+
+    model, arch, _config_file, config, data = prepared("gemma4_text", tmp_path)
+    width = model.config.hidden_size_per_layer_input
+    assert arch.stream_width == arch.hidden_size + arch.num_layers * width
+    mb = data[0][0]
+    state = model.state_dict()
+    layouts = TRANSFORMERS.layouts(arch)
+    weights = [{p.name: state[layout.hf_name(p.name)] for p in layout.params} for layout in layouts]
+    with torch.no_grad():
+        x = TRANSFORMERS.embed(arch, weights[0], mb["input_ids"])
+        theirs = model.model.project_per_layer_inputs(model.model.embed_tokens(mb["input_ids"]),
+                                                      model.model.get_per_layer_inputs(mb["input_ids"]))
+        ctx = TRANSFORMERS.context(arch, mb["position_ids"], x.dtype)
+        y = TRANSFORMERS.block(arch, weights[1], x, TRANSFORMERS.layer_context(arch, ctx, 1))
+    assert x.shape[-1] == arch.stream_width
+    assert torch.equal(x[..., arch.hidden_size:], theirs.flatten(-2))
+    assert torch.equal(y[..., arch.hidden_size:], x[..., arch.hidden_size:])
+    assert hidden_state_bytes(arch, config) == BATCH * SEQ * arch.stream_width * 4
+
+
 def test_the_routers_load_balancing_loss_trains_as_transformers_adds_it(tmp_path):
     """output_router_logits on: each micro-batch's loss is transformers' mean token loss plus
     coef x load_balancing_loss_func over its layers' router logits, streamed layer by layer."""
