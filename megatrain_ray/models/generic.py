@@ -296,6 +296,10 @@ class PerLayerInput:
         hidden, inputs = x.split([x.shape[-1] - self.layers * self.width, self.layers * self.width], dim=-1)
         return hidden, inputs.unflatten(-1, (self.layers, self.width))
 
+    def placed(self, args: tuple, inputs: torch.Tensor) -> tuple:
+        """The layer's recorded positional arguments with its own per-layer input in its place."""
+        return (*args[:self.position], inputs[..., self.index, :], *args[self.position + 1:])
+
 
 @dataclass
 class HeadCall:
@@ -352,7 +356,9 @@ def head_call(config_json: str) -> HeadCall:
 def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
     """The decoder's own forward from the token ids to its first layer's input (scaling included);
     an image-text model's from its inputs (`inputs`, a dict: image_text.embed_inputs), its image
-    features in place of the image tokens' embeddings, as its own forward puts them."""
+    features in place of the image tokens' embeddings, as its own forward puts them. A model with
+    per-layer inputs: its forward runs to its last layer, and every layer's per-layer input, as the
+    decoder passes it, follows the hidden states (arch.stream_width wide)."""
     p = hm.parts_of(arch.hf_config)
     width = arch.per_layer_input_width
     decoder, calls = _recording_decoder(arch.hf_config, len(p.layers) - 1 if width else 0)
@@ -367,7 +373,6 @@ def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
     if not width:
         refuse_per_layer_inputs(hidden, args)
         return hidden
-    # each layer's per-layer input, as the decoder passed it, behind the hidden states
     position = per_layer_position(arch, hidden, args)
     per_layer = torch.stack([layer_args[position] for _, layer_args, _ in recorded], dim=-2)
     return torch.cat([hidden, per_layer.flatten(-2)], dim=-1)
@@ -459,14 +464,12 @@ def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
     state = frozen(w, call.frozen)
     if call.buffers:
         state = {**state, **call.buffers}
-    if call.per_layer is None:
-        return hm.layer_output(torch.func.functional_call(call.module, state, (x, *call.args), call.kwargs,
-                                                          strict=False))
-    hidden, inputs = call.per_layer.split(x)
-    args = list(call.args)
-    args[call.per_layer.position] = inputs[..., call.per_layer.index, :]
+    hidden, args, inputs = x, call.args, None
+    if call.per_layer is not None:
+        hidden, inputs = call.per_layer.split(x)
+        args = call.per_layer.placed(call.args, inputs)
     out = hm.layer_output(torch.func.functional_call(call.module, state, (hidden, *args), call.kwargs, strict=False))
-    return torch.cat([out, inputs.flatten(-2)], dim=-1)
+    return out if inputs is None else torch.cat([out, inputs.flatten(-2)], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------
