@@ -12,6 +12,7 @@ model.implementation transformers.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -440,6 +441,7 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
         raise hm.Unsupported(f"its decoder called {len(recorded)} of its {len(p.layers)} layers")
     out = []
     for index, (kind, (hidden, args, kwargs)) in enumerate(zip(p.kinds, recorded)):
+        kwargs = keeping_no_kv(kwargs)
         if not width:
             refuse_per_layer_inputs(hidden, args)
             out.append(LayerCall(kind, args, kwargs))
@@ -447,6 +449,21 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
         per_layer = PerLayerInput(per_layer_position(arch, hidden, args), index, len(p.layers), width)
         out.append(LayerCall(kind, args, kwargs, per_layer=per_layer))
     return out
+
+
+class DropsWrites(collections.UserDict):
+    """A container that keeps nothing written to it."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def keeping_no_kv(kwargs: dict) -> dict:
+    """A layer's keyword arguments with the container in which Gemma 3n/4's layers leave their keys
+    and values for later layers (`shared_kv_states`) keeping nothing: no layer reads it here (a model
+    whose layers do is refused: generic_check.streamed_blockers), and what it kept would hold a
+    layer's keys, values and their graph for as long as the micro-batch's layer arguments live."""
+    return {**kwargs, "shared_kv_states": DropsWrites()} if "shared_kv_states" in kwargs else kwargs
 
 
 def bound_call(arch: TransformersArch, call: LayerCall, device: torch.device) -> LayerCall:

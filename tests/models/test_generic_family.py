@@ -248,6 +248,9 @@ def test_per_layer_inputs_flow_behind_the_hidden_states_and_the_plan_counts_them
     assert x.shape[-1] == arch.stream_width
     assert torch.equal(x[..., arch.hidden_size:], theirs.flatten(-2))
     assert torch.equal(y[..., arch.hidden_size:], x[..., arch.hidden_size:])
+    store = TRANSFORMERS.layer_context(arch, ctx, arch.num_layers)  # the last layer keeps its keys and values
+    TRANSFORMERS.block(arch, weights[-2], x, store)
+    assert not store.kwargs["shared_kv_states"], "nothing keeps them: no layer reads them here"
     assert hidden_state_bytes(arch, config) == BATCH * SEQ * arch.stream_width * 4
 
 
