@@ -51,6 +51,12 @@ class ModelArch:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
+    @property
+    def stream_width(self) -> int:
+        """The width of what flows from one layer to the next, per token: the hidden states (a
+        family whose layers take more from the embedding widens it: models/generic.py)."""
+        return self.hidden_size
+
     def replace(self, **changes: Any) -> "ModelArch":
         return dataclasses.replace(self, **changes)
 

@@ -12,6 +12,7 @@ model.implementation transformers.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -54,6 +55,19 @@ class TransformersArch(ModelArch):
 
     def model_fields(self) -> list[str]:
         return [name for name in super().model_fields() if name not in ("measured_working_set", "train_vision")]
+
+    @property
+    def per_layer_input_width(self) -> int:
+        """The width of the input of its own that the embedding hands each decoder layer beside the
+        hidden states (Gemma 3n/4's per-layer input embeddings, hidden_size_per_layer_input); 0 for
+        a model without."""
+        return int(self.config.get("hidden_size_per_layer_input") or 0)
+
+    @property
+    def stream_width(self) -> int:
+        """What flows between layers: the hidden states, then every layer's per-layer input (the
+        embedding computes them all; each block reads its own and hands all of them on)."""
+        return self.hidden_size + self.num_layers * self.per_layer_input_width
 
 
 def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -265,6 +279,27 @@ class LayerCall:
     frozen: frozenset[str] = frozenset()
     buffers: dict | None = None
     routers: tuple = ()  # its routers' modules, whose logits the load-balancing loss reads
+    per_layer: PerLayerInput | None = None  # where its per-layer input goes, for a model with them
+
+
+@dataclass(frozen=True)
+class PerLayerInput:
+    """A layer's per-layer input: its positional argument `position`, the slice `index` of the
+    `layers` x `width` per-layer inputs that flow behind the hidden states (stream_width)."""
+
+    position: int
+    index: int
+    layers: int
+    width: int
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the hidden states, all layers' per-layer inputs [..., layers, width]) of what flows."""
+        hidden, inputs = x.split([x.shape[-1] - self.layers * self.width, self.layers * self.width], dim=-1)
+        return hidden, inputs.unflatten(-1, (self.layers, self.width))
+
+    def placed(self, args: tuple, inputs: torch.Tensor) -> tuple:
+        """The layer's recorded positional arguments with its own per-layer input in its place."""
+        return (*args[:self.position], inputs[..., self.index, :], *args[self.position + 1:])
 
 
 @dataclass
@@ -322,17 +357,37 @@ def head_call(config_json: str) -> HeadCall:
 def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
     """The decoder's own forward from the token ids to its first layer's input (scaling included);
     an image-text model's from its inputs (`inputs`, a dict: image_text.embed_inputs), its image
-    features in place of the image tokens' embeddings, as its own forward puts them."""
-    decoder, calls = _recording_decoder(arch.hf_config, 0)
-    calls.clear()
+    features in place of the image tokens' embeddings, as its own forward puts them. A model with
+    per-layer inputs: its forward runs to its last layer, and every layer's per-layer input, as the
+    decoder passes it, follows the hidden states (arch.stream_width wide)."""
     p = hm.parts_of(arch.hf_config)
+    width = arch.per_layer_input_width
+    decoder, calls = _recording_decoder(arch.hf_config, len(p.layers) - 1 if width else 0)
+    calls.clear()
     w = frozen(w, buffer_names(p.root) | (frozenset() if arch.train_vision else vision_names(p)))
     kwargs = vision_kwargs(inputs, w) if isinstance(inputs, dict) else {"input_ids": inputs}
     device = kwargs["input_ids"].device
     hm.run_until_layers(decoder, {**w, **_buffers_on(arch.hf_config, "base", device)}, calls, **kwargs)
-    hidden, args, _ = calls.pop()
-    refuse_per_layer_inputs(hidden, args)
-    return hidden
+    recorded = list(calls)
+    calls.clear()
+    hidden, args, _ = recorded[0]
+    if not width:
+        refuse_per_layer_inputs(hidden, args)
+        return hidden
+    position = per_layer_position(arch, hidden, args)
+    per_layer = torch.stack([layer_args[position] for _, layer_args, _ in recorded], dim=-2)
+    return torch.cat([hidden, per_layer.flatten(-2)], dim=-1)
+
+
+def per_layer_position(arch: TransformersArch, hidden: torch.Tensor, args: tuple) -> int:
+    """Which of a layer's positional arguments is its per-layer input: the one tensor per token of
+    the per-layer width."""
+    shape = (*hidden.shape[:-1], arch.per_layer_input_width)
+    found = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and tuple(a.shape) == shape]
+    if len(found) != 1:
+        raise hm.Unsupported(f"its decoder passes its layers {len(found)} tensors of the per-layer inputs' shape "
+                             f"{shape}, not one")
+    return found[0]
 
 
 def refuse_per_layer_inputs(hidden: torch.Tensor, args: tuple) -> None:
@@ -367,9 +422,13 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     calls.clear()
     b, t = position_ids.shape
     state = _buffers_on(arch.hf_config, "base", position_ids.device)
+    width = arch.per_layer_input_width
     if inputs is None:
         stand_in = torch.zeros((), dtype=dtype, device=position_ids.device).expand(b, t, arch.hidden_size)
         kwargs = {"inputs_embeds": stand_in, "position_ids": position_ids}
+        if width:  # stand-in per-layer inputs, projected with stand-in weights (the blocks get the real ones)
+            state = {**state, **stand_in_weights(p, dtype, position_ids.device)}
+            kwargs["per_layer_inputs"] = stand_in.new_zeros(()).expand(b, t, len(p.layers), width)
     else:  # an image-text model's own forward from its inputs, without images: its positions and masks
         state = {**state, **stand_in_weights(p, dtype, position_ids.device)}
         kwargs = {k: v for k, v in inputs.items() if k not in PIXEL_KEYS}
@@ -381,10 +440,30 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     if len(recorded) != len(p.layers):
         raise hm.Unsupported(f"its decoder called {len(recorded)} of its {len(p.layers)} layers")
     out = []
-    for kind, (hidden, args, kwargs) in zip(p.kinds, recorded):
-        refuse_per_layer_inputs(hidden, args)
-        out.append(LayerCall(kind, args, kwargs))
+    for index, (kind, (hidden, args, kwargs)) in enumerate(zip(p.kinds, recorded)):
+        kwargs = keeping_no_kv(kwargs)
+        if not width:
+            refuse_per_layer_inputs(hidden, args)
+            out.append(LayerCall(kind, args, kwargs))
+            continue
+        per_layer = PerLayerInput(per_layer_position(arch, hidden, args), index, len(p.layers), width)
+        out.append(LayerCall(kind, args, kwargs, per_layer=per_layer))
     return out
+
+
+class DropsWrites(collections.UserDict):
+    """A container that keeps nothing written to it."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def keeping_no_kv(kwargs: dict) -> dict:
+    """A layer's keyword arguments with the container in which Gemma 3n/4's layers leave their keys
+    and values for later layers (`shared_kv_states`) keeping nothing: no layer reads it here (a model
+    whose layers do is refused: generic_check.streamed_blockers), and what it kept would hold a
+    layer's keys, values and their graph for as long as the micro-batch's layer arguments live."""
+    return {**kwargs, "shared_kv_states": DropsWrites()} if "shared_kv_states" in kwargs else kwargs
 
 
 def bound_call(arch: TransformersArch, call: LayerCall, device: torch.device) -> LayerCall:
@@ -393,15 +472,21 @@ def bound_call(arch: TransformersArch, call: LayerCall, device: torch.device) ->
     buffers = _buffers_on(arch.hf_config, str(t), device)
     module = parts(arch).layers[t]
     return LayerCall(t, call.args, call.kwargs, module, _template_frozen(arch.hf_config, t), buffers or None,
-                     routers_in(arch, module))
+                     routers_in(arch, module), call.per_layer)
 
 
 def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
+    """The layer on what flows in; a model with per-layer inputs has its layer read its own slice
+    of them (in place of the recorded stand-in) and hands them all on behind its output."""
     state = frozen(w, call.frozen)
     if call.buffers:
         state = {**state, **call.buffers}
-    out = torch.func.functional_call(call.module, state, (x, *call.args), call.kwargs, strict=False)
-    return hm.layer_output(out)
+    hidden, args, inputs = x, call.args, None
+    if call.per_layer is not None:
+        hidden, inputs = call.per_layer.split(x)
+        args = call.per_layer.placed(call.args, inputs)
+    out = hm.layer_output(torch.func.functional_call(call.module, state, (hidden, *args), call.kwargs, strict=False))
+    return out if inputs is None else torch.cat([out, inputs.flatten(-2)], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -651,6 +736,7 @@ class TransformersFamily(ModelFamily):
                   labels: torch.Tensor, chunk_tokens: int, scale: float) -> torch.Tensor:
         call = self._head(arch)
         state = head_state(call, head, embed)
+        x = x[..., :arch.hidden_size]  # the hidden states of what flows (per-layer inputs behind them)
         hidden = x.reshape(-1, x.shape[-1])
         dummy = hidden.new_empty(0)
         return ops.chunked_cross_entropy(functools.partial(_chunk_loss, call, state), hidden, dummy, labels,
@@ -658,7 +744,7 @@ class TransformersFamily(ModelFamily):
 
     def logits(self, arch: TransformersArch, head: Weights, embed: Weights | None, x: torch.Tensor) -> torch.Tensor:
         call = self._head(arch)
-        return head_logits(call, head_state(call, head, embed), x)
+        return head_logits(call, head_state(call, head, embed), x[..., :arch.hidden_size])
 
     # -- what the planner and the benchmark count ----------------------------------------------
     def matmul_params(self, arch: TransformersArch) -> int:

@@ -121,37 +121,57 @@ SMALL = {
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "sliding_window": 8, "attention_chunk_size": 8,
     "num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 16,
+    "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8, "laurel_rank": 8,
     "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_chunk_size": 16, "mamba_d_ssm": 64, "mamba_num_heads": 8, "ssm_state_size": 16,
 }
 
 
 def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, Any]:
     """The config with small widths and only the layers up to the last first-of-its-kind."""
-    small = dict(config)
-    for key, value in SMALL.items():
-        if isinstance(small.get(key), int) and not isinstance(small[key], bool) and small[key] > value:
-            small[key] = value
+    small = small_sizes(config)
+    layers = max(kinds.index(k) for k in set(kinds)) + 1
+    if isinstance(config.get("per_layer_config"), dict):  # a layer's own sizes (Gemma 4's global head_dim)
+        small["per_layer_config"] = {k: small_sizes(v, config) if isinstance(v, dict) else v
+                                     for k, v in config["per_layer_config"].items() if int(k) < layers}
     if config.get("head_dim") is not None and config.get("head_dim") == config.get("qk_rope_head_dim"):
         small["head_dim"] = small["qk_rope_head_dim"]  # MLA: the rotary part's width
     small.update(rederived(config, small))
+    small.update(small_kv_heads(config))
     if all(isinstance(small.get(k), int) for k in ("mamba_expand", "mamba_n_heads", "mamba_d_head", "hidden_size")):
         # a Mamba layer's heads x head width is its inner width: mamba_d_ssm where set, else expand x hidden
         inner = small.get("mamba_d_ssm") or small["mamba_expand"] * small["hidden_size"]
         small["mamba_d_head"] = inner // small["mamba_n_heads"]
-    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    if isinstance(kv, int) and isinstance(heads, int):
-        small["num_key_value_heads"] = 1 if kv == 1 else (small["num_attention_heads"] if kv == heads else 2)
     vocab = small.get("vocab_size")
     for key, value in config.items():
         if key.endswith("token_id") and isinstance(value, int) and isinstance(vocab, int) and value >= vocab:
             small[key] = vocab - 1
-    layers = max(kinds.index(k) for k in set(kinds)) + 1
     small["num_hidden_layers"] = layers
     for key, value in config.items():
         if isinstance(value, list) and len(value) == len(kinds):
             small[key] = value[:layers]
     return small
 
+
+def small_sizes(config: dict[str, Any], outer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config with each size of SMALL no larger than there; a layer's own config (`outer` the
+    model's) with its key-value heads as small_kv_heads makes them, its heads read from the model's
+    where it leaves them unset."""
+    small = dict(config)
+    for key, value in SMALL.items():
+        if isinstance(small.get(key), int) and not isinstance(small[key], bool) and small[key] > value:
+            small[key] = value
+    if outer is not None:
+        small.update(small_kv_heads(config, outer))
+    return small
+
+
+def small_kv_heads(config: dict[str, Any], outer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The small config's key-value heads: one, all its heads or two, as they were."""
+    heads = config.get("num_attention_heads", (outer or {}).get("num_attention_heads"))
+    kv = config.get("num_key_value_heads")
+    if not (isinstance(kv, int) and isinstance(heads, int)):
+        return {}
+    return {"num_key_value_heads": 1 if kv == 1 else (min(heads, SMALL["num_attention_heads"]) if kv == heads else 2)}
 
 
 def rederived(config: dict[str, Any], small: dict[str, Any]) -> dict[str, Any]:
@@ -286,9 +306,15 @@ def _called_after_layers(base: nn.Module, layers_name: str) -> str | None:
         return hook
 
     hooks = [child.register_forward_pre_hook(pre_hook(n)) for n, child in decoder.named_children() if n != layers_name]
+    # stand-in weights (zeros) for what runs before the layers; stand-in per-layer inputs (Gemma 3n/4's)
+    zeros = {n: torch.zeros((), dtype=t.dtype).expand(t.shape) for n, t in persistent_tensors(decoder).items()}
+    inputs = {"inputs_embeds": torch.zeros(1, 2, base.config.hidden_size), "use_cache": False}
+    per_layer = getattr(base.config, "hidden_size_per_layer_input", None)
+    if per_layer:
+        inputs["per_layer_inputs"] = torch.zeros(1, 2, count, per_layer)
     try:
         with torch.no_grad():
-            decoder(inputs_embeds=torch.zeros(1, 2, base.config.hidden_size), use_cache=False)
+            torch.func.functional_call(decoder, zeros, (), inputs, strict=False)
     except _Stop:
         pass
     except Exception:  # a part before the layers that needs real weights

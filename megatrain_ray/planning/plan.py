@@ -129,7 +129,7 @@ def mlp_chunk_tokens(arch: ModelArch, tokens: int, config: Config) -> int:
 
 def hidden_state_bytes(arch: ModelArch, config: Config) -> int:
     """One micro-batch's hidden states: a layer's input, or the gradient flowing back into it."""
-    return config.train.micro_batch_size * config.data.seq_len * arch.hidden_size * dtype_bytes(config)
+    return config.train.micro_batch_size * config.data.seq_len * arch.stream_width * dtype_bytes(config)
 
 
 def micro_batches_per_gpu(config: Config, num_gpus: int) -> int:

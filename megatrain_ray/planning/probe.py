@@ -73,7 +73,7 @@ def probe_one(arch: ModelArch, layout: LayerLayout, count: int, ctx, micro_batch
     fam = family(arch)
     flat = random_weights(arch, layout, dtype, device)
     w = {name: view.detach().requires_grad_(True) for name, view in layout.views(flat).items()}
-    x = torch.randn(micro_batch, seq_len, arch.hidden_size, dtype=dtype, device=device, requires_grad=True)
+    x = torch.randn(micro_batch, seq_len, arch.stream_width, dtype=dtype, device=device, requires_grad=True)
     layer_ctx = fam.layer_context(arch, ctx, layout.index)
     aux = {"aux": True} if fam.aux_loss_on(arch) else {}
 
