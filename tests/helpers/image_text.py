@@ -23,7 +23,6 @@ TOKEN_KEYS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|
               "eoi_token_index": "<end_of_image>"}
 TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistral3": {"image_token_index": "[IMG]"},
                    "idefics3": {"image_token_id": "<image>"},
-                   "smolvlm": {"image_token_id": "<image>"},
                    "llava_onevision": {"video_token_index": "<video>"}}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
@@ -55,10 +54,6 @@ TYPES = {
                  {"vision_config": {"image_size": IMAGE, "patch_size": 14}},
                  {"size": {"longest_edge": IMAGE}, "max_image_size": {"longest_edge": IMAGE},
                   "do_image_splitting": False}),
-    "smolvlm": (["<fake_token_around_image>", "<image>", "<global-img>"], "<image>",
-                {"vision_config": {"image_size": IMAGE, "patch_size": 14}},
-                {"size": {"longest_edge": IMAGE}, "max_image_size": {"longest_edge": IMAGE},
-                 "do_image_splitting": False}),
     "vipllava": (["<image>"], "<image>",
                  {"vision_config": {"image_size": IMAGE, "patch_size": 14, "num_hidden_layers": 5, "projection_dim": 32},
                   "vision_feature_layers": [-2, -5]},
@@ -77,7 +72,6 @@ TYPES = {
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
                  {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "spatial_merge_size": 2}, None),
 }
-WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 
 def word_tokenizer(directory: Path, specials: list[str]):
@@ -148,9 +142,13 @@ PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy"
                     "llava_next": {"patch_size": 14, "vision_feature_select_strategy": "default",
                                    "num_additional_image_tokens": 1},
                     "idefics3": {"image_seq_len": 1},
-                    "smolvlm": {"image_seq_len": 1},
                     "vipllava": {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
                     "llava_onevision": {"vision_feature_select_strategy": "full", "num_image_tokens": 4}}
+# SmolVLM is Idefics3's model with a processor of its own (SmolVLMProcessor): the same tiny sizes,
+# tokens and processor settings
+for by_type in (TYPES, TYPE_TOKEN_KEYS, PROCESSOR_KWARGS):
+    by_type["smolvlm"] = by_type["idefics3"]
+WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 
 def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
