@@ -26,18 +26,39 @@ import numpy as np
 import torch
 
 from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.layout import BLOCK
 from megatrain_ray.models.registry import arch_to_hf_config, model_layouts, num_params
+from megatrain_ray.rl.layer_stream import LayerStream
 from megatrain_ray.rl.loss import label_logprobs
 
 
-def hf_model(arch: ModelArch, dtype: torch.dtype):
+def hf_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, streamed: tuple[str, ...] = ()):
     """transformers' causal LM for `arch`, from the config.json the export writes, in `dtype`,
-    evaluating (its weights are loaded later: `Rollout.load`)."""
+    evaluating, its parameters allocated on `device` but for those under the `streamed` prefixes
+    (left on the meta device for rl/layer_stream.py) and their values not set (`Rollout.load` sets
+    them): built on the meta device, so no host copy of the whole model is ever made."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(arch_to_hf_config(arch, torch_dtype=str(dtype).removeprefix("torch.")))
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+    for name, param in list(model.named_parameters()):
+        if not name.startswith(streamed):
+            set_tensor(model, name, torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=False))
+    for module in model.modules():  # buffers (RoPE's frequencies): made again by transformers' own init
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, torch.empty_like(buffer, device=device),
+                                   persistent=name not in module._non_persistent_buffers_set)
+        if module._buffers:
+            model._init_weights(module)
+    model.tie_weights()
+    return model
+
+
+def set_tensor(model: torch.nn.Module, name: str, value: torch.nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner), leaf, value)
 
 
 GiB = 1024**3
@@ -50,14 +71,28 @@ def rollout_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) -> int:
+def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int, resident_layers: int | None = None) -> int:
     """The device memory the rollout takes while it samples `rows` sequences of up to `seq_len`
-    tokens: its copy's weights, every row's KV cache at full length, the sampler's fp32
-    probabilities (a few copies of [rows x vocab]) and 2 GiB for the prompts' forward."""
-    weights = num_params(arch) * dtype_bytes
+    tokens: its copy's weights (with `resident_layers` of the decoder layers, None: all, and two
+    slots for the others: rl/layer_stream.py), every row's KV cache at full length, the sampler's
+    fp32 probabilities (a few copies of [rows x vocab]) and 2 GiB for the prompts' forward."""
+    blocks = [layout.numel for layout in model_layouts(arch) if layout.kind == BLOCK]
+    resident = len(blocks) if resident_layers is None else min(resident_layers, len(blocks))
+    streamed = blocks[resident:]
+    weights = (num_params(arch) - sum(streamed) + (2 * max(streamed) if streamed else 0)) * dtype_bytes
     kv_cache = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes * rows * seq_len
     sampler = 4 * rows * arch.vocab_size * 4
     return weights + kv_cache + sampler + 2 * GiB
+
+
+def resident_layers_within(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int, budget: int) -> int | None:
+    """The most decoder layers the rollout can keep on its device within `budget` bytes (all of
+    them: None), the others streamed; -1 where even none leaves room for the KV cache."""
+    blocks = sum(layout.kind == BLOCK for layout in model_layouts(arch))
+    if rollout_bytes(arch, rows, seq_len, dtype_bytes) <= budget:
+        return None
+    fits = [k for k in range(blocks) if rollout_bytes(arch, rows, seq_len, dtype_bytes, k) <= budget]
+    return max(fits, default=-1)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
@@ -81,10 +116,16 @@ class Sampling:
 
 
 class Rollout:
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int,
+                 resident_layers: int | None = None):
+        """`resident_layers`: the decoder layers whose weights stay on `device` (None: all); the
+        others stream through it at every forward (rl/layer_stream.py), the first ones resident."""
         self.arch, self.dtype, self.device = arch, dtype, device
-        self.model = hf_model(arch, dtype).to(device)
         self.layouts = model_layouts(arch)
+        streamed = [layout for layout in self.layouts if layout.kind == BLOCK][resident_layers:] \
+            if resident_layers is not None else []
+        self.model = hf_model(arch, dtype, device, tuple(layout.prefix for layout in streamed))
+        self.stream = LayerStream(self.model, streamed, dtype, device) if streamed else None
         self.generator = torch.Generator(device).manual_seed(seed)
         # transformers renamed the forward's past_key_values to cache
         forward = inspect.signature(type(self.model).forward).parameters
@@ -92,9 +133,19 @@ class Rollout:
         # the prompt's forward needs the last position's logits only, not [rows x prompt x vocab]
         self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
+    def streamed_layers(self) -> list[int]:
+        """The layers (by layout index) whose weights stream through the device at every forward."""
+        return [layout.index for layout in self.stream.layouts] if self.stream is not None else []
+
     def describe(self) -> str:
         where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        return f"{self.device} ({where}), {str(self.dtype).removeprefix('torch.')}"
+        what = f"{self.device} ({where}), {str(self.dtype).removeprefix('torch.')}"
+        if self.stream is None:
+            return what
+        blocks = sum(layout.kind == BLOCK for layout in self.layouts)
+        streamed = len(self.stream.layouts)
+        return (f"{what}; {blocks - streamed} of {blocks} decoder layers resident, {streamed} streamed from host "
+                f"memory at every decode step ({self.stream.bytes_per_forward() / GiB:.1f} GiB host to device a step)")
 
     # -- weights -------------------------------------------------------------------------------
     def refresh(self, policy) -> None:
@@ -103,12 +154,19 @@ class Rollout:
 
     def load(self, layer_weights: Iterable[tuple[int, torch.Tensor]]) -> None:
         """The policy's weights from (layer, flat weights: the stores' compute copy or the fp32
-        master) pairs, one layer at a time, into the copy on the rollout's device."""
+        master) pairs, one layer at a time, into the copy on the rollout's device; a streamed
+        layer's are read from host memory at each forward (rl/layer_stream.py, `hold`: in place
+        where they are page-locked in the rollout's dtype, so the caller hands tensors that hold
+        still until the next load)."""
         params = dict(self.model.named_parameters())
         seen = set()
         with torch.no_grad():
             for layer, flat in layer_weights:
                 layout = self.layouts[layer]
+                if self.stream is not None and self.stream.streams(layer):
+                    self.stream.hold(layer, flat)
+                    seen.update(layout.hf_name(slot.name) for slot in layout.params)
+                    continue
                 for name, view in layout.views(flat).items():
                     hf_name = layout.hf_name(name)
                     params[hf_name].copy_(view.reshape(params[hf_name].shape))

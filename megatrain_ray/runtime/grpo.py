@@ -17,11 +17,14 @@ from typing import Any
 import torch
 
 from megatrain_ray.config import Config, ConfigError
-from megatrain_ray.host.memory import dtype_of
+from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.layout import BLOCK
+from megatrain_ray.models.registry import model_layouts
+from megatrain_ray.planning.plan import AUTO_OFFLOAD_MARGIN, leanest_plan, with_auto_settings
 from megatrain_ray.rl.prompts import Prompt, PromptOrder, Tokens, read_prompts
 from megatrain_ray.rl.rewards import Rewards
-from megatrain_ray.rl.rollout import GiB, Sampling, rollout_bytes, rollout_device
+from megatrain_ray.rl.rollout import GiB, Sampling, resident_layers_within, rollout_bytes, rollout_device
 from megatrain_ray.rl.step import GrpoStep
 
 
@@ -30,37 +33,85 @@ def grpo_run_config(config: Config, arch: ModelArch, say=print) -> Config:
     (grpo.prompts_per_step x grpo.group_size) in rows of train.micro_batch_size, whatever
     train.grad_accum says; with several updates per rollout the LR schedule spans every update
     (unless optim.schedule_steps says otherwise); where this machine has a GPU (the GPU node, in a
-    local run: the rollout's actor shares it), the step is planned within what the rollout's copy
-    leaves (executor.gpu_memory_gib, unless set)."""
+    local run: the rollout's actor shares it), the GPU shared between the rollout and the step
+    (`share_gpu`: grpo.rollout_resident_layers and executor.gpu_memory_gib, unless set)."""
     g, t, o = config.grpo, config.train, config.optim
     accum = g.prompts_per_step * g.group_size // t.micro_batch_size
     if g.updates_per_rollout > 1 and o.schedule_steps is None:
         o = dataclasses.replace(o, schedule_steps=t.steps * g.updates_per_rollout)
     config = config.replace(train=dataclasses.replace(t, grad_accum=accum), optim=o)
     device = rollout_device(g.rollout_device)
-    if device.type == "cuda" and config.executor.gpu_memory_gib is None:
-        config = config.replace(executor=dataclasses.replace(config.executor,
-                                                             gpu_memory_gib=trainer_share(config, arch, device, say)))
+    if device.type == "cuda":
+        config = plan_shared_gpu(config, arch, device, say)
     return config
 
 
-def trainer_share(config: Config, arch: ModelArch, device: torch.device, say=print) -> float:
-    """GiB of the GPU the step may plan with beside the rollout's copy (rl/rollout.py, rollout_bytes)."""
+@dataclass(frozen=True)
+class GpuShare:
+    """How the rollout and the training step share one GPU."""
+
+    resident_layers: int | None  # the rollout's decoder layers on the GPU (None: all; -1: not even the KV cache fits)
+    rollout_bytes: int  # the rollout's copy, its two slots where it streams, the KV cache, the sampler
+    trainer_bytes: int  # what the step is planned within
+
+
+def share_gpu(config: Config, arch: ModelArch, total: int) -> GpuShare:
+    """The one decision of the GPU's split: the step keeps what its leanest plan at the default
+    chunk sizes needs (at least 4 GiB: `trainer_need`; executor.gpu_memory_gib where set); the
+    rollout keeps every decoder layer resident where they fit in the rest beside the KV cache, else
+    as many as fit, streaming the others (grpo.rollout_resident_layers where set); the step then
+    gets all the rollout leaves (where executor.gpu_memory_gib is not set)."""
     g = config.grpo
-    room = rollout_bytes(arch, g.prompts_per_step * g.group_size, config.data.seq_len,
-                         torch.tensor([], dtype=dtype_of(g.rollout_dtype)).element_size())
+    rows, d = g.prompts_per_step * g.group_size, element_size(dtype_of(g.rollout_dtype))
+    cap = config.executor.gpu_memory_gib
+    resident = g.rollout_resident_layers
+    if resident is None:
+        resident = resident_layers_within(arch, rows, config.data.seq_len, d, total - trainer_need(config, arch))
+        if resident == -1 and cap is not None:  # the user shares the GPU: the fewest resident
+            resident = 0
+    elif resident >= num_decoder_layers(arch):
+        resident = None
+    room = rollout_bytes(arch, rows, config.data.seq_len, d, max(0, resident) if resident is not None else None)
+    return GpuShare(resident, room, int(cap * GiB) if cap is not None else total - room)
+
+
+def num_decoder_layers(arch: ModelArch) -> int:
+    return sum(layout.kind == BLOCK for layout in model_layouts(arch))
+
+
+def trainer_need(config: Config, arch: ModelArch) -> int:
+    cap = config.executor.gpu_memory_gib
+    if cap is not None:
+        return int(cap * GiB)
+    return max(4 * GiB, int(leanest_plan(arch, with_auto_settings(config)).total / AUTO_OFFLOAD_MARGIN))
+
+
+def plan_shared_gpu(config: Config, arch: ModelArch, device: torch.device, say=print) -> Config:
+    """`config` with the GPU's split (`share_gpu`) in it, said; a ConfigError where the step would be
+    left less than 4 GiB, even with every decoder layer of the rollout streamed (unless
+    executor.gpu_memory_gib says how to share)."""
+    g = config.grpo
     total = torch.cuda.get_device_properties(device).total_memory
-    left = (total - room) / GiB
-    if left < 4:
+    share = share_gpu(config, arch, total)
+    left = share.trainer_bytes / GiB
+    blocks = num_decoder_layers(arch)
+    resident = blocks if share.resident_layers is None else max(0, share.resident_layers)
+    if config.executor.gpu_memory_gib is None and (share.resident_layers == -1 or left < 4):
         raise ConfigError(
-            f"the rollout's copy of the model in {g.rollout_dtype} with the KV cache of "
-            f"{g.prompts_per_step * g.group_size} completions of {config.data.seq_len} tokens takes about "
-            f"{room / GiB:.1f} GiB of the {total / GiB:.0f} GiB GPU, leaving the training step {max(0.0, left):.1f} GiB; "
-            f"a model whose copy does not fit beside the step cannot roll out yet: fewer grpo.prompts_per_step or "
-            f"grpo.group_size, a shorter data.seq_len, or set executor.gpu_memory_gib to share the GPU yourself")
-    say(f"the rollout's copy samples on {device} in about {room / GiB:.1f} GiB: the step is planned within the other "
-        f"{left:.1f} GiB (executor.gpu_memory_gib)")
-    return round(left, 2)
+            f"the rollout's copy of the model in {g.rollout_dtype}, {resident} of its {blocks} decoder layers on the "
+            f"GPU (the others streamed), with the KV cache of {g.prompts_per_step * g.group_size} completions of "
+            f"{config.data.seq_len} tokens takes about {share.rollout_bytes / GiB:.1f} GiB of the {total / GiB:.0f} GiB "
+            f"GPU, leaving the training step {max(0.0, (total - share.rollout_bytes) / GiB):.1f} GiB (its leanest plan "
+            f"at the default chunk sizes takes {trainer_need(config, arch) / GiB:.1f}, and 4 at the least): fewer grpo.prompts_per_step or grpo.group_size, a shorter "
+            f"data.seq_len, fewer grpo.rollout_resident_layers, or set executor.gpu_memory_gib to share the GPU yourself")
+    streamed = ""
+    if share.resident_layers is not None:
+        streamed = (f", {resident} of its {blocks} decoder layers resident and the other {blocks - resident} streamed "
+                    f"from host memory at every decode step")
+    say(f"the rollout's copy samples on {device} in about {share.rollout_bytes / GiB:.1f} GiB{streamed}: the step is "
+        f"planned within the other {left:.1f} GiB (executor.gpu_memory_gib)")
+    return config.replace(grpo=dataclasses.replace(g, rollout_resident_layers=share.resident_layers),
+                          executor=dataclasses.replace(config.executor, gpu_memory_gib=round(left, 2)))
 
 
 @dataclass(frozen=True)

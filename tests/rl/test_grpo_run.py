@@ -2,9 +2,12 @@
 worker and the rollout as actors), from a Hugging Face model with a KL to it (the reference
 streamed by the worker from its copy in host memory) and two updates per rollout (the old
 policy's log-probabilities through the worker's streamed forward): metrics per step, and 4 steps
-in one go equal its first 2 + resume + 2 bit for bit (weights, optimizer state, the prompts' position and
-the sampler's state). A wrong reward path stops the command before Ray, exit 2."""
+in one go, its rollout streaming a decoder layer, equal its first 2 + resume + 2 with every layer
+resident bit for bit (weights, optimizer state, the prompts' position and the sampler's state). A
+wrong reward path stops the command before Ray, exit 2."""
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -60,7 +63,10 @@ def runs(local_ray, tmp_path_factory) -> Path:
         patch.syspath_prepend(str(root))
         whole = grpo_raw(root, "whole")
         whole["checkpoint"]["every"] = 2
-        run_training(config_from_dict(whole))
+        whole["grpo"]["rollout_resident_layers"] = 1  # the other layer streams at every forward
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            run_training(config_from_dict(whole))
+        (root / "whole.out").write_text(out.getvalue())
         split_at_step_2(root)
         run_training(config_from_dict(grpo_raw(root, "split")), resume="latest")
     return root
@@ -93,6 +99,10 @@ def test_each_step_logs_its_rewards_and_rates(runs):
 
 
 def test_four_steps_equal_two_then_resume_two(runs):
+    """The run "whole" rolls out with one of its two decoder layers streamed, the resumed "split"
+    with both resident: the same completions, so the same weights, bit for bit."""
+    assert "rollout device: cpu (cpu), bfloat16; 1 of 2 decoder layers resident, 1 streamed" in \
+        (runs / "whole.out").read_text()
     a = ckpt.list_checkpoints(runs / "whole" / "checkpoints")[-1]
     b = ckpt.list_checkpoints(runs / "split" / "checkpoints")[-1]
     assert a.name == b.name == "step-00000004"

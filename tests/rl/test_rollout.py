@@ -8,7 +8,7 @@ import torch
 
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.files import shard
-from megatrain_ray.models.registry import load_hf_arch
+from megatrain_ray.models.registry import arch_from_hf_config, load_hf_arch, model_layouts
 from megatrain_ray.rl.batch import policy_micro_batches
 from megatrain_ray.rl.rollout import Rollout, Sampling, completion, label_logprobs_of, sample_tokens
 from megatrain_ray.runtime.local import LocalTrainer
@@ -64,6 +64,46 @@ def test_the_rollout_copy_and_the_streamed_reference_score_like_transformers(tin
     finally:
         trainer.close()
     assert [len(c) for c in completions] == [5] * 6  # no EOS given: every completion runs to max_new_tokens
+
+
+def flat_weights(model, arch) -> list[tuple[int, torch.Tensor]]:
+    """(layer, flat weights) of a transformers model, as the stores hold them."""
+    state = model.state_dict()
+    return [(layout.index, torch.cat([state[layout.hf_name(p.name)].reshape(-1) for p in layout.params]))
+            for layout in model_layouts(arch)]
+
+
+def sampled_and_scored(arch, weights, resident_layers, device=torch.device("cpu"), dtype=torch.float32):
+    rollout = Rollout(arch, dtype, device, seed=0, resident_layers=resident_layers)
+    rollout.load(weights)
+    prompts = [np.array([5, 9, 2]), np.array([7, 1, 4, 8, 3]), np.array([11])]
+    completions, _ = rollout.sample(prompts, 3, Sampling(max_new_tokens=6, temperature=0.9, top_p=0.95))
+    mbs = policy_micro_batches([p for p in prompts for _ in range(3)], completions, [0.0] * 9, "token", 6, 4)
+    return rollout, completions, rollout.policy_logprobs(mbs)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_streamed_rollout_samples_and_scores_as_the_resident_one():
+    """With 1 of its 3 decoder layers resident, or none, the rollout streams the others through
+    two slots at every forward and samples the same tokens from the same generator, with the same
+    log-probabilities, bit for bit: on the CPU in fp32 the arithmetic is the same."""
+    config = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    arch = arch_from_hf_config(model.config.to_dict())
+    weights = flat_weights(model, arch)
+    _, resident, resident_scores = sampled_and_scored(arch, weights, None)
+    for kept in (1, 0):
+        rollout, streamed, scores = sampled_and_scored(arch, weights, kept)
+        assert rollout.streamed_layers() == list(range(1 + kept, 4))
+        slots = {slot.untyped_storage().data_ptr() for slot in rollout.stream.slots}
+        for layer in rollout.streamed_layers():  # no memory of their own: views into the two slots
+            module = rollout.model.get_submodule(f"model.layers.{layer - 1}")
+            assert {p.untyped_storage().data_ptr() for p in module.parameters()} <= slots
+        assert all((a == b).all() for a, b in zip(streamed, resident)), kept
+        assert all(np.array_equal(a, b) for a, b in zip(scores, resident_scores)), kept
+    assert len({len(c) for c in resident}) == 1 and len(resident) == 9
 
 
 def test_top_p_keeps_the_nucleus_and_the_generator_state_replays():
