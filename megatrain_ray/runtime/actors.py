@@ -282,12 +282,11 @@ class RolloutActor(Rollout):
                                                   embedding_master, lambda refs, what: ray.get(refs), self.mapped)))
 
     def _page_locked(self, layer_weights: Iterator[tuple[int, torch.Tensor]]) -> Iterator[tuple[int, torch.Tensor]]:
-        """The streamed layers' shared compute copies page-locked (once), so they copy to the GPU at
-        full speed straight from the stores' memory."""
-        streamed = set(self.streamed_layers()) if self.device.type == "cuda" else set()
-        mapped = {t.data_ptr() for t in self.mapped.values()}
+        """The stores' shared compute copies page-locked here (once, on a GPU), so they copy to it at
+        full speed, every step for the layers it streams (rl/layer_stream.py reads them in place)."""
+        mapped = {t.data_ptr() for t in self.mapped.values()} if self.device.type == "cuda" else set()
         for layer, flat in layer_weights:
-            if layer in streamed and flat.data_ptr() in mapped and flat.data_ptr() not in self.registered:
+            if flat.data_ptr() in mapped and flat.data_ptr() not in self.registered:
                 cuda_host_register(flat)
                 self.registered.add(flat.data_ptr())
             yield layer, flat

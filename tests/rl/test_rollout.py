@@ -156,3 +156,43 @@ def test_the_rollout_samples_on_cuda_in_bf16_and_frees_its_cache(tiny_qwen2):
             assert np.abs(ours[at] - theirs[at]).max() < 0.1  # bf16 logits against fp32
     finally:
         trainer.close()
+
+
+@pytest.mark.gpu
+def test_a_streamed_rollout_on_cuda_in_bf16_samples_as_the_resident_one(tmp_path):
+    """On a GPU in bf16: with 1 of 3 decoder layers resident the others stream through two slots
+    on a side stream, read in place from page-locked shared memory (as the rollout's actor maps
+    the stores' compute copies), and the copy samples the same tokens with the same
+    log-probabilities as the resident one: the same kernels on the same values (the slots' views
+    are as aligned as the tiny shapes' own tensors). Its device memory is the resident copy's less
+    the streamed layers, plus the two slots."""
+    from megatrain_ray.host.memory import cuda_host_register, shm_tensor
+
+    config = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    arch = arch_from_hf_config(model.config.to_dict())
+    weights = []
+    for layer, flat in flat_weights(model, arch):  # bf16 in shared memory, page-locked: read in place
+        shared = shm_tensor(tmp_path / f"layer{layer}", flat.numel(), torch.bfloat16, create=True)
+        shared.copy_(flat)
+        cuda_host_register(shared)
+        weights.append((layer, shared))
+    device = torch.device("cuda")
+    before = torch.cuda.memory_allocated(device)
+    resident, tokens, scores = sampled_and_scored(arch, weights, None, device, torch.bfloat16)
+    resident_bytes = torch.cuda.memory_allocated(device) - before
+    del resident
+    for kept in (1, 0):
+        before = torch.cuda.memory_allocated(device)
+        streamed, streamed_tokens, streamed_scores = sampled_and_scored(arch, weights, kept, device, torch.bfloat16)
+        streamed_bytes = torch.cuda.memory_allocated(device) - before
+        assert streamed.streamed_layers() == list(range(1 + kept, 4)) and streamed.stream.owned == {}  # in place
+        assert [host.data_ptr() for host in streamed.stream.host] == \
+            [weights[i][1].data_ptr() for i in streamed.streamed_layers()]
+        assert all((a == b).all() for a, b in zip(streamed_tokens, tokens)), kept
+        assert all(np.array_equal(a, b) for a, b in zip(streamed_scores, scores)), kept
+        del streamed
+    # none resident: three layers out, two slots in (the allocator rounds each resident tensor up to 512 bytes)
+    assert resident_bytes - streamed_bytes >= model_layouts(arch)[1].numel * 2
