@@ -22,7 +22,6 @@ from functools import partial
 
 import torch
 
-from megatrain_ray.host.memory import pinned_empty
 from megatrain_ray.models.layout import LayerLayout
 
 
@@ -62,7 +61,7 @@ class LayerStream:
             self.host[k] = flat
             return
         if k not in self.owned:
-            self.owned[k] = pinned_empty(flat.numel(), self.dtype)
+            self.owned[k] = torch.empty(flat.numel(), dtype=self.dtype, pin_memory=self.device.type == "cuda")
         self.host[k] = self.owned[k].copy_(flat)
 
     # -- the hooks: a forward's copies, in the order transformers runs the layers ------------------
