@@ -11,7 +11,7 @@
 # NEW_TOKENS=N changes the completions' length. Prints the resident layers, the rollout's and the
 # update's tokens/s and the seconds per step, as grpo-7b-h100.sh does (its script runs it).
 # A decode step moves every streamed layer host to device once, for all the step's sequences at
-# once: about 18 GiB at 128 sequences here, so a decode step takes that over the host link's
+# once: about 19 GiB at 128 sequences here, so a decode step takes that over the host link's
 # bandwidth (about 0.5 s at 40 GB/s), and more sequences (PROMPTS_PER_STEP) raise the tokens/s
 # until their KV cache takes the room of resident layers.
 set -euo pipefail

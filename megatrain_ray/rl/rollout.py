@@ -75,14 +75,28 @@ def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int, re
     """The device memory the rollout takes while it samples `rows` sequences of up to `seq_len`
     tokens: its copy's weights (with `resident_layers` of the decoder layers, None: all, and two
     slots for the others: rl/layer_stream.py), every row's KV cache at full length, the sampler's
-    fp32 probabilities (a few copies of [rows x vocab]) and 2 GiB for the prompts' forward."""
+    fp32 probabilities (a few copies of [rows x vocab]), the prompts' forward (`prefill_bytes`)
+    and 1 GiB for what else the process holds (its CUDA context, cuBLAS's workspace)."""
     blocks = [layout.numel for layout in model_layouts(arch) if layout.kind == BLOCK]
     resident = len(blocks) if resident_layers is None else min(resident_layers, len(blocks))
     streamed = blocks[resident:]
     weights = (num_params(arch) - sum(streamed) + (2 * max(streamed) if streamed else 0)) * dtype_bytes
     kv_cache = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes * rows * seq_len
     sampler = 4 * rows * arch.vocab_size * 4
-    return weights + kv_cache + sampler + 2 * GiB
+    return weights + kv_cache + sampler + prefill_bytes(arch, rows, seq_len, dtype_bytes) + GiB
+
+
+# The prompts' forward runs on at most this many tokens at once (rows x a few columns of every
+# row's prompt, the KV cache filling as it goes), so its activations stay small whatever the batch
+# (at the Qwen2.5-32B shape one forward over 128 prompts of 256 tokens would hold 7 GB).
+PREFILL_TOKENS = 8192
+
+
+def prefill_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) -> int:
+    """A decoder layer's activations in the prompts' forward: the hidden states' few copies and the
+    MLP's three intermediate tensors, over one chunk of `PREFILL_TOKENS`."""
+    tokens = min(rows * seq_len, max(rows, PREFILL_TOKENS))
+    return tokens * (6 * arch.hidden_size + 3 * arch.intermediate_size) * dtype_bytes
 
 
 def resident_layers_within(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int, budget: int) -> int | None:
@@ -127,6 +141,7 @@ class Rollout:
         self.model = hf_model(arch, dtype, device, tuple(layout.prefix for layout in streamed))
         self.stream = LayerStream(self.model, streamed, dtype, device) if streamed else None
         self.generator = torch.Generator(device).manual_seed(seed)
+        self.prefill_tokens = PREFILL_TOKENS
         # transformers renamed the forward's past_key_values to cache
         forward = inspect.signature(type(self.model).forward).parameters
         self.cache_kw = "cache" if "cache" in forward else "past_key_values"
@@ -198,19 +213,11 @@ class Rollout:
 
     @torch.no_grad()
     def _decode(self, rows: list[np.ndarray], s: Sampling) -> list[np.ndarray]:
-        width = max(len(p) for p in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, p in enumerate(rows):  # left-padded: every row's next token is the batch's next column
-            ids[i, width - len(p):] = torch.tensor(p)  # a copy: Ray hands arrays over read-only
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = left_padded(rows, self.device)
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            **{self.cache_kw: cache}, **self.last_only).logits[:, -1]
+        logits = self.prompts_forward(ids, mask, positions, cache)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         new, position = [], positions[:, -1:]
         for _ in range(s.max_new_tokens):
@@ -225,6 +232,18 @@ class Rollout:
             logits = self.model(input_ids=new[-1][:, None], attention_mask=mask, position_ids=position,
                                 use_cache=True, **{self.cache_kw: cache}).logits[:, -1]
         return [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
+
+    @torch.no_grad()
+    def prompts_forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """The prompts' forward (left-padded: `left_padded`) into the KV cache, `prefill_tokens` at
+        a time (a few columns of every row); the logits of each row's next token."""
+        columns = max(1, self.prefill_tokens // len(ids))
+        for start in range(0, ids.shape[1], columns):
+            end = start + columns
+            logits = self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
+                                position_ids=positions[:, start:end], use_cache=True, **{self.cache_kw: cache},
+                                **self.last_only).logits[:, -1]
+        return logits
 
     # -- log-probabilities ----------------------------------------------------------------------
     @torch.no_grad()
@@ -253,6 +272,19 @@ def label_logprobs_of(model, micro_batches: list[dict], device: torch.device) ->
         logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         out.append(label_logprobs(logits, torch.tensor(mb["labels"]).to(device))[0].cpu().numpy())
     return out
+
+
+def left_padded(rows: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, attention mask and positions of the rows, left-padded: every row's next token
+    is the batch's next column."""
+    width = max(len(p) for p in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, width - len(p):] = torch.tensor(p)  # a copy: Ray hands arrays over read-only
+        mask[i, width - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
 
 
 def completion(row: np.ndarray, eos_id: int | None) -> np.ndarray:

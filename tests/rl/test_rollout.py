@@ -10,7 +10,7 @@ from megatrain_ray.config import config_from_dict
 from megatrain_ray.files import shard
 from megatrain_ray.models.registry import arch_from_hf_config, load_hf_arch, model_layouts
 from megatrain_ray.rl.batch import policy_micro_batches
-from megatrain_ray.rl.rollout import Rollout, Sampling, completion, label_logprobs_of, sample_tokens
+from megatrain_ray.rl.rollout import Rollout, Sampling, completion, label_logprobs_of, left_padded, sample_tokens
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_training import random_micro_batches
 from helpers.threads import one_thread  # noqa: F401 (a fixture)
@@ -86,7 +86,8 @@ def sampled_and_scored(arch, weights, resident_layers, device=torch.device("cpu"
 def test_a_streamed_rollout_samples_and_scores_as_the_resident_one():
     """With 1 of its 3 decoder layers resident, or none, the rollout streams the others through
     two slots at every forward and samples the same tokens from the same generator, with the same
-    log-probabilities, bit for bit: on the CPU in fp32 the arithmetic is the same."""
+    log-probabilities, bit for bit: on the CPU in fp32 the arithmetic is the same. Its prompts'
+    forward in chunks of a few columns (left-padded rows) gives transformers' own logits."""
     config = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(1)
@@ -104,6 +105,18 @@ def test_a_streamed_rollout_samples_and_scores_as_the_resident_one():
         assert all((a == b).all() for a, b in zip(streamed, resident)), kept
         assert all(np.array_equal(a, b) for a, b in zip(scores, resident_scores)), kept
     assert len({len(c) for c in resident}) == 1 and len(resident) == 9
+    # the prompts' forward 1 or 2 columns at a time (9 rows: 9 or 18 tokens a forward) as in one:
+    # the next token's logits as transformers' own forward of the padded batch gives them, within
+    # fp32's rounding (the same sums blocked otherwise)
+    rows = [np.array(p) for p in ([5, 9, 2], [7, 1, 4, 8, 3], [11])]
+    ids, mask, positions = left_padded(rows, torch.device("cpu"))
+    expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+    for tokens in (3, 6):
+        rollout = Rollout(arch, torch.float32, torch.device("cpu"), seed=0, resident_layers=1)
+        rollout.load(weights)
+        rollout.prefill_tokens = tokens
+        logits = rollout.prompts_forward(ids, mask, positions, transformers.DynamicCache(config=model.config))
+        assert (logits - expected).abs().max() < 1e-5, tokens
 
 
 def test_top_p_keeps_the_nucleus_and_the_generator_state_replays():
