@@ -3,10 +3,11 @@ device each time the model runs: the streamed rollout (rl/rollout.py) of a model
 not fit the GPU beside its KV cache and the training step.
 
 The streamed layers' parameters are views into two device slots, fixed once: the k-th streamed
-layer computes from slot k % 2. Hooks on each layer's module fill the slots as transformers runs
-its decoder layers in order: before the first streamed layer of a forward, the first two are
-copied in; after layer k, layer k + 2 is copied into the slot it frees. On a GPU the copies run on
-a side stream, so layer k + 1's copy overlaps layer k's compute (events order the two streams);
+layer computes from slot k % 2. Hooks on the layers' modules fill the slots as transformers runs
+its decoder layers in order: as the first decoder layer of a forward starts (resident or not), the
+first two streamed layers are copied in, behind the resident layers' compute; after streamed layer
+k, layer k + 2 is copied into the slot it frees. On a GPU the copies run on a side stream, so
+layer k + 1's copy overlaps layer k's compute (events order the two streams);
 a forward then moves every streamed layer's bytes host to device once, whatever the number of
 sequences decoding, which is what bounds a decode step's speed. On the CPU the copies are plain
 copies, in order: the same arithmetic as resident weights, which the tests hold it to.
@@ -26,9 +27,11 @@ from megatrain_ray.models.layout import LayerLayout
 
 
 class LayerStream:
-    def __init__(self, model: torch.nn.Module, layouts: list[LayerLayout], dtype: torch.dtype, device: torch.device):
-        """`layouts`: the streamed decoder layers, in the order the model runs them; their
-        parameters in `model` become views into the slots (their values come with `hold`)."""
+    def __init__(self, model: torch.nn.Module, first_layer: str, layouts: list[LayerLayout], dtype: torch.dtype,
+                 device: torch.device):
+        """`first_layer`: the name of the model's first decoder layer, whose start starts a
+        forward's copies; `layouts`: the streamed decoder layers, in the order the model runs them;
+        their parameters in `model` become views into the slots (their values come with `hold`)."""
         self.layouts, self.dtype, self.device = layouts, dtype, device
         numel = max(layout.numel for layout in layouts)
         self.slots = [torch.empty(numel, dtype=dtype, device=device) for _ in range(min(2, len(layouts)))]
@@ -38,6 +41,7 @@ class LayerStream:
         self.loaded: list[torch.cuda.Event | None] = [None] * len(layouts)  # layer k's weights are in its slot
         self.freed: list[torch.cuda.Event | None] = [None] * len(self.slots)  # the slot's last layer has run
         self.positions = {layout.index: k for k, layout in enumerate(layouts)}
+        model.get_submodule(first_layer).register_forward_pre_hook(self._begin)
         for k, layout in enumerate(layouts):
             module = model.get_submodule(layout.prefix.rstrip("."))
             point_at_slot(module, layout, self.slots[k % 2])
@@ -65,11 +69,11 @@ class LayerStream:
         self.host[k] = self.owned[k].copy_(flat)
 
     # -- the hooks: a forward's copies, in the order transformers runs the layers ------------------
+    def _begin(self, module, args) -> None:
+        for k in range(len(self.slots)):
+            self._fetch(k)
+
     def _before(self, k: int, module, args) -> None:
-        if k == 0:
-            self._fetch(0)
-            if len(self.layouts) > 1:
-                self._fetch(1)
         if self.copies is not None:
             torch.cuda.current_stream(self.device).wait_event(self.loaded[k])
 

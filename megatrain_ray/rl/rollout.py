@@ -138,10 +138,10 @@ class Rollout:
         others stream through it at every forward (rl/layer_stream.py), the first ones resident."""
         self.arch, self.dtype, self.device = arch, dtype, device
         self.layouts = model_layouts(arch)
-        streamed = [layout for layout in self.layouts if layout.kind == BLOCK][resident_layers:] \
-            if resident_layers is not None else []
+        blocks = [layout for layout in self.layouts if layout.kind == BLOCK]
+        streamed = blocks[resident_layers:] if resident_layers is not None else []
         self.model = hf_model(arch, dtype, device, tuple(layout.prefix for layout in streamed))
-        self.stream = LayerStream(self.model, streamed, dtype, device) if streamed else None
+        self.stream = LayerStream(self.model, blocks[0].prefix.rstrip("."), streamed, dtype, device) if streamed else None
         self.generator = torch.Generator(device).manual_seed(seed)
         self.prefill_tokens = PREFILL_TOKENS
         # transformers renamed the forward's past_key_values to cache
