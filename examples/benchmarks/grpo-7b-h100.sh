@@ -45,7 +45,7 @@ megatrain-ray train /dev/null --overwrite \
   --set "grpo.rewards={bench_rewards:low_tokens: 1.0}" \
   --set optim.lr=1e-6 --set checkpoint.export_hf=false "${cap[@]}" 2>&1 | tee "$out/train.log"
 
-grep "the rollout's copy samples on" "$out/train.log" || true
+grep -E "the rollout's copy samples on|rollout device:" "$out/train.log" || true
 python - "$out/run/metrics.jsonl" "$prompts_per_step" "$shape" "$prompt_tokens" "$new_tokens" <<'PY'
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
@@ -54,7 +54,8 @@ later = rows[1:] or rows
 med = lambda key: statistics.median(r[key] for r in later)
 print(f"GRPO, {shape} shape, {n} prompts x 8 completions, {prompt} + {new} tokens, steps after the first "
       f"({len(later)}):")
-print(f"  rollout {med('rollout_tokens_per_s'):,.0f} tokens/s ({med('rollout_seconds'):.1f} s), "
+print(f"  rollout {med('rollout_tokens_per_s'):,.0f} tokens/s ({med('rollout_seconds'):.1f} s, "
+      f"{1000 * med('rollout_seconds') / new:.0f} ms a decode step with the prompts' forward), "
       f"update {med('train_tokens_per_s'):,.0f} tokens/s ({med('train_seconds'):.1f} s), "
       f"{med('step_seconds'):.1f} s a step (of which the rollout copy's weight refresh {med('refresh_seconds'):.1f} s); "
       f"generated tokens per step {8 * n * new:,}; "
