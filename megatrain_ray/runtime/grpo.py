@@ -42,7 +42,7 @@ def grpo_run_config(config: Config, arch: ModelArch, say=print) -> Config:
     config = config.replace(train=dataclasses.replace(t, grad_accum=accum), optim=o)
     device = rollout_device(g.rollout_device)
     if device.type == "cuda":
-        config = plan_shared_gpu(config, arch, device, say)
+        config = plan_shared_gpu(config, arch, torch.cuda.get_device_properties(device).total_memory, say)
     return config
 
 
@@ -86,12 +86,11 @@ def trainer_need(config: Config, arch: ModelArch) -> int:
     return max(4 * GiB, int(leanest_plan(arch, with_auto_settings(config)).total / AUTO_OFFLOAD_MARGIN))
 
 
-def plan_shared_gpu(config: Config, arch: ModelArch, device: torch.device, say=print) -> Config:
-    """`config` with the GPU's split (`share_gpu`) in it, said; a ConfigError where the step would be
-    left less than 4 GiB, even with every decoder layer of the rollout streamed (unless
-    executor.gpu_memory_gib says how to share)."""
+def plan_shared_gpu(config: Config, arch: ModelArch, total: int, say=print) -> Config:
+    """`config` with the split of a GPU of `total` bytes (`share_gpu`) in it, said; a ConfigError
+    where the step would be left less than 4 GiB, even with every decoder layer of the rollout
+    streamed (unless executor.gpu_memory_gib says how to share)."""
     g = config.grpo
-    total = torch.cuda.get_device_properties(device).total_memory
     share = share_gpu(config, arch, total)
     left = share.trainer_bytes / GiB
     blocks = num_decoder_layers(arch)
@@ -108,7 +107,7 @@ def plan_shared_gpu(config: Config, arch: ModelArch, device: torch.device, say=p
     if share.resident_layers is not None:
         streamed = (f", {resident} of its {blocks} decoder layers resident and the other {blocks - resident} streamed "
                     f"from host memory at every decode step")
-    say(f"the rollout's copy samples on {device} in about {share.rollout_bytes / GiB:.1f} GiB{streamed}: the step is "
+    say(f"the rollout's copy samples on the GPU in about {share.rollout_bytes / GiB:.1f} GiB{streamed}: the step is "
         f"planned within the other {left:.1f} GiB (executor.gpu_memory_gib)")
     return config.replace(grpo=dataclasses.replace(g, rollout_resident_layers=share.resident_layers),
                           executor=dataclasses.replace(config.executor, gpu_memory_gib=round(left, 2)))

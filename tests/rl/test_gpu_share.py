@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from megatrain_ray.config import config_from_dict
+from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.rl.rollout import GiB, rollout_bytes
-from megatrain_ray.runtime.grpo import grpo_run_config, share_gpu, trainer_need
+from megatrain_ray.runtime.grpo import grpo_run_config, plan_shared_gpu, share_gpu, trainer_need
 
 ARCH = PRESETS["qwen2.5-7b"]  # 28 decoder layers of 233 M parameters: 0.43 GiB each in bf16
 ROWS, SEQ = 64, 768
@@ -53,5 +53,18 @@ def test_the_need_of_the_step_and_a_wrong_setting():
     assert trainer_need(config, ARCH) >= 4 * GiB
     capped = config.replace(executor=dataclasses.replace(config.executor, gpu_memory_gib=30.0))
     assert share_gpu(capped, ARCH, 60 * GiB).trainer_bytes == 30 * GiB
-    with pytest.raises(Exception, match="rollout_resident_layers must be >= 0"):
+    with pytest.raises(ConfigError, match="rollout_resident_layers must be >= 0"):
         grpo_config(rollout_resident_layers=-2)
+
+
+def test_the_split_is_said_and_carried_in_the_config_or_refused():
+    config = grpo_config()
+    total = trainer_need(config, ARCH) + rollout_bytes(ARCH, ROWS, SEQ, 2, 10)
+    said = []
+    planned = plan_shared_gpu(config, ARCH, total, said.append)
+    assert planned.grpo.rollout_resident_layers == 10
+    assert planned.executor.gpu_memory_gib == round((total - rollout_bytes(ARCH, ROWS, SEQ, 2, 10)) / GiB, 2)
+    assert "10 of its 28 decoder layers resident and the other 18 streamed" in said[0]
+    assert plan_shared_gpu(config, ARCH, 80 * GiB, said.append).grpo.rollout_resident_layers is None
+    with pytest.raises(ConfigError, match="0 of its 28 decoder layers on the GPU.*fewer grpo.prompts_per_step"):
+        plan_shared_gpu(config, ARCH, rollout_bytes(ARCH, ROWS, SEQ, 2, 0) + 2 * GiB)
