@@ -29,8 +29,8 @@ from megatrain_ray.models.layout import LayerLayout
 class LayerStream:
     def __init__(self, model: torch.nn.Module, first_layer: str, layouts: list[LayerLayout], dtype: torch.dtype,
                  device: torch.device):
-        """`first_layer`: the name of the model's first decoder layer, whose start starts a
-        forward's copies; `layouts`: the streamed decoder layers, in the order the model runs them;
+        """`first_layer`: the name of the model's first decoder layer (as it starts, a forward's
+        copies start); `layouts`: the streamed decoder layers, in the order the model runs them;
         their parameters in `model` become views into the slots (their values come with `hold`)."""
         self.layouts, self.dtype, self.device = layouts, dtype, device
         numel = max(layout.numel for layout in layouts)
