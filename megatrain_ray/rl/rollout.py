@@ -206,25 +206,39 @@ class Rollout:
     def sample(self, prompts: list[np.ndarray], group_size: int, s: Sampling) -> tuple[list[np.ndarray], float]:
         """`group_size` completions of every prompt, prompt by prompt (completion i of the result
         follows prompt i // group_size), decoded as one batch; and the seconds it took."""
+        completions, _, seconds = self.sample_scored(prompts, group_size, s)
+        return completions, seconds
+
+    def sample_scored(self, prompts: list[np.ndarray], group_size: int,
+                      s: Sampling) -> tuple[list[np.ndarray], list[np.ndarray], float]:
+        """As `sample`, with each completion token's log-probability under the copy (fp32, of its
+        logits untempered: the policy's, as the loss takes it)."""
         t0 = time.perf_counter()
         try:
-            completions = self._decode([p for p in prompts for _ in range(group_size)], s)
+            completions, logprobs = self._decode([p for p in prompts for _ in range(group_size)], s)
         finally:
             self.free_cache()  # after the decoding's tensors are gone
-        return completions, time.perf_counter() - t0
+        return completions, logprobs, time.perf_counter() - t0
+
+    def start_sampling(self, prompts: list[np.ndarray], group_size: int, s: Sampling):
+        """`sample_scored` for a step that waits for it later: in process there is nothing to overlap,
+        so it samples now (the rollout's actor samples while the caller goes on: runtime/grpo.py)."""
+        result = self.sample_scored(prompts, group_size, s)
+        return lambda: result
 
     @torch.no_grad()
-    def _decode(self, rows: list[np.ndarray], s: Sampling) -> list[np.ndarray]:
+    def _decode(self, rows: list[np.ndarray], s: Sampling) -> tuple[list[np.ndarray], list[np.ndarray]]:
         ids, mask, positions = left_padded(rows, self.device)
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
         logits = self.prompts_forward(ids, mask, positions, cache)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
-        new, position = [], positions[:, -1:]
+        new, scores, position = [], [], positions[:, -1:]
         for _ in range(s.max_new_tokens):
             token = sample_tokens(logits, s.temperature, s.top_p, self.generator)
             new.append(torch.where(done, torch.zeros_like(token), token))
+            scores.append(torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None]).squeeze(-1))
             if s.eos_id is not None:
                 done |= token == s.eos_id
             if bool(done.all()) or len(new) == s.max_new_tokens:
@@ -233,7 +247,9 @@ class Rollout:
             position = position + 1
             logits = self.model(input_ids=new[-1][:, None], attention_mask=mask, position_ids=position,
                                 use_cache=True, **{self.cache_kw: cache}).logits[:, -1]
-        return [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
+        completions = [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
+        logprobs = torch.stack(scores, dim=1).cpu().numpy()
+        return completions, [row[:len(c)] for row, c in zip(logprobs, completions)]
 
     @torch.no_grad()
     def prompts_forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:

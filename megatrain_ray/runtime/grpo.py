@@ -25,7 +25,7 @@ from megatrain_ray.planning.plan import AUTO_OFFLOAD_MARGIN, leanest_plan, with_
 from megatrain_ray.rl.prompts import Prompt, PromptOrder, Tokens, read_prompts
 from megatrain_ray.rl.rewards import Rewards
 from megatrain_ray.rl.rollout import GiB, Sampling, resident_layers_within, rollout_bytes, rollout_device
-from megatrain_ray.rl.step import GrpoStep
+from megatrain_ray.rl.step import GrpoStep, Sampled
 
 
 def grpo_run_config(config: Config, arch: ModelArch, say=print) -> Config:
@@ -42,8 +42,29 @@ def grpo_run_config(config: Config, arch: ModelArch, say=print) -> Config:
     config = config.replace(train=dataclasses.replace(t, grad_accum=accum), optim=o)
     device = rollout_device(g.rollout_device)
     if device.type == "cuda":
-        config = plan_shared_gpu(config, arch, torch.cuda.get_device_properties(device).total_memory, say)
+        total = torch.cuda.get_device_properties(device).total_memory
+        if g.rollout_gpu == "own":
+            check_own_gpu(config, arch, total, say)
+        else:
+            config = plan_shared_gpu(config, arch, total, say)
     return config
+
+
+def check_own_gpu(config: Config, arch: ModelArch, total: int, say=print) -> None:
+    """A rollout on a GPU of its own (grpo.rollout_gpu=own) holds its whole copy there: a
+    ConfigError where the copy and the KV cache do not fit (the updates rewrite the stores' weights
+    while it samples, so no layer can stream from them)."""
+    g = config.grpo
+    room = rollout_bytes(arch, g.prompts_per_step * g.group_size, config.data.seq_len,
+                         element_size(dtype_of(g.rollout_dtype)))
+    if room > total:
+        raise ConfigError(
+            f"grpo.rollout_gpu=own: the rollout's copy in {g.rollout_dtype} with the KV cache of "
+            f"{g.prompts_per_step * g.group_size} completions of {config.data.seq_len} tokens takes about "
+            f"{room / GiB:.1f} GiB, more than its {total / GiB:.0f} GiB GPU: fewer grpo.prompts_per_step or "
+            f"grpo.group_size, a shorter data.seq_len, or grpo.rollout_gpu=shared (which streams the layers that do "
+            f"not fit)")
+    say(f"the rollout samples on a GPU of its own in about {room / GiB:.1f} GiB, one policy version behind the step")
 
 
 @dataclass(frozen=True)
@@ -135,13 +156,16 @@ def grpo_data(config: Config, arch: ModelArch) -> GrpoData:
 
 @dataclass(frozen=True)
 class GrpoPosition:
-    """Where a GRPO run is after a step: prompts taken, and the sampler's generator state."""
+    """Where a GRPO run is after a step: prompts taken, the sampler's generator state and, with a
+    rollout one version behind, the next step's completions, already sampled (rl/step.py, Sampled)."""
 
     prompts: int
     sampler: str
+    pending: dict | None = None
 
     def to_dict(self) -> dict:
-        return {"prompts": self.prompts, "sampler": self.sampler}
+        out = {"prompts": self.prompts, "sampler": self.sampler}
+        return {**out, "pending": self.pending} if self.pending is not None else out
 
 
 class RemoteRollout:
@@ -159,6 +183,15 @@ class RemoteRollout:
     def sample(self, prompts: list, group_size: int, sampling: Sampling):
         return self.session.wait(self.actor.sample.remote(prompts, group_size, sampling), "sampling the completions")
 
+    def sample_scored(self, prompts: list, group_size: int, sampling: Sampling):
+        return self.session.wait(self.actor.sample_scored.remote(prompts, group_size, sampling),
+                                 "sampling the completions")
+
+    def start_sampling(self, prompts: list, group_size: int, sampling: Sampling):
+        """The actor samples while the step trains; the call returned waits for it."""
+        ref = self.actor.sample_scored.remote(prompts, group_size, sampling)
+        return lambda: self.session.wait(ref, "sampling the next step's completions")
+
     def sampler_state(self) -> str:
         return self.session.wait(self.actor.sampler_state.remote(), "the sampler's state")
 
@@ -168,7 +201,9 @@ class RemoteRollout:
 
 class GrpoSteps:
     """The training loop's steps of a GRPO run: each call samples, rewards and updates (rl/step.py)
-    and returns the last update's result, the position after the step and the step's metrics."""
+    and returns the last update's result, the position after the step and the step's metrics.
+    With grpo.rollout_gpu=own the rollout samples the next step's prompts while a step trains
+    (`GrpoStep.ahead`), and the position keeps those completions: a resumed run trains on them."""
 
     def __init__(self, session, config: Config, data: GrpoData, position: dict | None):
         g = config.grpo
@@ -176,9 +211,21 @@ class GrpoSteps:
         rollout = RemoteRollout(session)
         if position:
             rollout.set_sampler_state(position["sampler"])
-        self.order = PromptOrder(data.prompts, config.train.seed, config.data.shuffle, (position or {}).get("prompts", 0))
+        taken = (position or {}).get("prompts", 0)
+        self.order = PromptOrder(data.prompts, config.train.seed, config.data.shuffle, taken)
         self.step = GrpoStep(g, config.train.micro_batch_size, rollout, data.rewards, data.tokens)
+        self.pending: Sampled | None = None
+        if position and position.get("pending"):  # its prompts: the last ones taken
+            prompts = PromptOrder(data.prompts, config.train.seed, config.data.shuffle,
+                                  taken - g.prompts_per_step).take(g.prompts_per_step)
+            self.pending = Sampled.from_dict(prompts, position["pending"])
 
     def __call__(self, step: int) -> tuple[Any, GrpoPosition, dict]:
-        results, metrics = self.step(self.session, self.order.take(self.step.settings.prompts_per_step))
-        return results[-1], GrpoPosition(self.order.position, self.step.rollout.sampler_state()), metrics
+        n = self.step.settings.prompts_per_step
+        if self.step.settings.rollout_gpu == "own":
+            prompts = None if self.pending is not None else self.order.take(n)
+            results, metrics, self.pending = self.step.ahead(self.session, self.pending, prompts, self.order.take(n))
+        else:
+            results, metrics = self.step(self.session, self.order.take(n))
+        pending = self.pending.to_dict() if self.pending is not None else None
+        return results[-1], GrpoPosition(self.order.position, self.step.rollout.sampler_state(), pending), metrics

@@ -68,3 +68,23 @@ def test_the_split_is_said_and_carried_in_the_config_or_refused():
     assert plan_shared_gpu(config, ARCH, 80 * GiB, said.append).grpo.rollout_resident_layers is None
     with pytest.raises(ConfigError, match="0 of its 28 decoder layers on the GPU.*fewer grpo.prompts_per_step"):
         plan_shared_gpu(config, ARCH, rollout_bytes(ARCH, ROWS, SEQ, 2, 0) + 2 * GiB)
+
+
+def test_a_rollout_gpu_of_its_own_is_taken_from_the_workers():
+    """grpo.rollout_gpu=own: the workers take every GPU of the node but one; a node of one GPU is
+    refused with what to do."""
+    from megatrain_ray.planning.placement import NodeInfo, plan_placement
+
+    def node(gpus: float) -> NodeInfo:
+        return NodeInfo("gpu", "10.0.0.1", gpus, False, 400 * GiB)
+
+    def on_cuda(config):
+        return config.replace(executor=dataclasses.replace(config.executor, device="cuda"))
+
+    shared, own = on_cuda(grpo_config()), on_cuda(grpo_config(rollout_gpu="own"))
+    assert plan_placement(ARCH, shared, [node(2.0)], "gpu").num_gpus == 2
+    assert plan_placement(ARCH, own, [node(2.0)], "gpu").num_gpus == 1
+    with pytest.raises(ConfigError, match="grpo.rollout_gpu=own needs a GPU for the rollout beside the workers'"):
+        plan_placement(ARCH, own, [node(1.0)], "gpu")
+    with pytest.raises(ConfigError, match="keeps every layer of the rollout's copy on its GPU"):
+        grpo_config(rollout_gpu="own", rollout_resident_layers=3)
