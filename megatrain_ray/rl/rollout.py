@@ -6,9 +6,9 @@ rollout's device only, and its weights loaded from the stores before every step'
 is never more than the last update behind: none). It decodes a batch of sequences at once with a
 KV cache, left-padded, sampling each token with temperature and top-p from its own generator,
 whose state the checkpoints keep (`sampler_state`). It reads nothing of the run but the weights it
-is handed and keeps no state but the generator: a Ray actor on a GPU of its own can hold it
-unchanged (the design for rolling out on a second GPU while the first trains, one policy version
-behind). On a GPU its weights stay there, as the run plans the training step within what the copy
+is handed and keeps no state but the generator: a Ray actor on a GPU of its own holds it
+unchanged and samples while the first GPU trains, one policy version behind (grpo.rollout_gpu:
+own; rl/step.py, GrpoStep.ahead). On a GPU its weights stay there, as the run plans the training step within what the copy
 leaves (runtime/grpo.py, share_gpu, from `rollout_bytes`); where they do not all fit, the decoder
 layers the run did not keep resident stream through two slots at every forward
 (rl/layer_stream.py). The decoding's memory (the KV cache, the sampler's tensors) goes back after

@@ -259,7 +259,8 @@ def store_weights(stores: list, store_nodes: list[str], here: str, arch: ModelAr
 
 class RolloutActor(Rollout):
     """The rollout (rl/rollout.py) in a Ray actor on the GPU node, seeing the GPU it is given (rank
-    0's, which it shares with the trainer: the step is planned within what its copy leaves), and
+    0's, which it shares with the trainer: the step is planned within what its copy leaves), or
+    holding one of its own (grpo.rollout_gpu=own: the GPU Ray gave it), and
     reading the stores' weights from there itself: none of them passes through the driver. The
     layers it streams (grpo.rollout_resident_layers, as the run planned it) are read in place
     from the stores' compute copies, mapped once and page-locked in this process."""

@@ -3,7 +3,8 @@ starts), and its steps for the training loop (runtime/training.py), which checkp
 stops them as it does the next-token steps.
 
 The rollout's copy of the policy lives in an actor on the GPU node (runtime/actors.py,
-RolloutActor), on grpo.rollout_device, sharing rank 0's GPU and reading the stores' weights there;
+RolloutActor), on grpo.rollout_device, sharing rank 0's GPU (or, with grpo.rollout_gpu=own, on a
+GPU of its own, one policy version behind) and reading the stores' weights there;
 the rewards are computed here; the updates run on the run's GPU workers and stores like any step.
 A step's position in the data is the prompts taken so far and the sampler's generator, so a
 resumed run samples what the uninterrupted one would have."""
