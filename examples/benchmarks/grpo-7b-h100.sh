@@ -6,7 +6,9 @@
 # Prints the rollout's and the update's tokens/s and the seconds per step (the median of the steps
 # after the first, which compiles), from the run's metrics.jsonl, and leaves the run in OUT_DIR.
 # Other shapes (examples/benchmarks/grpo-streamed.sh): SHAPE names it, MODEL_SETS adds --set
-# arguments (the model, the optimizer's state), NEW_TOKENS and PROMPT_TOKENS the lengths.
+# arguments (the model, the optimizer's state), NEW_TOKENS and PROMPT_TOKENS the lengths. On a
+# machine of two GPUs, MODEL_SETS="--set model.preset=qwen2.5-7b --set grpo.rollout_gpu=own" rolls
+# out on the second GPU while the first trains, one policy version behind.
 # The rollout's bf16 copy (15 GiB + the KV cache: about 19 GiB) shares the GPU with the trainer, whose
 # step the run plans within the rest (it says how much; GPU_GIB=N sets executor.gpu_memory_gib
 # instead); the copy stays on the GPU between steps. MegaTrain's README reports ~60 s a step at 7B on one H100 with a smaller rollout batch.
