@@ -121,6 +121,8 @@ class GrpoConfig:
     updates_per_rollout: int = 1  # optimizer updates on each step's completions (more than 1: the old policy's log-probabilities are computed and the ratio clips)
     rollout_dtype: str = "bfloat16"  # bfloat16 | float32: the rollout's copy of the policy
     rollout_device: str = "auto"  # auto | cuda | cpu: where the rollout copy samples
+    rollout_gpu: str = "shared"  # shared: the rollout samples on rank 0's GPU between the updates | own: on a GPU of its own (without GPUs: a process of its own), sampling the next step's completions while this step trains, one policy version behind (the rollout's log-probabilities are the old policy's)
+    rollout_resident_layers: int | None = None  # decoder layers of the rollout copy kept on its device; the others stream from host memory through it at every decode step (slower: README); null: all where they fit beside the KV cache and the training step, else as many as fit
 
 
 @dataclass(frozen=True)
@@ -406,6 +408,12 @@ def check_values(config: Config) -> None:
          "grpo.kl_coef > 0 needs model.path: the reference policy is the model it names (or set grpo.kl_coef=0)"),
         (g.rollout_dtype in ("bfloat16", "float32"), "grpo.rollout_dtype must be bfloat16 or float32"),
         (g.rollout_device in ("auto", "cuda", "cpu"), "grpo.rollout_device must be auto, cuda or cpu"),
+        (g.rollout_resident_layers is None or g.rollout_resident_layers >= 0,
+         "grpo.rollout_resident_layers must be >= 0 (or null: as many as fit)"),
+        (g.rollout_gpu in ("shared", "own"), "grpo.rollout_gpu must be shared or own"),
+        (g.rollout_gpu == "shared" or g.rollout_resident_layers is None,
+         "grpo.rollout_gpu=own keeps every layer of the rollout's copy on its GPU (the updates rewrite the weights "
+         "a streamed layer would read while it samples): unset grpo.rollout_resident_layers"),
         (t.objective != "grpo" or (g.prompts_per_step * g.group_size) % t.micro_batch_size == 0,
          f"grpo.prompts_per_step x grpo.group_size ({g.prompts_per_step * g.group_size} completions a step) must be "
          f"a multiple of train.micro_batch_size ({t.micro_batch_size}): the step's rows fill its micro-batches"),

@@ -119,24 +119,37 @@ def split_by_capacity(numels: list[int], capacities: list[float]) -> list[list[i
     return ranges
 
 
-def executor_node(nodes: list[NodeInfo], want_cuda: bool, driver_node: str, num_gpus: int | None = None) -> NodeInfo:
+def executor_node(nodes: list[NodeInfo], want_cuda: bool, driver_node: str, num_gpus: int | None = None,
+                  rollout_gpus: int = 0) -> NodeInfo:
     """The node that runs the workers: the first with the GPUs asked for (one, without
-    runtime.num_gpus), else the driver's own node (the CPU path)."""
+    runtime.num_gpus) and `rollout_gpus` more for a GRPO run's rollout (`rollout_gpus`), else the
+    driver's own node (the CPU path)."""
     if want_cuda:
-        with_gpu = [n for n in nodes if n.gpus >= (num_gpus or 1)]
+        with_gpu = [n for n in nodes if n.gpus >= (num_gpus or 1) + rollout_gpus]
         if with_gpu:
             return with_gpu[0]
+        if rollout_gpus and any(n.gpus >= 1 for n in nodes):
+            raise ConfigError(f"grpo.rollout_gpu=own needs a GPU for the rollout beside the workers' "
+                              f"({(num_gpus or 1) + rollout_gpus} on one node) but the most on one node of the Ray "
+                              f"cluster is {max(n.gpus for n in nodes):g}: set grpo.rollout_gpu=shared or fewer "
+                              f"runtime.num_gpus")
         if num_gpus and any(n.gpus >= 1 for n in nodes):
             raise ConfigError(f"runtime.num_gpus={num_gpus} but no node of the Ray cluster offers that many GPUs "
                               f"(the most on one node: {max(n.gpus for n in nodes):g}); GPU workers run on one node")
     return next(n for n in nodes if n.node_id == driver_node)
 
 
-def worker_count(rt: RuntimeConfig, gpu: NodeInfo, use_cuda: bool) -> int:
-    """runtime.num_gpus, else every GPU of the node; without CUDA, that many CPU workers (default 1)."""
+def worker_count(rt: RuntimeConfig, gpu: NodeInfo, use_cuda: bool, rollout_gpus: int = 0) -> int:
+    """runtime.num_gpus, else every GPU of the node but the rollout's; without CUDA, that many CPU
+    workers (default 1)."""
     if rt.num_gpus is not None:
         return rt.num_gpus
-    return max(1, int(gpu.gpus)) if use_cuda else 1
+    return max(1, int(gpu.gpus) - rollout_gpus) if use_cuda else 1
+
+
+def rollout_gpus(config: Config, use_cuda: bool) -> int:
+    """The GPUs a GRPO run's rollout holds of its own (grpo.rollout_gpu=own): 1, else 0."""
+    return int(use_cuda and config.train.objective == "grpo" and config.grpo.rollout_gpu == "own")
 
 
 def machine_memory(nodes: list[NodeInfo]) -> dict[str, int]:
@@ -176,8 +189,8 @@ def store_room(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_no
         raise ConfigError("executor.device is 'cuda' but no node of the Ray cluster offers a GPU; "
                           "set executor.device=auto (or cpu) to run the CPU path")
     use_cuda = cluster_has_gpu and config.executor.device != "cpu"
-    gpu = executor_node(nodes, use_cuda, driver_node, rt.num_gpus)
-    workers = worker_count(rt, gpu, use_cuda)
+    gpu = executor_node(nodes, use_cuda, driver_node, rt.num_gpus, rollout_gpus(config, use_cuda))
+    workers = worker_count(rt, gpu, use_cuda, rollout_gpus(config, use_cuda))
     check_divisible(config.train.grad_accum, workers)
     holders = [n for n in nodes if n.ram_node and n.node_id != gpu.node_id]
     if rt.store_on_gpu_node or not holders:

@@ -58,3 +58,19 @@ def with_logprobs(micro_batches: list[dict], key: str, logprobs: list[np.ndarray
     """The micro-batches with each one's per-token log-probabilities under `key` (old_logprobs,
     ref_logprobs), from a forward over them (streaming/executor.py, token_logprobs)."""
     return [{**mb, key: np.asarray(lp, dtype=np.float32)} for mb, lp in zip(micro_batches, logprobs)]
+
+
+def placed_logprobs(micro_batches: list[dict], prompts: list[np.ndarray], logprobs: list[np.ndarray],
+                    rows_per_micro_batch: int) -> list[np.ndarray]:
+    """Each completion's per-token log-probabilities (the rollout's, as it sampled them) where a
+    forward over the micro-batches gives them (`token_logprobs`): at its labels' positions, 0
+    elsewhere."""
+    out = []
+    for m, mb in enumerate(micro_batches):
+        placed = np.zeros(mb["labels"].shape, dtype=np.float32)
+        for r in range(len(placed)):
+            i = m * rows_per_micro_batch + r
+            start = len(prompts[i]) - 1
+            placed[r, start:start + len(logprobs[i])] = logprobs[i]
+        out.append(placed)
+    return out

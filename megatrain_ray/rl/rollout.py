@@ -1,17 +1,19 @@
 """The rollout: a copy of the policy that samples each prompt's completions.
 
 The copy is transformers' own model of the family, built from the config.json the export writes
-(models' `hf_config`) in grpo.rollout_dtype, its weights loaded from the host's fp32 master
-before every step's sampling (so it is never more than the last update behind: none). It decodes
-a batch of sequences at once with a KV cache, left-padded, sampling each token with temperature
-and top-p from its own generator, whose state the checkpoints keep (`sampler_state`). It reads
-nothing of the run but the weights it is handed and keeps no state but the generator: a Ray actor
-on a GPU of its own can hold it unchanged (the design for rolling out on a second GPU while the
-first trains, one policy version behind). On a GPU its weights stay there, as the run plans the
-training step within what the copy leaves (runtime/grpo.py, trainer_share, from `rollout_bytes`);
-the decoding's memory (the KV cache, the sampler's tensors) goes back after each sampling
-(`free_cache`): moving 15 GB of weights each way each step would cost seconds and buy nothing.
-
+(models' `hf_config`) in grpo.rollout_dtype on the meta device, its tensors allocated on the
+rollout's device only, and its weights loaded from the stores before every step's sampling (so it
+is never more than the last update behind: none). It decodes a batch of sequences at once with a
+KV cache, left-padded, sampling each token with temperature and top-p from its own generator,
+whose state the checkpoints keep (`sampler_state`). It reads nothing of the run but the weights it
+is handed and keeps no state but the generator: a Ray actor on a GPU of its own holds it
+unchanged and samples while the first GPU trains, one policy version behind (grpo.rollout_gpu:
+own; rl/step.py, GrpoStep.ahead). On a GPU its weights stay there, as the run plans the training step within what the copy
+leaves (runtime/grpo.py, share_gpu, from `rollout_bytes`); where they do not all fit, the decoder
+layers the run did not keep resident stream through two slots at every forward
+(rl/layer_stream.py). The decoding's memory (the KV cache, the sampler's tensors) goes back after
+each sampling (`free_cache`): moving 15 GB of weights each way each step would cost seconds and
+buy nothing.
 """
 
 from __future__ import annotations
@@ -26,18 +28,39 @@ import numpy as np
 import torch
 
 from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.layout import BLOCK
 from megatrain_ray.models.registry import arch_to_hf_config, model_layouts, num_params
+from megatrain_ray.rl.layer_stream import LayerStream
 from megatrain_ray.rl.loss import label_logprobs
 
 
-def hf_model(arch: ModelArch, dtype: torch.dtype):
+def hf_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, streamed: tuple[str, ...] = ()):
     """transformers' causal LM for `arch`, from the config.json the export writes, in `dtype`,
-    evaluating (its weights are loaded later: `Rollout.load`)."""
+    evaluating, its parameters allocated on `device` but for those under the `streamed` prefixes
+    (left on the meta device for rl/layer_stream.py) and their values not set (`Rollout.load` sets
+    them): built on the meta device, so no host copy of the whole model is ever made."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(arch_to_hf_config(arch, torch_dtype=str(dtype).removeprefix("torch.")))
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+    for name, param in list(model.named_parameters()):
+        if not name.startswith(streamed):
+            set_tensor(model, name, torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=False))
+    for module in model.modules():  # buffers (RoPE's frequencies): made again by transformers' own init
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, torch.empty_like(buffer, device=device),
+                                   persistent=name not in module._non_persistent_buffers_set)
+        if module._buffers:
+            model._init_weights(module)
+    model.tie_weights()
+    return model
+
+
+def set_tensor(model: torch.nn.Module, name: str, value: torch.nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner), leaf, value)
 
 
 GiB = 1024**3
@@ -50,14 +73,42 @@ def rollout_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) -> int:
+def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int, resident_layers: int | None = None) -> int:
     """The device memory the rollout takes while it samples `rows` sequences of up to `seq_len`
-    tokens: its copy's weights, every row's KV cache at full length, the sampler's fp32
-    probabilities (a few copies of [rows x vocab]) and 2 GiB for the prompts' forward."""
-    weights = num_params(arch) * dtype_bytes
+    tokens: its copy's weights (with `resident_layers` of the decoder layers, None: all, and two
+    slots for the others: rl/layer_stream.py), every row's KV cache at full length, the sampler's
+    fp32 probabilities (a few copies of [rows x vocab]), the prompts' forward (`prefill_bytes`)
+    and 1 GiB for what else the process holds (its CUDA context, cuBLAS's workspace)."""
+    blocks = [layout.numel for layout in model_layouts(arch) if layout.kind == BLOCK]
+    resident = len(blocks) if resident_layers is None else min(resident_layers, len(blocks))
+    streamed = blocks[resident:]
+    weights = (num_params(arch) - sum(streamed) + (2 * max(streamed) if streamed else 0)) * dtype_bytes
     kv_cache = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes * rows * seq_len
     sampler = 4 * rows * arch.vocab_size * 4
-    return weights + kv_cache + sampler + 2 * GiB
+    return weights + kv_cache + sampler + prefill_bytes(arch, rows, seq_len, dtype_bytes) + GiB
+
+
+# The prompts' forward runs on at most this many tokens at once (rows x a few columns of every
+# row's prompt, the KV cache filling as it goes), so its activations stay small whatever the batch
+# (at the Qwen2.5-32B shape one forward over 128 prompts of 256 tokens would hold 7 GB).
+PREFILL_TOKENS = 8192
+
+
+def prefill_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) -> int:
+    """A decoder layer's activations in the prompts' forward: the hidden states' few copies and the
+    MLP's three intermediate tensors, over one chunk of `PREFILL_TOKENS`."""
+    tokens = min(rows * seq_len, max(rows, PREFILL_TOKENS))
+    return tokens * (6 * arch.hidden_size + 3 * arch.intermediate_size) * dtype_bytes
+
+
+def resident_layers_within(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int, budget: int) -> int | None:
+    """The most decoder layers the rollout can keep on its device within `budget` bytes (all of
+    them: None), the others streamed; -1 where even none leaves room for the KV cache."""
+    blocks = sum(layout.kind == BLOCK for layout in model_layouts(arch))
+    if rollout_bytes(arch, rows, seq_len, dtype_bytes) <= budget:
+        return None
+    fits = [k for k in range(blocks) if rollout_bytes(arch, rows, seq_len, dtype_bytes, k) <= budget]
+    return max(fits, default=-1)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
@@ -81,20 +132,37 @@ class Sampling:
 
 
 class Rollout:
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int,
+                 resident_layers: int | None = None):
+        """`resident_layers`: the decoder layers whose weights stay on `device` (None: all); the
+        others stream through it at every forward (rl/layer_stream.py), the first ones resident."""
         self.arch, self.dtype, self.device = arch, dtype, device
-        self.model = hf_model(arch, dtype).to(device)
         self.layouts = model_layouts(arch)
+        blocks = [layout for layout in self.layouts if layout.kind == BLOCK]
+        streamed = blocks[resident_layers:] if resident_layers is not None else []
+        self.model = hf_model(arch, dtype, device, tuple(layout.prefix for layout in streamed))
+        self.stream = LayerStream(self.model, blocks[0].prefix.rstrip("."), streamed, dtype, device) if streamed else None
         self.generator = torch.Generator(device).manual_seed(seed)
+        self.prefill_tokens = PREFILL_TOKENS
         # transformers renamed the forward's past_key_values to cache
         forward = inspect.signature(type(self.model).forward).parameters
         self.cache_kw = "cache" if "cache" in forward else "past_key_values"
         # the prompt's forward needs the last position's logits only, not [rows x prompt x vocab]
         self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
+    def streamed_layers(self) -> list[int]:
+        """The layers (by layout index) whose weights stream through the device at every forward."""
+        return [layout.index for layout in self.stream.layouts] if self.stream is not None else []
+
     def describe(self) -> str:
         where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        return f"{self.device} ({where}), {str(self.dtype).removeprefix('torch.')}"
+        what = f"{self.device} ({where}), {str(self.dtype).removeprefix('torch.')}"
+        if self.stream is None:
+            return what
+        blocks = sum(layout.kind == BLOCK for layout in self.layouts)
+        streamed = len(self.stream.layouts)
+        return (f"{what}; {blocks - streamed} of {blocks} decoder layers resident, {streamed} streamed from host "
+                f"memory at every decode step ({self.stream.bytes_per_forward() / GiB:.1f} GiB host to device a step)")
 
     # -- weights -------------------------------------------------------------------------------
     def refresh(self, policy) -> None:
@@ -103,12 +171,19 @@ class Rollout:
 
     def load(self, layer_weights: Iterable[tuple[int, torch.Tensor]]) -> None:
         """The policy's weights from (layer, flat weights: the stores' compute copy or the fp32
-        master) pairs, one layer at a time, into the copy on the rollout's device."""
+        master) pairs, one layer at a time, into the copy on the rollout's device; a streamed
+        layer's are read from host memory at each forward (rl/layer_stream.py, `hold`: in place
+        where they are page-locked in the rollout's dtype, so the caller hands tensors that hold
+        still until the next load)."""
         params = dict(self.model.named_parameters())
         seen = set()
         with torch.no_grad():
             for layer, flat in layer_weights:
                 layout = self.layouts[layer]
+                if self.stream is not None and self.stream.streams(layer):
+                    self.stream.hold(layer, flat)
+                    seen.update(layout.hf_name(slot.name) for slot in layout.params)
+                    continue
                 for name, view in layout.views(flat).items():
                     hf_name = layout.hf_name(name)
                     params[hf_name].copy_(view.reshape(params[hf_name].shape))
@@ -131,33 +206,39 @@ class Rollout:
     def sample(self, prompts: list[np.ndarray], group_size: int, s: Sampling) -> tuple[list[np.ndarray], float]:
         """`group_size` completions of every prompt, prompt by prompt (completion i of the result
         follows prompt i // group_size), decoded as one batch; and the seconds it took."""
+        completions, _, seconds = self.sample_scored(prompts, group_size, s)
+        return completions, seconds
+
+    def sample_scored(self, prompts: list[np.ndarray], group_size: int,
+                      s: Sampling) -> tuple[list[np.ndarray], list[np.ndarray], float]:
+        """As `sample`, with each completion token's log-probability under the copy (fp32, of its
+        logits untempered: the policy's, as the loss takes it)."""
         t0 = time.perf_counter()
         try:
-            completions = self._decode([p for p in prompts for _ in range(group_size)], s)
+            completions, logprobs = self._decode([p for p in prompts for _ in range(group_size)], s)
         finally:
             self.free_cache()  # after the decoding's tensors are gone
-        return completions, time.perf_counter() - t0
+        return completions, logprobs, time.perf_counter() - t0
+
+    def start_sampling(self, prompts: list[np.ndarray], group_size: int, s: Sampling):
+        """`sample_scored` for a step that waits for it later: in process there is nothing to overlap,
+        so it samples now (the rollout's actor samples while the caller goes on: runtime/grpo.py)."""
+        result = self.sample_scored(prompts, group_size, s)
+        return lambda: result
 
     @torch.no_grad()
-    def _decode(self, rows: list[np.ndarray], s: Sampling) -> list[np.ndarray]:
-        width = max(len(p) for p in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, p in enumerate(rows):  # left-padded: every row's next token is the batch's next column
-            ids[i, width - len(p):] = torch.tensor(p)  # a copy: Ray hands arrays over read-only
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    def _decode(self, rows: list[np.ndarray], s: Sampling) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        ids, mask, positions = left_padded(rows, self.device)
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            **{self.cache_kw: cache}, **self.last_only).logits[:, -1]
+        logits = self.prompts_forward(ids, mask, positions, cache)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
-        new, position = [], positions[:, -1:]
+        new, scores, position = [], [], positions[:, -1:]
         for _ in range(s.max_new_tokens):
             token = sample_tokens(logits, s.temperature, s.top_p, self.generator)
             new.append(torch.where(done, torch.zeros_like(token), token))
+            scores.append(torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None]).squeeze(-1))
             if s.eos_id is not None:
                 done |= token == s.eos_id
             if bool(done.all()) or len(new) == s.max_new_tokens:
@@ -166,7 +247,21 @@ class Rollout:
             position = position + 1
             logits = self.model(input_ids=new[-1][:, None], attention_mask=mask, position_ids=position,
                                 use_cache=True, **{self.cache_kw: cache}).logits[:, -1]
-        return [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
+        completions = [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
+        logprobs = torch.stack(scores, dim=1).cpu().numpy()
+        return completions, [row[:len(c)] for row, c in zip(logprobs, completions)]
+
+    @torch.no_grad()
+    def prompts_forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """The prompts' forward (left-padded: `left_padded`) into the KV cache, `prefill_tokens` at
+        a time (a few columns of every row); the logits of each row's next token."""
+        columns = max(1, self.prefill_tokens // len(ids))
+        for start in range(0, ids.shape[1], columns):
+            end = start + columns
+            logits = self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
+                                position_ids=positions[:, start:end], use_cache=True, **{self.cache_kw: cache},
+                                **self.last_only).logits[:, -1]
+        return logits
 
     # -- log-probabilities ----------------------------------------------------------------------
     @torch.no_grad()
@@ -195,6 +290,19 @@ def label_logprobs_of(model, micro_batches: list[dict], device: torch.device) ->
         logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         out.append(label_logprobs(logits, torch.tensor(mb["labels"]).to(device))[0].cpu().numpy())
     return out
+
+
+def left_padded(rows: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, attention mask and positions of the rows, left-padded: every row's next token
+    is the batch's next column."""
+    width = max(len(p) for p in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, width - len(p):] = torch.tensor(p)  # a copy: Ray hands arrays over read-only
+        mask[i, width - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
 
 
 def completion(row: np.ndarray, eos_id: int | None) -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from megatrain_ray.config import GrpoConfig
-from megatrain_ray.rl.batch import policy_micro_batches, with_logprobs
+from megatrain_ray.rl.batch import placed_logprobs, policy_micro_batches, with_logprobs
 from megatrain_ray.rl.loss import group_advantages
 from megatrain_ray.rl.prompts import Prompt, Tokens
 from megatrain_ray.rl.rewards import RewardBatch, Rewards
@@ -37,6 +37,30 @@ class Policy(Protocol):
         """One optimizer update on the micro-batches (a StepResult)."""
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """A step's completions as the rollout sampled them, with the sampling policy's per-token
+    log-probabilities where they are the old policy's (a rollout one version behind)."""
+
+    prompts: list[Prompt]
+    completions: list[np.ndarray]
+    logprobs: list[np.ndarray] | None
+    seconds: float  # the sampling's
+    refresh_seconds: float  # the weights' load before it
+
+    def to_dict(self) -> dict:
+        """The completions of a step to come, for its checkpoint (the prompts are the data position's)."""
+        return {"completions": [c.tolist() for c in self.completions],
+                "logprobs": [[float(x) for x in lp] for lp in self.logprobs or []],
+                "seconds": self.seconds, "refresh_seconds": self.refresh_seconds}
+
+    @classmethod
+    def from_dict(cls, prompts: list[Prompt], d: dict) -> "Sampled":
+        return cls(prompts, [np.asarray(c, dtype=np.int64) for c in d["completions"]],
+                   [np.asarray(lp, dtype=np.float32) for lp in d["logprobs"]] or None, d["seconds"],
+                   d["refresh_seconds"])
+
+
 @dataclass
 class GrpoStep:
     settings: GrpoConfig
@@ -50,23 +74,57 @@ class GrpoStep:
         return Sampling(g.max_new_tokens, g.temperature, g.top_p, self.tokens.eos_id)
 
     def __call__(self, policy: Policy, prompts: list[Prompt]) -> tuple[list, dict[str, Any]]:
-        """The step's updates' results and its metrics."""
-        g, t0 = self.settings, time.perf_counter()
+        """The step's updates' results and its metrics, on completions the current policy samples."""
+        t0 = time.perf_counter()
+        return self.update(policy, self.sample(policy, prompts), t0)
+
+    def ahead(self, policy: Policy, pending: Sampled | None, prompts: list[Prompt] | None,
+              next_prompts: list[Prompt]) -> tuple[list, dict[str, Any], Sampled]:
+        """A step whose rollout runs one policy version behind (grpo.rollout_gpu=own): it trains on
+        `pending` (the first step: `prompts`, sampled now) while the rollout, loaded with the
+        weights before this step's update, samples `next_prompts`; the rollout's log-probabilities
+        are the old policy's. Returns the updates' results, the metrics and the next step's
+        completions."""
+        t0 = time.perf_counter()
+        current = pending or self.sample(policy, prompts, scored=True)
+        t1 = time.perf_counter()
+        self.rollout.refresh(policy)
+        refresh_s = time.perf_counter() - t1
+        finish = self.rollout.start_sampling([p.ids for p in next_prompts], self.settings.group_size, self.sampling())
+        results, metrics = self.update(policy, current, t0)
+        completions, logprobs, seconds = finish()
+        return results, {**metrics, "step_seconds": time.perf_counter() - t0}, \
+            Sampled(next_prompts, completions, logprobs, seconds, refresh_s)
+
+    def sample(self, policy: Policy, prompts: list[Prompt], scored: bool = False) -> Sampled:
+        """Completions of the prompts from the current policy (with their log-probabilities: `scored`)."""
+        t0 = time.perf_counter()
         self.rollout.refresh(policy)
         refresh_s = time.perf_counter() - t0
-        completions, rollout_s = self.rollout.sample([p.ids for p in prompts], g.group_size, self.sampling())
-        rows = [p for p in prompts for _ in range(g.group_size)]
+        ids, g = [p.ids for p in prompts], self.settings
+        if scored:
+            return Sampled(prompts, *self.rollout.sample_scored(ids, g.group_size, self.sampling()), refresh_s)
+        completions, seconds = self.rollout.sample(ids, g.group_size, self.sampling())
+        return Sampled(prompts, completions, None, seconds, refresh_s)
+
+    def update(self, policy: Policy, sampled: Sampled, t0: float) -> tuple[list, dict[str, Any]]:
+        """Rewards, advantages and the updates on `sampled`; the metrics (the step's seconds from `t0`)."""
+        g, completions = self.settings, sampled.completions
+        rows = [p for p in sampled.prompts for _ in range(g.group_size)]
         totals, each = self.rewards(reward_batch(rows, completions, self.tokens))
         advantages = group_advantages(torch.tensor(totals), g.group_size, g.scale_rewards).tolist()
         mbs = policy_micro_batches([p.ids for p in rows], completions, advantages, g.loss_normalizer,
                                    g.max_new_tokens, self.rows_per_micro_batch)
         if g.kl_coef:
             mbs = with_logprobs(mbs, "ref_logprobs", policy.reference_logprobs(mbs))
-        if g.updates_per_rollout > 1:
+        if sampled.logprobs is not None:
+            old = placed_logprobs(mbs, [p.ids for p in rows], sampled.logprobs, self.rows_per_micro_batch)
+            mbs = with_logprobs(mbs, "old_logprobs", old)
+        elif g.updates_per_rollout > 1:
             mbs = with_logprobs(mbs, "old_logprobs", policy.token_logprobs(mbs))
         results = [policy.train_step(mbs) for _ in range(g.updates_per_rollout)]
-        metrics = step_metrics(totals, each, completions, results, rollout_s, time.perf_counter() - t0)
-        return results, {**metrics, "refresh_seconds": refresh_s}
+        metrics = step_metrics(totals, each, completions, results, sampled.seconds, time.perf_counter() - t0)
+        return results, {**metrics, "refresh_seconds": sampled.refresh_seconds}
 
 
 def reward_batch(rows: list[Prompt], completions: list[np.ndarray], tokens: Tokens) -> RewardBatch:

@@ -15,7 +15,7 @@ import torch
 from megatrain_ray.config import Config
 from megatrain_ray.files import shard
 from megatrain_ray.host.adamw import AdamWStep
-from megatrain_ray.host.memory import dtype_of, shm_tensor
+from megatrain_ray.host.memory import cuda_host_register, dtype_of, shm_tensor
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, WindowSource
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.host.transport import LayerLink, LayerServer
@@ -234,26 +234,36 @@ class GpuWorker:
 
 
 def store_weights(stores: list, store_nodes: list[str], here: str, arch: ModelArch, dtype: torch.dtype,
-                  embedding_master: bool, get: Callable) -> Iterator[tuple[int, torch.Tensor]]:
+                  embedding_master: bool, get: Callable, mapped: dict | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """(layer, weights) of every store once its updates have landed: each store's compute copy read
     in place through shared memory where it lives on this process's node (`here`), the weights the
     workers compute with; else its master sent over Ray. `embedding_master`: the embedding's master
     (a worker steps it on its device, and the store's compute copy of it is not refreshed then).
-    `get`: how to wait for an actor's answer (ray.get, or the driver's watchdog)."""
+    `get`: how to wait for an actor's answer (ray.get, or the driver's watchdog). `mapped`: the
+    mappings of earlier calls, by path, kept there and reused (None: each call maps anew)."""
     numels = [layout.numel for layout in model_layouts(arch)]
     for store, node in zip(stores, store_nodes):
         paths = get(store.shared_paths.remote(), "mapping the stores") if node == here else {}
         for i in get(store.layer_ids.remote(), "mapping the stores"):
             if i in paths and not (i == 0 and embedding_master):
-                yield i, shm_tensor(Path(paths[i]), numels[i], dtype, create=False)
+                if mapped is None or paths[i] not in mapped:
+                    tensor = shm_tensor(Path(paths[i]), numels[i], dtype, create=False)
+                    if mapped is None:
+                        yield i, tensor
+                        continue
+                    mapped[paths[i]] = tensor
+                yield i, mapped[paths[i]]
             else:
                 yield i, get(store.master.remote(i), f"reading layer {i}")
 
 
 class RolloutActor(Rollout):
     """The rollout (rl/rollout.py) in a Ray actor on the GPU node, seeing the GPU it is given (rank
-    0's, which it shares with the trainer: the step is planned within what its copy leaves), and
-    reading the stores' weights from there itself: none of them passes through the driver."""
+    0's, which it shares with the trainer: the step is planned within what its copy leaves), or
+    holding one of its own (grpo.rollout_gpu=own: the GPU Ray gave it), and
+    reading the stores' weights from there itself: none of them passes through the driver. The
+    layers it streams (grpo.rollout_resident_layers, as the run planned it) are read in place
+    from the stores' compute copies, mapped once and page-locked in this process."""
 
     def __init__(self, arch: ModelArch, config: Config, visible_gpus: list[str] = ()):
         if visible_gpus:  # an actor that asked Ray for no GPU sees none, unless told
@@ -262,12 +272,25 @@ class RolloutActor(Rollout):
             torch.set_num_threads(config.runtime.worker_threads)
         g = config.grpo
         self.compute_dtype = dtype_of(config.model.compute_dtype)
-        super().__init__(arch, dtype_of(g.rollout_dtype), rollout_device(g.rollout_device), config.train.seed)
+        super().__init__(arch, dtype_of(g.rollout_dtype), rollout_device(g.rollout_device), config.train.seed,
+                         g.rollout_resident_layers)
+        self.mapped: dict[str, torch.Tensor] = {}  # the stores' compute copies, by path
+        self.registered: set[int] = set()  # the addresses of those page-locked here
 
     def load_from_stores(self, stores: list, store_nodes: list[str], embedding_master: bool) -> None:
         here = ray.get_runtime_context().get_node_id()
-        self.load(store_weights(stores, store_nodes, here, self.arch, self.compute_dtype, embedding_master,
-                                lambda refs, what: ray.get(refs)))
+        self.load(self._page_locked(store_weights(stores, store_nodes, here, self.arch, self.compute_dtype,
+                                                  embedding_master, lambda refs, what: ray.get(refs), self.mapped)))
+
+    def _page_locked(self, layer_weights: Iterator[tuple[int, torch.Tensor]]) -> Iterator[tuple[int, torch.Tensor]]:
+        """The stores' shared compute copies page-locked here (once, on a GPU), so they copy to it at
+        full speed, every step for the layers it streams (rl/layer_stream.py reads them in place)."""
+        mapped = {t.data_ptr() for t in self.mapped.values()} if self.device.type == "cuda" else set()
+        for layer, flat in layer_weights:
+            if flat.data_ptr() in mapped and flat.data_ptr() not in self.registered:
+                cuda_host_register(flat)
+                self.registered.add(flat.data_ptr())
+            yield layer, flat
 
     def close(self) -> None:
         """Nothing to release: its memory goes with its process."""

@@ -245,9 +245,13 @@ class Session:
 
     def _launch_rollout(self):
         """A GRPO run's rollout actor (runtime/actors.py, RolloutActor) on the GPU node, shown rank
-        0's GPU, which it shares; it ends with the session."""
-        return (ray.remote(RolloutActor).options(num_cpus=0, scheduling_strategy=on_node(self.placement.gpu.node_id))
-                .remote(self.arch, self.config, self.gpu_ids[0]))
+        0's GPU, which it shares, or holding one of its own (grpo.rollout_gpu=own, where the
+        placement left it one); it ends with the session."""
+        options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": on_node(self.placement.gpu.node_id)}
+        if self.config.grpo.rollout_gpu == "own":
+            options["num_gpus"] = int(self.placement.use_cuda)
+            return ray.remote(RolloutActor).options(**options).remote(self.arch, self.config)
+        return ray.remote(RolloutActor).options(**options).remote(self.arch, self.config, self.gpu_ids[0])
 
     @property
     def rollout(self):

@@ -14,20 +14,10 @@ from megatrain_ray.rl.rewards import Rewards
 from megatrain_ray.rl.rollout import Rollout
 from megatrain_ray.rl.step import GrpoStep
 from megatrain_ray.runtime.local import LocalTrainer
+from helpers.grpo import TokenIds
 from helpers.threads import one_thread  # noqa: F401 (a fixture)
 
 STEPS = 20
-
-
-def low_tokens(prompts, completions, completion_ids, **columns):
-    return [sum(t < 32 for t in ids) / len(ids) for ids in completion_ids]
-
-
-class TokenIds:
-    eos_id = None
-
-    def completion_text(self, ids):
-        return " ".join(map(str, ids))
 
 
 class WithoutUpdate:
@@ -53,7 +43,7 @@ def mean_rewards(update: bool) -> list[float]:
         "optim": {"lr": 1e-2, "weight_decay": 0.0, "min_lr_ratio": 1.0},
         "data": {"seq_len": 16},
         "grpo": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 8,
-                 "rewards": {f"{__name__}:low_tokens": 1.0}},
+                 "rewards": {"helpers.grpo:low_tokens": 1.0}},
         "executor": {"device": "cpu"},
     })
     arch = PRESETS["tiny-llama"]

@@ -2,9 +2,12 @@
 worker and the rollout as actors), from a Hugging Face model with a KL to it (the reference
 streamed by the worker from its copy in host memory) and two updates per rollout (the old
 policy's log-probabilities through the worker's streamed forward): metrics per step, and 4 steps
-in one go equal its first 2 + resume + 2 bit for bit (weights, optimizer state, the prompts' position and
-the sampler's state). A wrong reward path stops the command before Ray, exit 2."""
+in one go, its rollout streaming a decoder layer, equal its first 2 + resume + 2 with every layer
+resident bit for bit (weights, optimizer state, the prompts' position and the sampler's state). A
+wrong reward path stops the command before Ray, exit 2."""
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -53,16 +56,32 @@ def grpo_raw(root: Path, run: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(local_ray, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("grpo")
+    # the run "whole" streams one of its two decoder layers at every forward; the resumed "split" does not
+    return whole_then_split(tmp_path_factory.mktemp("grpo"), {"rollout_resident_layers": 1}, {})
+
+
+@pytest.fixture(scope="module")
+def ahead(local_ray, tmp_path_factory) -> Path:
+    """The same runs with the rollout in its own process, one policy version behind."""
+    return whole_then_split(tmp_path_factory.mktemp("grpo-ahead"), {"rollout_gpu": "own"}, {"rollout_gpu": "own"})
+
+
+def whole_then_split(root: Path, whole_grpo: dict, split_grpo: dict) -> Path:
+    """4 steps in the run "whole" (its output kept in whole.out), and its first 2 + resume + 2 in "split"."""
     (root / "grpo_test_rewards.py").write_text(REWARD)
     tiny_model(root)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(root))
         whole = grpo_raw(root, "whole")
         whole["checkpoint"]["every"] = 2
-        run_training(config_from_dict(whole))
+        whole["grpo"].update(whole_grpo)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            run_training(config_from_dict(whole))
+        (root / "whole.out").write_text(out.getvalue())
         split_at_step_2(root)
-        run_training(config_from_dict(grpo_raw(root, "split")), resume="latest")
+        split = grpo_raw(root, "split")
+        split["grpo"].update(split_grpo)
+        run_training(config_from_dict(split), resume="latest")
     return root
 
 
@@ -93,6 +112,26 @@ def test_each_step_logs_its_rewards_and_rates(runs):
 
 
 def test_four_steps_equal_two_then_resume_two(runs):
+    """The run "whole" rolls out with one of its two decoder layers streamed, the resumed "split"
+    with both resident: the same completions, so the same weights, bit for bit."""
+    assert "rollout device: cpu (cpu), bfloat16; 1 of 2 decoder layers resident, 1 streamed" in \
+        (runs / "whole.out").read_text()
+    assert_resumed_bit_for_bit(runs)
+
+
+def test_a_rollout_one_version_behind_resumes_bit_for_bit(ahead):
+    """With the rollout sampling the next step's completions while a step trains, the checkpoint
+    keeps those completions and their log-probabilities (the resumed run trains on them: it
+    cannot sample them again from weights it no longer has), and the resume is exact."""
+    meta = json.loads((ckpt.list_checkpoints(ahead / "split" / "checkpoints")[0] / ckpt.META).read_text())
+    pending = meta["data_position"]["pending"]
+    assert meta["step"] == 2 and meta["data_position"]["prompts"] == 6  # step 3's prompts taken, sampled
+    assert [len(c) for c in pending["completions"]] == [6] * 8 == [len(lp) for lp in pending["logprobs"]]
+    assert all(lp < 0 for row in pending["logprobs"] for lp in row)
+    assert_resumed_bit_for_bit(ahead, prompts=10)
+
+
+def assert_resumed_bit_for_bit(runs: Path, prompts: int = 8) -> None:
     a = ckpt.list_checkpoints(runs / "whole" / "checkpoints")[-1]
     b = ckpt.list_checkpoints(runs / "split" / "checkpoints")[-1]
     assert a.name == b.name == "step-00000004"
@@ -101,7 +140,10 @@ def test_four_steps_equal_two_then_resume_two(runs):
     for name in ta:
         assert torch.equal(ta[name], tb[name]), name
     ma, mb = (json.loads((c / ckpt.META).read_text()) for c in (a, b))
-    assert ma["data_position"] == mb["data_position"] and ma["data_position"]["prompts"] == 8
+    timeless = [{k: v for k, v in m["data_position"].get("pending", {}).items() if not k.endswith("seconds")}
+                for m in (ma, mb)]
+    assert timeless[0] == timeless[1] and ma["data_position"]["prompts"] == mb["data_position"]["prompts"] == prompts
+    assert ma["data_position"]["sampler"] == mb["data_position"]["sampler"]
     assert ma["updates_done"] == 8 and ma["config"]["optim"]["schedule_steps"] == 8  # two updates a step
     keys = ("loss", "grad_norm", "reward_mean", "entropy")
     assert [[r[k] for k in keys] for r in records(runs, "whole")] == [[r[k] for k in keys] for r in records(runs, "split")]
@@ -163,3 +205,27 @@ def test_a_grpo_run_rolls_out_on_the_gpu_it_trains_on(local_ray, tmp_path, capsy
     assert "the step is planned within the other" in out
     rows = records(tmp_path, "gpu")
     assert [r["step"] for r in rows] == [1, 2] and all(r["rollout_tokens_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_grpo_run_rolls_out_on_a_gpu_of_its_own_one_version_behind(local_ray, tmp_path, capsys):
+    """On a machine of two GPUs, grpo.rollout_gpu=own: one GPU worker trains while the rollout's
+    actor, holding the other GPU, samples the next step's completions; the checkpoint keeps them."""
+    (tmp_path / "grpo_test_rewards.py").write_text(REWARD)
+    tiny_model(tmp_path)
+    raw = grpo_raw(tmp_path, "gpu-ahead")
+    raw["model"]["compute_dtype"] = "bfloat16"
+    raw["train"]["steps"] = 3
+    raw["grpo"]["rollout_gpu"] = "own"
+    raw["executor"] = {"device": "cuda"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(tmp_path))
+        run_training(config_from_dict(raw))
+    out = capsys.readouterr().out
+    assert "the rollout samples on a GPU of its own" in out and "1 GPU worker(s)" in out
+    assert "rollout device: cuda" in out
+    rows = records(tmp_path, "gpu-ahead")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["rollout_tokens_per_s"] > 0 for r in rows)
+    meta = json.loads((ckpt.list_checkpoints(tmp_path / "gpu-ahead" / "checkpoints")[-1] / ckpt.META).read_text())
+    assert len(meta["data_position"]["pending"]["completions"]) == 8

@@ -8,9 +8,9 @@ import torch
 
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.files import shard
-from megatrain_ray.models.registry import load_hf_arch
+from megatrain_ray.models.registry import arch_from_hf_config, load_hf_arch, model_layouts
 from megatrain_ray.rl.batch import policy_micro_batches
-from megatrain_ray.rl.rollout import Rollout, Sampling, completion, label_logprobs_of, sample_tokens
+from megatrain_ray.rl.rollout import Rollout, Sampling, completion, label_logprobs_of, left_padded, sample_tokens
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_training import random_micro_batches
 from helpers.threads import one_thread  # noqa: F401 (a fixture)
@@ -66,6 +66,59 @@ def test_the_rollout_copy_and_the_streamed_reference_score_like_transformers(tin
     assert [len(c) for c in completions] == [5] * 6  # no EOS given: every completion runs to max_new_tokens
 
 
+def flat_weights(model, arch) -> list[tuple[int, torch.Tensor]]:
+    """(layer, flat weights) of a transformers model, as the stores hold them."""
+    state = model.state_dict()
+    return [(layout.index, torch.cat([state[layout.hf_name(p.name)].reshape(-1) for p in layout.params]))
+            for layout in model_layouts(arch)]
+
+
+def sampled_and_scored(arch, weights, resident_layers, device=torch.device("cpu"), dtype=torch.float32):
+    rollout = Rollout(arch, dtype, device, seed=0, resident_layers=resident_layers)
+    rollout.load(weights)
+    prompts = [np.array([5, 9, 2]), np.array([7, 1, 4, 8, 3]), np.array([11])]
+    completions, _ = rollout.sample(prompts, 3, Sampling(max_new_tokens=6, temperature=0.9, top_p=0.95))
+    mbs = policy_micro_batches([p for p in prompts for _ in range(3)], completions, [0.0] * 9, "token", 6, 4)
+    return rollout, completions, rollout.policy_logprobs(mbs)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_streamed_rollout_samples_and_scores_as_the_resident_one():
+    """With 1 of its 3 decoder layers resident, or none, the rollout streams the others through
+    two slots at every forward and samples the same tokens from the same generator, with the same
+    log-probabilities, bit for bit: on the CPU in fp32 the arithmetic is the same. Its prompts'
+    forward in chunks of a few columns (left-padded rows) gives transformers' own logits."""
+    config = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    arch = arch_from_hf_config(model.config.to_dict())
+    weights = flat_weights(model, arch)
+    _, resident, resident_scores = sampled_and_scored(arch, weights, None)
+    for kept in (1, 0):
+        rollout, streamed, scores = sampled_and_scored(arch, weights, kept)
+        assert rollout.streamed_layers() == list(range(1 + kept, 4))
+        slots = {slot.untyped_storage().data_ptr() for slot in rollout.stream.slots}
+        for layer in rollout.streamed_layers():  # no memory of their own: views into the two slots
+            module = rollout.model.get_submodule(f"model.layers.{layer - 1}")
+            assert {p.untyped_storage().data_ptr() for p in module.parameters()} <= slots
+        assert all((a == b).all() for a, b in zip(streamed, resident)), kept
+        assert all(np.array_equal(a, b) for a, b in zip(scores, resident_scores)), kept
+    assert len({len(c) for c in resident}) == 1 and len(resident) == 9
+    # the prompts' forward 1 or 2 columns at a time (9 rows: 9 or 18 tokens a forward) as in one:
+    # the next token's logits as transformers' own forward of the padded batch gives them, within
+    # fp32's rounding (the same sums blocked otherwise)
+    rows = [np.array(p) for p in ([5, 9, 2], [7, 1, 4, 8, 3], [11])]
+    ids, mask, positions = left_padded(rows, torch.device("cpu"))
+    expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+    for tokens in (3, 6):
+        rollout = Rollout(arch, torch.float32, torch.device("cpu"), seed=0, resident_layers=1)
+        rollout.load(weights)
+        rollout.prefill_tokens = tokens
+        logits = rollout.prompts_forward(ids, mask, positions, transformers.DynamicCache(config=model.config))
+        assert (logits - expected).abs().max() < 1e-5, tokens
+
+
 def test_top_p_keeps_the_nucleus_and_the_generator_state_replays():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
     gen = torch.Generator().manual_seed(0)
@@ -116,3 +169,47 @@ def test_the_rollout_samples_on_cuda_in_bf16_and_frees_its_cache(tiny_qwen2):
             assert np.abs(ours[at] - theirs[at]).max() < 0.1  # bf16 logits against fp32
     finally:
         trainer.close()
+
+
+@pytest.mark.gpu
+def test_a_streamed_rollout_on_cuda_in_bf16_samples_as_the_resident_one(tmp_path):
+    """On a GPU in bf16: with 1 of 3 decoder layers resident the others stream through two slots
+    on a side stream, read in place from page-locked shared memory (as the rollout's actor maps
+    the stores' compute copies), and the copy samples the same tokens with the same
+    log-probabilities as the resident one: the same kernels on the same values (the slots' views
+    are as aligned as the tiny shapes' own tensors). Its device memory is the resident copy's less
+    the streamed layers, plus the two slots."""
+    from megatrain_ray.host.memory import cuda_host_register, cuda_host_unregister, shm_tensor
+
+    config = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    arch = arch_from_hf_config(model.config.to_dict())
+    weights = []
+    for layer, flat in flat_weights(model, arch):  # bf16 in shared memory, page-locked: read in place
+        shared = shm_tensor(tmp_path / f"layer{layer}", flat.numel(), torch.bfloat16, create=True)
+        shared.copy_(flat)
+        cuda_host_register(shared)
+        weights.append((layer, shared))
+    device = torch.device("cuda")
+    try:
+        # the first sampling leaves what stays for the process's life (cuBLAS's workspace): not counted
+        _, tokens, scores = sampled_and_scored(arch, weights, None, device, torch.bfloat16)
+        used = {}
+        for kept in (None, 1, 0):
+            before = torch.cuda.memory_allocated(device)
+            rollout, sampled, sampled_scores = sampled_and_scored(arch, weights, kept, device, torch.bfloat16)
+            used[kept] = torch.cuda.memory_allocated(device) - before
+            assert all((a == b).all() for a, b in zip(sampled, tokens)), kept
+            assert all(np.array_equal(a, b) for a, b in zip(sampled_scores, scores)), kept
+            if kept is not None:
+                assert rollout.streamed_layers() == list(range(1 + kept, 4)) and rollout.stream.owned == {}  # in place
+                assert [host.data_ptr() for host in rollout.stream.host] == \
+                    [weights[i][1].data_ptr() for i in rollout.streamed_layers()]
+            del rollout
+        # none resident: three layers out, two slots in (the allocator rounds each resident tensor up to 512 bytes)
+        assert used[None] - used[0] >= model_layouts(arch)[1].numel * 2
+    finally:
+        for _, shared in weights:
+            cuda_host_unregister(shared)
