@@ -45,7 +45,8 @@ megatrain-ray train /dev/null --overwrite \
   --set train.output_dir="$out/run" --set train.step_timeout_s=3600 \
   --set grpo.group_size=8 --set grpo.prompts_per_step="$prompts_per_step" --set grpo.max_new_tokens="$new_tokens" \
   --set "grpo.rewards={bench_rewards:low_tokens: 1.0}" \
-  --set optim.lr=1e-6 --set checkpoint.export_hf=false "${cap[@]}" 2>&1 | tee "$out/train.log"
+  --set optim.lr=1e-6 --set checkpoint.export_hf=false "${cap[@]}" 2>&1 | tee "$out/train.log" ||
+  echo "the run exited non-zero: see train.log (on a GPU machine's small disk the final checkpoint can end it; the steps' metrics are kept)"
 
 grep -E "the rollout's copy samples on|rollout device:" "$out/train.log" || true
 python - "$out/run/metrics.jsonl" "$prompts_per_step" "$shape" "$prompt_tokens" "$new_tokens" <<'PY'
