@@ -2,6 +2,10 @@
 and the streamed reference (model.path, from host memory) score every completion token as
 transformers' own model does; sampling (top-p, EOS, the generator's state) does what it says."""
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -172,7 +176,7 @@ def test_the_rollout_samples_on_cuda_in_bf16_and_frees_its_cache(tiny_qwen2):
 
 
 @pytest.mark.gpu
-def test_a_streamed_rollout_on_cuda_in_bf16_samples_as_the_resident_one(tmp_path):
+def test_a_streamed_rollout_on_cuda_in_bf16_samples_as_the_resident_one():
     """On a GPU in bf16: with 1 of 3 decoder layers resident the others stream through two slots
     on a side stream, read in place from page-locked shared memory (as the rollout's actor maps
     the stores' compute copies), and the copy samples the same tokens with the same
@@ -187,8 +191,11 @@ def test_a_streamed_rollout_on_cuda_in_bf16_samples_as_the_resident_one(tmp_path
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     arch = arch_from_hf_config(model.config.to_dict())
     weights = []
+    # in /dev/shm, as the stores' segments are (a file on another file system may not page-lock:
+    # cudaHostRegister refused one in the pytest temporary directory of the GPU machine)
+    segments = Path(tempfile.mkdtemp(prefix="mr-test-", dir="/dev/shm"))
     for layer, flat in flat_weights(model, arch):  # bf16 in shared memory, page-locked: read in place
-        shared = shm_tensor(tmp_path / f"layer{layer}", flat.numel(), torch.bfloat16, create=True)
+        shared = shm_tensor(segments / f"layer{layer}", flat.numel(), torch.bfloat16, create=True)
         shared.copy_(flat)
         cuda_host_register(shared)
         weights.append((layer, shared))
@@ -213,3 +220,4 @@ def test_a_streamed_rollout_on_cuda_in_bf16_samples_as_the_resident_one(tmp_path
     finally:
         for _, shared in weights:
             cuda_host_unregister(shared)
+        shutil.rmtree(segments)
