@@ -168,35 +168,57 @@ def frozen_slots(layout: LayerLayout, names: frozenset[str]) -> LayerLayout:
     if not names:
         return layout
     params = tuple(dataclasses.replace(s, trained=False) if s.name in names else s for s in layout.params)
-    return LayerLayout(layout.index, layout.kind, layout.prefix, params)
+    return dataclasses.replace(layout, params=params)
 
 
 def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerLayout, ...]) -> tuple[LayerLayout, ...]:
-    """Each slot that transformers stores in pieces (stacked experts stored one by one) says so
-    (ParamSlot.stored_as), as a small instance of the same structure shows (hf_modules.expert_pieces)."""
+    """Each slot that transformers stores in pieces (stacked experts stored one by one) or under
+    another name says so (ParamSlot.stored_as), as a small instance of the same structure shows
+    (hf_modules.expert_pieces); a decoder stored under another name (Nemotron-H's `model.` as
+    `backbone.`) has its layers say where (LayerLayout.stored_prefix)."""
     pieces = {} if p.decoder_in_root else _expert_pieces(arch.hf_config, p.kinds)  # image-text: renamed_in_files
     if not pieces:
         return layouts
+    stored_base = decoder_stored_prefix(p, pieces)
     out = []
     for layout in layouts:
         # a block is stored as the small instance's first block of its structure
         small_prefix = layout.prefix
         if layout.kind == BLOCK:
             small_prefix = f"{p.base_prefix}{p.layers_name}.{p.kinds[layout.index - 1]}."
+        stored_prefix, small_stored = layout.prefix, small_prefix
+        if layout.prefix.startswith(p.base_prefix):  # the embedding and the blocks: the decoder's own
+            stored_prefix = stored_base + layout.prefix[len(p.base_prefix):]
+            small_stored = stored_base + small_prefix[len(p.base_prefix):]
         params = []
         for s in layout.params:
             templates = pieces.get(small_prefix + s.name)
             if templates and isinstance(templates[0], tuple):  # cut along its rows, in order
-                s = stored_in_rows(s, [(_local(small_prefix, name), shape) for name, shape in templates])
+                s = stored_in_rows(s, [(_local(small_stored, name), shape) for name, shape in templates])
             elif templates:
-                local = tuple(_local(small_prefix, t) for t in templates)
+                local = tuple(_local(small_stored, t) for t in templates)
                 if "{}" in local[0]:
                     s = stored_per_expert(s, lambda e, local=local: [t.format(e) for t in local])
                 else:
                     s = stored_as(s, local[0])
+            elif stored_prefix != layout.prefix:
+                raise hm.Unsupported(f"transformers stores {small_prefix + s.name} as it is, but its decoder "
+                                     f"({p.base_prefix}) as {stored_base}")
             params.append(s)
-        out.append(LayerLayout(layout.index, layout.kind, layout.prefix, tuple(params)))
+        out.append(dataclasses.replace(layout, params=tuple(params),
+                                       stored_prefix=None if stored_prefix == layout.prefix else stored_prefix))
     return tuple(out)
+
+
+def decoder_stored_prefix(p: hm.Parts, pieces: dict[str, tuple]) -> str:
+    """The prefix under which transformers stores the decoder's tensors: its own (`model.`), or the
+    one its input embedding is stored under, the same name after it (Nemotron-H's `backbone.`)."""
+    embedding = p.root_prefix + input_embedding_name(p)
+    stored = pieces.get(embedding)
+    tail = embedding[len(p.base_prefix):]
+    if not (stored and len(stored) == 1 and isinstance(stored[0], str) and stored[0].endswith("." + tail)):
+        return p.base_prefix
+    return stored[0][:-len(tail)]
 
 
 @functools.lru_cache(maxsize=8)

@@ -78,6 +78,7 @@ MODEL_TYPES = {
     "falcon_h1": {},
     "bamba": {},
     "granitemoehybrid": {},
+    "nemotron_h": {},  # Mamba-2, attention, MLP and expert layers; its decoder stored as `backbone.`
     "phimoe": {"router_jitter_noise": 0.0},  # the same (its default: 0.01)
     # per-layer input embeddings, and a layer with a configuration of its own (per_layer_config: the
     # full-attention layer's wider heads); 6 of its 30 layers, its pattern of 5 sliding to 1 full as
@@ -127,6 +128,16 @@ def check_export(export: Path, arch, model, initial: dict) -> None:
         assert rel(ours[key], expected) < RTOL, key
         if key in learned and learned[key].grad is not None and learned[key].grad.abs().sum() > 0:
             assert not torch.equal(ours[key], initial[key]), f"{key} did not train"
+
+
+def stored_names(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
 
 
 def with_mtp_tensors(model_dir: Path, model) -> dict[str, torch.Tensor]:
@@ -186,7 +197,7 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "bamba", "phimoe", "cohere", "exaone4", "helium", "ministral", "smollm3", "stablelm", "starcoder2",
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
-                    "gemma4_text")
+                    "gemma4_text", "nemotron_h")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
@@ -224,6 +235,8 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     losses, export = steps_and_export(config, arch, config.model.path, data, tmp_path / "export")
     assert losses == pytest.approx(train_transformers(model, config, data), rel=RTOL)
     check_export(export, arch, model, initial)
+    saved_names = {n for n in stored_names(Path(config.model.path)) if not TRANSFORMERS.carried(arch, n)}
+    assert stored_names(export) == saved_names, "the export names its tensors as transformers' save_pretrained does"
 
 
 def test_per_layer_inputs_flow_behind_the_hidden_states_and_the_plan_counts_them(tmp_path):
