@@ -64,10 +64,28 @@ class TransformersArch(ModelArch):
         return int(self.config.get("hidden_size_per_layer_input") or 0)
 
     @property
+    def deepstack_layers(self) -> int:
+        """How many of the first decoder layers add to their output, at the image tokens, features
+        of the vision tower's inner layers (Qwen3-VL's deepstack, vision_config's
+        deepstack_visual_indexes: one feature map each); 0 for a model without."""
+        vision = self.config.get("vision_config") or {}
+        return min(len(vision.get("deepstack_visual_indexes") or ()), self.num_layers)
+
+    @property
+    def behind_hidden(self) -> tuple[int, int]:
+        """(how many, how wide): the inputs of their own that flow behind the hidden states, one
+        slice per layer that reads one: Gemma 4's per-layer inputs (every layer's), or Qwen3-VL's
+        deepstack features (one per deepstack layer, hidden_size wide)."""
+        if self.per_layer_input_width:
+            return self.num_layers, self.per_layer_input_width
+        return self.deepstack_layers, self.hidden_size if self.deepstack_layers else 0
+
+    @property
     def stream_width(self) -> int:
-        """What flows between layers: the hidden states, then every layer's per-layer input (the
-        embedding computes them all; each block reads its own and hands all of them on)."""
-        return self.hidden_size + self.num_layers * self.per_layer_input_width
+        """What flows between layers: the hidden states, then the layers' own inputs (the embedding
+        computes them all; each block reads its own and hands all of them on)."""
+        count, width = self.behind_hidden
+        return self.hidden_size + count * width
 
 
 def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -306,22 +324,32 @@ class LayerCall:
 
 @dataclass(frozen=True)
 class PerLayerInput:
-    """A layer's per-layer input: its positional argument `position`, the slice `index` of the
-    `layers` x `width` per-layer inputs that flow behind the hidden states (stream_width)."""
+    """A layer's own input, the slice `index` of the `layers` x `width` inputs that flow behind the
+    hidden states (stream_width): Gemma 4's per-layer input, the layer's positional argument
+    `position`; or (position None) Qwen3-VL's deepstack features, zero but at the image tokens,
+    added to the output of each of the first `layers` layers, as its decoder adds them."""
 
-    position: int
+    position: int | None
     index: int
     layers: int
     width: int
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the hidden states, all layers' per-layer inputs [..., layers, width]) of what flows."""
+        """(the hidden states, all layers' own inputs [..., layers, width]) of what flows."""
         hidden, inputs = x.split([x.shape[-1] - self.layers * self.width, self.layers * self.width], dim=-1)
         return hidden, inputs.unflatten(-1, (self.layers, self.width))
 
     def placed(self, args: tuple, inputs: torch.Tensor) -> tuple:
         """The layer's recorded positional arguments with its own per-layer input in its place."""
+        if self.position is None:
+            return args
         return (*args[:self.position], inputs[..., self.index, :], *args[self.position + 1:])
+
+    def added(self, out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The layer's output with its deepstack features added (a layer past them: as it is)."""
+        if self.position is not None or self.index >= self.layers:
+            return out
+        return out + inputs[..., self.index, :]
 
 
 @dataclass
@@ -364,9 +392,11 @@ def _template_frozen(config_json: str, template: int) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=8)
 def _recording_decoder(config_json: str, stop_after: int):
-    """The module that runs from the inputs to the first layer, its layers recording (hm.recording_root)."""
+    """The module that runs from the inputs to the first layer, its layers recording, and the
+    decoder's own keyword arguments kept (hm.recording_root)."""
     calls: list = []
-    return hm.recording_root(hm.parts_of(config_json), calls, stop_after), calls
+    entered: dict = {}
+    return hm.recording_root(hm.parts_of(config_json), calls, stop_after, entered), calls, entered
 
 
 @functools.lru_cache(maxsize=8)
@@ -381,24 +411,45 @@ def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
     an image-text model's from its inputs (`inputs`, a dict: image_text.embed_inputs), its image
     features in place of the image tokens' embeddings, as its own forward puts them. A model with
     per-layer inputs: its forward runs to its last layer, and every layer's per-layer input, as the
-    decoder passes it, follows the hidden states (arch.stream_width wide)."""
+    decoder passes it, follows the hidden states (arch.stream_width wide). A model with deepstack
+    features: they follow the hidden states, one [..., hidden] slice per deepstack layer, zero but
+    at the image tokens (deepstack_features)."""
     p = hm.parts_of(arch.hf_config)
     width = arch.per_layer_input_width
-    decoder, calls = _recording_decoder(arch.hf_config, len(p.layers) - 1 if width else 0)
+    decoder, calls, entered = _recording_decoder(arch.hf_config, len(p.layers) - 1 if width else 0)
     calls.clear()
     w = frozen(w, buffer_names(p.root) | (frozenset() if arch.train_vision else vision_names(p)))
     kwargs = vision_kwargs(inputs, w) if isinstance(inputs, dict) else {"input_ids": inputs}
     device = kwargs["input_ids"].device
     hm.run_until_layers(decoder, {**w, **_buffers_on(arch.hf_config, "base", device)}, calls, **kwargs)
-    recorded = list(calls)
+    recorded, handed = list(calls), dict(entered)
     calls.clear()
+    entered.clear()
     hidden, args, _ = recorded[0]
+    if arch.deepstack_layers:
+        return torch.cat([hidden, deepstack_features(arch, hidden, handed).flatten(-2)], dim=-1)
     if not width:
         refuse_per_layer_inputs(hidden, args)
         return hidden
     position = per_layer_position(arch, hidden, args)
     per_layer = torch.stack([layer_args[position] for _, layer_args, _ in recorded], dim=-2)
     return torch.cat([hidden, per_layer.flatten(-2)], dim=-1)
+
+
+def deepstack_features(arch: TransformersArch, hidden: torch.Tensor, handed: dict) -> torch.Tensor:
+    """[..., deepstack layers, hidden]: what the model's forward handed its language model to add
+    after each of its first layers (`deepstack_visual_embeds`, one [image tokens, hidden] map each,
+    at `visual_pos_masks`), placed at the image tokens, zero elsewhere (zero where it handed none:
+    a micro-batch without images, or a vision tower with fewer inner layers than named)."""
+    out = hidden.new_zeros(*hidden.shape[:-1], arch.deepstack_layers, hidden.shape[-1])
+    maps, at = handed.get("deepstack_visual_embeds"), handed.get("visual_pos_masks")
+    if not maps or at is None:
+        return out
+    maps = [m.to(hidden.dtype) for m in maps[:arch.deepstack_layers]]
+    found = torch.stack(maps, dim=-2)  # [image tokens, found maps, hidden]
+    if len(maps) < arch.deepstack_layers:
+        found = torch.cat([found, found.new_zeros(found.shape[0], arch.deepstack_layers - len(maps), found.shape[-1])], -2)
+    return out.index_put((at.to(hidden.device),), found)
 
 
 def per_layer_position(arch: TransformersArch, hidden: torch.Tensor, args: tuple) -> int:
@@ -440,7 +491,7 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     with a stand-in embedding and no images: its positions (Qwen2.5-VL's 3D rotary positions from
     the image grids) and masks (Gemma 3's bidirectional attention within an image) as it makes them."""
     p = parts(arch)
-    decoder, calls = _recording_decoder(arch.hf_config, len(p.layers) - 1)
+    decoder, calls, _ = _recording_decoder(arch.hf_config, len(p.layers) - 1)
     calls.clear()
     b, t = position_ids.shape
     state = _buffers_on(arch.hf_config, "base", position_ids.device)
@@ -464,6 +515,9 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     out = []
     for index, (kind, (hidden, args, kwargs)) in enumerate(zip(p.kinds, recorded)):
         kwargs = keeping_no_kv(kwargs)
+        if arch.deepstack_layers:  # each layer hands the features on; the first ones add theirs
+            out.append(LayerCall(kind, args, kwargs, per_layer=PerLayerInput(None, index, *arch.behind_hidden)))
+            continue
         if not width:
             refuse_per_layer_inputs(hidden, args)
             out.append(LayerCall(kind, args, kwargs))
@@ -499,7 +553,8 @@ def bound_call(arch: TransformersArch, call: LayerCall, device: torch.device) ->
 
 def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
     """The layer on what flows in; a model with per-layer inputs has its layer read its own slice
-    of them (in place of the recorded stand-in) and hands them all on behind its output."""
+    of them (in place of the recorded stand-in), one with deepstack features adds its own to its
+    output, and either hands them all on behind its output."""
     state = frozen(w, call.frozen)
     if call.buffers:
         state = {**state, **call.buffers}
@@ -508,7 +563,9 @@ def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
         hidden, inputs = call.per_layer.split(x)
         args = call.per_layer.placed(call.args, inputs)
     out = hm.layer_output(torch.func.functional_call(call.module, state, (hidden, *args), call.kwargs, strict=False))
-    return out if inputs is None else torch.cat([out, inputs.flatten(-2)], dim=-1)
+    if inputs is None:
+        return out
+    return torch.cat([call.per_layer.added(out, inputs), inputs.flatten(-2)], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,8 +28,6 @@ def refusal(config: dict[str, Any]) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = config.get("model_type")
-    if model_type in image_text.REFUSED:
-        return image_text.REFUSED[model_type]
     if not hm.of_image_text_model(config) and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return (f"the installed transformers has no causal language model for model_type {model_type!r} "
                 "(AutoModelForCausalLM does not know it); a newer transformers may")

@@ -473,20 +473,33 @@ class Recorder(StandIn):
         return hidden_states
 
 
-def recording_decoder(base: nn.Module, layers_name: str, calls: list, stop_after: int) -> nn.Module:
-    """A shallow copy of the decoder whose layers record their calls and stop after `stop_after`."""
+def recording_decoder(base: nn.Module, layers_name: str, calls: list, stop_after: int,
+                      entered: dict | None = None) -> nn.Module:
+    """A shallow copy of the decoder whose layers record their calls and stop after `stop_after`;
+    given `entered`, the decoder's own keyword arguments are kept there at each call (what an
+    image-text model's forward hands its language model beside the embeddings: Qwen3-VL's
+    deepstack features)."""
     clone = copy.copy(base)
     clone._modules = dict(base._modules)
     clone._modules[layers_name] = nn.ModuleList(
         [Recorder(layer, calls, i == stop_after) for i, layer in enumerate(base._modules[layers_name])])
+    if entered is not None:
+        forward = clone.forward  # the decoder's own, bound to the copy
+
+        def keeping_arguments(*args, **kwargs):
+            entered.clear()
+            entered.update(kwargs)
+            return forward(*args, **kwargs)
+
+        object.__setattr__(clone, "forward", keeping_arguments)
     return clone
 
 
-def recording_root(parts: Parts, calls: list, stop_after: int) -> nn.Module:
+def recording_root(parts: Parts, calls: list, stop_after: int, entered: dict | None = None) -> nn.Module:
     """The module that runs from the inputs to the first layer (parts.root), its decoder's layers
     recording: the recording decoder itself, or a shallow copy of an image-text model's inner
     model holding it."""
-    decoder = recording_decoder(parts.base, parts.layers_name, calls, stop_after)
+    decoder = recording_decoder(parts.base, parts.layers_name, calls, stop_after, entered)
     if not parts.decoder_in_root:
         return decoder
     clone = copy.copy(parts.root)

@@ -76,7 +76,6 @@ def test_a_transformers_arch_survives_a_checkpoint_and_a_measurement(tmp_path):
 
 
 @pytest.mark.parametrize("config, named", [
-    ({"model_type": "qwen3_vl"}, "deepstack features to the hidden states after its first layers"),
     ({"model_type": "paligemma"}, "an image-text model of a type megatrain-ray has not been checked on"),
 ])
 def test_an_image_text_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
