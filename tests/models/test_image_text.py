@@ -212,8 +212,11 @@ def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
         second.close()
 
 
-def test_train_vision_trains_the_tower_as_transformers_does(tmp_path):
-    steps_in_process("qwen2_5_vl", tmp_path, train_vision=True)
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_train_vision_trains_the_tower_as_transformers_does(tmp_path, model_type):
+    """Qwen3-VL's deepstack mergers get their gradients only through the features that the first
+    decoder layers add: they train as transformers trains them."""
+    steps_in_process(model_type, tmp_path, train_vision=True)
 
 
 def test_dropout_in_a_sub_config_is_replayed_in_the_recompute(tmp_path):
