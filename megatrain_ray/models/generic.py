@@ -72,6 +72,24 @@ class TransformersArch(ModelArch):
         return min(len(vision.get("deepstack_visual_indexes") or ()), self.num_layers)
 
     @property
+    def hidden_stack(self) -> int:
+        """How many copies of the hidden states its layers take, stacked (Gemma 3n's AltUp
+        predictions, altup_num_inputs); 1 for a model without."""
+        return hidden_stack(self.config)
+
+    @property
+    def hidden_width(self) -> int:
+        """The width of the hidden states of what flows between layers (the head reads these)."""
+        return self.hidden_stack * self.hidden_size
+
+    @property
+    def shared_kv_width(self) -> int:
+        """The width of the keys and values that layers store for later layers to reuse (Gemma 3n/4's
+        shared KV), carried behind the hidden states; 0 for a model whose layers share none."""
+        kv = shared_kv_of(self.hf_config)
+        return kv.width if kv else 0
+
+    @property
     def behind_hidden(self) -> tuple[int, int]:
         """(how many, how wide): the inputs of their own that flow behind the hidden states, one
         slice per layer that reads one: Gemma 4's per-layer inputs (every layer's), or Qwen3-VL's
@@ -82,10 +100,83 @@ class TransformersArch(ModelArch):
 
     @property
     def stream_width(self) -> int:
-        """What flows between layers: the hidden states, then the layers' own inputs (the embedding
-        computes them all; each block reads its own and hands all of them on)."""
+        """What flows between layers: the hidden states, the keys and values stored for later
+        layers, then the layers' own inputs (the embedding computes them all; each block reads its
+        own and hands all of them on)."""
         count, width = self.behind_hidden
-        return self.hidden_size + count * width
+        return self.hidden_width + self.shared_kv_width + count * width
+
+
+def hidden_stack(config: dict[str, Any]) -> int:
+    """How many copies of the hidden states the layers take, stacked (Gemma 3n's AltUp predictions)."""
+    return int(config.get("altup_num_inputs") or 1)
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """Keys and values that a layer stores for later layers to reuse (Gemma 3n/4's shared KV: the
+    last layer of each attention type before the sharing ones stores them, the later layers of its
+    type read them): they flow behind the hidden states, per type its keys then its values, each
+    `widths` (key-value heads x head width) wide, zero until their layer stores them. A layer's own
+    copy says its `layer_type` and `mode` ("store", "reuse" or None)."""
+
+    types: tuple[str, ...]
+    heads: tuple[int, ...]
+    widths: tuple[int, ...]
+    layer_type: str | None = None
+    mode: str | None = None
+
+    @property
+    def width(self) -> int:
+        return 2 * sum(self.widths)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what flows before the keys and values, the keys and values)."""
+        return x.split([x.shape[-1] - self.width, self.width], dim=-1)
+
+    def states(self, kv: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The stored keys and values as the model's layers leave them: type -> ([B, heads, T, head
+        width] keys, values)."""
+        pieces = kv.split([w for w in self.widths for _ in (0, 1)], dim=-1)
+        return {t: tuple(piece.unflatten(-1, (h, -1)).transpose(-3, -2) for piece in pieces[2 * i:2 * i + 2])
+                for i, (t, h) in enumerate(zip(self.types, self.heads))}
+
+    def after(self, kv: torch.Tensor, states: dict) -> torch.Tensor:
+        """The keys and values that flow on: those this layer stored in its type's place."""
+        if self.mode != "store":
+            return kv
+        pieces = list(kv.split([w for w in self.widths for _ in (0, 1)], dim=-1))
+        i = self.types.index(self.layer_type)
+        pieces[2 * i:2 * i + 2] = [t.transpose(-3, -2).flatten(-2) for t in states[self.layer_type]]
+        return torch.cat(pieces, dim=-1)
+
+
+@functools.lru_cache(maxsize=8)
+def shared_kv_of(config_json: str) -> SharedKV | None:
+    """The keys and values its layers share (config kv_sharing_modes), None where they share none:
+    their widths those of the storing layers' key projections."""
+    p = hm.parts_of(config_json)
+    cfg = p.base.config
+    try:
+        modes = list(getattr(cfg, "kv_sharing_modes", None) or ())
+    except Exception:  # a config that derives none
+        return None
+    if "reuse" not in modes:
+        return None
+    stores = [i for i, mode in enumerate(modes) if mode == "store"]
+    attention = [p.layers[i].self_attn for i in stores]
+    widths = tuple(int(a.k_proj.weight.shape[0]) for a in attention)
+    return SharedKV(tuple(cfg.layer_types[i] for i in stores), tuple(w // int(a.head_dim) for w, a in zip(widths, attention)),
+                    widths)
+
+
+def layer_kv(config_json: str, index: int) -> SharedKV | None:
+    """Layer `index`'s view of the shared keys and values."""
+    kv = shared_kv_of(config_json)
+    if kv is None:
+        return None
+    cfg = hm.parts_of(config_json).base.config
+    return dataclasses.replace(kv, layer_type=cfg.layer_types[index], mode=cfg.kv_sharing_modes[index])
 
 
 def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -142,10 +233,11 @@ def _local_shapes(tensors: dict[str, torch.Tensor], keep=lambda name: True) -> l
 def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     p = parts(arch)
     base_tensors = hm.persistent_tensors(p.base)
-    norm, in_layers = p.decoder_in_root + p.final_norm + ".", p.decoder_in_root + p.layers_name + "."
+    after = tuple(p.decoder_in_root + m + "." for m in (p.final_norm, *p.after_layers))  # the head's
+    in_layers = p.decoder_in_root + p.layers_name + "."
     # the embedding: everything the model runs before its first layer (an image-text model's vision
     # tower and projector too), as named under the module that runs it
-    embed = _local_shapes(hm.persistent_tensors(p.root), lambda n: not n.startswith(in_layers) and not n.startswith(norm))
+    embed = _local_shapes(hm.persistent_tensors(p.root), lambda n: not n.startswith(in_layers) and not n.startswith(after))
     vision = vision_names(p)
     embed = [s for s in embed if s[0] not in vision] + [s for s in embed if s[0] in vision]  # the vision tower last
     frozen_names = frozenset() if arch.train_vision else vision
@@ -153,7 +245,8 @@ def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     for i, layer in enumerate(p.layers):
         layouts.append(lay_out(i + 1, BLOCK, f"{p.base_prefix}{p.layers_name}.{i}.", _local_shapes(hm.persistent_tensors(layer))))
     outer = _local_shapes(hm.persistent_tensors(p.model), lambda n: not n.startswith(p.root_prefix))
-    head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(p.final_norm + "."))]
+    head_modules = tuple(m + "." for m in (p.final_norm, *p.after_layers))
+    head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(head_modules))]
     if p.tied:
         outer = [(n, s) for n, s in outer if n != output_embedding_name(p)]
     layouts.append(lay_out(len(p.layers) + 1, HEAD, "", head + outer))
@@ -320,6 +413,8 @@ class LayerCall:
     buffers: dict | None = None
     routers: tuple = ()  # its routers' modules, whose logits the load-balancing loss reads
     per_layer: PerLayerInput | None = None  # where its per-layer input goes, for a model with them
+    kv: SharedKV | None = None  # the keys and values it stores or reuses, for a model whose layers share them
+    stack: int = 1  # copies of the hidden states its layer takes (hidden_stack)
 
 
 @dataclass(frozen=True)
@@ -360,6 +455,9 @@ class HeadCall:
     module: torch.nn.Module
     frozen: frozenset[str]
     tied: tuple[str, str] | None
+    # a head that runs the decoder's own code after its layers (hm.post_layers_decoder): the
+    # decoder's tensors it does not hold, (name, shape) read as zeros, and its buffers' names
+    stand_ins: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def buffer_names(module: torch.nn.Module) -> frozenset[str]:
@@ -403,7 +501,14 @@ def _recording_decoder(config_json: str, stop_after: int):
 def head_call(config_json: str) -> HeadCall:
     p = hm.parts_of(config_json)
     tied = (output_embedding_name(p), input_embedding_name(p)) if p.tied else None
-    return HeadCall(hm.head_model(p), buffer_names(p.model), tied)
+    module = hm.head_model(p, hidden_stack(json.loads(config_json)))
+    stand_ins = ()
+    if p.after_layers:
+        held = tuple(p.root_prefix + m + "." for m in (p.final_norm, *p.after_layers))
+        tied_input = p.root_prefix + input_embedding_name(p) if p.tied else None  # the LM head's, given
+        stand_ins = tuple((p.root_prefix + n, tuple(t.shape)) for n, t in hm.persistent_tensors(p.root).items()
+                          if not (p.root_prefix + n).startswith(held) and p.root_prefix + n != tied_input)
+    return HeadCall(module, buffer_names(p.model), tied, stand_ins)
 
 
 def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
@@ -426,14 +531,17 @@ def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
     calls.clear()
     entered.clear()
     hidden, args, _ = recorded[0]
+    flowing = [side_by_side(hidden, arch.hidden_stack)]
+    if arch.shared_kv_width:  # zero until their layers store them
+        flowing.append(flowing[0].new_zeros(*flowing[0].shape[:-1], arch.shared_kv_width))
     if arch.deepstack_layers:
-        return torch.cat([hidden, deepstack_features(arch, hidden, handed).flatten(-2)], dim=-1)
-    if not width:
+        flowing.append(deepstack_features(arch, hidden, handed).flatten(-2))
+    elif width:
+        position = per_layer_position(arch, hidden, args)
+        flowing.append(torch.stack([layer_args[position] for _, layer_args, _ in recorded], dim=-2).flatten(-2))
+    else:
         refuse_per_layer_inputs(hidden, args)
-        return hidden
-    position = per_layer_position(arch, hidden, args)
-    per_layer = torch.stack([layer_args[position] for _, layer_args, _ in recorded], dim=-2)
-    return torch.cat([hidden, per_layer.flatten(-2)], dim=-1)
+    return flowing[0] if len(flowing) == 1 else torch.cat(flowing, dim=-1)
 
 
 def deepstack_features(arch: TransformersArch, hidden: torch.Tensor, handed: dict) -> torch.Tensor:
@@ -455,7 +563,7 @@ def deepstack_features(arch: TransformersArch, hidden: torch.Tensor, handed: dic
 def per_layer_position(arch: TransformersArch, hidden: torch.Tensor, args: tuple) -> int:
     """Which of a layer's positional arguments is its per-layer input: the one tensor per token of
     the per-layer width."""
-    shape = (*hidden.shape[:-1], arch.per_layer_input_width)
+    shape = (*hidden.shape[-3:-1], arch.per_layer_input_width)  # [batch, tokens] (AltUp: behind the stack)
     found = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and tuple(a.shape) == shape]
     if len(found) != 1:
         raise hm.Unsupported(f"its decoder passes its layers {len(found)} tensors of the per-layer inputs' shape "
@@ -514,16 +622,17 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
         raise hm.Unsupported(f"its decoder called {len(recorded)} of its {len(p.layers)} layers")
     out = []
     for index, (kind, (hidden, args, kwargs)) in enumerate(zip(p.kinds, recorded)):
+        shared = {"kv": layer_kv(arch.hf_config, index), "stack": arch.hidden_stack}
         kwargs = keeping_no_kv(kwargs)
         if arch.deepstack_layers:  # each layer hands the features on; the first ones add theirs
-            out.append(LayerCall(kind, args, kwargs, per_layer=PerLayerInput(None, index, *arch.behind_hidden)))
+            out.append(LayerCall(kind, args, kwargs, per_layer=PerLayerInput(None, index, *arch.behind_hidden), **shared))
             continue
         if not width:
             refuse_per_layer_inputs(hidden, args)
-            out.append(LayerCall(kind, args, kwargs))
+            out.append(LayerCall(kind, args, kwargs, **shared))
             continue
         per_layer = PerLayerInput(per_layer_position(arch, hidden, args), index, len(p.layers), width)
-        out.append(LayerCall(kind, args, kwargs, per_layer=per_layer))
+        out.append(LayerCall(kind, args, kwargs, per_layer=per_layer, **shared))
     return out
 
 
@@ -536,9 +645,10 @@ class DropsWrites(collections.UserDict):
 
 def keeping_no_kv(kwargs: dict) -> dict:
     """A layer's keyword arguments with the container in which Gemma 3n/4's layers leave their keys
-    and values for later layers (`shared_kv_states`) keeping nothing: no layer reads it here (a model
-    whose layers do is refused: generic_check.streamed_blockers), and what it kept would hold a
-    layer's keys, values and their graph for as long as the micro-batch's layer arguments live."""
+    and values for later layers (`shared_kv_states`) keeping nothing: what it kept would hold a
+    layer's keys, values and their graph for as long as the micro-batch's layer arguments live. A
+    model whose later layers read them has each block given a container of its own, from what flows
+    (SharedKV, block_forward)."""
     return {**kwargs, "shared_kv_states": DropsWrites()} if "shared_kv_states" in kwargs else kwargs
 
 
@@ -548,24 +658,43 @@ def bound_call(arch: TransformersArch, call: LayerCall, device: torch.device) ->
     buffers = _buffers_on(arch.hf_config, str(t), device)
     module = parts(arch).layers[t]
     return LayerCall(t, call.args, call.kwargs, module, _template_frozen(arch.hf_config, t), buffers or None,
-                     routers_in(arch, module), call.per_layer)
+                     routers_in(arch, module), call.per_layer, call.kv, call.stack)
 
 
 def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
     """The layer on what flows in; a model with per-layer inputs has its layer read its own slice
     of them (in place of the recorded stand-in), one with deepstack features adds its own to its
-    output, and either hands them all on behind its output."""
+    output, and either hands them all on behind its output; one whose layers share keys and values
+    has its layer read them and store its own; stacked hidden states (AltUp) go in stacked."""
     state = frozen(w, call.frozen)
     if call.buffers:
         state = {**state, **call.buffers}
-    hidden, args, inputs = x, call.args, None
+    hidden, args, kwargs, inputs, kv, states = x, call.args, call.kwargs, None, None, None
     if call.per_layer is not None:
         hidden, inputs = call.per_layer.split(x)
         args = call.per_layer.placed(call.args, inputs)
-    out = hm.layer_output(torch.func.functional_call(call.module, state, (hidden, *args), call.kwargs, strict=False))
-    if inputs is None:
-        return out
-    return torch.cat([call.per_layer.added(out, inputs), inputs.flatten(-2)], dim=-1)
+    if call.kv is not None:
+        hidden, kv = call.kv.split(hidden)
+        states = call.kv.states(kv)
+        kwargs = {**kwargs, "shared_kv_states": states}
+    out = hm.layer_output(torch.func.functional_call(call.module, state, (stacked(hidden, call.stack), *args), kwargs,
+                                                     strict=False))
+    out = side_by_side(out, call.stack)
+    if inputs is not None:
+        out = call.per_layer.added(out, inputs)
+    flowing = [out] + ([call.kv.after(kv, states)] if kv is not None else []) + \
+        ([inputs.flatten(-2)] if inputs is not None else [])
+    return flowing[0] if len(flowing) == 1 else torch.cat(flowing, dim=-1)
+
+
+def stacked(hidden: torch.Tensor, stack: int) -> torch.Tensor:
+    """[..., stack x hidden] as the layers take stacked hidden states: [stack, ..., hidden]."""
+    return hidden if stack == 1 else hidden.unflatten(-1, (stack, -1)).movedim(-2, 0)
+
+
+def side_by_side(hidden: torch.Tensor, stack: int) -> torch.Tensor:
+    """Stacked hidden states [stack, ..., hidden] as they flow: [..., stack x hidden]."""
+    return hidden if stack == 1 else hidden.movedim(0, -2).flatten(-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,6 +775,10 @@ def router_aux_term(arch: TransformersArch, stats: torch.Tensor, totals: torch.T
 
 def head_state(head_call: HeadCall, head: Weights, embed: Weights | None) -> dict[str, torch.Tensor]:
     head = frozen(head, head_call.frozen)
+    if head_call.stand_ins:  # the decoder's weights before its layers, read on a stand-in input
+        some = next(iter(head.values()))
+        zero = torch.zeros((), dtype=some.dtype, device=some.device)
+        head = {**{name: zero.expand(shape) for name, shape in head_call.stand_ins}, **head}
     if head_call.tied is None:
         return head
     assert embed is not None, "tied embeddings: the head needs the embedding's weights"
@@ -815,7 +948,7 @@ class TransformersFamily(ModelFamily):
                   labels: torch.Tensor, chunk_tokens: int, scale: float) -> torch.Tensor:
         call = self._head(arch)
         state = head_state(call, head, embed)
-        x = x[..., :arch.hidden_size]  # the hidden states of what flows (per-layer inputs behind them)
+        x = x[..., :arch.hidden_width]  # the hidden states of what flows (per-layer inputs behind them)
         hidden = x.reshape(-1, x.shape[-1])
         dummy = hidden.new_empty(0)
         return ops.chunked_cross_entropy(functools.partial(_chunk_loss, call, state), hidden, dummy, labels,
@@ -823,7 +956,7 @@ class TransformersFamily(ModelFamily):
 
     def logits(self, arch: TransformersArch, head: Weights, embed: Weights | None, x: torch.Tensor) -> torch.Tensor:
         call = self._head(arch)
-        return head_logits(call, head_state(call, head, embed), x[..., :arch.hidden_size])
+        return head_logits(call, head_state(call, head, embed), x[..., :arch.hidden_width])
 
     # -- what the planner and the benchmark count ----------------------------------------------
     def matmul_params(self, arch: TransformersArch) -> int:
