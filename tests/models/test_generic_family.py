@@ -91,6 +91,12 @@ MODEL_TYPES = {
     "gemma3n_text": {"num_hidden_layers": 10, "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 2,
                      "num_kv_shared_layers": 5, "activation_sparsity_pattern": [0.95] * 3 + [0.0] * 7,
                      "intermediate_size": [64] * 10},
+    # Gemma 4 whose later layers reuse the keys and values of the last earlier one of their type
+    # (num_kv_shared_layers); 12 layers, 5 sliding to 1 full, the last 6 reusing, the full-attention
+    # layers with their wider heads
+    "gemma4_text:shared_kv": {"num_hidden_layers": 12, "num_kv_shared_layers": 6,
+                              "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2,
+                              "per_layer_config": {5: {"head_dim": 512}, 11: {"head_dim": 512}}},
     # kimi_linear trains too (examples/model_table.py), but 5 steps here take minutes on the CPU:
     # transformers' PyTorch fallback of its linear attention loops over a 64-token chunk
 }
@@ -103,12 +109,13 @@ MODEL_TYPES = {
 # and its random small instance amplifies it step after step: with eps 1e-6 its export differs by
 # 8e-5 after 3 steps, with 1e-3 by 3e-6 (1.3e-5 after 5). Gemma 3n the same: 5e-5 after 3 steps at 1e-6.
 RUN = {"gemma4_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
+       "gemma4_text:shared_kv": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
        "gemma3n_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}}}
 
 
 def small_model_config(model_type: str) -> dict:
-    """transformers' defaults for the model_type, small (hf_modules.small_config)."""
-    full = {**AutoConfig.for_model(model_type).to_dict(), **MODEL_TYPES[model_type]}
+    """transformers' defaults for the model_type (`type:variant`: the type's), small (hf_modules.small_config)."""
+    full = {**AutoConfig.for_model(model_type.split(":")[0]).to_dict(), **MODEL_TYPES[model_type]}
     full = {k: v for k, v in full.items() if k not in ("transformers_version", "architectures")}
     kinds = hm.decoder_parts(hm.build_empty(full)).kinds
     return hm.small_config(full, kinds)
@@ -204,7 +211,8 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "bamba", "phimoe", "cohere", "exaone4", "helium", "ministral", "smollm3", "stablelm", "starcoder2",
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
-                    "gemma4_text", "nemotron_h", "gemma3n_text")
+                    "gemma4_text", "nemotron_h", "gemma3n_text",
+                    "gemma4_text:shared_kv")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
