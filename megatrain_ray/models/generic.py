@@ -164,10 +164,14 @@ def shared_kv_of(config_json: str) -> SharedKV | None:
     if "reuse" not in modes:
         return None
     stores = [i for i, mode in enumerate(modes) if mode == "store"]
-    attention = [p.layers[i].self_attn for i in stores]
-    widths = tuple(int(a.k_proj.weight.shape[0]) for a in attention)
-    return SharedKV(tuple(cfg.layer_types[i] for i in stores), tuple(w // int(a.head_dim) for w, a in zip(widths, attention)),
-                    widths)
+    try:
+        attention = [p.layers[i].self_attn for i in stores]
+        widths = tuple(int(a.k_proj.weight.shape[0]) for a in attention)
+        heads = tuple(w // int(a.head_dim) for w, a in zip(widths, attention))
+    except AttributeError as e:
+        raise hm.Unsupported(f"its layers share keys and values (kv_sharing_modes), but not through an attention "
+                             f"module with a key projection (self_attn.k_proj): {e}") from None
+    return SharedKV(tuple(cfg.layer_types[i] for i in stores), heads, widths)
 
 
 def layer_kv(config_json: str, index: int) -> SharedKV | None:
@@ -456,7 +460,7 @@ class HeadCall:
     frozen: frozenset[str]
     tied: tuple[str, str] | None
     # a head that runs the decoder's own code after its layers (hm.post_layers_decoder): the
-    # decoder's tensors it does not hold, (name, shape) read as zeros, and its buffers' names
+    # decoder's tensors it does not hold, (name, shape), read as zeros by its stand-in run
     stand_ins: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
