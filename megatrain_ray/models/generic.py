@@ -241,7 +241,7 @@ def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     in_layers = p.decoder_in_root + p.layers_name + "."
     # the embedding: everything the model runs before its first layer (an image-text model's vision
     # tower and projector too), as named under the module that runs it
-    embed = _local_shapes(hm.persistent_tensors(p.root), lambda n: not n.startswith(in_layers) and not n.startswith(after))
+    embed = _local_shapes(hm.persistent_tensors(p.root), lambda n: not n.startswith((in_layers, *after)))
     vision = vision_names(p)
     embed = [s for s in embed if s[0] not in vision] + [s for s in embed if s[0] in vision]  # the vision tower last
     frozen_names = frozenset() if arch.train_vision else vision
@@ -560,7 +560,8 @@ def deepstack_features(arch: TransformersArch, hidden: torch.Tensor, handed: dic
     maps = [m.to(hidden.dtype) for m in maps[:arch.deepstack_layers]]
     found = torch.stack(maps, dim=-2)  # [image tokens, found maps, hidden]
     if len(maps) < arch.deepstack_layers:
-        found = torch.cat([found, found.new_zeros(found.shape[0], arch.deepstack_layers - len(maps), found.shape[-1])], -2)
+        missing = found.new_zeros(found.shape[0], arch.deepstack_layers - len(maps), found.shape[-1])
+        found = torch.cat([found, missing], dim=-2)
     return out.index_put((at.to(hidden.device),), found)
 
 
@@ -629,7 +630,8 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
         shared = {"kv": layer_kv(arch.hf_config, index), "stack": arch.hidden_stack}
         kwargs = keeping_no_kv(kwargs)
         if arch.deepstack_layers:  # each layer hands the features on; the first ones add theirs
-            out.append(LayerCall(kind, args, kwargs, per_layer=PerLayerInput(None, index, *arch.behind_hidden), **shared))
+            per_layer = PerLayerInput(None, index, *arch.behind_hidden)
+            out.append(LayerCall(kind, args, kwargs, per_layer=per_layer, **shared))
             continue
         if not width:
             refuse_per_layer_inputs(hidden, args)

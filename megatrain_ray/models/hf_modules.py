@@ -151,18 +151,20 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
         small["num_kv_shared_layers"] = max(0, layers - (config["num_hidden_layers"] - shared))
     for key, value in config.items():
         if isinstance(value, list) and len(value) == len(kinds):
-            small[key] = value[:layers]
+            small[key] = small[key][:layers]
     return small
 
 
 def small_sizes(config: dict[str, Any], outer: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config with each size of SMALL no larger than there; a layer's own config (`outer` the
-    model's) with its key-value heads as small_kv_heads makes them, its heads read from the model's
-    where it leaves them unset."""
+    """The config with each size of SMALL no larger than there (a size per layer too: Gemma 3n's
+    intermediate_size); a layer's own config (`outer` the model's) with its key-value heads as
+    small_kv_heads makes them, its heads read from the model's where it leaves them unset."""
     small = dict(config)
     for key, value in SMALL.items():
         if isinstance(small.get(key), int) and not isinstance(small[key], bool) and small[key] > value:
             small[key] = value
+        elif isinstance(small.get(key), list) and small[key] and all(type(v) is int for v in small[key]):
+            small[key] = [min(v, value) for v in small[key]]
     if outer is not None:
         small.update(small_kv_heads(config, outer))
     return small
@@ -236,8 +238,8 @@ def decoder_parts(model: nn.Module) -> Parts:
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
     root_prefix, _, decoder_in_root = prefix.partition(".")
-    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name,
-                 getattr(model, root_prefix), root_prefix + ".", decoder_in_root + "." if decoder_in_root else "", after)
+    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name, getattr(model, root_prefix),
+                 root_prefix + ".", decoder_in_root + "." if decoder_in_root else "", after)
 
 
 def refuse_shared_weights(layers: nn.ModuleList) -> None:

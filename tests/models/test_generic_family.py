@@ -90,7 +90,7 @@ MODEL_TYPES = {
     # half reusing (15 of 35) and the first 3 with sparse activations (10 of 35)
     "gemma3n_text": {"num_hidden_layers": 10, "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 2,
                      "num_kv_shared_layers": 5, "activation_sparsity_pattern": [0.95] * 3 + [0.0] * 7,
-                     "intermediate_size": [64] * 10},
+                     "intermediate_size": [16384] * 10},  # its default per layer, for 10 (small_config cuts it)
     # Gemma 4 whose later layers reuse the keys and values of the last earlier one of their type
     # (num_kv_shared_layers); 12 layers, 5 sliding to 1 full, the last 6 reusing, the full-attention
     # layers with their wider heads
