@@ -64,10 +64,123 @@ class TransformersArch(ModelArch):
         return int(self.config.get("hidden_size_per_layer_input") or 0)
 
     @property
+    def deepstack_layers(self) -> int:
+        """How many of the first decoder layers add to their output, at the image tokens, features
+        of the vision tower's inner layers (Qwen3-VL's deepstack, vision_config's
+        deepstack_visual_indexes: one feature map each); 0 for a model without."""
+        vision = self.config.get("vision_config") or {}
+        return min(len(vision.get("deepstack_visual_indexes") or ()), self.num_layers)
+
+    @property
+    def hidden_stack(self) -> int:
+        """How many copies of the hidden states its layers take, stacked (Gemma 3n's AltUp
+        predictions, altup_num_inputs); 1 for a model without."""
+        return hidden_stack(self.config)
+
+    @property
+    def hidden_width(self) -> int:
+        """The width of the hidden states of what flows between layers (the head reads these)."""
+        return self.hidden_stack * self.hidden_size
+
+    @property
+    def shared_kv_width(self) -> int:
+        """The width of the keys and values that layers store for later layers to reuse (Gemma 3n/4's
+        shared KV), carried behind the hidden states; 0 for a model whose layers share none."""
+        kv = shared_kv_of(self.hf_config)
+        return kv.width if kv else 0
+
+    @property
+    def behind_hidden(self) -> tuple[int, int]:
+        """(how many, how wide): the inputs of their own that flow behind the hidden states, one
+        slice per layer that reads one: Gemma 4's per-layer inputs (every layer's), or Qwen3-VL's
+        deepstack features (one per deepstack layer, hidden_size wide)."""
+        if self.per_layer_input_width:
+            return self.num_layers, self.per_layer_input_width
+        return self.deepstack_layers, self.hidden_size if self.deepstack_layers else 0
+
+    @property
     def stream_width(self) -> int:
-        """What flows between layers: the hidden states, then every layer's per-layer input (the
-        embedding computes them all; each block reads its own and hands all of them on)."""
-        return self.hidden_size + self.num_layers * self.per_layer_input_width
+        """What flows between layers: the hidden states, the keys and values stored for later
+        layers, then the layers' own inputs (the embedding computes them all; each block reads its
+        own and hands all of them on)."""
+        count, width = self.behind_hidden
+        return self.hidden_width + self.shared_kv_width + count * width
+
+
+def hidden_stack(config: dict[str, Any]) -> int:
+    """How many copies of the hidden states the layers take, stacked (Gemma 3n's AltUp predictions)."""
+    return int(config.get("altup_num_inputs") or 1)
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """Keys and values that a layer stores for later layers to reuse (Gemma 3n/4's shared KV: the
+    last layer of each attention type before the sharing ones stores them, the later layers of its
+    type read them): they flow behind the hidden states, per type its keys then its values, each
+    `widths` (key-value heads x head width) wide, zero until their layer stores them. A layer's own
+    copy says its `layer_type` and `mode` ("store", "reuse" or None)."""
+
+    types: tuple[str, ...]
+    heads: tuple[int, ...]
+    widths: tuple[int, ...]
+    layer_type: str | None = None
+    mode: str | None = None
+
+    @property
+    def width(self) -> int:
+        return 2 * sum(self.widths)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what flows before the keys and values, the keys and values)."""
+        return x.split([x.shape[-1] - self.width, self.width], dim=-1)
+
+    def states(self, kv: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The stored keys and values as the model's layers leave them: type -> ([B, heads, T, head
+        width] keys, values)."""
+        pieces = kv.split([w for w in self.widths for _ in (0, 1)], dim=-1)
+        return {t: tuple(piece.unflatten(-1, (h, -1)).transpose(-3, -2) for piece in pieces[2 * i:2 * i + 2])
+                for i, (t, h) in enumerate(zip(self.types, self.heads))}
+
+    def after(self, kv: torch.Tensor, states: dict) -> torch.Tensor:
+        """The keys and values that flow on: those this layer stored in its type's place."""
+        if self.mode != "store":
+            return kv
+        pieces = list(kv.split([w for w in self.widths for _ in (0, 1)], dim=-1))
+        i = self.types.index(self.layer_type)
+        pieces[2 * i:2 * i + 2] = [t.transpose(-3, -2).flatten(-2) for t in states[self.layer_type]]
+        return torch.cat(pieces, dim=-1)
+
+
+@functools.lru_cache(maxsize=8)
+def shared_kv_of(config_json: str) -> SharedKV | None:
+    """The keys and values its layers share (config kv_sharing_modes), None where they share none:
+    their widths those of the storing layers' key projections."""
+    p = hm.parts_of(config_json)
+    cfg = p.base.config
+    try:
+        modes = list(getattr(cfg, "kv_sharing_modes", None) or ())
+    except Exception:  # a config that derives none
+        return None
+    if "reuse" not in modes:
+        return None
+    stores = [i for i, mode in enumerate(modes) if mode == "store"]
+    try:
+        attention = [p.layers[i].self_attn for i in stores]
+        widths = tuple(int(a.k_proj.weight.shape[0]) for a in attention)
+        heads = tuple(w // int(a.head_dim) for w, a in zip(widths, attention))
+    except AttributeError as e:
+        raise hm.Unsupported(f"its layers share keys and values (kv_sharing_modes), but not through an attention "
+                             f"module with a key projection (self_attn.k_proj): {e}") from None
+    return SharedKV(tuple(cfg.layer_types[i] for i in stores), heads, widths)
+
+
+def layer_kv(config_json: str, index: int) -> SharedKV | None:
+    """Layer `index`'s view of the shared keys and values."""
+    kv = shared_kv_of(config_json)
+    if kv is None:
+        return None
+    cfg = hm.parts_of(config_json).base.config
+    return dataclasses.replace(kv, layer_type=cfg.layer_types[index], mode=cfg.kv_sharing_modes[index])
 
 
 def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -124,10 +237,11 @@ def _local_shapes(tensors: dict[str, torch.Tensor], keep=lambda name: True) -> l
 def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     p = parts(arch)
     base_tensors = hm.persistent_tensors(p.base)
-    norm, in_layers = p.decoder_in_root + p.final_norm + ".", p.decoder_in_root + p.layers_name + "."
+    after = tuple(p.decoder_in_root + m + "." for m in (p.final_norm, *p.after_layers))  # the head's
+    in_layers = p.decoder_in_root + p.layers_name + "."
     # the embedding: everything the model runs before its first layer (an image-text model's vision
     # tower and projector too), as named under the module that runs it
-    embed = _local_shapes(hm.persistent_tensors(p.root), lambda n: not n.startswith(in_layers) and not n.startswith(norm))
+    embed = _local_shapes(hm.persistent_tensors(p.root), lambda n: not n.startswith((in_layers, *after)))
     vision = vision_names(p)
     embed = [s for s in embed if s[0] not in vision] + [s for s in embed if s[0] in vision]  # the vision tower last
     frozen_names = frozenset() if arch.train_vision else vision
@@ -135,7 +249,8 @@ def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     for i, layer in enumerate(p.layers):
         layouts.append(lay_out(i + 1, BLOCK, f"{p.base_prefix}{p.layers_name}.{i}.", _local_shapes(hm.persistent_tensors(layer))))
     outer = _local_shapes(hm.persistent_tensors(p.model), lambda n: not n.startswith(p.root_prefix))
-    head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(p.final_norm + "."))]
+    head_modules = tuple(m + "." for m in (p.final_norm, *p.after_layers))
+    head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(head_modules))]
     if p.tied:
         outer = [(n, s) for n, s in outer if n != output_embedding_name(p)]
     layouts.append(lay_out(len(p.layers) + 1, HEAD, "", head + outer))
@@ -168,35 +283,57 @@ def frozen_slots(layout: LayerLayout, names: frozenset[str]) -> LayerLayout:
     if not names:
         return layout
     params = tuple(dataclasses.replace(s, trained=False) if s.name in names else s for s in layout.params)
-    return LayerLayout(layout.index, layout.kind, layout.prefix, params)
+    return dataclasses.replace(layout, params=params)
 
 
 def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerLayout, ...]) -> tuple[LayerLayout, ...]:
-    """Each slot that transformers stores in pieces (stacked experts stored one by one) says so
-    (ParamSlot.stored_as), as a small instance of the same structure shows (hf_modules.expert_pieces)."""
+    """Each slot that transformers stores in pieces (stacked experts stored one by one) or under
+    another name says so (ParamSlot.stored_as), as a small instance of the same structure shows
+    (hf_modules.expert_pieces); a decoder stored under another name (Nemotron-H's `model.` as
+    `backbone.`) has its layers say where (LayerLayout.stored_prefix)."""
     pieces = {} if p.decoder_in_root else _expert_pieces(arch.hf_config, p.kinds)  # image-text: renamed_in_files
     if not pieces:
         return layouts
+    stored_base = decoder_stored_prefix(p, pieces)
     out = []
     for layout in layouts:
         # a block is stored as the small instance's first block of its structure
         small_prefix = layout.prefix
         if layout.kind == BLOCK:
             small_prefix = f"{p.base_prefix}{p.layers_name}.{p.kinds[layout.index - 1]}."
+        stored_prefix, small_stored = layout.prefix, small_prefix
+        if layout.prefix.startswith(p.base_prefix):  # the embedding and the blocks: the decoder's own
+            stored_prefix = stored_base + layout.prefix[len(p.base_prefix):]
+            small_stored = stored_base + small_prefix[len(p.base_prefix):]
         params = []
         for s in layout.params:
             templates = pieces.get(small_prefix + s.name)
             if templates and isinstance(templates[0], tuple):  # cut along its rows, in order
-                s = stored_in_rows(s, [(_local(small_prefix, name), shape) for name, shape in templates])
+                s = stored_in_rows(s, [(_local(small_stored, name), shape) for name, shape in templates])
             elif templates:
-                local = tuple(_local(small_prefix, t) for t in templates)
+                local = tuple(_local(small_stored, t) for t in templates)
                 if "{}" in local[0]:
                     s = stored_per_expert(s, lambda e, local=local: [t.format(e) for t in local])
                 else:
                     s = stored_as(s, local[0])
+            elif stored_prefix != layout.prefix:
+                raise hm.Unsupported(f"transformers stores {small_prefix + s.name} as it is, but its decoder "
+                                     f"({p.base_prefix}) as {stored_base}")
             params.append(s)
-        out.append(LayerLayout(layout.index, layout.kind, layout.prefix, tuple(params)))
+        out.append(dataclasses.replace(layout, params=tuple(params),
+                                       stored_prefix=None if stored_prefix == layout.prefix else stored_prefix))
     return tuple(out)
+
+
+def decoder_stored_prefix(p: hm.Parts, pieces: dict[str, tuple]) -> str:
+    """The prefix under which transformers stores the decoder's tensors: its own (`model.`), or the
+    one its input embedding is stored under, the same name after it (Nemotron-H's `backbone.`)."""
+    embedding = p.root_prefix + input_embedding_name(p)
+    stored = pieces.get(embedding)
+    tail = embedding[len(p.base_prefix):]
+    if not (stored and len(stored) == 1 and isinstance(stored[0], str) and stored[0].endswith("." + tail)):
+        return p.base_prefix
+    return stored[0][:-len(tail)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -280,26 +417,38 @@ class LayerCall:
     buffers: dict | None = None
     routers: tuple = ()  # its routers' modules, whose logits the load-balancing loss reads
     per_layer: PerLayerInput | None = None  # where its per-layer input goes, for a model with them
+    kv: SharedKV | None = None  # the keys and values it stores or reuses, for a model whose layers share them
+    stack: int = 1  # copies of the hidden states its layer takes (hidden_stack)
 
 
 @dataclass(frozen=True)
 class PerLayerInput:
-    """A layer's per-layer input: its positional argument `position`, the slice `index` of the
-    `layers` x `width` per-layer inputs that flow behind the hidden states (stream_width)."""
+    """A layer's own input, the slice `index` of the `layers` x `width` inputs that flow behind the
+    hidden states (stream_width): Gemma 4's per-layer input, the layer's positional argument
+    `position`; or (position None) Qwen3-VL's deepstack features, zero but at the image tokens,
+    added to the output of each of the first `layers` layers, as its decoder adds them."""
 
-    position: int
+    position: int | None
     index: int
     layers: int
     width: int
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the hidden states, all layers' per-layer inputs [..., layers, width]) of what flows."""
+        """(the hidden states, all layers' own inputs [..., layers, width]) of what flows."""
         hidden, inputs = x.split([x.shape[-1] - self.layers * self.width, self.layers * self.width], dim=-1)
         return hidden, inputs.unflatten(-1, (self.layers, self.width))
 
     def placed(self, args: tuple, inputs: torch.Tensor) -> tuple:
         """The layer's recorded positional arguments with its own per-layer input in its place."""
+        if self.position is None:
+            return args
         return (*args[:self.position], inputs[..., self.index, :], *args[self.position + 1:])
+
+    def added(self, out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The layer's output with its deepstack features added (a layer past them: as it is)."""
+        if self.position is not None or self.index >= self.layers:
+            return out
+        return out + inputs[..., self.index, :]
 
 
 @dataclass
@@ -310,6 +459,9 @@ class HeadCall:
     module: torch.nn.Module
     frozen: frozenset[str]
     tied: tuple[str, str] | None
+    # a head that runs the decoder's own code after its layers (hm.post_layers_decoder): the
+    # decoder's tensors it does not hold, (name, shape), read as zeros by its stand-in run
+    stand_ins: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def buffer_names(module: torch.nn.Module) -> frozenset[str]:
@@ -342,16 +494,25 @@ def _template_frozen(config_json: str, template: int) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=8)
 def _recording_decoder(config_json: str, stop_after: int):
-    """The module that runs from the inputs to the first layer, its layers recording (hm.recording_root)."""
+    """The module that runs from the inputs to the first layer, its layers recording, and the
+    decoder's own keyword arguments kept (hm.recording_root)."""
     calls: list = []
-    return hm.recording_root(hm.parts_of(config_json), calls, stop_after), calls
+    entered: dict = {}
+    return hm.recording_root(hm.parts_of(config_json), calls, stop_after, entered), calls, entered
 
 
 @functools.lru_cache(maxsize=8)
 def head_call(config_json: str) -> HeadCall:
     p = hm.parts_of(config_json)
     tied = (output_embedding_name(p), input_embedding_name(p)) if p.tied else None
-    return HeadCall(hm.head_model(p), buffer_names(p.model), tied)
+    module = hm.head_model(p, hidden_stack(json.loads(config_json)))
+    stand_ins = ()
+    if p.after_layers:
+        held = tuple(p.root_prefix + m + "." for m in (p.final_norm, *p.after_layers))
+        tied_input = p.root_prefix + input_embedding_name(p) if p.tied else None  # the LM head's, given
+        stand_ins = tuple((p.root_prefix + n, tuple(t.shape)) for n, t in hm.persistent_tensors(p.root).items()
+                          if not (p.root_prefix + n).startswith(held) and p.root_prefix + n != tied_input)
+    return HeadCall(module, buffer_names(p.model), tied, stand_ins)
 
 
 def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
@@ -359,30 +520,55 @@ def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
     an image-text model's from its inputs (`inputs`, a dict: image_text.embed_inputs), its image
     features in place of the image tokens' embeddings, as its own forward puts them. A model with
     per-layer inputs: its forward runs to its last layer, and every layer's per-layer input, as the
-    decoder passes it, follows the hidden states (arch.stream_width wide)."""
+    decoder passes it, follows the hidden states (arch.stream_width wide). A model with deepstack
+    features: they follow the hidden states, one [..., hidden] slice per deepstack layer, zero but
+    at the image tokens (deepstack_features)."""
     p = hm.parts_of(arch.hf_config)
     width = arch.per_layer_input_width
-    decoder, calls = _recording_decoder(arch.hf_config, len(p.layers) - 1 if width else 0)
+    decoder, calls, entered = _recording_decoder(arch.hf_config, len(p.layers) - 1 if width else 0)
     calls.clear()
     w = frozen(w, buffer_names(p.root) | (frozenset() if arch.train_vision else vision_names(p)))
     kwargs = vision_kwargs(inputs, w) if isinstance(inputs, dict) else {"input_ids": inputs}
     device = kwargs["input_ids"].device
     hm.run_until_layers(decoder, {**w, **_buffers_on(arch.hf_config, "base", device)}, calls, **kwargs)
-    recorded = list(calls)
+    recorded, handed = list(calls), dict(entered)
     calls.clear()
+    entered.clear()
     hidden, args, _ = recorded[0]
-    if not width:
+    flowing = [side_by_side(hidden, arch.hidden_stack)]
+    if arch.shared_kv_width:  # zero until their layers store them
+        flowing.append(flowing[0].new_zeros(*flowing[0].shape[:-1], arch.shared_kv_width))
+    if arch.deepstack_layers:
+        flowing.append(deepstack_features(arch, hidden, handed).flatten(-2))
+    elif width:
+        position = per_layer_position(arch, hidden, args)
+        flowing.append(torch.stack([layer_args[position] for _, layer_args, _ in recorded], dim=-2).flatten(-2))
+    else:
         refuse_per_layer_inputs(hidden, args)
-        return hidden
-    position = per_layer_position(arch, hidden, args)
-    per_layer = torch.stack([layer_args[position] for _, layer_args, _ in recorded], dim=-2)
-    return torch.cat([hidden, per_layer.flatten(-2)], dim=-1)
+    return flowing[0] if len(flowing) == 1 else torch.cat(flowing, dim=-1)
+
+
+def deepstack_features(arch: TransformersArch, hidden: torch.Tensor, handed: dict) -> torch.Tensor:
+    """[..., deepstack layers, hidden]: what the model's forward handed its language model to add
+    after each of its first layers (`deepstack_visual_embeds`, one [image tokens, hidden] map each,
+    at `visual_pos_masks`), placed at the image tokens, zero elsewhere (zero where it handed none:
+    a micro-batch without images, or a vision tower with fewer inner layers than named)."""
+    out = hidden.new_zeros(*hidden.shape[:-1], arch.deepstack_layers, hidden.shape[-1])
+    maps, at = handed.get("deepstack_visual_embeds"), handed.get("visual_pos_masks")
+    if not maps or at is None:
+        return out
+    maps = [m.to(hidden.dtype) for m in maps[:arch.deepstack_layers]]
+    found = torch.stack(maps, dim=-2)  # [image tokens, found maps, hidden]
+    if len(maps) < arch.deepstack_layers:
+        missing = found.new_zeros(found.shape[0], arch.deepstack_layers - len(maps), found.shape[-1])
+        found = torch.cat([found, missing], dim=-2)
+    return out.index_put((at.to(hidden.device),), found)
 
 
 def per_layer_position(arch: TransformersArch, hidden: torch.Tensor, args: tuple) -> int:
     """Which of a layer's positional arguments is its per-layer input: the one tensor per token of
     the per-layer width."""
-    shape = (*hidden.shape[:-1], arch.per_layer_input_width)
+    shape = (*hidden.shape[-3:-1], arch.per_layer_input_width)  # [batch, tokens] (AltUp: behind the stack)
     found = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and tuple(a.shape) == shape]
     if len(found) != 1:
         raise hm.Unsupported(f"its decoder passes its layers {len(found)} tensors of the per-layer inputs' shape "
@@ -418,7 +604,7 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     with a stand-in embedding and no images: its positions (Qwen2.5-VL's 3D rotary positions from
     the image grids) and masks (Gemma 3's bidirectional attention within an image) as it makes them."""
     p = parts(arch)
-    decoder, calls = _recording_decoder(arch.hf_config, len(p.layers) - 1)
+    decoder, calls, _ = _recording_decoder(arch.hf_config, len(p.layers) - 1)
     calls.clear()
     b, t = position_ids.shape
     state = _buffers_on(arch.hf_config, "base", position_ids.device)
@@ -441,13 +627,18 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
         raise hm.Unsupported(f"its decoder called {len(recorded)} of its {len(p.layers)} layers")
     out = []
     for index, (kind, (hidden, args, kwargs)) in enumerate(zip(p.kinds, recorded)):
+        shared = {"kv": layer_kv(arch.hf_config, index), "stack": arch.hidden_stack}
         kwargs = keeping_no_kv(kwargs)
+        if arch.deepstack_layers:  # each layer hands the features on; the first ones add theirs
+            per_layer = PerLayerInput(None, index, *arch.behind_hidden)
+            out.append(LayerCall(kind, args, kwargs, per_layer=per_layer, **shared))
+            continue
         if not width:
             refuse_per_layer_inputs(hidden, args)
-            out.append(LayerCall(kind, args, kwargs))
+            out.append(LayerCall(kind, args, kwargs, **shared))
             continue
         per_layer = PerLayerInput(per_layer_position(arch, hidden, args), index, len(p.layers), width)
-        out.append(LayerCall(kind, args, kwargs, per_layer=per_layer))
+        out.append(LayerCall(kind, args, kwargs, per_layer=per_layer, **shared))
     return out
 
 
@@ -460,9 +651,10 @@ class DropsWrites(collections.UserDict):
 
 def keeping_no_kv(kwargs: dict) -> dict:
     """A layer's keyword arguments with the container in which Gemma 3n/4's layers leave their keys
-    and values for later layers (`shared_kv_states`) keeping nothing: no layer reads it here (a model
-    whose layers do is refused: generic_check.streamed_blockers), and what it kept would hold a
-    layer's keys, values and their graph for as long as the micro-batch's layer arguments live."""
+    and values for later layers (`shared_kv_states`) keeping nothing: what it kept would hold a
+    layer's keys, values and their graph for as long as the micro-batch's layer arguments live. A
+    model whose later layers read them has each block given a container of its own, from what flows
+    (SharedKV, block_forward)."""
     return {**kwargs, "shared_kv_states": DropsWrites()} if "shared_kv_states" in kwargs else kwargs
 
 
@@ -472,21 +664,43 @@ def bound_call(arch: TransformersArch, call: LayerCall, device: torch.device) ->
     buffers = _buffers_on(arch.hf_config, str(t), device)
     module = parts(arch).layers[t]
     return LayerCall(t, call.args, call.kwargs, module, _template_frozen(arch.hf_config, t), buffers or None,
-                     routers_in(arch, module), call.per_layer)
+                     routers_in(arch, module), call.per_layer, call.kv, call.stack)
 
 
 def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
     """The layer on what flows in; a model with per-layer inputs has its layer read its own slice
-    of them (in place of the recorded stand-in) and hands them all on behind its output."""
+    of them (in place of the recorded stand-in), one with deepstack features adds its own to its
+    output, and either hands them all on behind its output; one whose layers share keys and values
+    has its layer read them and store its own; stacked hidden states (AltUp) go in stacked."""
     state = frozen(w, call.frozen)
     if call.buffers:
         state = {**state, **call.buffers}
-    hidden, args, inputs = x, call.args, None
+    hidden, args, kwargs, inputs, kv, states = x, call.args, call.kwargs, None, None, None
     if call.per_layer is not None:
         hidden, inputs = call.per_layer.split(x)
         args = call.per_layer.placed(call.args, inputs)
-    out = hm.layer_output(torch.func.functional_call(call.module, state, (hidden, *args), call.kwargs, strict=False))
-    return out if inputs is None else torch.cat([out, inputs.flatten(-2)], dim=-1)
+    if call.kv is not None:
+        hidden, kv = call.kv.split(hidden)
+        states = call.kv.states(kv)
+        kwargs = {**kwargs, "shared_kv_states": states}
+    out = hm.layer_output(torch.func.functional_call(call.module, state, (stacked(hidden, call.stack), *args), kwargs,
+                                                     strict=False))
+    out = side_by_side(out, call.stack)
+    if inputs is not None:
+        out = call.per_layer.added(out, inputs)
+    flowing = [out] + ([call.kv.after(kv, states)] if kv is not None else []) + \
+        ([inputs.flatten(-2)] if inputs is not None else [])
+    return flowing[0] if len(flowing) == 1 else torch.cat(flowing, dim=-1)
+
+
+def stacked(hidden: torch.Tensor, stack: int) -> torch.Tensor:
+    """[..., stack x hidden] as the layers take stacked hidden states: [stack, ..., hidden]."""
+    return hidden if stack == 1 else hidden.unflatten(-1, (stack, -1)).movedim(-2, 0)
+
+
+def side_by_side(hidden: torch.Tensor, stack: int) -> torch.Tensor:
+    """Stacked hidden states [stack, ..., hidden] as they flow: [..., stack x hidden]."""
+    return hidden if stack == 1 else hidden.movedim(0, -2).flatten(-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,6 +781,10 @@ def router_aux_term(arch: TransformersArch, stats: torch.Tensor, totals: torch.T
 
 def head_state(head_call: HeadCall, head: Weights, embed: Weights | None) -> dict[str, torch.Tensor]:
     head = frozen(head, head_call.frozen)
+    if head_call.stand_ins:  # the decoder's weights before its layers, read on a stand-in input
+        some = next(iter(head.values()))
+        zero = torch.zeros((), dtype=some.dtype, device=some.device)
+        head = {**{name: zero.expand(shape) for name, shape in head_call.stand_ins}, **head}
     if head_call.tied is None:
         return head
     assert embed is not None, "tied embeddings: the head needs the embedding's weights"
@@ -736,7 +954,7 @@ class TransformersFamily(ModelFamily):
                   labels: torch.Tensor, chunk_tokens: int, scale: float) -> torch.Tensor:
         call = self._head(arch)
         state = head_state(call, head, embed)
-        x = x[..., :arch.hidden_size]  # the hidden states of what flows (per-layer inputs behind them)
+        x = x[..., :arch.hidden_width]  # the hidden states of what flows (per-layer inputs behind them)
         hidden = x.reshape(-1, x.shape[-1])
         dummy = hidden.new_empty(0)
         return ops.chunked_cross_entropy(functools.partial(_chunk_loss, call, state), hidden, dummy, labels,
@@ -744,7 +962,7 @@ class TransformersFamily(ModelFamily):
 
     def logits(self, arch: TransformersArch, head: Weights, embed: Weights | None, x: torch.Tensor) -> torch.Tensor:
         call = self._head(arch)
-        return head_logits(call, head_state(call, head, embed), x[..., :arch.hidden_size])
+        return head_logits(call, head_state(call, head, embed), x[..., :arch.hidden_width])
 
     # -- what the planner and the benchmark count ----------------------------------------------
     def matmul_params(self, arch: TransformersArch) -> int:

@@ -28,8 +28,6 @@ def refusal(config: dict[str, Any]) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = config.get("model_type")
-    if model_type in image_text.REFUSED:
-        return image_text.REFUSED[model_type]
     if not hm.of_image_text_model(config) and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return (f"the installed transformers has no causal language model for model_type {model_type!r} "
                 "(AutoModelForCausalLM does not know it); a newer transformers may")
@@ -39,9 +37,6 @@ def refusal(config: dict[str, Any]) -> str | None:
         return f"transformers cannot read this config: {type(e).__name__}: {e}"
     if config.get("is_encoder_decoder"):
         return "it is an encoder-decoder model; megatrain-ray trains decoder-only causal language models"
-    blockers = streamed_blockers(config)
-    if blockers:
-        return "; and ".join(blockers) + "; train this checkpoint with transformers' own Trainer"
     try:
         hm.decoder_parts(hm.build_empty(config))
     except hm.Unsupported as e:
@@ -56,23 +51,6 @@ def refusal(config: dict[str, Any]) -> str | None:
                 "records no router logits for it; set model.router_aux_loss_coef to 0 (or output_router_logits "
                 "to false in config.json) to train without it")
     return None
-
-
-def streamed_blockers(config: dict[str, Any]) -> list[str]:
-    """Structures of Gemma 3n/4 that tie a layer to more than what flows between the streamed
-    layers (the hidden states and the per-layer inputs), each named."""
-    found = []
-    if (config.get("altup_num_inputs") or 1) > 1:
-        found.append(f"its decoder runs {config['altup_num_inputs']} predictions of the hidden states through its "
-                     "layers (AltUp, altup_num_inputs, Gemma 3n's): projections before the first layer and after the "
-                     "last one, averaged before the final norm, so the part between its last layer and its LM head is "
-                     "more than a norm, and megatrain-ray's head runs only the final norm and the LM head")
-    if config.get("num_kv_shared_layers"):
-        found.append(f"its last {config['num_kv_shared_layers']} layers reuse the keys and values of an earlier layer "
-                     "(num_kv_shared_layers, Gemma 3n/4's shared KV cache): one layer's attention reads another's "
-                     "tensors, which megatrain-ray does not carry between the layers it streams one at a time (it "
-                     "carries the hidden states and the per-layer inputs)")
-    return found
 
 
 def records_router_logits(config: dict[str, Any]) -> bool:

@@ -146,20 +146,25 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
         if key.endswith("token_id") and isinstance(value, int) and isinstance(vocab, int) and value >= vocab:
             small[key] = vocab - 1
     small["num_hidden_layers"] = layers
+    shared = config.get("num_kv_shared_layers")
+    if isinstance(shared, int) and shared > 0:  # the layers that reuse keys and values: from the same first one
+        small["num_kv_shared_layers"] = max(0, layers - (config["num_hidden_layers"] - shared))
     for key, value in config.items():
         if isinstance(value, list) and len(value) == len(kinds):
-            small[key] = value[:layers]
+            small[key] = small[key][:layers]
     return small
 
 
 def small_sizes(config: dict[str, Any], outer: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config with each size of SMALL no larger than there; a layer's own config (`outer` the
-    model's) with its key-value heads as small_kv_heads makes them, its heads read from the model's
-    where it leaves them unset."""
+    """The config with each size of SMALL no larger than there (a size per layer too: Gemma 3n's
+    intermediate_size); a layer's own config (`outer` the model's) with its key-value heads as
+    small_kv_heads makes them, its heads read from the model's where it leaves them unset."""
     small = dict(config)
     for key, value in SMALL.items():
         if isinstance(small.get(key), int) and not isinstance(small[key], bool) and small[key] > value:
             small[key] = value
+        elif isinstance(small.get(key), list) and small[key] and all(type(v) is int for v in small[key]):
+            small[key] = [min(v, value) for v in small[key]]
     if outer is not None:
         small.update(small_kv_heads(config, outer))
     return small
@@ -209,6 +214,9 @@ class Parts:
     root: nn.Module | None = None
     root_prefix: str = ""
     decoder_in_root: str = ""
+    # The decoder's other children with weights that its forward runs after its last layer (Gemma
+    # 3n's AltUp unembedding projections): the head then runs the decoder's own code after its layers
+    after_layers: tuple[str, ...] = ()
 
 
 def decoder_parts(model: nn.Module) -> Parts:
@@ -224,13 +232,14 @@ def decoder_parts(model: nn.Module) -> Parts:
             raise Unsupported(f"its layers have cross-attention ({name})")
     refuse_shared_weights(layers)
     norm = _final_module(base, layers_name, model.get_input_embeddings())
+    after = tuple(n for n in _children_run_after_layers(base, layers_name) if n != norm)
     keys: dict[str, int] = {}
     kinds = tuple(keys.setdefault(structure_key(layer), i) for i, layer in enumerate(layers))
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
     root_prefix, _, decoder_in_root = prefix.partition(".")
-    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name,
-                 getattr(model, root_prefix), root_prefix + ".", decoder_in_root + "." if decoder_in_root else "")
+    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name, getattr(model, root_prefix),
+                 root_prefix + ".", decoder_in_root + "." if decoder_in_root else "", after)
 
 
 def refuse_shared_weights(layers: nn.ModuleList) -> None:
@@ -306,6 +315,32 @@ def _called_after_layers(base: nn.Module, layers_name: str) -> str | None:
         return hook
 
     hooks = [child.register_forward_pre_hook(pre_hook(n)) for n, child in decoder.named_children() if n != layers_name]
+    ran = _run_on_zeros(decoder, base, count, hooks)
+    return found[0] if ran and found else None
+
+
+def _children_run_after_layers(base: nn.Module, layers_name: str) -> list[str]:
+    """The decoder's children with weights any part of which its forward runs after its last layer,
+    run to its end on stand-in weights with layers that pass the hidden states through (none
+    where that run fails)."""
+    calls: list = []
+    decoder = recording_decoder(base, layers_name, calls, stop_after=-1)
+    count, found = len(decoder._modules[layers_name]), []
+
+    def pre_hook(name):
+        def hook(module, args):
+            if len(calls) >= count and name not in found:
+                found.append(name)
+        return hook
+
+    hooks = [module.register_forward_pre_hook(pre_hook(n)) for n, child in decoder.named_children()
+             if n != layers_name and persistent_tensors(child) for module in child.modules()]
+    return found if _run_on_zeros(decoder, base, count, hooks) else []
+
+
+def _run_on_zeros(decoder: nn.Module, base: nn.Module, count: int, hooks: list) -> bool:
+    """The decoder's forward on stand-in weights (zeros) and inputs, its hooks removed after;
+    False where a part of it needs real weights."""
     # stand-in weights (zeros) for what runs before the layers; stand-in per-layer inputs (Gemma 3n/4's)
     zeros = {n: torch.zeros((), dtype=t.dtype).expand(t.shape) for n, t in persistent_tensors(decoder).items()}
     inputs = {"inputs_embeds": torch.zeros(1, 2, base.config.hidden_size), "use_cache": False}
@@ -318,11 +353,11 @@ def _called_after_layers(base: nn.Module, layers_name: str) -> str | None:
     except _Stop:
         pass
     except Exception:  # a part before the layers that needs real weights
-        return None
+        return False
     finally:
         for hook in hooks:
             hook.remove()
-    return found[0] if found else None
+    return True
 
 
 SIMPLE = (int, float, str, bool, type(None))
@@ -473,20 +508,33 @@ class Recorder(StandIn):
         return hidden_states
 
 
-def recording_decoder(base: nn.Module, layers_name: str, calls: list, stop_after: int) -> nn.Module:
-    """A shallow copy of the decoder whose layers record their calls and stop after `stop_after`."""
+def recording_decoder(base: nn.Module, layers_name: str, calls: list, stop_after: int,
+                      entered: dict | None = None) -> nn.Module:
+    """A shallow copy of the decoder whose layers record their calls and stop after `stop_after`;
+    given `entered`, the decoder's own keyword arguments are kept there at each call (what an
+    image-text model's forward hands its language model beside the embeddings: Qwen3-VL's
+    deepstack features)."""
     clone = copy.copy(base)
     clone._modules = dict(base._modules)
     clone._modules[layers_name] = nn.ModuleList(
         [Recorder(layer, calls, i == stop_after) for i, layer in enumerate(base._modules[layers_name])])
+    if entered is not None:
+        forward = clone.forward  # the decoder's own, bound to the copy
+
+        def keeping_arguments(*args, **kwargs):
+            entered.clear()
+            entered.update(kwargs)
+            return forward(*args, **kwargs)
+
+        object.__setattr__(clone, "forward", keeping_arguments)
     return clone
 
 
-def recording_root(parts: Parts, calls: list, stop_after: int) -> nn.Module:
+def recording_root(parts: Parts, calls: list, stop_after: int, entered: dict | None = None) -> nn.Module:
     """The module that runs from the inputs to the first layer (parts.root), its decoder's layers
     recording: the recording decoder itself, or a shallow copy of an image-text model's inner
     model holding it."""
-    decoder = recording_decoder(parts.base, parts.layers_name, calls, stop_after)
+    decoder = recording_decoder(parts.base, parts.layers_name, calls, stop_after, entered)
     if not parts.decoder_in_root:
         return decoder
     clone = copy.copy(parts.root)
@@ -538,10 +586,54 @@ class FinalNorm(StandIn):
         return out
 
 
-def head_model(parts: Parts) -> nn.Module:
-    """A shallow copy of the causal LM whose decoder is only the final norm."""
+class HandsOn(StandIn):
+    """Stands in for a decoder layer in the head's decoder (post_layers_decoder): the first hands on
+    the last layer's output that the head was given, the others pass what they get through."""
+
+    def __init__(self, layer: nn.Module, given: dict, first: bool):
+        super().__init__(layer)
+        object.__setattr__(self, "_given", given)
+        object.__setattr__(self, "_first", first)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self._given["output"] if self._first else hidden_states
+
+
+def post_layers_decoder(parts: Parts, stack: int) -> nn.Module:
+    """A shallow copy of the decoder that runs its own forward after its last layer on what it is
+    given as `inputs_embeds` (the last layer's output, `stack` copies of the hidden states side by
+    side: Gemma 3n's AltUp predictions), for a decoder that runs more than its final norm there
+    (Gemma 3n's AltUp unembedding). Its forward runs from a stand-in input of zeros (its weights
+    before the layers: stand-ins too, generic.head_state), and its first layer hands on what it was given."""
+    base, given = parts.base, {}
+    clone = copy.copy(base)
+    clone._modules = dict(base._modules)
+    clone._modules[parts.layers_name] = nn.ModuleList(
+        [HandsOn(layer, given, i == 0) for i, layer in enumerate(base._modules[parts.layers_name])])
+    forward = clone.forward
+
+    def from_the_last_layer(*args, inputs_embeds=None, **kwargs):
+        given["output"] = inputs_embeds.unflatten(-1, (stack, -1)).movedim(-2, 0) if stack > 1 else inputs_embeds
+        try:
+            stand_in = inputs_embeds.new_zeros(()).expand(*inputs_embeds.shape[:-1], base.config.hidden_size)
+            return forward(*args, inputs_embeds=stand_in, **kwargs)
+        finally:
+            given.clear()
+
+    object.__setattr__(clone, "forward", from_the_last_layer)
+    return clone
+
+
+def head_model(parts: Parts, stack: int = 1) -> nn.Module:
+    """A shallow copy of the causal LM whose decoder is only the final norm, or (parts.after_layers)
+    its own code after its last layer (post_layers_decoder)."""
     head = copy.copy(parts.model)
     head._modules = dict(parts.model._modules)
+    if parts.after_layers:
+        if parts.decoder_in_root:
+            raise Unsupported("its language model runs more than a final norm after its last layer")
+        head._modules[parts.root_prefix[:-1]] = post_layers_decoder(parts, stack)
+        return head
     head._modules[parts.root_prefix[:-1]] = FinalNorm(getattr(parts.base, parts.final_norm),
                                                       parts.decoder_in_root + parts.final_norm, parts.root)
     return head

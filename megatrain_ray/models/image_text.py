@@ -11,6 +11,11 @@ features replace the image tokens' embeddings as the model's forward puts them. 
 Positions and masks are the model's own: each micro-batch's layer arguments are recorded from the
 model's forward on the micro-batch's token ids without the images (Qwen2.5-VL's 3D rotary
 positions from the image grids, Gemma 3's bidirectional attention within an image).
+
+Qwen3-VL's deepstack features (maps of the tower's inner blocks that its decoder adds at the image
+tokens after each of its first layers) are what the model's forward hands its language model; the
+embedding layer places them behind the hidden states, and each of those layers adds its own
+(models/generic.py, deepstack_features).
 """
 
 from __future__ import annotations
@@ -36,15 +41,9 @@ COVERED = {
     "llava_onevision": "a SigLIP tower over image tiles, a projector and the image-newline embedding",
     "smolvlm": "Idefics3's tower and pixel-shuffle connector (its processor needs num2words)",
     "mistral3": "a Pixtral tower, patch merger and projector",
-}
-# model_type -> why it is refused, and what to do
-REFUSED = {
-    "qwen3_vl": ("its decoder adds the vision tower's deepstack features to the hidden states after its "
-                 "first layers (deepstack_visual_indexes), between the layers that megatrain-ray streams one "
-                 "at a time; train it with transformers' own Trainer, or a Qwen2.5-VL checkpoint here"),
-    "qwen3_vl_moe": ("its decoder adds the vision tower's deepstack features to the hidden states after its "
-                     "first layers (deepstack_visual_indexes), between the layers that megatrain-ray streams one "
-                     "at a time; train it with transformers' own Trainer"),
+    "qwen3_vl": "a Qwen3-VL vision tower and merger, 3D rotary positions, deepstack features added after the "
+                "first decoder layers",
+    "qwen3_vl_moe": "Qwen3-VL's vision tower and deepstack, a decoder with experts",
 }
 
 
@@ -52,8 +51,6 @@ def refusal(config: dict[str, Any]) -> str | None:
     """Why an image-text model whose structure the transformers family runs cannot train here, in
     one paragraph; None for a covered type."""
     model_type = config.get("model_type")
-    if model_type in REFUSED:
-        return REFUSED[model_type]
     if model_type not in COVERED:
         return (f"it is an image-text model of a type megatrain-ray has not been checked on (covered: "
                 f"{', '.join(COVERED)}); its vision tower's inputs and the way its forward merges image features "

@@ -58,6 +58,9 @@ class LayerLayout:
     kind: str
     prefix: str  # Hugging Face prefix of the local names
     params: tuple[ParamSlot, ...]
+    # The prefix under which checkpoint files name its tensors (ParamSlot.stored), where not
+    # `prefix`: transformers stores Nemotron-H's decoder, `model.` in memory, as `backbone.`
+    stored_prefix: str | None = None
 
     @property
     def numel(self) -> int:
@@ -76,6 +79,10 @@ class LayerLayout:
     def hf_name(self, local: str) -> str:
         return self.prefix + local
 
+    def stored_name(self, local: str) -> str:
+        """The name checkpoint files give a stored tensor (one of stored_params)."""
+        return (self.prefix if self.stored_prefix is None else self.stored_prefix) + local
+
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Bind a flat buffer to named tensors: views, never copies."""
         return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.params}
@@ -86,7 +93,7 @@ class LayerLayout:
 
     def stored_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Hugging Face name -> view of a flat buffer, one per tensor a checkpoint file holds."""
-        return {self.hf_name(s.name): flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.stored_params()}
+        return {self.stored_name(s.name): flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.stored_params()}
 
     def segments(self) -> list[tuple[int, int, bool]]:
         """(start, end, decays) of each parameter, for the optimizer's weight decay."""

@@ -83,7 +83,7 @@ def params_text(count: int) -> str:
 
 def hf_names(arch: ModelArch) -> dict[str, tuple[int, ParamSlot]]:
     """Every Hugging Face tensor name of the model, as checkpoint files name them -> (layer index, slot)."""
-    return {layout.hf_name(p.name): (layout.index, p) for layout in model_layouts(arch) for p in layout.stored_params()}
+    return {layout.stored_name(p.name): (layout.index, p) for layout in model_layouts(arch) for p in layout.stored_params()}
 
 
 def arch_from_hf_config(config: dict[str, Any], implementation: str = "auto") -> ModelArch:

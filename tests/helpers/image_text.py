@@ -67,6 +67,13 @@ TYPES = {
                  {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
                   "vision_config": {"embed_dim": 32, "hidden_size": 64}},
                  {"min_pixels": 28 * 28, "max_pixels": 56 * 56}),
+    # 4 decoder layers and 3 vision blocks, each block's features added after one of the first 3 decoder
+    # layers (deepstack_visual_indexes [8, 16, 24] of its 27 blocks, cut with them); 4 image tokens an image
+    "qwen3_vl": (["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+                 "<|vision_start|><|image_pad|><|vision_end|>",
+                 {"text_config": {"num_hidden_layers": 4, "rope_parameters": {"mrope_section": [4, 2, 2]}},
+                  "vision_config": {"out_hidden_size": 64, "depth": 3, "deepstack_visual_indexes": [0, 1, 2]}},
+                 {"min_pixels": 64 * 64, "max_pixels": 64 * 64, "patch_size": 16}),
     # its processor (Pixtral's) needs torchvision, which the CPU machines lack: no processor files;
     # its micro-batches are made by hand (hand_made_batches)
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
@@ -128,7 +135,8 @@ def save_processor(model_type: str, tokenizer, chat_template: str, directory: Pa
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     image_sizes, extra = TYPES[model_type][3], PROCESSOR_KWARGS.get(model_type, {})
-    image_processor = get_image_processor_class_from_name(IMAGE_PROCESSOR_MAPPING_NAMES[model_type]["pil"])(**image_sizes)
+    names = IMAGE_PROCESSOR_MAPPING_NAMES[IMAGE_PROCESSOR_OF.get(model_type, model_type)]
+    image_processor = get_image_processor_class_from_name(names["pil"])(**image_sizes)
     image_processor.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     (directory / "chat_template.jinja").write_text(chat_template)
@@ -148,6 +156,11 @@ PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy"
 # tokens and processor settings
 for by_type in (TYPES, TYPE_TOKEN_KEYS, PROCESSOR_KWARGS):
     by_type["smolvlm"] = by_type["idefics3"]
+# Qwen3-VL-MoE: Qwen3-VL's tower, tokens and image processor, a decoder of 4 experts (2 a token)
+TYPES["qwen3_vl_moe"] = (*TYPES["qwen3_vl"][:2], {**TYPES["qwen3_vl"][2], "text_config": {
+    **TYPES["qwen3_vl"][2]["text_config"], "num_local_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2}},
+    TYPES["qwen3_vl"][3])
+IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 

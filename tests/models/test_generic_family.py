@@ -78,12 +78,25 @@ MODEL_TYPES = {
     "falcon_h1": {},
     "bamba": {},
     "granitemoehybrid": {},
+    "nemotron_h": {},  # Mamba-2, attention, MLP and expert layers; its decoder stored as `backbone.`
     "phimoe": {"router_jitter_noise": 0.0},  # the same (its default: 0.01)
     # per-layer input embeddings, and a layer with a configuration of its own (per_layer_config: the
     # full-attention layer's wider heads); 6 of its 30 layers, its pattern of 5 sliding to 1 full as
     # the defaults derive it for 6 (the last of each type keeps its keys and values: a kind of its own)
     "gemma4_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
                     "per_layer_config": {5: {"head_dim": 512}}},
+    # AltUp (4 predictions of the hidden states), per-layer inputs, and layers that reuse the keys and
+    # values an earlier layer stores: 10 of its 35 layers, its pattern of 4 sliding to 1 full, the last
+    # half reusing (15 of 35) and the first 3 with sparse activations (10 of 35)
+    "gemma3n_text": {"num_hidden_layers": 10, "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 2,
+                     "num_kv_shared_layers": 5, "activation_sparsity_pattern": [0.95] * 3 + [0.0] * 7,
+                     "intermediate_size": [16384] * 10},  # its default per layer, for 10 (small_config cuts it)
+    # Gemma 4 whose later layers reuse the keys and values of the last earlier one of their type
+    # (num_kv_shared_layers); 12 layers, 5 sliding to 1 full, the last 6 reusing, the full-attention
+    # layers with their wider heads
+    "gemma4_text:shared_kv": {"num_hidden_layers": 12, "num_kv_shared_layers": 6,
+                              "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2,
+                              "per_layer_config": {5: {"head_dim": 512}, 11: {"head_dim": 512}}},
     # kimi_linear trains too (examples/model_table.py), but 5 steps here take minutes on the CPU:
     # transformers' PyTorch fallback of its linear attention loops over a 64-token chunk
 }
@@ -94,13 +107,15 @@ MODEL_TYPES = {
 # the step's own order), but many of its gradient entries (its attention projections' and norms',
 # once clipped) lie near an eps of 1e-6, where such rounding becomes a visible difference of step,
 # and its random small instance amplifies it step after step: with eps 1e-6 its export differs by
-# 8e-5 after 3 steps, with 1e-3 by 3e-6 (1.3e-5 after 5).
-RUN = {"gemma4_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}}}
+# 8e-5 after 3 steps, with 1e-3 by 3e-6 (1.3e-5 after 5). Gemma 3n the same: 5e-5 after 3 steps at 1e-6.
+RUN = {"gemma4_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
+       "gemma4_text:shared_kv": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
+       "gemma3n_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}}}
 
 
 def small_model_config(model_type: str) -> dict:
-    """transformers' defaults for the model_type, small (hf_modules.small_config)."""
-    full = {**AutoConfig.for_model(model_type).to_dict(), **MODEL_TYPES[model_type]}
+    """transformers' defaults for the model_type (`type:variant`: the type's), small (hf_modules.small_config)."""
+    full = {**AutoConfig.for_model(model_type.split(":")[0]).to_dict(), **MODEL_TYPES[model_type]}
     full = {k: v for k, v in full.items() if k not in ("transformers_version", "architectures")}
     kinds = hm.decoder_parts(hm.build_empty(full)).kinds
     return hm.small_config(full, kinds)
@@ -127,6 +142,16 @@ def check_export(export: Path, arch, model, initial: dict) -> None:
         assert rel(ours[key], expected) < RTOL, key
         if key in learned and learned[key].grad is not None and learned[key].grad.abs().sum() > 0:
             assert not torch.equal(ours[key], initial[key]), f"{key} did not train"
+
+
+def stored_names(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
 
 
 def with_mtp_tensors(model_dir: Path, model) -> dict[str, torch.Tensor]:
@@ -186,7 +211,8 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "bamba", "phimoe", "cohere", "exaone4", "helium", "ministral", "smollm3", "stablelm", "starcoder2",
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
-                    "gemma4_text")
+                    "gemma4_text", "nemotron_h", "gemma3n_text",
+                    "gemma4_text:shared_kv")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
@@ -224,6 +250,8 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     losses, export = steps_and_export(config, arch, config.model.path, data, tmp_path / "export")
     assert losses == pytest.approx(train_transformers(model, config, data), rel=RTOL)
     check_export(export, arch, model, initial)
+    saved_names = {n for n in stored_names(Path(config.model.path)) if not TRANSFORMERS.carried(arch, n)}
+    assert stored_names(export) == saved_names, "the export names its tensors as transformers' save_pretrained does"
 
 
 def test_per_layer_inputs_flow_behind_the_hidden_states_and_the_plan_counts_them(tmp_path):
@@ -252,6 +280,45 @@ def test_per_layer_inputs_flow_behind_the_hidden_states_and_the_plan_counts_them
     TRANSFORMERS.block(arch, weights[-2], x, store)
     assert not store.kwargs["shared_kv_states"], "nothing keeps them: no layer reads them here"
     assert hidden_state_bytes(arch, config) == BATCH * SEQ * arch.stream_width * 4
+
+
+def test_altup_and_shared_keys_and_values_flow_behind_the_hidden_states(tmp_path):
+    """Gemma 3n: what flows is its layers' 4 stacked predictions of the hidden states side by side
+    (transformers' own, as its decoder hands them to the first layer), the keys and values that a
+    layer of each attention type stores for the later layers of its type (zero until then, then
+    what transformers' layers leave them), and the per-layer inputs; the planner counts that width.
+    The steps against transformers above check that the reusing layers read them."""
+    from megatrain_ray.planning.plan import hidden_state_bytes
+
+    model, arch, _config_file, config, data = prepared("gemma3n_text", tmp_path)
+    cfg, hidden = model.config, arch.hidden_size
+    kv_width = 2 * sum(cfg.num_key_value_heads * cfg.head_dim for mode in cfg.kv_sharing_modes if mode == "store")
+    assert arch.hidden_width == cfg.altup_num_inputs * hidden and arch.shared_kv_width == kv_width > 0
+    assert arch.stream_width == arch.hidden_width + kv_width + arch.num_layers * cfg.hidden_size_per_layer_input
+    assert hidden_state_bytes(arch, config) == BATCH * SEQ * arch.stream_width * 4
+    mb = data[0][0]
+    first, shared = {}, {}
+    hooks = [model.model.layers[0].register_forward_pre_hook(lambda m, a, k: first.update(x=a[0]), with_kwargs=True),
+             model.model.layers[-1].register_forward_pre_hook(lambda m, a, k: shared.update(k["shared_kv_states"]),
+                                                             with_kwargs=True)]
+    with torch.no_grad():
+        model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    state = model.state_dict()
+    layouts = TRANSFORMERS.layouts(arch)
+    weights = [{p.name: state[layout.hf_name(p.name)] for p in layout.params} for layout in layouts]
+    with torch.no_grad():
+        x = TRANSFORMERS.embed(arch, weights[0], mb["input_ids"])
+        assert torch.equal(x[..., :arch.hidden_width], first["x"].movedim(0, -2).flatten(-2))
+        kv = slice(arch.hidden_width, arch.hidden_width + kv_width)
+        assert not x[..., kv].any(), "no keys and values before their layers store them"
+        ctx = TRANSFORMERS.context(arch, mb["position_ids"], x.dtype)
+        for layer in range(1, arch.num_layers + 1):
+            x = TRANSFORMERS.block(arch, weights[layer], x, TRANSFORMERS.layer_context(arch, ctx, layer))
+    theirs = torch.cat([t.transpose(-3, -2).flatten(-2) for kind in dict.fromkeys(cfg.layer_types)
+                        for t in shared[kind]], dim=-1)
+    assert rel(x[..., kv], theirs) < 1e-6
 
 
 def test_the_routers_load_balancing_loss_trains_as_transformers_adds_it(tmp_path):

@@ -60,6 +60,15 @@ def vision_of(model) -> set[str]:
     return {n for n, _ in model.named_parameters() if n[len(prefix):] not in inner and not n.startswith("lm_head")}
 
 
+def exact_copy(model):
+    """The model in float64: the exact result that fp32's runs both round. Its experts run one by
+    one (grouped_mm, transformers' default for them, has no float64)."""
+    exact = copy.deepcopy(model).double()
+    if any("experts" in name for name, _ in exact.named_modules()):
+        exact.set_experts_implementation("eager")
+    return exact
+
+
 def transformers_losses(model, config, data, train_vision: bool) -> list[float]:
     for name, p in model.named_parameters():
         p.requires_grad_(train_vision or name not in vision_of(model))
@@ -93,7 +102,7 @@ def steps_in_process(model_type: str, tmp_path: Path, train_vision: bool = False
     data = the_runs_batches(config, arch.vocab_size)
     assert all("pixel_values" in mb for step in data for mb in step), "each micro-batch carries its images"
     losses, export = steps_and_export(config, arch, config.model.path, data, tmp_path / "export")
-    exact_model = copy.deepcopy(model).double()  # the exact result fp32's runs both round
+    exact_model = exact_copy(model)
     assert losses == pytest.approx(transformers_losses(model, config, data, train_vision), rel=RTOL)
     transformers_losses(exact_model, config, data, train_vision)
     check_export(export, model, exact_model, initial, set() if train_vision else vision_of(model))
@@ -114,7 +123,7 @@ def test_train_command_trains_as_transformers_and_skips_an_unreadable_image(loca
     out = capsys.readouterr().out
     assert "1 unreadable image" in out and "its vision tower and projector frozen" in out
     data = the_runs_batches(config, model.config.text_config.vocab_size)
-    exact_model = copy.deepcopy(model).double()
+    exact_model = exact_copy(model)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records] == pytest.approx(transformers_losses(model, config, data, False), rel=RTOL)
     transformers_losses(exact_model, config, data, False)
@@ -137,7 +146,7 @@ def test_mistral3_from_micro_batches_made_as_its_processor_makes_them(tmp_path):
     arch = model_arch(config.model)
     data = hand_made_batches(model_dir, STEPS)
     losses, export = steps_and_export(config, arch, model_dir, data, tmp_path / "export")
-    exact_model = copy.deepcopy(model).double()
+    exact_model = exact_copy(model)
     assert losses == pytest.approx(transformers_losses(model, config, data, False), rel=RTOL)
     transformers_losses(exact_model, config, data, False)
     check_export(export, model, exact_model, initial, vision_of(model))
@@ -203,8 +212,11 @@ def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
         second.close()
 
 
-def test_train_vision_trains_the_tower_as_transformers_does(tmp_path):
-    steps_in_process("qwen2_5_vl", tmp_path, train_vision=True)
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_train_vision_trains_the_tower_as_transformers_does(tmp_path, model_type):
+    """Qwen3-VL's deepstack mergers get their gradients only through the features that the first
+    decoder layers add: they train as transformers trains them."""
+    steps_in_process(model_type, tmp_path, train_vision=True)
 
 
 def test_dropout_in_a_sub_config_is_replayed_in_the_recompute(tmp_path):
@@ -218,3 +230,36 @@ def test_dropout_in_a_sub_config_is_replayed_in_the_recompute(tmp_path):
     saved["text_config"]["attention_dropout"] = 0.1
     (Path(config.model.path) / "config.json").write_text(json.dumps(saved))
     assert TRANSFORMERS.draws_random(model_arch(config.model))
+
+
+def test_deepstack_features_flow_behind_the_hidden_states_and_the_plan_counts_them(tmp_path):
+    """Qwen3-VL: the embedding layer hands on the hidden states and, per deepstack layer, the
+    vision tower's features at the image tokens (zero elsewhere), as transformers' own vision
+    forward makes them; a block hands them on unchanged behind its output (the first ones add
+    theirs to it: the steps against transformers above), and the planner's boundary activations
+    are that wide."""
+    from megatrain_ray.models.generic import TRANSFORMERS
+    from megatrain_ray.planning.plan import hidden_state_bytes
+
+    model, config = prepared("qwen3_vl", tmp_path)
+    arch = model_arch(config.model)
+    deep, hidden = len(model.config.vision_config.deepstack_visual_indexes), arch.hidden_size
+    assert 0 < arch.deepstack_layers == deep < arch.num_layers
+    assert arch.stream_width == hidden * (1 + deep)
+    mb = the_runs_batches(config, arch.vocab_size)[0][0]
+    state = model.state_dict()
+    layouts = model_layouts(arch)
+    weights = [{p.name: state[layout.hf_name(p.name)] for p in layout.params} for layout in layouts]
+    model.set_attn_implementation("sdpa")  # as the streamed layers run it: the same arithmetic
+    with torch.no_grad():
+        x = TRANSFORMERS.embed(arch, weights[0], TRANSFORMERS.embed_inputs(arch, mb))
+        maps = model.model.get_image_features(mb["pixel_values"], mb["image_grid_thw"], return_dict=True)
+        ctx = TRANSFORMERS.batch_context(arch, mb, x.dtype)
+        y = TRANSFORMERS.block(arch, weights[1], x, TRANSFORMERS.layer_context(arch, ctx, 1))
+    at = mb["input_ids"] == model.config.image_token_id
+    theirs = torch.zeros(*at.shape, deep, hidden)
+    theirs[at] = torch.stack([torch.cat(m) for m in maps.deepstack_features], dim=-2)
+    assert at.any() and theirs[at].abs().sum() > 0
+    assert torch.equal(x[..., hidden:].unflatten(-1, (deep, hidden)), theirs)
+    assert torch.equal(y[..., hidden:], x[..., hidden:])
+    assert hidden_state_bytes(arch, config) == config.train.micro_batch_size * config.data.seq_len * arch.stream_width * 4
