@@ -264,7 +264,8 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     t_drain = time.perf_counter()
     session.drain()
     drain_s = time.perf_counter() - t_drain
-    optimizer_s = probe.optimizer_seconds()
+    per_store = probe.optimizer_seconds()
+    optimizer_s = max(per_store)  # the stores step side by side
     timed = [r for r in rows if not r["warmup"]]
     summary = {k: statistics.median(r[k] for r in timed) for k in timed[0] if isinstance(timed[0][k], (int, float))}
     tokens = sum(r["tokens"] for r in timed)
@@ -277,6 +278,7 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     summary["rates"] = rates.describe() if rates else "none: the CPU"
     summary["optimizer_s_per_step"] = optimizer_s / len(rows)
     summary["optimizer_gparams_per_s"] = num_params(arch) / summary["optimizer_s_per_step"] / 1e9
+    summary["optimizer_per_store"] = store_rates(session, arch, [s / len(rows) for s in per_store])
     summary["bound"] = bound_by(summary)
     summary["final_drain_s"] = drain_s
     summary["host_state_bytes"] = probe.host_state_bytes()
@@ -286,13 +288,38 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     summary["remote_gb_out_per_step"] = bytes_out / len(rows) / 1e9
     summary["remote_window_gib"] = probe.remote_host_bytes() / 2**30
     print(f"timed: {len(timed)} steps, {tokens} tokens in {wall:.2f} s; host optimizer {optimizer_s / len(rows):.2f} s "
-          f"per step ({summary['optimizer_gparams_per_s']:.2f} G params/s), overlapped with the next step where it "
+          f"per step{' (the slowest store: they step side by side)' if len(per_store) > 1 else ''} ({summary['optimizer_gparams_per_s']:.2f} G params/s), overlapped with the next step where it "
           f"can be (the last step's took {drain_s:.2f} s more to drain, outside the window)", flush=True)
+    if len(per_store) > 1 or bytes_in:
+        print("host optimizer per store: " + "; ".join(describe_store_rate(r) for r in summary["optimizer_per_store"]),
+              flush=True)
     if bytes_in:
         print(f"from RAM nodes: {summary['remote_gb_in_per_step']:.2f} GB of weights in and "
               f"{summary['remote_gb_out_per_step']:.2f} GB of gradients out per step, through a window of "
               f"{summary['remote_window_gib']:.2f} GiB on the GPU node", flush=True)
     return {"steps": rows, "median": summary}
+
+
+def store_rates(session, arch: ModelArch, seconds_per_step: list[float]) -> list[dict]:
+    """Each store's AdamW per step: its parameters, seconds, rate and threads (the placement's)."""
+    from megatrain_ray.models.registry import model_layouts
+
+    numels = [layout.numel for layout in model_layouts(arch)]
+    rows = []
+    for plan, seconds in zip(session.placement.stores, seconds_per_step):
+        params = sum(numels[i] for i in plan.layers)
+        rate = params / seconds if seconds > 0 else 0.0
+        rows.append({"node": plan.node.ip, "ram_node": plan.node.ram_node, "params": params, "seconds": seconds,
+                     "gparams_per_s": rate / 1e9, "threads": plan.threads,
+                     "gparams_per_s_per_thread": rate / 1e9 / plan.threads if plan.threads else None})
+    return rows
+
+
+def describe_store_rate(row: dict) -> str:
+    per = (f" on {row['threads']} threads ({row['gparams_per_s_per_thread']:.3f} a thread)"
+           if row["threads"] else "")
+    return (f"{row['node']}{' (RAM node)' if row['ram_node'] else ''} {row['params'] / 1e9:.2f} B params in "
+            f"{row['seconds']:.2f} s, {row['gparams_per_s']:.2f} G params/s{per}")
 
 
 def bound_by(summary: dict) -> str:

@@ -28,6 +28,10 @@ class ProbedStore(ShardStoreActor):
         seconds, self.optimizer_seconds = self.optimizer_seconds, 0.0
         return seconds
 
+    def optimizer_threads(self) -> int:
+        """The threads its AdamW runs on (the placement's count for it: planning/placement.py)."""
+        return torch.get_num_threads()
+
     def memory_status(self) -> dict:
         """This process's resident memory and the node's, to spot a host that runs out."""
         return {"rss_bytes": resident_bytes(), "node_available_bytes": available_memory(), "major_faults": major_faults()}
@@ -103,9 +107,10 @@ class Probe:
     def _all(self, actors, method: str, *args, what: str):
         return self.session.wait([getattr(a, method).remote(*args) for a in actors], what)
 
-    def optimizer_seconds(self) -> float:
-        """Seconds every store spent in AdamW since the last call, summed."""
-        return sum(self._all(self.session.stores, "take_optimizer_seconds", what="reading the optimizer's time"))
+    def optimizer_seconds(self) -> list[float]:
+        """Seconds each store spent in AdamW since the last call, in the placement's order (stores run
+        side by side: the step waits for the slowest, not for their sum)."""
+        return self._all(self.session.stores, "take_optimizer_seconds", what="reading the optimizer's time")
 
     def host_state_bytes(self) -> int:
         return sum(self._all(self.session.stores, "host_bytes", what="reading the stores' size"))

@@ -37,8 +37,10 @@ class ShardStoreActor(ShardStore):
     workers', and its host memory is taken in `allocate` only once the driver's plan of the step fits.
     """
 
-    def __init__(self, threads: int | None = None, reserved_cores: int = 2):
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - reserved_cores))
+    def __init__(self, threads: int | None = None):
+        """`threads`: the placement's for this store (planning/placement.py, store_threads); None (a
+        node whose CPUs Ray does not count): this machine's cores less two."""
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - 2))
         self.server: LayerServer | None = None
         self.shm_paths, self.grad_shm_paths, self.extra_shm_paths = {}, {}, []  # what `close` releases
 

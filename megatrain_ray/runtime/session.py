@@ -123,8 +123,7 @@ class Session:
         p = self.placement
         return [ray.remote(self.store_class)
                 .options(num_cpus=0, scheduling_strategy=on_node(plan.node.node_id))
-                .remote(threads=self.config.runtime.optimizer_threads,
-                        reserved_cores=1 + p.num_gpus if plan.node.node_id == p.gpu.node_id else 2)
+                .remote(threads=plan.threads)
                 for plan in p.stores]
 
     def _allocate_stores(self) -> None:
