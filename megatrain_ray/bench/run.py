@@ -16,6 +16,7 @@ from megatrain_ray.bench.parts import bench_parts
 from megatrain_ray.bench.ram_nodes import local_ram_nodes
 from megatrain_ray.bench.workload import Shape, matmul_params, model_flops_per_token, random_micro_batches
 from megatrain_ray.config import ConfigError, config_from_dict
+from megatrain_ray.host.memory import process_age
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_arch, num_params
 from megatrain_ray.planning.plan import PlanError, describe, predict_step
@@ -181,17 +182,21 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda ru
     from megatrain_ray.runtime.session import Session
 
     config = bench_config(args, shapes[0])
+    timeline = {"imports": process_age()}
     with contextlib.ExitStack() as stack:
         if args.ram_nodes:
             stack.enter_context(local_ram_nodes(args.ram_nodes))
         connect(config.runtime)
+        timeline["Ray"] = process_age()
         rates = step_rates(config)  # before the session's workers hold the GPUs
+        timeline["rates"] = process_age()
         print(f"step-time rates: {rates.describe()}" if rates else NO_GPU, flush=True)
         session = Session(config, arch, worker_class=ProbedWorker, store_class=ProbedStore)
-        return run_shapes(arch, args, shapes, session, on_shape, rates)
+        return run_shapes(arch, args, shapes, session, on_shape, rates, timeline)
 
 
-def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, rates=None) -> list[dict]:
+def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, rates=None,
+               timeline: dict[str, float] | None = None) -> list[dict]:
     import ray
 
     from megatrain_ray.bench.telemetry import Probe
@@ -200,12 +205,12 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, ra
     print(session.placement.describe(arch), flush=True)
     try:
         t0 = time.perf_counter()
-        session.init_weights()
-        t1 = time.perf_counter()
+        session.init_weights(wait=False)  # the stores fill their layers while the workers build
         device = session.start_executor()  # a first shape that cannot fit raised its PlanError in Session
         t2 = time.perf_counter()
-        print(f"executor device: {device}; init {t2 - t0:.1f} s (weights {t1 - t0:.1f} s, workers "
-              f"{t2 - t1:.1f} s)", flush=True)
+        print(f"executor device: {device}; init {t2 - t0:.1f} s (side by side: the stores' weights "
+              f"{session.marks['weights'] - t0:.1f} s, the workers' build {session.marks['workers built'] - t0:.1f} s)",
+              flush=True)
         results = []
         for i, shape in enumerate(shapes):
             print(f"-- {shape}", flush=True)
@@ -220,14 +225,15 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, ra
                 print(f"refused: {cause}", flush=True)  # a sweep goes on past a shape that does not fit
                 results.append({**row, "refused": str(cause)})
                 continue
-            results.append({**row, **time_shape(session, probe, arch, args, shape, rates)})
+            results.append({**row, **time_shape(session, probe, arch, args, shape, rates,
+                                                None if i else {**(timeline or {}), **session.start_timeline(process_age())})})
             on_shape(results)
         return results
     finally:
         session.close()
 
 
-def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) -> dict:
+def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, timeline: dict | None = None) -> dict:
     """Steady state: each timed step starts while the previous step's optimizer still runs, as in
     a long run; the window closes when the last step returns (its optimizer would overlap the next
     step), and the drain that follows is reported on its own. `rates`: the GPU's (planning/rates.py);
@@ -245,7 +251,8 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
           flush=True)
     rows = []
     session.drain()
-    probe.optimizer_seconds()
+    if timeline is None:  # a later shape: the last one's counts go; the first has none, and a store call now
+        probe.optimizer_seconds()  # would wait for its moments' pages (ShardStore.fault_in_moments)
     probe.traffic()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -260,6 +267,9 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
         row["driver_node_available_gib"] = available_memory() / 2**30  # no actor call: it would wait for the optimizer
         rows.append(row)
         print(format_row(step, row), flush=True)
+        if timeline is not None and step == 0:
+            timeline["first step"] = process_age()
+            print(start_line(timeline), flush=True)
     wall = time.perf_counter() - t_timed
     t_drain = time.perf_counter()
     session.drain()
@@ -280,6 +290,7 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     summary["optimizer_gparams_per_s"] = num_params(arch) / summary["optimizer_s_per_step"] / 1e9
     summary["optimizer_per_store"] = store_rates(session, arch, [s / len(rows) for s in per_store])
     summary["bound"] = bound_by(summary)
+    summary["start_timeline_s"] = timeline
     summary["final_drain_s"] = drain_s
     summary["host_state_bytes"] = probe.host_state_bytes()
     summary["store_memory"] = probe.store_memory()
@@ -320,6 +331,16 @@ def describe_store_rate(row: dict) -> str:
            if row["threads"] else "")
     return (f"{row['node']}{' (RAM node)' if row['ram_node'] else ''} {row['params'] / 1e9:.2f} B params in "
             f"{row['seconds']:.2f} s, {row['gparams_per_s']:.2f} G params/s{per}")
+
+
+def start_line(timeline: dict[str, float]) -> str:
+    """The run's start, each part with its own seconds, and the end of the first step counted from
+    the command's start."""
+    names = list(timeline)
+    parts = [f"{names[0]} {timeline[names[0]]:.1f}"] + [f"{b} {max(0.0, timeline[b] - timeline[a]):.1f}"
+                                                          for a, b in zip(names, names[1:])]
+    return (f"start-up: the first step ended {timeline['first step']:.1f} s after the command started "
+            f"(seconds: {', '.join(parts)})")
 
 
 def bound_by(summary: dict) -> str:
