@@ -11,6 +11,8 @@ from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_training import random_micro_batches
 from helpers.runs import make_config
 from helpers.sessions import layer_weights, probed_session
+from megatrain_ray.bench.telemetry import ProbedStore, ProbedWorker
+from megatrain_ray.runtime.session import Session
 
 
 @pytest.mark.parametrize("preset,embedding_step", [("tiny-llama", "host"), ("tiny-qwen3", "host"),
@@ -47,3 +49,31 @@ def test_ray_session_equals_in_process_trainer(local_ray, preset, embedding_step
     assert state[1] == expected_state[1] == dict.fromkeys(state[1], 3)  # each layer's update count
     for name, tensor in expected_state[0].items():
         assert torch.equal(state[0][name], tensor), name
+
+
+def test_the_workers_build_while_the_stores_fill_their_first_weights(local_ray):
+    """The GPU worker (here on the CPU, its embedding stepped on its device) builds from what the
+    stores said at allocation, asking them nothing: it is built while a store still draws its weights,
+    and the first step still reads the drawn weights (the in-process trainer's loss)."""
+    config = make_config("tiny-qwen3", embedding_step="device")
+    arch = PRESETS["tiny-qwen3"]
+    data = random_micro_batches(arch, 1, 2, batch=2, seq=12, seed=1)
+    local = LocalTrainer(config, arch)
+    expected = local.train_step(data[0]).loss
+    local.close()
+
+    class SlowFillStore(ProbedStore):  # first weights that take seconds, as 7B's do (defined here: sent by value)
+        def init_random(self, seed: int, std: float) -> None:
+            import time
+
+            time.sleep(2.0)
+            super().init_random(seed, std)
+
+    session = Session(config, arch, worker_class=ProbedWorker, store_class=SlowFillStore)
+    try:
+        session.init_weights(wait=False)
+        session.start_executor()
+        assert session.marks["weights"] - session.marks["workers built"] > 1.0, session.marks
+        assert session.train_step(data[0]).loss == expected
+    finally:
+        session.close()
