@@ -178,7 +178,7 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda ru
     """Every shape on one set of stores: the host state is built (and registered) once. `on_shape`
     sees the results so far after each shape, so a sweep cut short keeps what it measured."""
     from megatrain_ray.bench.telemetry import ProbedStore, ProbedWorker
-    from megatrain_ray.runtime.cluster import connect, step_rates
+    from megatrain_ray.runtime.cluster import connect
     from megatrain_ray.runtime.session import Session
 
     config = bench_config(args, shapes[0])
@@ -188,14 +188,11 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda ru
             stack.enter_context(local_ram_nodes(args.ram_nodes))
         connect(config.runtime)
         timeline["Ray"] = process_age()
-        rates = step_rates(config)  # before the session's workers hold the GPUs
-        timeline["rates"] = process_age()
-        print(f"step-time rates: {rates.describe()}" if rates else NO_GPU, flush=True)
         session = Session(config, arch, worker_class=ProbedWorker, store_class=ProbedStore)
-        return run_shapes(arch, args, shapes, session, on_shape, rates, timeline)
+        return run_shapes(arch, args, shapes, session, on_shape, timeline)
 
 
-def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, rates=None,
+def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape,
                timeline: dict[str, float] | None = None) -> list[dict]:
     import ray
 
@@ -204,6 +201,8 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, ra
     probe = Probe(session)
     print(session.placement.describe(arch), flush=True)
     try:
+        rates = probe.rates()
+        print(f"step-time rates: {rates.describe()}" if rates else NO_GPU, flush=True)
         t0 = time.perf_counter()
         session.init_weights(wait=False)  # the stores fill their layers while the workers build
         device = session.start_executor()  # a first shape that cannot fit raised its PlanError in Session

@@ -76,6 +76,12 @@ class ProbedWorker(GpuWorker):
         (Path(out_dir) / "top.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
         return out
 
+    def probe_gpu(self) -> tuple[str, float, float]:
+        """planning/rates.py's probes on this worker's GPU (a GPU the rates table lacks)."""
+        from megatrain_ray.planning.rates import probe_gpu
+
+        return probe_gpu()
+
     def transports(self) -> list[str]:
         """How this worker reaches each store: "shm" (same node) or "stream" (TCP)."""
         return self.kinds
@@ -106,6 +112,18 @@ class Probe:
 
     def _all(self, actors, method: str, *args, what: str):
         return self.session.wait([getattr(a, method).remote(*args) for a in actors], what)
+
+    def rates(self):
+        """The rates that predict the step (planning/rates.py): the table's for the workers' GPU, else
+        probed on rank 0's; None on the CPU. From the workers' own devices: no task needs a GPU of
+        its own before the run starts."""
+        from megatrain_ray.planning.rates import rates_for_gpu
+
+        facts = self.session.facts[0]
+        if facts.kind != "cuda":
+            return None
+        return rates_for_gpu(facts.name, probe=lambda: self.session.wait(self.session.gpus[0].probe_gpu.remote(),
+                                                                          "probing the GPU"))
 
     def optimizer_seconds(self) -> list[float]:
         """Seconds each store spent in AdamW since the last call, in the placement's order (stores run

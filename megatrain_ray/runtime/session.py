@@ -84,7 +84,7 @@ class Session:
         try:
             self.gpus = self._launch_workers()
             self.stores = self._launch_stores()  # their processes start beside the workers'
-            facts = self._device_facts()
+            self.facts = facts = self._device_facts()  # each worker's device, as the plan saw it
             self._mark("workers' devices")
             if config.train.objective == "grpo":  # its process starts while the stores fill
                 self.rollouts.append(self._launch_rollout())
