@@ -61,6 +61,6 @@ def load_layers(store: ShardStore, files_by_layer: dict[int, str]) -> None:
 
 def load_hf(store: ShardStore, model_dir: str) -> None:
     """The store's layers from a Hugging Face directory, tensor by tensor (every tensor checked)."""
-    load_hf_weights(model_dir, store.arch, store.master, layers=list(store.layers))
+    load_hf_weights(model_dir, store.arch, store.master, layers=list(store.layers), threads=torch.get_num_threads())
     for state in store.layers.values():
         store.publish(state)
