@@ -28,6 +28,9 @@ NO_GPU = ("the executor runs on the CPU (no GPU, or --device cpu): bench is timi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2.5-1.5b", help="preset name or a Hugging Face config.json / model dir")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder blocks")
+    p.add_argument("--weights", default=None, metavar="DIR",
+                   help="load the first weights from this Hugging Face directory (model.path: config.json and "
+                        "safetensors) instead of drawing them; its config.json gives the model")
     p.add_argument("--implementation", default="auto", choices=["auto", "native", "transformers"],
                    help="model.implementation: a hand-written family (native), transformers' own modules "
                         "(transformers), or the hand-written one where it exists (auto)")
@@ -156,7 +159,8 @@ def bench_config(args, shape: Shape):
     overrides = {"num_layers": args.layers} if args.layers else {}
     master, moments = (args.optim_modes or ["fp32/fp32"])[0].split("/")
     return config_from_dict({
-        "model": {"preset": args.model, "compute_dtype": args.compute_dtype, "overrides": overrides,
+        "model": {"preset": args.model, "path": getattr(args, "weights", None), "compute_dtype": args.compute_dtype,
+                  "overrides": overrides,
                   "implementation": getattr(args, "implementation", "auto")},
         "optim": {"lr": 1e-5, "warmup_steps": 0, "master": master, "moments": moments},
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": shape.micro_batch,
