@@ -330,7 +330,7 @@ def store_rates(session, arch: ModelArch, seconds_per_step: list[float]) -> list
 
 
 def describe_store_rate(row: dict) -> str:
-    per = (f" on {row['threads']} threads ({row['gparams_per_s_per_thread']:.3f} a thread)"
+    per = (f" on {row['threads']} thread{'s' if row['threads'] > 1 else ''} ({row['gparams_per_s_per_thread']:.3f} a thread)"
            if row["threads"] else "")
     return (f"{row['node']}{' (RAM node)' if row['ram_node'] else ''} {row['params'] / 1e9:.2f} B params in "
             f"{row['seconds']:.2f} s, {row['gparams_per_s']:.2f} G params/s{per}")
