@@ -342,8 +342,9 @@ def start_line(timeline: dict[str, float]) -> str:
     names = list(timeline)
     parts = [f"{names[0]} {timeline[names[0]]:.1f}"] + [f"{b} {max(0.0, timeline[b] - timeline[a]):.1f}"
                                                           for a, b in zip(names, names[1:])]
-    return (f"start-up: the first step ended {timeline['first step']:.1f} s after the command started "
-            f"(seconds: {', '.join(parts)})")
+    began = max(t for what, t in timeline.items() if what != "first step")
+    return (f"start-up: the first step began {began:.1f} s and ended {timeline['first step']:.1f} s after the command "
+            f"started (seconds: {', '.join(parts)})")
 
 
 def bound_by(summary: dict) -> str:

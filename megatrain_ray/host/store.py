@@ -196,8 +196,11 @@ class ShardStore:
         """Fresh moments (zeros the kernel hands out page by page at their first write: host/memory.py,
         `zeroed`) written now, in torch's threads: their pages are taken here, in the idle time while
         the first step computes, and not inside the first update, whose layers the next forward waits
-        for. Only on moments nothing has written yet (after init_random or a Hugging Face load)."""
-        for state in self.layers.values():
+        for. Only on moments nothing has written yet (after init_random or a Hugging Face load). Never on
+        a layer a GPU worker steps (share_state): the worker writes those moments, maybe by now."""
+        for index, state in self.layers.items():
+            if index in self.state_shm_paths or state.held is not None:
+                continue
             state.exp_avg.zero_()
             state.exp_avg_sq.zero_()
 
