@@ -137,12 +137,14 @@ def test_fresh_moments_take_no_memory_until_written_and_the_embedding_state_is_s
         moments = sum(t.numel() * t.element_size() for s in store.layers.values() for t in (s.exp_avg, s.exp_avg_sq))
         assert moments > 60 * 2**20
         assert resident_bytes() - before < 0.1 * moments
-        shared = store.layers[1]
+        shared, own = store.layers[1], store.layers[2]
         shared.exp_avg.fill_(0.25)  # as a GPU worker's step of the layer would have written it
+        own_moments = sum(t.numel() * t.element_size() for t in (own.exp_avg, own.exp_avg_sq))
+        before = resident_bytes()
         store.fault_in_moments()
+        assert resident_bytes() - before > 0.9 * own_moments
         assert torch.all(shared.exp_avg == 0.25), "a layer a worker steps is never zeroed by the store"
         shared.exp_avg.zero_()
-        assert resident_bytes() - before > 0.9 * moments
         assert all(not t.any() for s in store.layers.values() for t in (s.exp_avg, s.exp_avg_sq))
         paths = store.share_state(1)
         assert Path(paths["exp_avg"]).stat().st_size == shared.exp_avg.numel() * 4
