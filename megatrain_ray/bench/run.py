@@ -211,9 +211,10 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape,
         session.init_weights(wait=False)  # the stores fill their layers while the workers build
         device = session.start_executor()  # a first shape that cannot fit raised its PlanError in Session
         t2 = time.perf_counter()
-        print(f"executor device: {device}; init {t2 - t0:.1f} s (side by side: the stores' weights "
-              f"{session.marks['weights'] - t0:.1f} s, the workers' build {session.marks['workers built'] - t0:.1f} s)",
-              flush=True)
+        weights = (f"{session.marks['weights'] - t0:.1f} s" if "weights" in session.marks
+                   else "still filling: the first step reads each layer as it lands")
+        print(f"executor device: {device}; init {t2 - t0:.1f} s (side by side: the stores' weights {weights}, "
+              f"the workers' build {session.marks['workers built'] - t0:.1f} s)", flush=True)
         results = []
         for i, shape in enumerate(shapes):
             print(f"-- {shape}", flush=True)
@@ -253,9 +254,9 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
     print(f"plan:\n{describe(planned, session.config, session.plan, rates=rates, no_prediction=None if rates else NO_GPU)}",
           flush=True)
     rows = []
-    session.drain()
-    if timeline is None:  # a later shape: the last one's counts go; the first has none, and a store call now
-        probe.optimizer_seconds()  # would wait for its moments' pages (ShardStore.fault_in_moments)
+    if timeline is None:  # a later shape: the last one's updates land and its counts go; the first has none,
+        session.drain()  # and waiting now would wait for the layers still filling, and a store call for
+        probe.optimizer_seconds()  # its moments' pages (ShardStore.fault_in_moments)
     probe.traffic()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:

@@ -181,20 +181,18 @@ def load_hf_weights(
     layer_buffer: Callable[[int], torch.Tensor],
     layers: Iterable[int] | None = None,
     threads: int = 1,
+    checked: bool = False,
 ) -> None:
     """Fill each layer's flat fp32 buffer from a Hugging Face safetensors model directory.
 
     The whole checkpoint is validated (config, names, shapes) before anything is copied. `layers`
     restricts the copy to the layers a caller owns (a store holding part of the model); every
-    tensor is still checked. `threads`: how many read at once (copy_tensors).
+    tensor is still checked. `threads`: how many read at once (copy_tensors). `checked`: the
+    directory passed `check_hf_dir` already (a store loading it a layer at a time): its config and
+    a stored tied head are not read again.
     """
     model_dir = Path(model_dir)
-    check_config(model_dir, arch)
-    files = weight_files(model_dir)
-    reads, tied_head_file = plan_reads(files, arch)
-    if tied_head_file is not None:
-        embed_file = next(file for name, file, _, _ in reads if name == family(arch).embed_name)
-        check_tied_head(arch, tied_head_file, embed_file)
+    reads = plan_reads(weight_files(model_dir), arch)[0] if checked else check_hf_dir(model_dir, arch)
     wanted = None if layers is None else set(layers)
     buffers: dict[int, torch.Tensor] = {}
     targets = []
@@ -282,6 +280,17 @@ def tensor_offsets(file: Path) -> dict[str, tuple[str, int, int]]:
     start = 8 + length
     return {name: (entry["dtype"], start + entry["data_offsets"][0], start + entry["data_offsets"][1])
             for name, entry in header.items() if name != "__metadata__"}
+
+
+def check_hf_dir(model_dir: Path, arch: ModelArch) -> list[tuple[str, Path, int, ParamSlot]]:
+    """The directory's config, every tensor's name and shape, and a stored tied head, checked
+    against the model; returns what to copy where (plan_reads)."""
+    check_config(model_dir, arch)
+    reads, tied_head_file = plan_reads(weight_files(model_dir), arch)
+    if tied_head_file is not None:
+        embed_file = next(file for name, file, _, _ in reads if name == family(arch).embed_name)
+        check_tied_head(arch, tied_head_file, embed_file)
+    return reads
 
 
 def checked_buffer(buf: torch.Tensor, layer: int, arch: ModelArch) -> torch.Tensor:

@@ -179,11 +179,11 @@ class ShardStore:
         return sum(seen.values())
 
     # ---- initial weights -------------------------------------------------------------------
-    def init_random(self, seed: int, std: float) -> None:
-        """Each layer drawn by as many threads as torch's (the store's optimizer threads), then
-        published by torch's own."""
+    def init_random(self, seed: int, std: float, layers: list[int] | None = None) -> None:
+        """Each layer (of `layers`, default all) drawn by as many threads as torch's (the store's
+        optimizer threads), then published by torch's own."""
         with ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="init") as pool:
-            for state in self.layers.values():
+            for state in (self.layers[i] for i in (self.layers if layers is None else layers)):
                 if state.master.dtype == torch.float32:
                     init_layer_weights(family(self.arch), state.layout, state.master, seed, std, pool)
                 else:  # drawn in fp32 as an exact run draws them, then rounded as its compute copy is

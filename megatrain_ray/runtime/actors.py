@@ -57,8 +57,11 @@ class ShardStoreActor(ShardStore):
         return list(self.layers)
 
     # ---- files (files/shard.py) ---------------------------------------------------------------
-    def load_hf(self, model_dir: str) -> None:
-        shard.load_hf(self, model_dir)
+    def load_hf(self, model_dir: str, layers: list[int] | None = None, checked: bool = False) -> None:
+        shard.load_hf(self, model_dir, layers, checked)
+
+    def check_hf(self, model_dir: str) -> None:
+        shard.check_hf(self, model_dir)
 
     def load_layers(self, files_by_layer: dict[int, str]) -> None:
         shard.load_layers(self, files_by_layer)
@@ -191,6 +194,11 @@ class GpuWorker:
             for i in r.layers:
                 store_of[i], link_of[i], remote[i] = store, link, numels[i]
         return WindowSource(store_of, link_of, remote, dtype, self.plan.window_slots)
+
+    def expect_first_weights(self, fills: dict) -> None:
+        """Each layer's first weights, still landing (a store's fill call per layer): the first
+        read of a layer waits for its own (Session.init_weights, wait=False)."""
+        self.layers.expect(fills)
 
     def _expect(self, updates_elsewhere: dict | None) -> None:
         """The other workers' updates since this worker's last step: its reads wait for them."""

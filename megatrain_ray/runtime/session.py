@@ -80,7 +80,8 @@ class Session:
         self.gpu_ids: list[list[str]] = []  # each worker's GPUs, as Ray gave them
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
         self.carried_from: str | None = None  # where the carried tensors are (files/carried.py)
-        self._filling: list = []  # the stores' first weights, while the workers build (init_weights)
+        self._filling: list = []  # stores filling their first weights in one call each (init_weights)
+        self._first_reads: dict = {}  # layer -> the call filling it, for the first step's reads to wait on
         try:
             self.gpus = self._launch_workers()
             self.stores = self._launch_stores()  # their processes start beside the workers'
@@ -156,19 +157,32 @@ class Session:
     # -- the first weights -------------------------------------------------------------------------
     def init_weights(self, wait: bool = True) -> None:
         """From model.path (a Hugging Face directory) when given, else random from train.seed.
-        wait=False: the stores fill their layers while the GPU workers build (`start_executor`, which
-        then waits for both before it returns)."""
+        wait=False: the stores fill their layers while the GPU workers build (`start_executor`), and a
+        store the workers reach through shared memory fills one layer per call, in layer order: the
+        first step reads each layer as soon as its own call is done, while later layers still fill
+        (`_first_reads`). A store on another node fills in one call, which `start_executor` waits for."""
         path = self.config.model.path
         if path:
             self.carried_from = path
-            refs = [store.load_hf.remote(path) for store in self.stores]
-        else:
-            refs = [s.init_random.remote(self.config.train.seed, self.config.model.init_std) for s in self.stores]
-        self._filling = refs
+        if path and not wait:  # a directory that does not fit fails here, not in the first step
+            self.wait([store.check_hf.remote(path) for store in self.stores], f"checking {path}")
+        here = self.placement.gpu.node_id
+        for store, plan in zip(self.stores, self.placement.stores):
+            if wait or plan.node.node_id != here:
+                self._filling.append(self._fill(store, None, checked=False))
+            else:
+                self._first_reads.update({i: self._fill(store, [i], checked=True) for i in plan.layers})
         for store in self.stores:  # queued behind the fill, never waited for: the first step's updates follow it
             store.fault_in_moments.remote()
         if wait:
             self._wait_filled()
+
+    def _fill(self, store, layers: list[int] | None, checked: bool):
+        """One call filling a store's layers (`layers`, default all): model.path, else random."""
+        path = self.config.model.path
+        if path:
+            return store.load_hf.remote(path, layers, checked)
+        return store.init_random.remote(self.config.train.seed, self.config.model.init_std, layers)
 
     def _wait_filled(self) -> None:
         if self._filling:
@@ -207,6 +221,9 @@ class Session:
         names = self.wait([w.start.remote(self.plan, self.stores, nodes, self.reach, self._updates_done, p.gpu.ip,
                                           port) for w in self.gpus], "starting the GPU workers")
         self._mark("workers built")
+        if self._first_reads:
+            self.wait([w.expect_first_weights.remote(self._first_reads) for w in self.gpus], "starting the GPU workers")
+            self._first_reads = {}
         self._wait_filled()
         return names[0] if len(names) == 1 else f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
 

@@ -51,29 +51,33 @@ def test_ray_session_equals_in_process_trainer(local_ray, preset, embedding_step
         assert torch.equal(state[0][name], tensor), name
 
 
-def test_the_workers_build_while_the_stores_fill_their_first_weights(local_ray):
+def test_the_workers_build_and_the_first_step_begins_while_the_stores_fill_their_first_weights(local_ray):
     """The GPU worker (here on the CPU, its embedding stepped on its device) builds from what the
-    stores said at allocation, asking them nothing: it is built while a store still draws its weights,
-    and the first step still reads the drawn weights (the in-process trainer's loss)."""
+    stores said at allocation, asking them nothing, and the store on its node fills a layer per call:
+    the run starts while the last layer (the head) still takes seconds to draw, and the first step
+    reads each layer once its own call is done (the in-process trainer's loss)."""
+    import time
+
     config = make_config("tiny-qwen3", embedding_step="device")
     arch = PRESETS["tiny-qwen3"]
+    head = arch.num_layers + 1
     data = random_micro_batches(arch, 1, 2, batch=2, seq=12, seed=1)
     local = LocalTrainer(config, arch)
     expected = local.train_step(data[0]).loss
     local.close()
 
-    class SlowFillStore(ProbedStore):  # first weights that take seconds, as 7B's do (defined here: sent by value)
-        def init_random(self, seed: int, std: float) -> None:
-            import time
+    class SlowHeadStore(ProbedStore):  # a head that takes seconds, as 7B's layers do (defined here: sent by value)
+        def init_random(self, seed: int, std: float, layers=None) -> None:
+            if layers is None or head in layers:
+                time.sleep(2.0)
+            super().init_random(seed, std, layers)
 
-            time.sleep(2.0)
-            super().init_random(seed, std)
-
-    session = Session(config, arch, worker_class=ProbedWorker, store_class=SlowFillStore)
+    session = Session(config, arch, worker_class=ProbedWorker, store_class=SlowHeadStore)
     try:
+        t0 = time.perf_counter()
         session.init_weights(wait=False)
         session.start_executor()
-        assert session.marks["weights"] - session.marks["workers built"] > 1.0, session.marks
+        assert time.perf_counter() - t0 < 1.5, "the start waited for the last layer's weights"
         assert session.train_step(data[0]).loss == expected
     finally:
         session.close()
