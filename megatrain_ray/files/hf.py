@@ -206,8 +206,9 @@ def load_hf_weights(
 
 
 # A piece of a tensor read by one thread: large enough that a read is a few syscalls, small enough
-# that the embedding's gigabyte spreads over the threads.
-READ_PIECE_BYTES = 64 * 2**20
+# that one layer (a 7B block: 0.47 GB in bf16, loaded alone when the first step reads it as it lands)
+# spreads over a store's threads.
+READ_PIECE_BYTES = 16 * 2**20
 
 
 def copy_tensors(targets: list[tuple[str, Path, torch.Tensor]], threads: int = 1) -> None:
