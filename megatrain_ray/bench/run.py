@@ -295,6 +295,9 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
     summary["optimizer_per_store"] = store_rates(session, arch, [s / len(rows) for s in per_store])
     summary["bound"] = bound_by(summary)
     summary["start_timeline_s"] = timeline
+    if timeline is not None:  # asked only now: a store call would wait behind the updates in its queue
+        summary["first_weights_s"] = fills = probe.fill_seconds()
+        print(fill_line(fills, session.config.model.path, arch), flush=True)
     summary["final_drain_s"] = drain_s
     summary["host_state_bytes"] = probe.host_state_bytes()
     summary["store_memory"] = probe.store_memory()
@@ -346,6 +349,19 @@ def start_line(timeline: dict[str, float]) -> str:
     began = max(t for what, t in timeline.items() if what != "first step")
     return (f"start-up: the first step began {began:.1f} s and ended {timeline['first step']:.1f} s after the command "
             f"started (seconds: {', '.join(parts)})")
+
+
+def fill_line(seconds: list[float], path: str | None, arch: ModelArch) -> str:
+    """How long the stores took to fill their first weights (side by side), and from model.path the
+    rate of its files."""
+    slowest = max(seconds)
+    what = f"loaded from {path}" if path else "drawn at random"
+    line = f"first weights {what}: {slowest:.1f} s (the slowest of {len(seconds)} store(s))"
+    if path:
+        files = list(Path(path).glob("*.safetensors"))
+        nbytes = sum(f.stat().st_size for f in files)
+        line += f", {nbytes / 1e9:.1f} GB in {len(files)} files: {nbytes / 1e9 / max(slowest, 1e-9):.2f} GB/s"
+    return line + f"; {num_params(arch) / 1e9 / max(slowest, 1e-9):.2f} G params/s"
 
 
 def bound_by(summary: dict) -> str:

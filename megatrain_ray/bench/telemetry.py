@@ -9,6 +9,7 @@ never calls any of it.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +23,22 @@ from megatrain_ray.runtime.worker import assemble_worker
 
 class ProbedStore(ShardStoreActor):
     """A store that also reports its measurements (beside ShardStore.host_bytes, the size of its state)."""
+
+    fill_seconds = 0.0  # spent drawing or loading its first weights
+
+    def init_random(self, *args, **kwargs) -> None:
+        t0 = time.perf_counter()
+        super().init_random(*args, **kwargs)
+        self.fill_seconds += time.perf_counter() - t0
+
+    def load_hf(self, *args, **kwargs) -> None:
+        t0 = time.perf_counter()
+        super().load_hf(*args, **kwargs)
+        self.fill_seconds += time.perf_counter() - t0
+
+    def filled_seconds(self) -> float:
+        """Seconds its first weights took, all its fill calls together (they run one after another)."""
+        return self.fill_seconds
 
     def take_optimizer_seconds(self) -> float:
         """Seconds of AdamW since the last call."""
@@ -129,6 +146,10 @@ class Probe:
         """Seconds each store spent in AdamW since the last call, in the placement's order (stores run
         side by side: the step waits for the slowest, not for their sum)."""
         return self._all(self.session.stores, "take_optimizer_seconds", what="reading the optimizer's time")
+
+    def fill_seconds(self) -> list[float]:
+        """Each store's seconds drawing or loading its first weights."""
+        return self._all(self.session.stores, "filled_seconds", what="reading the stores' fill time")
 
     def host_state_bytes(self) -> int:
         return sum(self._all(self.session.stores, "host_bytes", what="reading the stores' size"))
