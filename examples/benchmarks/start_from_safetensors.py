@@ -68,8 +68,9 @@ def bench(args: list[str], log: Path) -> str:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     log.write_text(proc.stdout + proc.stderr)
-    wanted = ("executor device", "GPU worker built", "start-up", "step 0", "first weights", "refused", "Error", "error:")
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(wanted)]
+    wanted = ("executor device", "start-up", "step 0", "first weights", "refused", "Error", "error:")
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if line.startswith(wanted) or "GPU worker built" in line]
     return "\n".join(lines + [f"exit {proc.returncode}, {time.perf_counter() - t0:.1f} s in all"])
 
 
