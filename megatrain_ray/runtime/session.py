@@ -210,9 +210,10 @@ class Session:
 
     def start_executor(self) -> str:
         """The GPU workers build the planned step, while the stores fill their first weights where
-        `init_weights(wait=False)` left them filling, and read the weights from the first step on;
-        returns once both are done, with their devices' description. Rank 0's node holds the
-        process group's rendezvous."""
+        `init_weights(wait=False)` left them filling; returns once they are built and told which of
+        the GPU node's layers are still landing (their first step waits for each), and the stores on
+        other nodes are filled, with the devices' description. Rank 0's node holds the process
+        group's rendezvous."""
         p = self.placement
         nodes = [plan.node.node_id for plan in p.stores]
         self._unseen = [{} for _ in range(p.num_gpus)]
