@@ -146,7 +146,7 @@ class RuntimeConfig:
     store_on_gpu_node: bool = True  # the GPU node holds a store too; false: only RAM nodes hold the model
     ram_resource: str = "megatrain_ram"  # the Ray resource that marks a RAM node
     shm_dir: str = "/dev/shm"  # tmpfs for the stores' shared buffers on the GPU node
-    optimizer_threads: int | None = None  # per store; default: the node's cores less one and one per GPU worker beside it
+    optimizer_threads: int | None = None  # per store; default: the CPUs Ray counts on its node less one and one per GPU worker there (a RAM node: less one)
     remote_window: int = 0  # pinned slots per layer size on the GPU node for layers on other nodes; 0 = from the plan
     transport_streams: int = 4  # TCP connections per store and direction; each layer is split over them
     network_gbps: float = 25.0  # link speed the plan assumes for each node (it cannot measure it), Gbit/s

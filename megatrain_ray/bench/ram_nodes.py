@@ -6,6 +6,11 @@ without the dashboard (whose packages GPU machines often lack). The bench joins 
 runtime.store_on_gpu_node false, so every store lives on a raylet and reaches the GPU worker over
 the TCP transport exactly as it would from another machine, only without a network in between.
 Afterwards exactly those processes end; a Ray already running on the machine is not touched.
+
+Each raylet offers its share of the machine's cores as its CPUs (`raylet_cpus`), as a RAM node of
+its own would offer all of its cores, and its store sizes its optimizer threads from them
+(planning/placement.py, store_threads): the raylets' stores together take the cores a store on the
+GPU node would take, never the same cores twice.
 """
 
 from __future__ import annotations
@@ -14,8 +19,19 @@ import contextlib
 import os
 
 from megatrain_ray.config import ConfigError
+from megatrain_ray.planning.plan import TRANSPORT_CORES
 
 GiB = 1024**3
+
+
+def raylet_cpus(cores: int, gpus: int, count: int) -> tuple[int, int]:
+    """(the head's CPUs, each raylet's) on a machine of `cores`: the head keeps what a GPU node keeps
+    beside its store (one, and one per GPU), the rest is shared evenly among the raylets, each of
+    which keeps one of its share for its transport. So the raylets' optimizer threads sum to the
+    threads one store on the GPU node would run."""
+    head = 1 + gpus
+    share = max(0, cores - head) // count
+    return head, share + TRANSPORT_CORES
 
 
 @contextlib.contextmanager
@@ -26,17 +42,19 @@ def local_ram_nodes(count: int, object_store_bytes: int = GiB // 2):  # holds on
 
     if ray.is_initialized():
         raise ConfigError("--ram-nodes starts a cluster of its own; run it from a process not yet connected to Ray")
+    head_cpus, cpus = raylet_cpus(os.cpu_count() or 1, torch.cuda.device_count(), count)
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": os.cpu_count(), "num_gpus": torch.cuda.device_count(),
+        "num_cpus": head_cpus, "num_gpus": torch.cuda.device_count(),
         "object_store_memory": object_store_bytes, "include_dashboard": False,
     })
     try:
         for _ in range(count):
-            cluster.add_node(num_cpus=1, num_gpus=0, object_store_memory=object_store_bytes,
+            cluster.add_node(num_cpus=cpus, num_gpus=0, object_store_memory=object_store_bytes,
                              resources={"megatrain_ram": 1})
         ray.init(address=cluster.address)
         cluster.wait_for_nodes()
-        print(f"local cluster: a head and {count} RAM-node raylet(s) on this machine at {cluster.address}", flush=True)
+        print(f"local cluster: a head ({head_cpus} CPUs) and {count} RAM-node raylet(s) of {cpus} CPUs each on this "
+              f"machine at {cluster.address}", flush=True)
         yield cluster
     finally:
         ray.shutdown()

@@ -16,6 +16,7 @@ from megatrain_ray.bench.parts import bench_parts
 from megatrain_ray.bench.ram_nodes import local_ram_nodes
 from megatrain_ray.bench.workload import Shape, matmul_params, model_flops_per_token, random_micro_batches
 from megatrain_ray.config import ConfigError, config_from_dict
+from megatrain_ray.host.memory import process_age
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_arch, num_params
 from megatrain_ray.planning.plan import PlanError, describe, predict_step
@@ -27,6 +28,9 @@ NO_GPU = ("the executor runs on the CPU (no GPU, or --device cpu): bench is timi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2.5-1.5b", help="preset name or a Hugging Face config.json / model dir")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder blocks")
+    p.add_argument("--weights", default=None, metavar="DIR",
+                   help="load the first weights from this Hugging Face directory (model.path: config.json and "
+                        "safetensors) instead of drawing them; its config.json gives the model")
     p.add_argument("--implementation", default="auto", choices=["auto", "native", "transformers"],
                    help="model.implementation: a hand-written family (native), transformers' own modules "
                         "(transformers), or the hand-written one where it exists (auto)")
@@ -155,7 +159,8 @@ def bench_config(args, shape: Shape):
     overrides = {"num_layers": args.layers} if args.layers else {}
     master, moments = (args.optim_modes or ["fp32/fp32"])[0].split("/")
     return config_from_dict({
-        "model": {"preset": args.model, "compute_dtype": args.compute_dtype, "overrides": overrides,
+        "model": {"preset": args.model, "path": getattr(args, "weights", None), "compute_dtype": args.compute_dtype,
+                  "overrides": overrides,
                   "implementation": getattr(args, "implementation", "auto")},
         "optim": {"lr": 1e-5, "warmup_steps": 0, "master": master, "moments": moments},
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": shape.micro_batch,
@@ -177,21 +182,22 @@ def run_streaming(arch: ModelArch, args, shapes: list[Shape], on_shape=lambda ru
     """Every shape on one set of stores: the host state is built (and registered) once. `on_shape`
     sees the results so far after each shape, so a sweep cut short keeps what it measured."""
     from megatrain_ray.bench.telemetry import ProbedStore, ProbedWorker
-    from megatrain_ray.runtime.cluster import connect, step_rates
+    from megatrain_ray.runtime.cluster import connect
     from megatrain_ray.runtime.session import Session
 
     config = bench_config(args, shapes[0])
+    timeline = {"imports": process_age()}
     with contextlib.ExitStack() as stack:
         if args.ram_nodes:
             stack.enter_context(local_ram_nodes(args.ram_nodes))
         connect(config.runtime)
-        rates = step_rates(config)  # before the session's workers hold the GPUs
-        print(f"step-time rates: {rates.describe()}" if rates else NO_GPU, flush=True)
+        timeline["Ray"] = process_age()
         session = Session(config, arch, worker_class=ProbedWorker, store_class=ProbedStore)
-        return run_shapes(arch, args, shapes, session, on_shape, rates)
+        return run_shapes(arch, args, shapes, session, on_shape, timeline)
 
 
-def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, rates=None) -> list[dict]:
+def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape,
+               timeline: dict[str, float] | None = None) -> list[dict]:
     import ray
 
     from megatrain_ray.bench.telemetry import Probe
@@ -199,13 +205,16 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, ra
     probe = Probe(session)
     print(session.placement.describe(arch), flush=True)
     try:
+        rates = probe.rates()
+        print(f"step-time rates: {rates.describe()}" if rates else NO_GPU, flush=True)
         t0 = time.perf_counter()
-        session.init_weights()
-        t1 = time.perf_counter()
+        session.init_weights(wait=False)  # the stores fill their layers while the workers build
         device = session.start_executor()  # a first shape that cannot fit raised its PlanError in Session
         t2 = time.perf_counter()
-        print(f"executor device: {device}; init {t2 - t0:.1f} s (weights {t1 - t0:.1f} s, workers "
-              f"{t2 - t1:.1f} s)", flush=True)
+        weights = (f"{session.marks['weights'] - t0:.1f} s" if "weights" in session.marks
+                   else "still filling: the first step reads each layer as it lands")
+        print(f"executor device: {device}; init {t2 - t0:.1f} s (side by side: the stores' weights {weights}, "
+              f"the workers' build {session.marks['workers built'] - t0:.1f} s)", flush=True)
         results = []
         for i, shape in enumerate(shapes):
             print(f"-- {shape}", flush=True)
@@ -220,14 +229,15 @@ def run_shapes(arch: ModelArch, args, shapes: list[Shape], session, on_shape, ra
                 print(f"refused: {cause}", flush=True)  # a sweep goes on past a shape that does not fit
                 results.append({**row, "refused": str(cause)})
                 continue
-            results.append({**row, **time_shape(session, probe, arch, args, shape, rates)})
+            results.append({**row, **time_shape(session, probe, arch, args, shape, rates,
+                                                None if i else {**(timeline or {}), **session.start_timeline(process_age())})})
             on_shape(results)
         return results
     finally:
         session.close()
 
 
-def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) -> dict:
+def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, timeline: dict | None = None) -> dict:
     """Steady state: each timed step starts while the previous step's optimizer still runs, as in
     a long run; the window closes when the last step returns (its optimizer would overlap the next
     step), and the drain that follows is reported on its own. `rates`: the GPU's (planning/rates.py);
@@ -244,8 +254,9 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     print(f"plan:\n{describe(planned, session.config, session.plan, rates=rates, no_prediction=None if rates else NO_GPU)}",
           flush=True)
     rows = []
-    session.drain()
-    probe.optimizer_seconds()
+    if timeline is None:  # a later shape: the last one's updates land and its counts go; the first has none,
+        session.drain()  # and waiting now would wait for the layers still filling, and a store call for
+        probe.optimizer_seconds()  # its moments' pages (ShardStore.fault_in_moments)
     probe.traffic()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -260,11 +271,15 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
         row["driver_node_available_gib"] = available_memory() / 2**30  # no actor call: it would wait for the optimizer
         rows.append(row)
         print(format_row(step, row), flush=True)
+        if timeline is not None and step == 0:
+            timeline["first step"] = process_age()
+            print(start_line(timeline), flush=True)
     wall = time.perf_counter() - t_timed
     t_drain = time.perf_counter()
     session.drain()
     drain_s = time.perf_counter() - t_drain
-    optimizer_s = probe.optimizer_seconds()
+    per_store = probe.optimizer_seconds()
+    optimizer_s = max(per_store)  # the stores step side by side
     timed = [r for r in rows if not r["warmup"]]
     summary = {k: statistics.median(r[k] for r in timed) for k in timed[0] if isinstance(timed[0][k], (int, float))}
     tokens = sum(r["tokens"] for r in timed)
@@ -277,7 +292,12 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     summary["rates"] = rates.describe() if rates else "none: the CPU"
     summary["optimizer_s_per_step"] = optimizer_s / len(rows)
     summary["optimizer_gparams_per_s"] = num_params(arch) / summary["optimizer_s_per_step"] / 1e9
+    summary["optimizer_per_store"] = store_rates(session, arch, [s / len(rows) for s in per_store])
     summary["bound"] = bound_by(summary)
+    summary["start_timeline_s"] = timeline
+    if timeline is not None:  # asked only now: a store call would wait behind the updates in its queue
+        summary["first_weights_s"] = fills = probe.fill_seconds()
+        print(fill_line(fills, session.config.model.path, arch), flush=True)
     summary["final_drain_s"] = drain_s
     summary["host_state_bytes"] = probe.host_state_bytes()
     summary["store_memory"] = probe.store_memory()
@@ -286,13 +306,62 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None) 
     summary["remote_gb_out_per_step"] = bytes_out / len(rows) / 1e9
     summary["remote_window_gib"] = probe.remote_host_bytes() / 2**30
     print(f"timed: {len(timed)} steps, {tokens} tokens in {wall:.2f} s; host optimizer {optimizer_s / len(rows):.2f} s "
-          f"per step ({summary['optimizer_gparams_per_s']:.2f} G params/s), overlapped with the next step where it "
+          f"per step{' (the slowest store: they step side by side)' if len(per_store) > 1 else ''} ({summary['optimizer_gparams_per_s']:.2f} G params/s), overlapped with the next step where it "
           f"can be (the last step's took {drain_s:.2f} s more to drain, outside the window)", flush=True)
+    if len(per_store) > 1 or bytes_in:
+        print("host optimizer per store: " + "; ".join(describe_store_rate(r) for r in summary["optimizer_per_store"]),
+              flush=True)
     if bytes_in:
         print(f"from RAM nodes: {summary['remote_gb_in_per_step']:.2f} GB of weights in and "
               f"{summary['remote_gb_out_per_step']:.2f} GB of gradients out per step, through a window of "
               f"{summary['remote_window_gib']:.2f} GiB on the GPU node", flush=True)
     return {"steps": rows, "median": summary}
+
+
+def store_rates(session, arch: ModelArch, seconds_per_step: list[float]) -> list[dict]:
+    """Each store's AdamW per step: its parameters, seconds, rate and threads (the placement's)."""
+    from megatrain_ray.models.registry import model_layouts
+
+    numels = [layout.numel for layout in model_layouts(arch)]
+    rows = []
+    for plan, seconds in zip(session.placement.stores, seconds_per_step):
+        params = sum(numels[i] for i in plan.layers)
+        rate = params / seconds if seconds > 0 else 0.0
+        rows.append({"node": plan.node.ip, "ram_node": plan.node.ram_node, "params": params, "seconds": seconds,
+                     "gparams_per_s": rate / 1e9, "threads": plan.threads,
+                     "gparams_per_s_per_thread": rate / 1e9 / plan.threads if plan.threads else None})
+    return rows
+
+
+def describe_store_rate(row: dict) -> str:
+    per = (f" on {row['threads']} thread{'s' if row['threads'] > 1 else ''} ({row['gparams_per_s_per_thread']:.3f} a thread)"
+           if row["threads"] else "")
+    return (f"{row['node']}{' (RAM node)' if row['ram_node'] else ''} {row['params'] / 1e9:.2f} B params in "
+            f"{row['seconds']:.2f} s, {row['gparams_per_s']:.2f} G params/s{per}")
+
+
+def start_line(timeline: dict[str, float]) -> str:
+    """The run's start, each part with its own seconds, and the end of the first step counted from
+    the command's start."""
+    names = list(timeline)
+    parts = [f"{names[0]} {timeline[names[0]]:.1f}"] + [f"{b} {max(0.0, timeline[b] - timeline[a]):.1f}"
+                                                          for a, b in zip(names, names[1:])]
+    began = max(t for what, t in timeline.items() if what != "first step")
+    return (f"start-up: the first step began {began:.1f} s and ended {timeline['first step']:.1f} s after the command "
+            f"started (seconds: {', '.join(parts)})")
+
+
+def fill_line(seconds: list[float], path: str | None, arch: ModelArch) -> str:
+    """How long the stores took to fill their first weights (side by side), and from model.path the
+    rate of its files."""
+    slowest = max(seconds)
+    what = f"loaded from {path}" if path else "drawn at random"
+    line = f"first weights {what}: {slowest:.1f} s (the slowest of {len(seconds)} store(s))"
+    if path:
+        files = list(Path(path).glob("*.safetensors"))
+        nbytes = sum(f.stat().st_size for f in files)
+        line += f", {nbytes / 1e9:.1f} GB in {len(files)} files: {nbytes / 1e9 / max(slowest, 1e-9):.2f} GB/s"
+    return line + f"; {num_params(arch) / 1e9 / max(slowest, 1e-9):.2f} G params/s"
 
 
 def bound_by(summary: dict) -> str:

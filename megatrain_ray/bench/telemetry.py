@@ -9,6 +9,7 @@ never calls any of it.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -23,10 +24,30 @@ from megatrain_ray.runtime.worker import assemble_worker
 class ProbedStore(ShardStoreActor):
     """A store that also reports its measurements (beside ShardStore.host_bytes, the size of its state)."""
 
+    fill_seconds = 0.0  # spent drawing or loading its first weights
+
+    def init_random(self, *args, **kwargs) -> None:
+        t0 = time.perf_counter()
+        super().init_random(*args, **kwargs)
+        self.fill_seconds += time.perf_counter() - t0
+
+    def load_hf(self, *args, **kwargs) -> None:
+        t0 = time.perf_counter()
+        super().load_hf(*args, **kwargs)
+        self.fill_seconds += time.perf_counter() - t0
+
+    def filled_seconds(self) -> float:
+        """Seconds its first weights took, all its fill calls together (they run one after another)."""
+        return self.fill_seconds
+
     def take_optimizer_seconds(self) -> float:
         """Seconds of AdamW since the last call."""
         seconds, self.optimizer_seconds = self.optimizer_seconds, 0.0
         return seconds
+
+    def optimizer_threads(self) -> int:
+        """The threads its AdamW runs on (the placement's count for it: planning/placement.py)."""
+        return torch.get_num_threads()
 
     def memory_status(self) -> dict:
         """This process's resident memory and the node's, to spot a host that runs out."""
@@ -72,6 +93,12 @@ class ProbedWorker(GpuWorker):
         (Path(out_dir) / "top.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
         return out
 
+    def probe_gpu(self) -> tuple[str, float, float]:
+        """planning/rates.py's probes on this worker's GPU (a GPU the rates table lacks)."""
+        from megatrain_ray.planning.rates import probe_gpu
+
+        return probe_gpu()
+
     def transports(self) -> list[str]:
         """How this worker reaches each store: "shm" (same node) or "stream" (TCP)."""
         return self.kinds
@@ -103,9 +130,26 @@ class Probe:
     def _all(self, actors, method: str, *args, what: str):
         return self.session.wait([getattr(a, method).remote(*args) for a in actors], what)
 
-    def optimizer_seconds(self) -> float:
-        """Seconds every store spent in AdamW since the last call, summed."""
-        return sum(self._all(self.session.stores, "take_optimizer_seconds", what="reading the optimizer's time"))
+    def rates(self):
+        """The rates that predict the step (planning/rates.py): the table's for the workers' GPU, else
+        probed on rank 0's; None on the CPU. From the workers' own devices: no task needs a GPU of
+        its own before the run starts."""
+        from megatrain_ray.planning.rates import rates_for_gpu
+
+        facts = self.session.facts[0]
+        if facts.kind != "cuda":
+            return None
+        return rates_for_gpu(facts.name, probe=lambda: self.session.wait(self.session.gpus[0].probe_gpu.remote(),
+                                                                          "probing the GPU"))
+
+    def optimizer_seconds(self) -> list[float]:
+        """Seconds each store spent in AdamW since the last call, in the placement's order (stores run
+        side by side: the step waits for the slowest, not for their sum)."""
+        return self._all(self.session.stores, "take_optimizer_seconds", what="reading the optimizer's time")
+
+    def fill_seconds(self) -> list[float]:
+        """Each store's seconds drawing or loading its first weights."""
+        return self._all(self.session.stores, "filled_seconds", what="reading the stores' fill time")
 
     def host_state_bytes(self) -> int:
         return sum(self._all(self.session.stores, "host_bytes", what="reading the stores' size"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from megatrain_ray.files import checkpoint
-from megatrain_ray.files.hf import load_hf_weights
+from megatrain_ray.files.hf import check_hf_dir, load_hf_weights
 from megatrain_ray.host import precision
 from megatrain_ray.host.store import ShardStore
 
@@ -59,8 +59,16 @@ def load_layers(store: ShardStore, files_by_layer: dict[int, str]) -> None:
             state.held.fill_(updates)
 
 
-def load_hf(store: ShardStore, model_dir: str) -> None:
-    """The store's layers from a Hugging Face directory, tensor by tensor (every tensor checked)."""
-    load_hf_weights(model_dir, store.arch, store.master, layers=list(store.layers))
-    for state in store.layers.values():
-        store.publish(state)
+def load_hf(store: ShardStore, model_dir: str, layers: list[int] | None = None, checked: bool = False) -> None:
+    """The store's layers (or those of `layers`) from a Hugging Face directory, read over the store's
+    threads (every tensor checked; `checked`: the directory passed check_hf already)."""
+    layers = list(store.layers) if layers is None else layers
+    load_hf_weights(model_dir, store.arch, store.master, layers=layers, threads=torch.get_num_threads(),
+                    checked=checked)
+    for i in layers:
+        store.publish(store.layers[i])
+
+
+def check_hf(store: ShardStore, model_dir: str) -> None:
+    """The directory fits the store's model (files/hf.py, check_hf_dir): before a load a layer at a time."""
+    check_hf_dir(Path(model_dir), store.arch)

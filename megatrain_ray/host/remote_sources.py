@@ -26,17 +26,37 @@ from megatrain_ray.host.transport import LayerLink, Transfer
 from megatrain_ray.host.window import OUTBOX_SLOTS, WindowPolicy, pool_sizes
 
 
+@dataclass(frozen=True)
+class StoreReach:
+    """How a worker reaches one store's layers, as the store tells it once its memory is taken:
+    its layers, the shared-memory paths of their compute copies, of gradient buffers of their own
+    (a bf16 master's) and of the state a worker steps on its device, and the address of its link
+    (a store that serves a GPU worker on another node). The worker needs no call to the store to
+    build itself, so it builds while the store fills its layers."""
+
+    layers: tuple[int, ...]
+    weights: dict[int, str]
+    gradients: dict[int, str]
+    states: dict[int, dict[str, str]]
+    link: tuple[str, int] | None = None
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
 class SharedMemorySource(LayerSource):
     def __init__(self, store, paths: dict[int, str], numels: dict[int, int], dtype, register: bool,
-                 grad_paths: dict[int, str] | None = None):
+                 grad_paths: dict[int, str] | None = None, states: dict[int, dict[str, str]] | None = None,
+                 updates_done: int = 0):
         """`grad_paths`: gradient buffers of their own (a bf16 master's, host/store.py), else the
-        gradient lands in the weights' buffer."""
+        gradient lands in the weights' buffer. `states`: layers whose master and moments the store
+        holds in shared memory already (StoreReach.states), each at `updates_done` updates: their
+        `shared_state` asks the store nothing."""
         self.store = store
         self.register = register
+        self.states = states or {}
+        self.updates_done = updates_done
         self.registered: list[torch.Tensor] = []
         self.w = {layer: self._map(Path(path), numels[layer], dtype) for layer, path in paths.items()}
         self.g = {layer: self._map(Path(path), numels[layer], torch.bfloat16)
@@ -58,11 +78,14 @@ class SharedMemorySource(LayerSource):
 
     def shared_state(self, layer: int, segments: list[tuple[int, int, bool]]) -> HostLayerState:
         """The layer's master and moments mapped here too, for its step on this worker's GPU."""
-        paths = ray.get(self.store.share_state.remote(layer))
+        if layer in self.states:
+            paths, updates = dict(self.states[layer]), self.updates_done
+        else:
+            paths = ray.get(self.store.share_state.remote(layer))
+            updates = ray.get(self.store.update_counts.remote())[layer]
         numel = self.w[layer].numel()
         held = self._map(Path(paths.pop("held")), 1, torch.int64)
         state = {key: self._map(Path(path), numel, torch.float32) for key, path in paths.items()}
-        updates = ray.get(self.store.update_counts.remote())[layer]
         return HostLayerState(**state, compute=self.w[layer], segments=segments, updates=updates, held=held)
 
     def report_updates(self, layer: int, count: int) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from megatrain_ray.host import precision
-from megatrain_ray.host.memory import element_size, pinned_empty, remove_dead_segments, segment_name, shm_tensor
+from megatrain_ray.host.memory import element_size, pinned_empty, remove_dead_segments, segment_name, shm_tensor, zeroed
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.host.adamw_kernel import native_kernel
@@ -119,8 +119,11 @@ class ShardStore:
         run_id: str = "local",
         state_format: StateFormat = StateFormat(),
         seed: int = 0,
+        shared_state: tuple[int, ...] = (),
     ):
-        """`seed`: train.seed, the stochastic rounding's (a bf16 master's) stream."""
+        """`seed`: train.seed, the stochastic rounding's (a bf16 master's) stream. `shared_state`: layers
+        whose master and moments a GPU worker on this node steps (the step plan's embedding on the
+        device), in shared memory from the start (`share_state`, with nothing to copy)."""
         self.arch = arch
         self.compute_dtype = compute_dtype
         self.format = state_format
@@ -130,6 +133,7 @@ class ShardStore:
         self.shm_paths: dict[int, str] = {}
         self.grad_shm_paths: dict[int, str] = {}  # a bf16 master's gradient buffers
         self.extra_shm_paths: list[str] = []  # state shared with a GPU worker (share_state)
+        self.state_shm_paths: dict[int, dict[str, str]] = {}  # those paths by layer and name
         self._shm_dir = Path(shm_dir) if shm_dir else None
         self._run_id = run_id
         if self._shm_dir is not None:
@@ -139,6 +143,8 @@ class ShardStore:
                       f"without cleaning up, from {self._shm_dir}", flush=True)
         layouts = model_layouts(arch)
         self.layers: dict[int, LayerState] = {i: self._allocate(layouts[i]) for i in layers}
+        for i in shared_state:
+            self._share(i, copy=False)
         self.optimizer_seconds = 0.0  # summed over steps, for the benchmark's time split
         native_kernel()  # a first build on this node (tens of seconds) while the run starts, not in its first step
 
@@ -161,8 +167,8 @@ class ShardStore:
         k = layout.trained_numel  # moments for the trained parameters only (a frozen tail holds none)
         scales = ((torch.zeros(precision.num_blocks(k)), torch.zeros(precision.num_blocks(k)))
                   if fmt.quantized else None)
-        return LayerState(layout, master=master, exp_avg=torch.zeros(k, dtype=m_dtype),
-                          exp_avg_sq=torch.zeros(k, dtype=v_dtype), compute=compute, grad=grad, scales=scales)
+        return LayerState(layout, master=master, exp_avg=zeroed(k, m_dtype), exp_avg_sq=zeroed(k, v_dtype),
+                          compute=compute, grad=grad, scales=scales)
 
     def host_bytes(self) -> int:
         """Bytes of every buffer this store holds (a bf16 master is counted once: it is the compute copy)."""
@@ -173,11 +179,11 @@ class ShardStore:
         return sum(seen.values())
 
     # ---- initial weights -------------------------------------------------------------------
-    def init_random(self, seed: int, std: float) -> None:
-        """Each layer drawn by as many threads as torch's (the store's optimizer threads), then
-        published by torch's own."""
+    def init_random(self, seed: int, std: float, layers: list[int] | None = None) -> None:
+        """Each layer (of `layers`, default all) drawn by as many threads as torch's (the store's
+        optimizer threads), then published by torch's own."""
         with ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="init") as pool:
-            for state in self.layers.values():
+            for state in (self.layers[i] for i in (self.layers if layers is None else layers)):
                 if state.master.dtype == torch.float32:
                     init_layer_weights(family(self.arch), state.layout, state.master, seed, std, pool)
                 else:  # drawn in fp32 as an exact run draws them, then rounded as its compute copy is
@@ -185,6 +191,18 @@ class ShardStore:
                     init_layer_weights(family(self.arch), state.layout, full, seed, std, pool)
                     state.master.copy_(full)
                 self.publish(state)
+
+    def fault_in_moments(self) -> None:
+        """Fresh moments (zeros the kernel hands out page by page at their first write: host/memory.py,
+        `zeroed`) written now, in torch's threads: their pages are taken here, in the idle time while
+        the first step computes, and not inside the first update, whose layers the next forward waits
+        for. Only on moments nothing has written yet (after init_random or a Hugging Face load). Never on
+        a layer a GPU worker steps (share_state): the worker writes those moments, maybe by now."""
+        for index, state in self.layers.items():
+            if index in self.state_shm_paths or state.held is not None:
+                continue
+            state.exp_avg.zero_()
+            state.exp_avg_sq.zero_()
 
     @staticmethod
     def publish(state: LayerState) -> None:
@@ -204,6 +222,10 @@ class ShardStore:
         steps the layer itself (streaming/device_step.py); their paths by name. The store then only counts
         that layer's updates (`set_update_count`) and saves what the worker wrote back; the paths
         include "held", the layer's marker (`held_marker`)."""
+        return self._share(index, copy=True)
+
+    def _share(self, index: int, copy: bool) -> dict[str, str]:
+        """share_state; `copy` False: the state holds nothing yet (zeros, as a new segment reads)."""
         if self._shm_dir is None:
             raise ValueError("share_state needs the store's shared-memory directory (runtime.shm_dir)")
         if not self.format.exact:
@@ -214,13 +236,19 @@ class ShardStore:
             path = self._shm_dir / segment_name(self._run_id, index, key)
             if not path.exists():
                 shared = shm_tensor(path, getattr(state, key).numel(), torch.float32, create=True)
-                shared.copy_(getattr(state, key))
+                if copy:
+                    shared.copy_(getattr(state, key))
                 setattr(state, key, shared)
                 self.extra_shm_paths.append(str(path))
             paths[key] = str(path)
         self.held_marker(index)
         paths["held"] = str(self._shm_dir / segment_name(self._run_id, index, "held"))
-        return paths
+        self.state_shm_paths[index] = paths
+        return dict(paths)
+
+    def shared_states(self) -> dict[int, dict[str, str]]:
+        """The layers whose state is in shared memory (`share_state`), with its paths by name."""
+        return dict(self.state_shm_paths)
 
     def held_marker(self, index: int) -> torch.Tensor:
         """The marker of a layer a GPU worker steps (streaming/device_step.py), one int64 beside its

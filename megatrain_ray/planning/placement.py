@@ -21,7 +21,7 @@ from megatrain_ray.models.registry import how_it_runs, model_layouts, num_params
 from megatrain_ray.host.precision import StateFormat, format_of
 from megatrain_ray.host.store import bytes_per_param, layer_bytes
 from megatrain_ray.host.window import window_bytes
-from megatrain_ray.planning.plan import num_slots_setting
+from megatrain_ray.planning.plan import TRANSPORT_CORES, num_slots_setting
 
 GiB = 1024**3
 USABLE = 0.9  # of a machine's free memory, for the run's host state
@@ -38,6 +38,7 @@ class NodeInfo:
     free_bytes: int
     gbps: float | None = None  # link speed, where known (a described cluster); else runtime.network_gbps
     adamw_params_per_s: float | None = None  # host optimizer rate, where known; else the measured one
+    cpus: float = 0.0  # the CPUs Ray counts on the node (`ray start --num-cpus`, default all its cores); 0: not known
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class StorePlan:
     layers: tuple[int, ...]
     host_bytes: int
     capacity: float = 0.0  # bytes the store may take on its node (stated, or its share of the machine's usable memory)
+    threads: int | None = None  # its host optimizer's (store_threads); None: a described node whose cores are not known
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class Placement:
                 + (f"of {s.capacity / GiB:.1f} GiB stated (runtime.store_memory_gib)" if self.stated_memory
                    else f"of {s.node.free_bytes / GiB:.1f} GiB free")
                 + (", streamed over TCP" if s.node.node_id != self.gpu.node_id else ", shared memory")
+                + (f", AdamW on {s.threads} thread{'s' if s.threads > 1 else ''}" if s.threads else "")
             )
         remote = self.remote_layers()
         if remote:
@@ -117,6 +120,19 @@ def split_by_capacity(numels: list[int], capacities: list[float]) -> list[list[i
         ranges.append(list(range(start, end)))
         start = end
     return ranges
+
+
+def store_threads(node: NodeInfo, gpu: NodeInfo, workers: int, rt: RuntimeConfig) -> int | None:
+    """A store's host optimizer threads: runtime.optimizer_threads, else the CPUs Ray counts on its node
+    less those its node's other work needs: on the GPU node one, and one per GPU worker; on a RAM node
+    its links' (TRANSPORT_CORES). Several raylets on one machine each count their own CPUs (the
+    benchmark's --ram-nodes gives each its share), so their stores never take the same cores twice."""
+    if rt.optimizer_threads is not None:
+        return rt.optimizer_threads
+    if not node.cpus:
+        return None
+    reserved = 1 + workers if node.node_id == gpu.node_id else TRANSPORT_CORES
+    return max(1, int(node.cpus) - reserved)
 
 
 def executor_node(nodes: list[NodeInfo], want_cuda: bool, driver_node: str, num_gpus: int | None = None,
@@ -264,7 +280,7 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
         )
     ranges = split_by_capacity(numels, capacities)
     stores = tuple(
-        StorePlan(node, tuple(r), int(sum(held[i] for i in r)), cap)
+        StorePlan(node, tuple(r), int(sum(held[i] for i in r)), cap, store_threads(node, gpu, workers, rt))
         for node, r, cap in zip(holders, ranges, capacities) if r
     )
     placement = Placement(gpu, use_cuda, stores, bpp, num_gpus=workers, stated_memory=stated, state_format=fmt,

@@ -29,6 +29,7 @@ H2D_BYTES_PER_S = 50e9  # pinned / registered host memory
 # over the state is what makes it faster than torch's three-pass AdamW (examples/benchmarks/).
 HOST_ADAMW_PARAMS_PER_S = 4.8e9
 HOST_ADAMW_THREADS = 14  # the threads that rate was measured with: per core, about 0.34 G params/s
+TRANSPORT_CORES = 1  # a RAM node's core for its store's TCP links (socket copies) and its raylet, beside AdamW
 # Not measured directly, a floor inferred from the optimizer: the one-pass AdamW moves 28 bytes a
 # parameter (three fp32 buffers read and written, the bf16 gradient read, the bf16 weight written)
 # at 4.8 G params/s, about 134 GB/s, beside the pipeline's copies. Several GPUs reading every layer
@@ -548,14 +549,32 @@ def optimizer_cores(params: int, seconds: float) -> int:
     return max(1, math.ceil(params / max(seconds, 1e-9) / per_core))
 
 
-def optimizer_cores_line(arch: ModelArch, p: "StepPrediction") -> str:
-    """How many cores keep the host optimizer hidden behind the forward, in all and for a RAM node."""
+def ram_node_cores(params: int, forward_s: float) -> int:
+    """Cores a RAM node needs to keep up with the GPU step: its store's AdamW over its `params` within
+    the forward (optimizer_cores), and its links' (TRANSPORT_CORES)."""
+    return optimizer_cores(params, forward_s) + TRANSPORT_CORES
+
+
+def optimizer_cores_line(arch: ModelArch, p: "StepPrediction", placement=None) -> str:
+    """How many cores keep the host optimizer hidden behind the forward, in all and for each RAM node
+    of the placement (planning/placement.py), with the threads its store will run where known."""
     cores = optimizer_cores(num_params(arch), p.forward_s)
-    return (f"host AdamW cores that keep up (the step's update within the {p.forward_s:.2f} s forward, at "
-            f"{HOST_ADAMW_PARAMS_PER_S / HOST_ADAMW_THREADS / 1e9:.2f} G params/s a core, the H100 machine's "
-            f"{HOST_ADAMW_PARAMS_PER_S / 1e9:.1f} over {HOST_ADAMW_THREADS} optimizer threads): {cores} over all the "
-            f"stores; a RAM node holding a fraction f of the parameters needs f x {cores} optimizer threads "
-            f"(runtime.optimizer_threads) on cores of their own")
+    lines = [f"host AdamW cores that keep up (the step's update within the {p.forward_s:.2f} s forward, at "
+             f"{HOST_ADAMW_PARAMS_PER_S / HOST_ADAMW_THREADS / 1e9:.2f} G params/s a core, the H100 machine's "
+             f"{HOST_ADAMW_PARAMS_PER_S / 1e9:.1f} over {HOST_ADAMW_THREADS} optimizer threads): {cores} over all the "
+             f"stores; a RAM node holding a fraction f of the parameters needs f x {cores} optimizer threads "
+             f"(runtime.optimizer_threads) and {TRANSPORT_CORES} core for its links"]
+    numels = [layout.numel for layout in model_layouts(arch)]
+    for store in (s for s in (placement.stores if placement else ()) if s.node.ram_node):
+        params = sum(numels[i] for i in store.layers)
+        need = ram_node_cores(params, p.forward_s)
+        has = (f"; its store runs {store.threads} optimizer thread{'s' if store.threads > 1 else ''}"
+               + (" (enough)" if store.threads >= need - TRANSPORT_CORES else
+                  f": {params / (store.threads * HOST_ADAMW_PARAMS_PER_S / HOST_ADAMW_THREADS):.2f} s of AdamW "
+                  f"a step, beyond the forward") if store.threads else "")
+        lines.append(f"  RAM node {store.node.ip} ({params / 1e9:.2f} B parameters): {need} cores keep up "
+                     f"(`ray start --num-cpus`, default all of them){has}")
+    return "\n".join(lines)
 
 
 def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None = None,
@@ -609,7 +628,7 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
         f"tokens per step that keep {'the ' + str(num_gpus) + ' GPUs' if num_gpus > 1 else 'the GPU'} busy (the host "
         f"optimizer hidden behind the forward, the copies and transfers behind compute): {p.busy_tokens}"
     )
-    lines.append(optimizer_cores_line(arch, p))
+    lines.append(optimizer_cores_line(arch, p, step.placement))
     inactive = family(arch).inactive_params(arch)
     if inactive:
         params = num_params(arch)

@@ -6,6 +6,7 @@ train.objective: grpo, the rollout (rl/rollout.py) on the GPU node."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -16,7 +17,7 @@ from megatrain_ray.config import Config
 from megatrain_ray.files import shard
 from megatrain_ray.host.adamw import AdamWStep
 from megatrain_ray.host.memory import cuda_host_register, dtype_of, shm_tensor
-from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, WindowSource
+from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, StoreReach, WindowSource
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.host.transport import LayerLink, LayerServer
 from megatrain_ray.models.arch import ModelArch
@@ -37,21 +38,30 @@ class ShardStoreActor(ShardStore):
     workers', and its host memory is taken in `allocate` only once the driver's plan of the step fits.
     """
 
-    def __init__(self, threads: int | None = None, reserved_cores: int = 2):
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - reserved_cores))
+    def __init__(self, threads: int | None = None):
+        """`threads`: the placement's for this store (planning/placement.py, store_threads); None (a
+        node whose CPUs Ray does not count): this machine's cores less two."""
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - 2))
         self.server: LayerServer | None = None
         self.shm_paths, self.grad_shm_paths, self.extra_shm_paths = {}, {}, []  # what `close` releases
 
-    def allocate(self, *args, **kwargs) -> None:
-        """ShardStore's construction: its layers' buffers in host memory (arguments as ShardStore)."""
+    def allocate(self, *args, serve: bool = False, **kwargs) -> StoreReach:
+        """ShardStore's construction: its layers' buffers in host memory (arguments as ShardStore);
+        `serve`: a GPU worker on another node streams them (its link opens here). Returns how a worker
+        reaches them."""
         ShardStore.__init__(self, *args, **kwargs)
+        return StoreReach(tuple(self.layers), dict(self.shm_paths), dict(self.grad_shm_paths), self.shared_states(),
+                          self.open_link() if serve else None)
 
     def layer_ids(self) -> list[int]:
         return list(self.layers)
 
     # ---- files (files/shard.py) ---------------------------------------------------------------
-    def load_hf(self, model_dir: str) -> None:
-        shard.load_hf(self, model_dir)
+    def load_hf(self, model_dir: str, layers: list[int] | None = None, checked: bool = False) -> None:
+        shard.load_hf(self, model_dir, layers, checked)
+
+    def check_hf(self, model_dir: str) -> None:
+        shard.check_hf(self, model_dir)
 
     def load_layers(self, files_by_layer: dict[int, str]) -> None:
         shard.load_layers(self, files_by_layer)
@@ -131,51 +141,64 @@ class GpuWorker:
         self.facts = measured_facts(self.device, self.arch, self.config, say)
         return self.facts
 
-    def start(self, plan: StepPlan, stores: list, store_nodes: list[str], updates_done: int = 0,
-              master_address: str = "", master_port: int = 0) -> str:
+    def start(self, plan: StepPlan, stores: list, store_nodes: list[str], reach: list[StoreReach],
+              updates_done: int = 0, master_address: str = "", master_port: int = 0) -> str:
         """Maps the stores' buffers and assembles the worker the plan describes (runtime/worker.py),
         joining the workers' process group (the master address/port: where rank 0 holds its
-        rendezvous, unused by a worker alone); returns the device's description."""
+        rendezvous, unused by a worker alone); returns the device's description. `reach`: each
+        store's (ShardStoreActor.allocate): nothing here waits for a store, which may still be
+        filling its layers; the first step's reads come after."""
         self.plan = plan
-        self.layers = self._route_layers(stores, store_nodes)
+        t0 = time.perf_counter()
+        self.layers = self._route_layers(stores, store_nodes, reach, updates_done)
+        t1 = time.perf_counter()
         self.worker = assemble_worker(self.arch, self.config, plan, self.layers, self.device,
                                       Rendezvous(self.rank, self.world, master_address, master_port),
                                       updates_done=updates_done)
+        if self.rank == 0:  # where a start's seconds go (the benchmark's start-up line has the sum)
+            print(f"GPU worker built in {time.perf_counter() - t0:.1f} s: the stores' buffers mapped"
+                  f"{' and registered with CUDA' if self.device.type == 'cuda' else ''} {t1 - t0:.1f} s, the "
+                  f"executor (with the embedding's state where it steps here) {time.perf_counter() - t1:.1f} s",
+                  flush=True)
         return self.describe_device()
 
-    def _route_layers(self, stores: list, store_nodes: list[str]) -> RoutedSource:
+    def _route_layers(self, stores: list, store_nodes: list[str], reach: list[StoreReach],
+                      updates_done: int) -> RoutedSource:
         """Each layer through the way that reaches its store: shared memory on this node, the window
         (with a link to each store) for the others."""
         here = ray.get_runtime_context().get_node_id()
         dtype = dtype_of(self.config.model.compute_dtype)
         numels = [layout.numel for layout in model_layouts(self.arch)]
-        layer_lists = ray.get([s.layer_ids.remote() for s in stores])
         sources, routes = [], []
-        for store, node, layers in zip(stores, store_nodes, layer_lists):
+        for store, node, r in zip(stores, store_nodes, reach):
             if node == here:
-                paths, grad_paths = ray.get([store.shared_paths.remote(), store.gradient_paths.remote()])
-                sources.append(SharedMemorySource(store, paths, {i: numels[i] for i in layers}, dtype,
-                                                  register=self.device.type == "cuda", grad_paths=grad_paths))
-                routes.append(layers)
-        owners = [(s, layers) for s, node, layers in zip(stores, store_nodes, layer_lists) if node != here]
+                sources.append(SharedMemorySource(store, r.weights, {i: numels[i] for i in r.layers}, dtype,
+                                                  register=self.device.type == "cuda", grad_paths=r.gradients,
+                                                  states=r.states, updates_done=updates_done))
+                routes.append(list(r.layers))
+        owners = [(s, r) for s, node, r in zip(stores, store_nodes, reach) if node != here]
         self.window = self._window_source(owners, numels, dtype)
         if self.window is not None:
             sources.append(self.window)
-            routes.append([i for _, layers in owners for i in layers])
+            routes.append([i for _, r in owners for i in r.layers])
         self.kinds = ["shm" if node == here else "stream" for node in store_nodes]
         return RoutedSource(sources, routes)
 
-    def _window_source(self, owners: list, numels: list[int], dtype: torch.dtype) -> WindowSource | None:
+    def _window_source(self, owners: list[tuple], numels: list[int], dtype: torch.dtype) -> WindowSource | None:
         """One window of the plan's slots for every layer on other nodes, with a link to each of their stores."""
         if not owners:
             return None
-        addresses = ray.get([s.open_link.remote() for s, _ in owners])
         store_of, link_of, remote = {}, {}, {}
-        for (store, layers), address in zip(owners, addresses):
-            link = LayerLink(address, self.config.runtime.transport_streams, f"{address[0]}")
-            for i in layers:
+        for store, r in owners:
+            link = LayerLink(r.link, self.config.runtime.transport_streams, f"{r.link[0]}")
+            for i in r.layers:
                 store_of[i], link_of[i], remote[i] = store, link, numels[i]
         return WindowSource(store_of, link_of, remote, dtype, self.plan.window_slots)
+
+    def expect_first_weights(self, fills: dict) -> None:
+        """Each layer's first weights, still landing (a store's fill call per layer): the first
+        read of a layer waits for its own (Session.init_weights, wait=False)."""
+        self.layers.expect(fills)
 
     def _expect(self, updates_elsewhere: dict | None) -> None:
         """The other workers' updates since this worker's last step: its reads wait for them."""

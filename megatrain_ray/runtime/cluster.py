@@ -164,7 +164,7 @@ def discover_nodes(cfg: RuntimeConfig) -> list[NodeInfo]:
     free = free_memory([n["NodeID"] for n in alive])
     return [
         NodeInfo(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0),
-                 n["Resources"].get(cfg.ram_resource, 0.0) > 0, mem)
+                 n["Resources"].get(cfg.ram_resource, 0.0) > 0, mem, cpus=n["Resources"].get("CPU", 0.0))
         for n, mem in zip(alive, free)
     ]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,6 +72,7 @@ class Session:
         self.arch = arch
         self.wait = wait
         self.placement = placement or place(arch, config)
+        self.marks: dict[str, float] = {"placement": time.perf_counter()}  # when each part of the start ended
         self._updates_done = updates_done  # the LR position, and each layer's update count, after the last step
         self.gpus: list = []
         self.stores: list = []
@@ -78,17 +80,30 @@ class Session:
         self.gpu_ids: list[list[str]] = []  # each worker's GPUs, as Ray gave them
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
         self.carried_from: str | None = None  # where the carried tensors are (files/carried.py)
+        self._filling: list = []  # stores filling their first weights in one call each (init_weights)
+        self._first_reads: dict = {}  # layer -> the call filling it, for the first step's reads to wait on
         try:
             self.gpus = self._launch_workers()
             self.stores = self._launch_stores()  # their processes start beside the workers'
-            facts = self._device_facts()
+            self.facts = facts = self._device_facts()  # each worker's device, as the plan saw it
+            self._mark("workers' devices")
             if config.train.objective == "grpo":  # its process starts while the stores fill
                 self.rollouts.append(self._launch_rollout())
             self.plan: StepPlan = self._plan(config, facts, stores_allocated=False)
             self._allocate_stores()
+            self._mark("stores' memory")
         except BaseException:
             self.close()
             raise
+
+    def _mark(self, what: str) -> None:
+        self.marks[what] = time.perf_counter()
+
+    def start_timeline(self, now_age: float) -> dict[str, float]:
+        """When each part of the start ended so far, in seconds after this process started, given
+        its age now (host/memory.py, process_age): the benchmark's start-up line."""
+        now = time.perf_counter()
+        return {what: now_age - (now - t) for what, t in self.marks.items()}
 
     def _launch_workers(self) -> list:
         """One worker per GPU of the GPU node, each holding one GPU through Ray, rank order."""
@@ -123,27 +138,57 @@ class Session:
         p = self.placement
         return [ray.remote(self.store_class)
                 .options(num_cpus=0, scheduling_strategy=on_node(plan.node.node_id))
-                .remote(threads=self.config.runtime.optimizer_threads,
-                        reserved_cores=1 + p.num_gpus if plan.node.node_id == p.gpu.node_id else 2)
+                .remote(threads=plan.threads)
                 for plan in p.stores]
 
     def _allocate_stores(self) -> None:
+        """Each store takes its memory (the embedding's state in shared memory from the start where the
+        plan steps it on a device, and its link open where it serves another node); `reach`: how the
+        workers reach each store, for them to build without asking it anything."""
         config, p = self.config, self.placement
         run_id = new_run_id()  # names the driver: host/memory.py sweeps a dead driver's segments
-        self.wait([store.allocate.remote(self.arch, list(plan.layers), dtype_of(config.model.compute_dtype),
-                                         config.runtime.shm_dir, run_id, format_of(config.optim), config.train.seed)
-                   for store, plan in zip(self.stores, p.stores)], "starting the stores")
+        self.reach = self.wait([
+            store.allocate.remote(self.arch, list(plan.layers), dtype_of(config.model.compute_dtype),
+                                  config.runtime.shm_dir, run_id, format_of(config.optim), config.train.seed,
+                                  shared_state=(0,) if self.plan.embedding_on_device and 0 in plan.layers else (),
+                                  serve=plan.node.node_id != p.gpu.node_id)
+            for store, plan in zip(self.stores, p.stores)], "starting the stores")
 
     # -- the first weights -------------------------------------------------------------------------
-    def init_weights(self) -> None:
-        """From model.path (a Hugging Face directory) when given, else random from train.seed."""
+    def init_weights(self, wait: bool = True) -> None:
+        """From model.path (a Hugging Face directory) when given, else random from train.seed.
+        wait=False: the stores fill their layers while the GPU workers build (`start_executor`), and a
+        store the workers reach through shared memory fills one layer per call, in layer order: the
+        first step reads each layer as soon as its own call is done, while later layers still fill
+        (`_first_reads`). A store on another node fills in one call, which `start_executor` waits for."""
         path = self.config.model.path
         if path:
             self.carried_from = path
-            refs = [store.load_hf.remote(path) for store in self.stores]
-        else:
-            refs = [s.init_random.remote(self.config.train.seed, self.config.model.init_std) for s in self.stores]
-        self.wait(refs, "initialising the weights")
+        if path and not wait:  # a directory that does not fit fails here, not in the first step
+            self.wait([store.check_hf.remote(path) for store in self.stores], f"checking {path}")
+        here = self.placement.gpu.node_id
+        for store, plan in zip(self.stores, self.placement.stores):
+            if wait or plan.node.node_id != here:
+                self._filling.append(self._fill(store, None, checked=False))
+            else:
+                self._first_reads.update({i: self._fill(store, [i], checked=True) for i in plan.layers})
+        for store in self.stores:  # queued behind the fill, never waited for: the first step's updates follow it
+            store.fault_in_moments.remote()
+        if wait:
+            self._wait_filled()
+
+    def _fill(self, store, layers: list[int] | None, checked: bool):
+        """One call filling a store's layers (`layers`, default all): model.path, else random."""
+        path = self.config.model.path
+        if path:
+            return store.load_hf.remote(path, layers, checked)
+        return store.init_random.remote(self.config.train.seed, self.config.model.init_std, layers)
+
+    def _wait_filled(self) -> None:
+        if self._filling:
+            self.wait(self._filling, "initialising the weights")
+            self._filling = []
+            self._mark("weights")
 
     def restore(self, path: Path, verify: bool = True) -> dict:
         """Every store loads its layers from the checkpoint, whatever split wrote it; returns its meta.
@@ -164,16 +209,23 @@ class Session:
         return meta
 
     def start_executor(self) -> str:
-        """After the stores hold their first weights: the GPU workers build the planned step and read
-        the weights from here on. Returns their devices' description. Rank 0's node holds the
-        process group's rendezvous."""
+        """The GPU workers build the planned step, while the stores fill their first weights where
+        `init_weights(wait=False)` left them filling; returns once they are built and told which of
+        the GPU node's layers are still landing (their first step waits for each), and the stores on
+        other nodes are filled, with the devices' description. Rank 0's node holds the process
+        group's rendezvous."""
         p = self.placement
         nodes = [plan.node.node_id for plan in p.stores]
         self._unseen = [{} for _ in range(p.num_gpus)]
         port = self.wait(free_port.options(scheduling_strategy=on_node(p.gpu.node_id)).remote(),
                          "starting the GPU workers") if p.num_gpus > 1 else 0
-        names = self.wait([w.start.remote(self.plan, self.stores, nodes, self._updates_done, p.gpu.ip, port)
-                           for w in self.gpus], "starting the GPU workers")
+        names = self.wait([w.start.remote(self.plan, self.stores, nodes, self.reach, self._updates_done, p.gpu.ip,
+                                          port) for w in self.gpus], "starting the GPU workers")
+        self._mark("workers built")
+        if self._first_reads:
+            self.wait([w.expect_first_weights.remote(self._first_reads) for w in self.gpus], "starting the GPU workers")
+            self._first_reads = {}
+        self._wait_filled()
         return names[0] if len(names) == 1 else f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
 
     # -- running -----------------------------------------------------------------------------------

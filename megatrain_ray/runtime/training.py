@@ -245,7 +245,7 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
             gb = num_params(arch) * 4 / 1e9
             say(f"loading {gb:.1f} GB of weights (fp32) from {config.model.path}" if config.model.path
                 else f"initialising {gb:.1f} GB of weights (fp32, random)")
-            session.init_weights()
+            session.init_weights(wait=False)  # the stores fill their layers while the workers build
         say("starting the executor")
         print(f"executor device: {session.start_executor()}", flush=True)
         if placement.use_cuda and config.executor.compile:

@@ -163,6 +163,20 @@ def test_bench_with_every_layer_on_a_ram_node_raylet(tmp_path):
     assert median["remote_gb_out_per_step"] * 1e9 == pytest.approx(2 * sum(numels.values()))
     assert median["remote_window_gib"] * 2**30 == window_bytes(list(numels.values()), 3, 2)
     assert median["tokens_per_s"] <= steps_rate([s for s in run["steps"] if not s["warmup"]])
+    [store] = median["optimizer_per_store"]
+    assert store["ram_node"] and store["threads"] == 1 and store["params"] == sum(numels.values())
+    assert store["gparams_per_s"] * 1e9 * store["seconds"] == pytest.approx(store["params"])
+
+
+def test_raylets_of_the_benchmark_share_the_cores_a_store_on_the_gpu_node_would_take():
+    """--ram-nodes N: the head keeps one core and one per GPU, each raylet an even share of the rest
+    and one core for its links, so the raylets' stores run as many AdamW threads as one local store."""
+    from megatrain_ray.bench.ram_nodes import raylet_cpus
+
+    assert raylet_cpus(32, 1, 2) == (2, 16)  # two stores of 15 threads: the local store's 30
+    assert raylet_cpus(16, 1, 2) == (2, 8)
+    assert raylet_cpus(16, 1, 1) == (2, 15)
+    assert raylet_cpus(2, 0, 1) == (1, 2)
 
 
 def test_two_workers_and_stated_host_memory_and_a_shape_that_does_not_split(tmp_path, joining_env):

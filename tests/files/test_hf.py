@@ -371,3 +371,25 @@ def test_load_peak_memory_is_one_tensor(tmp_path):
     expected_checksum = sum(float(b.double().sum()) for b in buffers.values())
     assert report["checksum"] == pytest.approx(expected_checksum, rel=1e-9)
     assert report["growth"] < largest + slack, f"grew {report['growth'] / 2**20:.1f} MiB, total {total / 2**20:.0f} MiB"
+
+
+def test_a_bf16_checkpoint_loads_in_pieces_over_threads_as_torch_casts_it(tmp_path, monkeypatch):
+    """Transformers' own bf16 shards (several files) read in pieces over threads straight into the
+    fp32 buffers (widened by numpy) and into bf16 buffers (byte for byte): exactly what torch's cast
+    of each stored tensor gives, whatever the pieces and threads."""
+    import megatrain_ray.files.hf as hf
+
+    model = tiny_model("qwen2").to(torch.bfloat16)
+    model_dir = save(model, tmp_path / "bf16", max_shard_size="100KB")
+    assert len(list(model_dir.glob("*.safetensors"))) > 2
+    arch = load_hf_arch(model_dir)
+    state = model.state_dict()
+    monkeypatch.setattr(hf, "READ_PIECE_BYTES", 4096)  # every tensor of more than 2,048 bf16 elements in pieces
+    for threads in (1, 4):
+        wide = empty_buffers(arch)
+        load_hf_weights(model_dir, arch, wide.__getitem__, threads=threads)
+        assert_buffers_equal_state_dict(arch, wide, {k: v.float() for k, v in state.items()})
+        narrow = {i: b.to(torch.bfloat16) for i, b in empty_buffers(arch).items()}
+        load_hf_weights(model_dir, arch, narrow.__getitem__, threads=threads)
+        assert_buffers_equal_state_dict(arch, {i: b.float() for i, b in narrow.items()},
+                                        {k: v.float() for k, v in state.items()})

@@ -121,3 +121,36 @@ def test_the_sweep_does_not_wait_on_timing(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def test_fresh_moments_take_no_memory_until_written_and_the_embedding_state_is_shared_from_the_start(tmp_path):
+    """A new store's AdamW moments are zero pages the kernel gives at their first write: allocating
+    them takes no memory, fault_in_moments takes it (and they read zero either way). A layer whose
+    state a GPU worker steps is in shared memory from the allocation, which share_state then only names."""
+    from megatrain_ray.host.memory import resident_bytes
+
+    arch = PRESETS["tiny-llama"].replace(num_layers=2, hidden_size=512, intermediate_size=2048, num_heads=8,
+                                         num_kv_heads=4, head_dim=64)
+    before = resident_bytes()
+    store = ShardStore(arch, [1, 2], torch.float32, shm_dir=str(tmp_path), run_id="fresh", shared_state=(1,))
+    try:
+        moments = sum(t.numel() * t.element_size() for s in store.layers.values() for t in (s.exp_avg, s.exp_avg_sq))
+        assert moments > 60 * 2**20
+        assert resident_bytes() - before < 0.1 * moments
+        shared, own = store.layers[1], store.layers[2]
+        shared.exp_avg.fill_(0.25)  # as a GPU worker's step of the layer would have written it
+        own_moments = sum(t.numel() * t.element_size() for t in (own.exp_avg, own.exp_avg_sq))
+        before = resident_bytes()
+        store.fault_in_moments()
+        assert resident_bytes() - before > 0.9 * own_moments
+        assert torch.all(shared.exp_avg == 0.25), "a layer a worker steps is never zeroed by the store"
+        shared.exp_avg.zero_()
+        assert all(not t.any() for s in store.layers.values() for t in (s.exp_avg, s.exp_avg_sq))
+        paths = store.share_state(1)
+        assert Path(paths["exp_avg"]).stat().st_size == shared.exp_avg.numel() * 4
+        mapped = torch.from_file(paths["master"], shared=True, size=shared.master.numel(), dtype=torch.float32)
+        shared.master.fill_(0.5)
+        assert torch.equal(mapped, shared.master)  # the same pages: nothing was copied
+        assert store.shared_states() == {1: paths}
+    finally:
+        store.close()

@@ -247,3 +247,42 @@ def test_the_plan_says_how_many_optimizer_cores_keep_up():
     assert said == expected and 4 < said < 20  # 7.6 B parameters, a forward of about 3 s
     doubled, _ = cores_said(cfg.replace(train=dataclasses.replace(cfg.train, grad_accum=2 * cfg.train.grad_accum)))
     assert doubled in (said // 2, -(-said // 2))
+
+
+def test_each_store_runs_the_optimizer_threads_its_node_offers_less_its_other_work():
+    """The CPUs Ray counts on a node (`ray start --num-cpus`, default all its cores) size its store's
+    AdamW: the GPU node keeps one core and one per GPU worker, a RAM node one for its links;
+    runtime.optimizer_threads overrides both; a node whose CPUs are not known gets no count."""
+    nodes = [dataclasses.replace(gpu_node(200), cpus=32.0), dataclasses.replace(ram_node(1, 400), cpus=16.0),
+             dataclasses.replace(ram_node(2, 400), cpus=1.0), ram_node(3, 400)]
+    on_gpu_node = config(store_on_gpu_node=True)
+    threads = {s.node.node_id: s.threads for s in plan_placement(SEVEN_B, on_gpu_node, nodes, "gpu").stores}
+    assert threads == {"gpu": 30, "ram1": 15, "ram2": 1, "ram3": None}
+    two_gpus = config(store_on_gpu_node=True, num_gpus=2)
+    nodes[0] = dataclasses.replace(nodes[0], gpus=2.0)
+    assert plan_placement(SEVEN_B, two_gpus, nodes, "gpu").stores[0].threads == 29
+    stated = config(store_on_gpu_node=True, optimizer_threads=4)
+    assert {s.threads for s in plan_placement(SEVEN_B, stated, nodes, "gpu").stores} == {4}
+
+
+def test_plan_says_how_many_cores_each_ram_node_needs_to_keep_up():
+    """One formula: a RAM node's AdamW over its parameters within the forward, at the measured rate a
+    core, and a core for its links; the plan names each RAM node's count and whether its store has it."""
+    from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, HOST_ADAMW_THREADS, TRANSPORT_CORES, ram_node_cores
+
+    per_core = HOST_ADAMW_PARAMS_PER_S / HOST_ADAMW_THREADS
+    assert ram_node_cores(int(5 * per_core * 2.0), 2.0) == 5 + TRANSPORT_CORES  # exactly five cores' work
+    assert ram_node_cores(int(5 * per_core * 2.0) + 1000, 2.0) == 6 + TRANSPORT_CORES
+    nodes = [gpu_node(16), dataclasses.replace(ram_node(1, 400), cpus=64.0), dataclasses.replace(ram_node(2, 400), cpus=2.0)]
+    cfg = config()
+    step = plan_step(SEVEN_B, cfg, DeviceFacts("cuda", "H100", 79 * GiB, 14 * GiB), placed(SEVEN_B, cfg, nodes),
+                     stores_allocated=False)
+    text = describe(SEVEN_B, cfg, step)
+    forward = predict_step(SEVEN_B, step.planned_config(cfg), kept=step.kept).forward_s
+    numels = [layout.numel for layout in model_layouts(SEVEN_B)]
+    for store, verdict in zip(step.placement.stores, ["63 optimizer threads (enough)", "1 optimizer thread: "]):
+        params = sum(numels[i] for i in store.layers)
+        need = ram_node_cores(params, forward)
+        assert 1 < need < 63
+        assert f"RAM node {store.node.ip} ({params / 1e9:.2f} B parameters): {need} cores keep up" in text, text
+        assert verdict in text

@@ -25,7 +25,7 @@ MiB = 1024**2
 def three_nodes():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 * MiB})
     for _ in range(2):
-        cluster.add_node(num_cpus=1, object_store_memory=100 * MiB, resources={"megatrain_ram": 1})
+        cluster.add_node(num_cpus=3, object_store_memory=100 * MiB, resources={"megatrain_ram": 1})
     ray.init(address=cluster.address)
     cluster.wait_for_nodes()
     yield cluster
@@ -43,6 +43,8 @@ def test_layers_spread_over_all_nodes_and_train_like_one(three_nodes):
         nodes = {plan.node.node_id for plan in session.placement.stores}
         assert len(nodes) == 3, session.placement.describe(arch)
         assert sorted(i for plan in session.placement.stores for i in plan.layers) == list(range(arch.num_layers + 2))
+        threads = ray.get([store.optimizer_threads.remote() for store in session.stores])
+        assert threads == [1, 2, 2], "a store's AdamW threads: its node's CPUs less one (less two on the GPU node)"
         session.init_weights()
         session.start_executor()
         assert sorted(Probe(session).transports()) == ["shm", "stream", "stream"]

@@ -11,6 +11,8 @@ from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_training import random_micro_batches
 from helpers.runs import make_config
 from helpers.sessions import layer_weights, probed_session
+from megatrain_ray.bench.telemetry import ProbedStore, ProbedWorker
+from megatrain_ray.runtime.session import Session
 
 
 @pytest.mark.parametrize("preset,embedding_step", [("tiny-llama", "host"), ("tiny-qwen3", "host"),
@@ -47,3 +49,35 @@ def test_ray_session_equals_in_process_trainer(local_ray, preset, embedding_step
     assert state[1] == expected_state[1] == dict.fromkeys(state[1], 3)  # each layer's update count
     for name, tensor in expected_state[0].items():
         assert torch.equal(state[0][name], tensor), name
+
+
+def test_the_workers_build_and_the_first_step_begins_while_the_stores_fill_their_first_weights(local_ray):
+    """The GPU worker (here on the CPU, its embedding stepped on its device) builds from what the
+    stores said at allocation, asking them nothing, and the store on its node fills a layer per call:
+    the run starts while the last layer (the head) still takes seconds to draw, and the first step
+    reads each layer once its own call is done (the in-process trainer's loss)."""
+    import time
+
+    config = make_config("tiny-qwen3", embedding_step="device")
+    arch = PRESETS["tiny-qwen3"]
+    head = arch.num_layers + 1
+    data = random_micro_batches(arch, 1, 2, batch=2, seq=12, seed=1)
+    local = LocalTrainer(config, arch)
+    expected = local.train_step(data[0]).loss
+    local.close()
+
+    class SlowHeadStore(ProbedStore):  # a head that takes seconds, as 7B's layers do (defined here: sent by value)
+        def init_random(self, seed: int, std: float, layers=None) -> None:
+            if layers is None or head in layers:
+                time.sleep(2.0)
+            super().init_random(seed, std, layers)
+
+    session = Session(config, arch, worker_class=ProbedWorker, store_class=SlowHeadStore)
+    try:
+        t0 = time.perf_counter()
+        session.init_weights(wait=False)
+        session.start_executor()
+        assert time.perf_counter() - t0 < 1.5, "the start waited for the last layer's weights"
+        assert session.train_step(data[0]).loss == expected
+    finally:
+        session.close()
