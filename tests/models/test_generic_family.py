@@ -80,6 +80,9 @@ MODEL_TYPES = {
     "granitemoehybrid": {},
     "nemotron_h": {},  # Mamba-2, attention, MLP and expert layers; its decoder stored as `backbone.`
     "phimoe": {"router_jitter_noise": 0.0},  # the same (its default: 0.01)
+    # Mamba-2 layers and hybrid ones that run one shared transformer block (held by the first, layer
+    # 6, streamed beside the second, layer 12), each joining the embedding's output to its input
+    "zamba2": {},
     # per-layer input embeddings, and a layer with a configuration of its own (per_layer_config: the
     # full-attention layer's wider heads); 6 of its 30 layers, its pattern of 5 sliding to 1 full as
     # the defaults derive it for 6 (the last of each type keeps its keys and values: a kind of its own)
@@ -212,7 +215,7 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
                     "gemma4_text", "nemotron_h", "gemma3n_text",
-                    "gemma4_text:shared_kv")
+                    "gemma4_text:shared_kv", "zamba2")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
