@@ -26,6 +26,7 @@ from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
+from megatrain_ray.streaming.hooks import StepHooks  # noqa: E402
 from helpers.files import write_documents  # noqa: E402
 from helpers.hf_parity import (RTOL, randomize, rel, run_config, saved, steps_and_export, the_runs_batches,  # noqa: E402
                                train_transformers)
@@ -258,6 +259,42 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     check_export(export, arch, model, initial)
     saved_names = {n for n in stored_names(Path(config.model.path)) if not TRANSFORMERS.carried(arch, n)}
     assert stored_names(export) == saved_names, "the export names its tensors as transformers' save_pretrained does"
+
+
+class Copies(StepHooks):
+    """The layers copied into slots and the gradients sent, in order."""
+
+    def __init__(self):
+        self.copied, self.sent = [], []
+
+    def copy(self, slot, layer, waited_for):
+        self.copied.append(layer)
+
+    def gradient(self, layer):
+        self.sent.append(layer)
+
+
+def test_a_shared_block_is_fetched_once_a_step_and_its_gradient_leaves_once_after_its_last_use(tmp_path):
+    """Zamba2's shared transformer block lies in layer 7 (decoder layer 6, which save_pretrained
+    stores it under); layer 13 runs it too: its unit binds layer 7, which stays in its slot (the only
+    layer of its size) through the step, and layer 7's gradient, summed over both, leaves once,
+    after layer 13's."""
+    model, arch, _config_file, config, data = prepared("zamba2", tmp_path)
+    layouts = TRANSFORMERS.layouts(arch)
+    holder = layouts[13].shares
+    assert holder == (7,) and not any(p.name.startswith("shared_transformer.") for p in layouts[13].params)
+    assert any(p.name.startswith("shared_transformer.") for p in layouts[7].params)
+    hooks = Copies()
+    trainer = LocalTrainer(config, arch, hooks=hooks)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, config.model.path)
+        trainer.train_step(data[0])
+    finally:
+        trainer.close()
+    assert hooks.copied.count(7) == 1, hooks.copied
+    assert sorted(hooks.sent) == list(range(len(layouts))), "every layer's gradient leaves once"
+    assert hooks.sent.index(7) > hooks.sent.index(13)
 
 
 def test_per_layer_inputs_flow_behind_the_hidden_states_and_the_plan_counts_them(tmp_path):
