@@ -84,6 +84,9 @@ MODEL_TYPES = {
     # Mamba-2 layers and hybrid ones that run one shared transformer block (held by the first, layer
     # 6, streamed beside the second, layer 12), each joining the embedding's output to its input
     "zamba2": {},
+    # two shared blocks taking turns (layers 6 and 12 hold them, 18 and 24 run them), with attention
+    # adapters: each hybrid layer's own, inside the block it runs
+    "zamba2:mem_blocks": {"num_mem_blocks": 2, "use_shared_attention_adapter": True},
     # per-layer input embeddings, and a layer with a configuration of its own (per_layer_config: the
     # full-attention layer's wider heads); 6 of its 30 layers, its pattern of 5 sliding to 1 full as
     # the defaults derive it for 6 (the last of each type keeps its keys and values: a kind of its own)
@@ -117,7 +120,8 @@ RUN = {"gemma4_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
        "gemma3n_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
        # 3 steps (its Mamba-2 layers' PyTorch scan is slow on the CPU); the last 2 blocks keep their
        # graphs: the last runs the shared block from a copy of its holder's weights
-       "zamba2": {"train": {"steps": 3}, "executor": {"keep_graphs": 2}}}
+       "zamba2": {"train": {"steps": 3}, "executor": {"keep_graphs": 2}},
+       "zamba2:mem_blocks": {"train": {"steps": 3}}}
 
 
 def small_model_config(model_type: str) -> dict:
@@ -219,7 +223,7 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
                     "gemma4_text", "nemotron_h", "gemma3n_text",
-                    "gemma4_text:shared_kv", "zamba2")
+                    "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
