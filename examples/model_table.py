@@ -127,16 +127,18 @@ def streamed_steps(model_dir: Path, tmp: Path) -> Path:
 
 
 def transformers_steps(model, model_dir: Path) -> None:
-    """The same steps on transformers' model: torch.optim.AdamW, decay on matrices, the schedule."""
+    """The same steps on transformers' model: torch.optim.AdamW, decay on matrices but biases (as
+    the stores decay: models/layout.py, ParamSlot.decays; Zamba's dt_proj_bias is 2-D), the schedule."""
     import torch
     import torch.nn.functional as F
 
     from megatrain_ray.host.adamw import lr_factor
 
     o = run_config(model_dir).optim
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+    named = list(model.named_parameters())
+    decays = {name for name, p in named if p.dim() >= 2 and not name.endswith("bias")}
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if n in decays], "weight_decay": o.weight_decay},
+                             {"params": [p for n, p in named if n not in decays], "weight_decay": 0.0}],
                             lr=o.lr, betas=o.betas, eps=o.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, o.warmup_steps, STEPS, o.min_lr_ratio))
     model.train()
@@ -146,7 +148,7 @@ def transformers_steps(model, model_dir: Path) -> None:
         logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], o.grad_clip)
         opt.step()
         sched.step()
 

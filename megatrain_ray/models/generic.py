@@ -93,10 +93,14 @@ class TransformersArch(ModelArch):
     def behind_hidden(self) -> tuple[int, int]:
         """(how many, how wide): the inputs of their own that flow behind the hidden states, one
         slice per layer that reads one: Gemma 4's per-layer inputs (every layer's), or Qwen3-VL's
-        deepstack features (one per deepstack layer, hidden_size wide)."""
+        deepstack features (one per deepstack layer, hidden_size wide); or one that every layer
+        reads (Zamba2's embedding output: common_input_of)."""
         if self.per_layer_input_width:
             return self.num_layers, self.per_layer_input_width
-        return self.deepstack_layers, self.hidden_size if self.deepstack_layers else 0
+        if self.deepstack_layers:
+            return self.deepstack_layers, self.hidden_size
+        common = common_input_of(self.hf_config)
+        return (1, common[1]) if common else (0, 0)
 
     @property
     def stream_width(self) -> int:
@@ -183,6 +187,37 @@ def layer_kv(config_json: str, index: int) -> SharedKV | None:
     return dataclasses.replace(kv, layer_type=cfg.layer_types[index], mode=cfg.kv_sharing_modes[index])
 
 
+@functools.lru_cache(maxsize=8)
+def common_input_of(config_json: str) -> tuple[int, int] | None:
+    """(its position among a layer's arguments, its width) of an input per token that the decoder
+    passes every layer alike beside the hidden states (Zamba2's original_hidden_states: the
+    embedding's output, which its hybrid layers join to their input), found on a stand-in input as
+    the one such tensor that every layer is given; None for a decoder that passes none (or a model
+    whose layers take inputs of their own, which flow otherwise)."""
+    p = hm.parts_of(config_json)
+    if p.decoder_in_root or json.loads(config_json).get("hidden_size_per_layer_input"):
+        return None
+    decoder, calls, _ = _recording_decoder(config_json, len(p.layers) - 1)
+    calls.clear()
+    cpu = torch.device("cpu")
+    hidden = torch.zeros(1, 2, int(p.base.config.hidden_size))
+    state = {**_buffers_on(config_json, "base", cpu), **stand_in_weights(p, torch.float32, cpu)}
+    try:
+        with torch.no_grad():
+            hm.run_until_layers(decoder, state, calls, inputs_embeds=hidden, position_ids=torch.arange(2)[None])
+    except Exception:  # a part before the layers that needs real inputs: refused where it runs, saying why
+        calls.clear()
+        return None
+    recorded = list(calls)
+    calls.clear()
+    if not recorded:
+        return None
+    first = recorded[0][1]
+    found = [i for i, a in enumerate(first) if isinstance(a, torch.Tensor) and a.dim() == 3 and
+             a.shape[:2] == hidden.shape[:2] and all(len(args) > i and args[i] is a for _, args, _ in recorded)]
+    return (found[0], int(first[found[0]].shape[-1])) if len(found) == 1 else None
+
+
 def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     cfg = hm.config_object(config)
     full = json.loads(cfg.to_json_string(use_diff=False))
@@ -247,7 +282,11 @@ def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     frozen_names = frozenset() if arch.train_vision else vision
     layouts = [frozen_slots(lay_out(0, EMBED, p.root_prefix, embed), frozen_names)]
     for i, layer in enumerate(p.layers):
-        layouts.append(lay_out(i + 1, BLOCK, f"{p.base_prefix}{p.layers_name}.{i}.", _local_shapes(hm.persistent_tensors(layer))))
+        # a block that several layers share lies in the first of them (hf_modules.shared_tensors)
+        shared = p.shared_names[i]
+        block = lay_out(i + 1, BLOCK, f"{p.base_prefix}{p.layers_name}.{i}.",
+                        _local_shapes(hm.persistent_tensors(layer), lambda n: n not in shared))
+        layouts.append(block if p.shares[i] is None else dataclasses.replace(block, shares=(p.shares[i] + 1,)))
     outer = _local_shapes(hm.persistent_tensors(p.model), lambda n: not n.startswith(p.root_prefix))
     head_modules = tuple(m + "." for m in (p.final_norm, *p.after_layers))
     head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(head_modules))]
@@ -425,8 +464,9 @@ class LayerCall:
 class PerLayerInput:
     """A layer's own input, the slice `index` of the `layers` x `width` inputs that flow behind the
     hidden states (stream_width): Gemma 4's per-layer input, the layer's positional argument
-    `position`; or (position None) Qwen3-VL's deepstack features, zero but at the image tokens,
-    added to the output of each of the first `layers` layers, as its decoder adds them."""
+    `position`, or (one of `layers` 1, index 0 for every layer) Zamba2's input that every layer
+    reads; or (position None) Qwen3-VL's deepstack features, zero but at the image tokens, added to
+    the output of each of the first `layers` layers, as its decoder adds them."""
 
     position: int | None
     index: int
@@ -543,6 +583,8 @@ def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
     elif width:
         position = per_layer_position(arch, hidden, args)
         flowing.append(torch.stack([layer_args[position] for _, layer_args, _ in recorded], dim=-2).flatten(-2))
+    elif common_input_of(arch.hf_config):
+        flowing.append(args[common_input_of(arch.hf_config)[0]])
     else:
         refuse_per_layer_inputs(hidden, args)
     return flowing[0] if len(flowing) == 1 else torch.cat(flowing, dim=-1)
@@ -632,6 +674,10 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
         if arch.deepstack_layers:  # each layer hands the features on; the first ones add theirs
             per_layer = PerLayerInput(None, index, *arch.behind_hidden)
             out.append(LayerCall(kind, args, kwargs, per_layer=per_layer, **shared))
+            continue
+        common = common_input_of(arch.hf_config)
+        if common:  # every layer reads the one input that flows behind the hidden states
+            out.append(LayerCall(kind, args, kwargs, per_layer=PerLayerInput(common[0], 0, 1, common[1]), **shared))
             continue
         if not width:
             refuse_per_layer_inputs(hidden, args)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from megatrain_ray.models import hf_modules as hm
 from megatrain_ray.models import image_text
+from megatrain_ray.models.layout import with_shared
 
 RTOL = 1e-4  # fp32, the same modules on the same weights: only summation order differs
 
@@ -116,11 +117,12 @@ def streamed_path(arch, model, batch) -> tuple[torch.Tensor, dict[str, torch.Ten
     aux, stats = fam.aux_loss_on(arch), []
     for layout in layouts[1:-1]:
         call = fam.layer_context(arch, ctx, layout.index)
+        w = with_shared(bound[layout.index], [bound[held] for held in layout.shares])
         if aux:
-            x, s = fam.block(arch, bound[layout.index], x, call, aux=True)
+            x, s = fam.block(arch, w, x, call, aux=True)
             stats += [] if s is None else [s]
         else:
-            x = fam.block(arch, bound[layout.index], x, call)
+            x = fam.block(arch, w, x, call)
     logits = fam.logits(arch, bound[-1], bound[0], x)
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum")
     if stats:

@@ -122,7 +122,7 @@ SMALL = {
     "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "sliding_window": 8, "attention_chunk_size": 8,
     "num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 16,
     "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8, "laurel_rank": 8,
-    "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_chunk_size": 16, "mamba_d_ssm": 64, "mamba_num_heads": 8, "ssm_state_size": 16,
+    "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_chunk_size": 16, "chunk_size": 16, "mamba_d_ssm": 64, "mamba_num_heads": 8, "ssm_state_size": 16,
 }
 
 
@@ -149,9 +149,10 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
     shared = config.get("num_kv_shared_layers")
     if isinstance(shared, int) and shared > 0:  # the layers that reuse keys and values: from the same first one
         small["num_kv_shared_layers"] = max(0, layers - (config["num_hidden_layers"] - shared))
-    for key, value in config.items():
-        if isinstance(value, list) and len(value) == len(kinds):
-            small[key] = small[key][:layers]
+    per_layer = [key for key, value in config.items() if isinstance(value, list) and len(value) == len(kinds)]
+    for key in per_layer:
+        small[key] = small[key][:layers]
+    small.update(rederived(config, small, ["num_hidden_layers", *per_layer]))  # Zamba2's hybrid_layer_ids
     return small
 
 
@@ -179,13 +180,14 @@ def small_kv_heads(config: dict[str, Any], outer: dict[str, Any] | None = None) 
     return {"num_key_value_heads": 1 if kv == 1 else (min(heads, SMALL["num_attention_heads"]) if kv == heads else 2)}
 
 
-def rederived(config: dict[str, Any], small: dict[str, Any]) -> dict[str, Any]:
+def rederived(config: dict[str, Any], small: dict[str, Any], keys: list[str] | None = None) -> dict[str, Any]:
     """The values the config class derives from the sizes (Zamba2's mamba_headdim, its attention
-    widths), derived again from the small sizes, where the config holds what the class derives
-    from its own sizes (a config.json that transformers wrote stores them)."""
+    widths), or from `keys` (the layer count and the lists of one value per layer: Zamba2's
+    hybrid_layer_ids), derived again from the small ones, where the config holds what the class
+    derives from its own (a config.json that transformers wrote stores them)."""
     from transformers import CONFIG_MAPPING
 
-    sizes = [k for k in SMALL if k in config and k in small]
+    sizes = [k for k in (SMALL if keys is None else keys) if k in config and k in small]
     try:
         config_class = CONFIG_MAPPING[config["model_type"]]
         big = config_class(**{k: config[k] for k in sizes}).to_dict()
@@ -217,6 +219,11 @@ class Parts:
     # The decoder's other children with weights that its forward runs after its last layer (Gemma
     # 3n's AltUp unembedding projections): the head then runs the decoder's own code after its layers
     after_layers: tuple[str, ...] = ()
+    # per decoder layer: the earlier layer whose tensors it also runs with (a block that several
+    # layers share, Zamba2's shared transformer, held by the first of them), else None
+    shares: tuple[int | None, ...] = ()
+    # per decoder layer: the names of those tensors in it (the same in the layer that holds them)
+    shared_names: tuple[frozenset[str], ...] = ()
 
 
 def decoder_parts(model: nn.Module) -> Parts:
@@ -230,28 +237,45 @@ def decoder_parts(model: nn.Module) -> Parts:
     for name, module in layers.named_modules():
         if any(word in name for word in ("cross_attn", "encoder_attn", "crossattention")):
             raise Unsupported(f"its layers have cross-attention ({name})")
-    refuse_shared_weights(layers)
+    shares, shared_names = shared_tensors(layers)
     norm = _final_module(base, layers_name, model.get_input_embeddings())
     after = tuple(n for n in _children_run_after_layers(base, layers_name) if n != norm)
-    keys: dict[str, int] = {}
-    kinds = tuple(keys.setdefault(structure_key(layer), i) for i, layer in enumerate(layers))
+    keys: dict[tuple, int] = {}  # a layer that holds a shared block and one that runs it are of two kinds
+    kinds = tuple(keys.setdefault((structure_key(layer), names), i)
+                  for i, (layer, names) in enumerate(zip(layers, shared_names)))
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
     root_prefix, _, decoder_in_root = prefix.partition(".")
     return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name, getattr(model, root_prefix),
-                 root_prefix + ".", decoder_in_root + "." if decoder_in_root else "", after)
+                 root_prefix + ".", decoder_in_root + "." if decoder_in_root else "", after, shares, shared_names)
 
 
-def refuse_shared_weights(layers: nn.ModuleList) -> None:
-    """Each layer streams with its own weights: a tensor that several layers hold (Zamba2's hybrid
-    layers share one attention block) cannot stream with one of them."""
-    owner: dict[int, int] = {}
+def shared_tensors(layers: nn.ModuleList) -> tuple[tuple[int | None, ...], tuple[frozenset[str], ...]]:
+    """Per layer, the earlier layer that holds tensors it runs with too (Zamba2's hybrid layers
+    share one transformer block, or `num_mem_blocks` in turn), or None, and their names. The first
+    layer that runs a tensor holds it, as save_pretrained stores it; a later one streams that
+    layer's weights beside its own, and runs them under its own names for them, which must be the
+    holder's."""
+    holder: dict[int, tuple[int, str]] = {}
+    shares, names = [], []
     for i, layer in enumerate(layers):
-        for name, t in layer.named_parameters():
-            first = owner.setdefault(id(t), i)
-            if first != i:
-                raise Unsupported(f"its layers {first} and {i} share weights ({name}): each layer streams its own "
-                                  "weights, so a block that several layers reuse cannot stream with one of them")
+        found: dict[str, tuple[int, str]] = {}
+        for name, t in persistent_tensors(layer).items():
+            first = holder.setdefault(id(t), (i, name))
+            if first[0] != i:
+                found[name] = first
+        held_by = {layer_index for layer_index, _ in found.values()}
+        if len(held_by) > 1:
+            raise Unsupported(f"its layer {i} runs tensors that several earlier layers hold "
+                              f"(layers {', '.join(map(str, sorted(held_by)))}): a layer may share one layer's block")
+        renamed = [(name, first) for name, first in found.items() if first[1] != name]
+        if renamed:
+            name, (j, there) = renamed[0]
+            raise Unsupported(f"its layer {i} runs layer {j}'s {there} as {name}: a shared block must have the "
+                              "same names in every layer that runs it")
+        shares.append(held_by.pop() if held_by else None)
+        names.append(frozenset(found))
+    return tuple(shares), tuple(names)
 
 
 def _decoder_and_layers(model: nn.Module) -> tuple[str, str]:

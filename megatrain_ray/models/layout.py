@@ -61,6 +61,10 @@ class LayerLayout:
     # The prefix under which checkpoint files name its tensors (ParamSlot.stored), where not
     # `prefix`: transformers stores Nemotron-H's decoder, `model.` in memory, as `backbone.`
     stored_prefix: str | None = None
+    # The earlier layers whose tensors this block runs with beside its own: a block that several
+    # layers share (Zamba2's shared transformer) lies in the first of them, as transformers stores
+    # it, and the later ones run it under the same names (with_shared)
+    shares: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -98,6 +102,20 @@ class LayerLayout:
     def segments(self) -> list[tuple[int, int, bool]]:
         """(start, end, decays) of each parameter, for the optimizer's weight decay."""
         return [(p.offset, p.offset + p.numel, p.decays) for p in self.params]
+
+
+def shared_part(own: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Of the weights of a layer that a block shares tensors with (LayerLayout.shares), those the
+    block runs with: the ones its own layout lacks."""
+    return {name: t for name, t in held.items() if name not in own}
+
+
+def with_shared(own: dict[str, torch.Tensor], holders: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A block's weights: its own, and the shared part of each layer it shares tensors with."""
+    merged = dict(own)
+    for held in holders:
+        merged.update(shared_part(own, held))
+    return merged
 
 
 def lay_out(index: int, kind: str, prefix: str, shapes: Shapes) -> LayerLayout:

@@ -211,6 +211,9 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
         plan.by_use["NCCL buffers (an allowance)"] = NCCL_BUFFER_BYTES
     if arch.tie_word_embeddings:
         plan.by_use["tied embedding gradient held through backward"] = layouts[0].numel * 4
+    held = {layer for layout in layouts for layer in layout.shares}  # a shared block's holders (LayerLayout.shares)
+    if held:
+        plan.by_use["shared blocks' gradients held through backward"] = sum(layouts[i].numel for i in held) * 4
     held_layers = 2 if offload else len(layouts) - 1  # offloaded: the one in use and the one coming back
     plan.by_use[BOUNDARY] = boundary_bytes(arch, config, held_layers, num_gpus)
     plan.by_use["boundary gradients in flight"] = boundary_bytes(arch, config, 2, num_gpus)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.layout import BLOCK, LayerLayout
+from megatrain_ray.models.layout import BLOCK, LayerLayout, with_shared
 from megatrain_ray.models.registry import family, model_layouts
 
 
@@ -68,11 +68,17 @@ def random_weights(arch: ModelArch, layout: LayerLayout, dtype: torch.dtype, dev
     return flat.to(device=device, dtype=dtype)
 
 
+def random_leaves(arch: ModelArch, layout: LayerLayout, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: view.detach().requires_grad_(True)
+            for name, view in layout.views(random_weights(arch, layout, dtype, device)).items()}
+
+
 def probe_one(arch: ModelArch, layout: LayerLayout, count: int, ctx, micro_batch: int, seq_len: int,
               dtype: torch.dtype, device: torch.device) -> LayerProbe:
     fam = family(arch)
-    flat = random_weights(arch, layout, dtype, device)
-    w = {name: view.detach().requires_grad_(True) for name, view in layout.views(flat).items()}
+    layouts = model_layouts(arch)
+    w = with_shared(random_leaves(arch, layout, dtype, device),  # and a shared block's (LayerLayout.shares)
+                    [random_leaves(arch, layouts[held], dtype, device) for held in layout.shares])
     x = torch.randn(micro_batch, seq_len, arch.stream_width, dtype=dtype, device=device, requires_grad=True)
     layer_ctx = fam.layer_context(arch, ctx, layout.index)
     aux = {"aux": True} if fam.aux_loss_on(arch) else {}
@@ -98,7 +104,7 @@ def probe_one(arch: ModelArch, layout: LayerLayout, count: int, ctx, micro_batch
         returned = sum(g.numel() * g.element_size() for g in grads)
         working = max(0, torch.cuda.max_memory_allocated(device) - before - returned)
     tokens = micro_batch * seq_len
-    active = layout.numel - _inactive(arch, layout)
+    active = sum(t.numel() for t in w.values()) - _inactive(arch, layout)  # a shared block's too
     flops = 6 * active * tokens + tokens * fam.attention_flops_per_token(arch, seq_len) / arch.num_layers
     return LayerProbe(layout.index, count, tokens, working, seconds, flops)
 

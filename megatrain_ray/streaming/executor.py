@@ -40,7 +40,7 @@ from megatrain_ray.streaming.gradient_sink import GradientSink
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX
-from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout
+from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout, shared_part
 from megatrain_ray.models.ops import packs_documents
 from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.rl.loss import PolicyLoss, PolicyMetrics, label_logprobs, token_losses
@@ -79,6 +79,11 @@ def _leaf(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.detach().requires_grad_(True)
 
 
+def merged(by_layer: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A unit's weights by layer as the one dict its block runs with."""
+    return {name: t for w in by_layer.values() for name, t in w.items()}
+
+
 class AuxLoss:
     """A family's auxiliary loss over one step (models/family.py, ModelFamily.aux_loss_on): forward sums
     each micro-batch's block statistics; each block's backward adds its share, weighted like the
@@ -105,7 +110,7 @@ class BlockGraph:
     """One micro-batch's pass through a block under autograd: what its backward differentiates."""
 
     x: torch.Tensor  # the input, a leaf
-    w: dict[str, torch.Tensor]  # the weights, one leaf each
+    w: dict[int, dict[str, torch.Tensor]]  # the weights by layer (the unit's own, then shared ones), one leaf each
     y: torch.Tensor
     stats: torch.Tensor | None  # the block's auxiliary statistics (models/family.py, ModelFamily.aux_loss_on)
 
@@ -181,6 +186,16 @@ class StreamingExecutor:
     def _views(self, slot_or_leaf: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         return self.layouts[layer].views(slot_or_leaf)
 
+    def _unit_weights(self, unit: Unit, buffers: list[torch.Tensor],
+                      bind: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[int, dict[str, torch.Tensor]]:
+        """An embedding's or a block's weights by layer, each tensor through `bind`: its own layer's,
+        then the shared part of each layer whose block it runs too (LayerLayout.shares)."""
+        own = {name: bind(view) for name, view in self._views(buffers[0], unit.layers[0]).items()}
+        by_layer = {unit.layers[0]: own}
+        for buffer, layer in zip(buffers[1:], unit.layers[1:]):
+            by_layer[layer] = {name: bind(view) for name, view in shared_part(own, self._views(buffer, layer)).items()}
+        return by_layer
+
     # -- one optimizer step --------------------------------------------------------------------
     def train_step(self, micro_batches: list[dict], make_update: Callable[[float], object] | None,
                    step_target_tokens: int | None = None) -> StepResult:
@@ -215,11 +230,11 @@ class StreamingExecutor:
             slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
             with self._computing():
                 if unit in self.kept:
-                    graphs[unit] = self._forward_keeping(unit, slots[0], x, ctxs, aux)
+                    graphs[unit] = self._forward_keeping(unit, slots, x, ctxs, aux)
                     x = [g.y.detach() for g in graphs[unit]]
                 else:
                     with torch.no_grad():
-                        weights = self._views(slots[0].buffer, unit.layers[0])
+                        weights = merged(self._unit_weights(unit, [slot.buffer for slot in slots]))
                         inputs, x = x, [self._forward(unit, weights, xi, ctx, aux, i, draws)
                                         for i, (xi, ctx) in enumerate(zip(x, ctxs))]
                     saved.push(inputs)
@@ -238,12 +253,12 @@ class StreamingExecutor:
         for unit in reversed(self.units[:-1]):
             if unit in graphs:
                 with self._computing():
-                    dy = [self._differentiate(unit.layers[0], mb, g, dyi, aux)
+                    dy = [self._differentiate(mb, g, dyi, aux)
                           for mb, (g, dyi) in enumerate(zip(graphs.pop(unit), dy))]
             else:
                 slots = [self.prefetcher.acquire(next(cursor)) for _ in unit.layers]
                 with self._computing():
-                    dy = self._block_backward(unit, slots[0], saved.pop(), dy, ctxs, aux, draws)
+                    dy = self._block_backward(unit, slots, saved.pop(), dy, ctxs, aux, draws)
                 for slot in slots:
                     self.prefetcher.release(slot)
             self.grads.send(unit.layers[0])
@@ -332,7 +347,8 @@ class StreamingExecutor:
                         for xi, mb in zip(x, mbs):
                             at_head(weights[0], embed_w, xi, mb)
                     else:
-                        x = [self._forward(unit, weights[0], xi, ctx) for xi, ctx in zip(x, ctxs)]
+                        block_w = merged(self._unit_weights(unit, [slot.buffer for slot in slots]))
+                        x = [self._forward(unit, block_w, xi, ctx) for xi, ctx in zip(x, ctxs)]
                 for slot in slots:
                     self.prefetcher.release(slot)
         return mbs
@@ -429,59 +445,61 @@ class StreamingExecutor:
         self.metrics.add(labels != IGNORE_INDEX, losses, entropy)
         return (losses.loss * take("loss_weights")).sum()
 
-    def _block_backward(self, unit: Unit, slot: Slot, inputs, dys, ctxs, aux: "AuxLoss | None", draws: dict):
+    def _block_backward(self, unit: Unit, slots: list[Slot], inputs, dys, ctxs, aux: "AuxLoss | None", draws: dict):
         """Recompute each micro-batch's forward under a local graph (drawing the random numbers its
         forward drew), then backward through it."""
         dxs = []
         layer = unit.layers[0]
         for mb, (x, dy, ctx) in enumerate(zip(inputs, dys, ctxs)):
-            w = self._bind_leaves(slot.buffer, layer)
             with rng.replayed(draws.pop((layer, mb), None), self.device):
                 if unit.kind == EMBED:
+                    w = self._bind_leaves(slots[0].buffer, layer)
                     y = self.family.embed(self.arch, w, x)
                     grads = torch.autograd.grad(y, list(w.values()), dy, allow_unused=True, materialize_grads=True)
                     self.grads.add(layer, dict(zip(w, grads)))
                     dxs.append(None)
                 else:
-                    dxs.append(self._differentiate(layer, mb, self._graph(layer, w, x, ctx, aux), dy, aux))
+                    w = self._unit_weights(unit, [slot.buffer for slot in slots], _leaf)
+                    dxs.append(self._differentiate(mb, self._graph(unit, w, x, ctx, aux), dy, aux))
         return dxs
 
-    def _forward_keeping(self, unit: Unit, slot: Slot, xs, ctxs, aux: "AuxLoss | None") -> list[BlockGraph]:
+    def _forward_keeping(self, unit: Unit, slots: list[Slot], xs, ctxs, aux: "AuxLoss | None") -> list[BlockGraph]:
         """A block's forward under autograd, its graph kept for backward. The graph reads a copy of
         the weights: the slot takes other layers before the backward comes back to this one."""
-        layer = unit.layers[0]
-        weights = slot.buffer.clone()
+        weights = [slot.buffer.clone() for slot in slots]
         graphs = []
         for mb, (x, ctx) in enumerate(zip(xs, ctxs)):
-            graphs.append(self._graph(layer, self._bind_leaves(weights, layer), x, ctx, aux, keeping=True))
+            graphs.append(self._graph(unit, self._unit_weights(unit, weights, _leaf), x, ctx, aux, keeping=True))
             if aux is not None:
                 aux.count(mb, None if graphs[-1].stats is None else graphs[-1].stats.detach())
         return graphs
 
-    def _graph(self, layer: int, w: dict, x: torch.Tensor, ctx, aux: "AuxLoss | None",
+    def _graph(self, unit: Unit, w: dict[int, dict], x: torch.Tensor, ctx, aux: "AuxLoss | None",
                keeping: bool = False) -> BlockGraph:
-        """A block's forward under autograd from its input as a fresh leaf (a step's, with `aux`:
-        its statistics join the graph)."""
+        """A block's forward under autograd from its input as a fresh leaf, on its weights by layer
+        (a step's, with `aux`: its statistics join the graph)."""
         x = _leaf(x)
-        y = self._block(w, x, self.family.layer_context(self.arch, ctx, layer), keeping)
+        y = self._block(merged(w), x, self.family.layer_context(self.arch, ctx, unit.layers[0]), keeping)
         stats = None
         if self.aux:
             y, stats = y
         return BlockGraph(x, w, y, stats if aux is not None else None)
 
-    def _differentiate(self, layer: int, mb: int, g: BlockGraph, dy: torch.Tensor, aux: "AuxLoss | None"):
-        """Backward through one micro-batch's block graph: its weight gradient joins the layer's
-        accumulator, the input's gradient is returned. A block's share of the auxiliary loss joins
-        its output in what is differentiated."""
+    def _differentiate(self, mb: int, g: BlockGraph, dy: torch.Tensor, aux: "AuxLoss | None"):
+        """Backward through one micro-batch's block graph: its weight gradient joins the accumulator
+        of the layer each weight came from, the input's gradient is returned. A block's share of the
+        auxiliary loss joins its output in what is differentiated."""
         outputs, out_grads = [g.y], [dy]
         if g.stats is not None:
             term = aux.term(self.family, self.arch, mb, g.stats)
             outputs.append(term)
             out_grads.append(torch.ones_like(term))
         # a tensor no output depends on (a router's bias that only picks experts) gets a zero gradient
-        dx, *grads = torch.autograd.grad(outputs, [g.x, *g.w.values()], out_grads, allow_unused=True,
-                                         materialize_grads=True)
-        self.grads.add(layer, dict(zip(g.w, grads)))
+        leaves = [t for w in g.w.values() for t in w.values()]
+        dx, *grads = torch.autograd.grad(outputs, [g.x, *leaves], out_grads, allow_unused=True, materialize_grads=True)
+        per_param = iter(grads)
+        for layer, w in g.w.items():
+            self.grads.add(layer, {name: next(per_param) for name in w})
         return dx
 
     def _result(self, t0, loss, grad_norm, finite, mbs, target) -> StepResult:

@@ -40,10 +40,14 @@ class GradientSink:
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=self.streams.device)
 
     def add(self, layer: int, grads: dict[str, torch.Tensor]) -> None:
-        """Accumulate one micro-batch's per-parameter gradients into the layer's flat fp32 buffer."""
+        """Accumulate one micro-batch's per-parameter gradients into the layer's flat fp32 buffer
+        (the first gradient of a layer may cover part of it: a shared block's, from a later layer
+        that runs it, the rest then starts from zero)."""
         fresh = layer not in self.acc
         if fresh:
-            self.acc[layer] = torch.empty(self.layouts[layer].numel, dtype=torch.float32, device=self.streams.device)
+            whole = len(grads) == len(self.layouts[layer].params)
+            make = torch.empty if whole else torch.zeros
+            self.acc[layer] = make(self.layouts[layer].numel, dtype=torch.float32, device=self.streams.device)
         views = self.layouts[layer].views(self.acc[layer])
         for name, g in grads.items():
             views[name].copy_(g) if fresh else views[name].add_(g)

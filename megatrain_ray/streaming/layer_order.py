@@ -20,10 +20,16 @@ class Unit:
 
 
 def model_units(arch: ModelArch) -> list[Unit]:
-    """Embedding, blocks, head; a head tied to the embedding binds the embedding's layer too."""
+    """Embedding, blocks, head; a head tied to the embedding binds the embedding's layer too, and a
+    block that runs a block several layers share (LayerLayout.shares) binds the layer that holds it.
+    That layer is always an earlier one, whose own backward comes last: its gradient, summed over
+    every unit that binds it, leaves once, after that backward, as the tied embedding's does."""
     layouts = model_layouts(arch)
     units = [Unit(layouts[0].kind, (0,))]
-    units += [Unit(BLOCK, (l.index,)) for l in layouts if l.kind == BLOCK]
+    for layout in layouts:
+        if layout.kind == BLOCK:
+            assert all(0 < held < layout.index for held in layout.shares), "a shared block lies in an earlier layer"
+            units.append(Unit(BLOCK, (layout.index, *layout.shares)))
     head = layouts[-1].index
     units.append(Unit(HEAD, (head, 0) if arch.tie_word_embeddings else (head,)))
     return units

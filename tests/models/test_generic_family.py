@@ -26,6 +26,7 @@ from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
+from megatrain_ray.streaming.hooks import StepHooks  # noqa: E402
 from helpers.files import write_documents  # noqa: E402
 from helpers.hf_parity import (RTOL, randomize, rel, run_config, saved, steps_and_export, the_runs_batches,  # noqa: E402
                                train_transformers)
@@ -80,6 +81,12 @@ MODEL_TYPES = {
     "granitemoehybrid": {},
     "nemotron_h": {},  # Mamba-2, attention, MLP and expert layers; its decoder stored as `backbone.`
     "phimoe": {"router_jitter_noise": 0.0},  # the same (its default: 0.01)
+    # Mamba-2 layers and hybrid ones that run one shared transformer block (held by the first, layer
+    # 6, streamed beside the second, layer 12), each joining the embedding's output to its input
+    "zamba2": {},
+    # two shared blocks taking turns (layers 6 and 12 hold them, 18 and 24 run them), with attention
+    # adapters: each hybrid layer's own, inside the block it runs
+    "zamba2:mem_blocks": {"num_mem_blocks": 2, "use_shared_attention_adapter": True},
     # per-layer input embeddings, and a layer with a configuration of its own (per_layer_config: the
     # full-attention layer's wider heads); 6 of its 30 layers, its pattern of 5 sliding to 1 full as
     # the defaults derive it for 6 (the last of each type keeps its keys and values: a kind of its own)
@@ -110,7 +117,11 @@ MODEL_TYPES = {
 # 8e-5 after 3 steps, with 1e-3 by 3e-6 (1.3e-5 after 5). Gemma 3n the same: 5e-5 after 3 steps at 1e-6.
 RUN = {"gemma4_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
        "gemma4_text:shared_kv": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
-       "gemma3n_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}}}
+       "gemma3n_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
+       # 3 steps (its Mamba-2 layers' PyTorch scan is slow on the CPU); the last 2 blocks keep their
+       # graphs: the last runs the shared block from a copy of its holder's weights
+       "zamba2": {"train": {"steps": 3}, "executor": {"keep_graphs": 2}},
+       "zamba2:mem_blocks": {"train": {"steps": 3}}}
 
 
 def small_model_config(model_type: str) -> dict:
@@ -212,7 +223,7 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
                     "gemma4_text", "nemotron_h", "gemma3n_text",
-                    "gemma4_text:shared_kv")
+                    "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
@@ -252,6 +263,42 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     check_export(export, arch, model, initial)
     saved_names = {n for n in stored_names(Path(config.model.path)) if not TRANSFORMERS.carried(arch, n)}
     assert stored_names(export) == saved_names, "the export names its tensors as transformers' save_pretrained does"
+
+
+class Copies(StepHooks):
+    """The layers copied into slots and the gradients sent, in order."""
+
+    def __init__(self):
+        self.copied, self.sent = [], []
+
+    def copy(self, slot, layer, waited_for):
+        self.copied.append(layer)
+
+    def gradient(self, layer):
+        self.sent.append(layer)
+
+
+def test_a_shared_block_is_fetched_once_a_step_and_its_gradient_leaves_once_after_its_last_use(tmp_path):
+    """Zamba2's shared transformer block lies in layer 7 (decoder layer 6, which save_pretrained
+    stores it under); layer 13 runs it too: its unit binds layer 7, which stays in its slot (the only
+    layer of its size) through the step, and layer 7's gradient, summed over both, leaves once,
+    after layer 13's."""
+    model, arch, _config_file, config, data = prepared("zamba2", tmp_path)
+    layouts = TRANSFORMERS.layouts(arch)
+    holder = layouts[13].shares
+    assert holder == (7,) and not any(p.name.startswith("shared_transformer.") for p in layouts[13].params)
+    assert any(p.name.startswith("shared_transformer.") for p in layouts[7].params)
+    hooks = Copies()
+    trainer = LocalTrainer(config, arch, hooks=hooks)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, config.model.path)
+        trainer.train_step(data[0])
+    finally:
+        trainer.close()
+    assert hooks.copied.count(7) == 1, hooks.copied
+    assert sorted(hooks.sent) == list(range(len(layouts))), "every layer's gradient leaves once"
+    assert hooks.sent.index(7) > hooks.sent.index(13)
 
 
 def test_per_layer_inputs_flow_behind_the_hidden_states_and_the_plan_counts_them(tmp_path):

@@ -29,7 +29,6 @@ def write_config(path: Path, config: dict) -> Path:
     ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
     ({"model_type": "opt"}, "its decoder holds no list of layers beside its input embedding"),
     ({"model_type": "mllama"}, "its layers have cross-attention"),
-    ({"model_type": "zamba2"}, "its layers 6 and 12 share weights"),
 ])
 def test_a_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
     model_dir = write_config(tmp_path / "hf", config)
