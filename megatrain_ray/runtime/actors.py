@@ -258,26 +258,40 @@ class GpuWorker:
 
 def store_weights(stores: list, store_nodes: list[str], here: str, arch: ModelArch, dtype: torch.dtype,
                   embedding_master: bool, get: Callable, mapped: dict | None = None) -> Iterator[tuple[int, torch.Tensor]]:
-    """(layer, weights) of every store once its updates have landed: each store's compute copy read
-    in place through shared memory where it lives on this process's node (`here`), the weights the
-    workers compute with; else its master sent over Ray. `embedding_master`: the embedding's master
-    (a worker steps it on its device, and the store's compute copy of it is not refreshed then).
-    `get`: how to wait for an actor's answer (ray.get, or the driver's watchdog). `mapped`: the
-    mappings of earlier calls, by path, kept there and reused (None: each call maps anew)."""
+    """(layer, weights) of every store once its updates have landed, read in place through shared
+    memory where the store lives on this process's node (`here`: `weights_in_place`); else its
+    master sent over Ray. `embedding_master`: the embedding's master (a worker steps it on its
+    device, and the store's compute copy of it is not refreshed then). `get`: how to wait for an
+    actor's answer (ray.get, or the driver's watchdog). `mapped`: the mappings of earlier calls, by
+    path, kept there and reused (None: each call maps anew)."""
     numels = [layout.numel for layout in model_layouts(arch)]
     for store, node in zip(stores, store_nodes):
-        paths = get(store.shared_paths.remote(), "mapping the stores") if node == here else {}
+        in_place = weights_in_place(store, dtype, embedding_master, get) if node == here else {}
         for i in get(store.layer_ids.remote(), "mapping the stores"):
-            if i in paths and not (i == 0 and embedding_master):
-                if mapped is None or paths[i] not in mapped:
-                    tensor = shm_tensor(Path(paths[i]), numels[i], dtype, create=False)
-                    if mapped is None:
-                        yield i, tensor
-                        continue
-                    mapped[paths[i]] = tensor
-                yield i, mapped[paths[i]]
-            else:
+            if i not in in_place:
                 yield i, get(store.master.remote(i), f"reading layer {i}")
+                continue
+            path, kind = in_place[i]
+            if mapped is None:
+                yield i, shm_tensor(Path(path), numels[i], kind, create=False)
+                continue
+            if path not in mapped:
+                mapped[path] = shm_tensor(Path(path), numels[i], kind, create=False)
+            yield i, mapped[path]
+
+
+def weights_in_place(store, dtype: torch.dtype, embedding_master: bool, get: Callable) -> dict[int, tuple[str, torch.dtype]]:
+    """The shared-memory file and dtype of each layer's weights that a store shares: its compute
+    copies (the weights the workers compute with), and, where a worker steps the embedding on its
+    device, the embedding's fp32 master, which the store keeps in shared memory for that worker
+    (so 2 GB at 7B need not cross Ray's object store at every read)."""
+    shared = {i: (path, dtype) for i, path in get(store.shared_paths.remote(), "mapping the stores").items()}
+    if embedding_master:
+        shared.pop(0, None)
+        states = get(store.shared_states.remote(), "mapping the stores")
+        if 0 in states:
+            shared[0] = (states[0]["master"], torch.float32)
+    return shared
 
 
 class RolloutActor(Rollout):

@@ -161,9 +161,12 @@ def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path):
     assert "no_such_module_xyz" in done.stderr and "cannot be imported" in done.stderr
 
 
-def test_the_rollout_reads_the_weights_the_workers_compute_with(local_ray):
+@pytest.mark.parametrize("embedding_step", ["host", "device"])
+def test_the_rollout_reads_the_weights_the_workers_compute_with(local_ray, embedding_step):
     """Session.rollout_weights maps each store's bf16 compute copy in place (the driver shares the
-    stores' node): after an update it is the new master rounded to bf16, for every layer."""
+    stores' node): after an update it is the new master rounded to bf16, for every layer. Where a
+    worker steps the embedding on its device, the embedding is its fp32 master, mapped in place too:
+    after the next update the same mapping holds the new master."""
     from megatrain_ray.models.registry import PRESETS
     from megatrain_ray.runtime.session import Session
     from helpers.reference_training import random_micro_batches
@@ -171,20 +174,28 @@ def test_the_rollout_reads_the_weights_the_workers_compute_with(local_ray):
     arch = PRESETS["tiny-llama"]
     config = config_from_dict({"model": {"preset": "tiny-llama", "compute_dtype": "bfloat16"},
                                "train": {"grad_accum": 1, "micro_batch_size": 2},
-                               "executor": {"device": "cpu", "compile": False, "embedding_step": "host"},
+                               "executor": {"device": "cpu", "compile": False, "embedding_step": embedding_step},
                                "runtime": {"worker_threads": 1, "optimizer_threads": 1}})
     session = Session(config, arch)
+    batches = random_micro_batches(arch, 2, 1, batch=2, seq=8, seed=0)
     try:
         session.init_weights()
         session.start_executor()
-        session.train_step(random_micro_batches(arch, 1, 1, batch=2, seq=8, seed=0)[0])
-        rollout = {i: w.clone() for i, w in session.rollout_weights()}
+        session.train_step(batches[0])
+        live = dict(session.rollout_weights())
+        rollout = {i: w.clone() for i, w in live.items()}
         masters = dict(session.iter_layer_weights())
+        session.train_step(batches[1])
+        embedding = dict(session.iter_layer_weights())[0]
     finally:
         session.close()
     assert sorted(rollout) == list(range(len(masters)))
+    stepped_on_device = {0} if embedding_step == "device" else set()
     for i, master in masters.items():
-        assert rollout[i].dtype == torch.bfloat16 and torch.equal(rollout[i], master.to(torch.bfloat16)), i
+        expected = master if i in stepped_on_device else master.to(torch.bfloat16)
+        assert rollout[i].dtype == expected.dtype and torch.equal(rollout[i], expected), i
+    assert not torch.equal(embedding, masters[0])  # the second update moved it
+    assert torch.equal(live[0], embedding if embedding_step == "device" else embedding.to(torch.bfloat16))
 
 
 @pytest.mark.gpu
