@@ -101,13 +101,16 @@ def prefill_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) ->
     return tokens * (6 * arch.hidden_size + 3 * arch.intermediate_size) * dtype_bytes
 
 
+def num_decoder_layers(arch: ModelArch) -> int:
+    return sum(layout.kind == BLOCK for layout in model_layouts(arch))
+
+
 def resident_layers_within(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int, budget: int) -> int | None:
     """The most decoder layers the rollout can keep on its device within `budget` bytes (all of
     them: None), the others streamed; -1 where even none leaves room for the KV cache."""
-    blocks = sum(layout.kind == BLOCK for layout in model_layouts(arch))
     if rollout_bytes(arch, rows, seq_len, dtype_bytes) <= budget:
         return None
-    fits = [k for k in range(blocks) if rollout_bytes(arch, rows, seq_len, dtype_bytes, k) <= budget]
+    fits = [k for k in range(num_decoder_layers(arch)) if rollout_bytes(arch, rows, seq_len, dtype_bytes, k) <= budget]
     return max(fits, default=-1)
 
 
@@ -159,7 +162,7 @@ class Rollout:
         what = f"{self.device} ({where}), {str(self.dtype).removeprefix('torch.')}"
         if self.stream is None:
             return what
-        blocks = sum(layout.kind == BLOCK for layout in self.layouts)
+        blocks = num_decoder_layers(self.arch)
         streamed = len(self.stream.layouts)
         return (f"{what}; {blocks - streamed} of {blocks} decoder layers resident, {streamed} streamed from host "
                 f"memory at every decode step ({self.stream.bytes_per_forward() / GiB:.1f} GiB host to device a step)")
@@ -206,16 +209,16 @@ class Rollout:
     def sample(self, prompts: list[np.ndarray], group_size: int, s: Sampling) -> tuple[list[np.ndarray], float]:
         """`group_size` completions of every prompt, prompt by prompt (completion i of the result
         follows prompt i // group_size), decoded as one batch; and the seconds it took."""
-        completions, _, seconds = self.sample_scored(prompts, group_size, s)
+        completions, _, seconds = self.sample_scored(prompts, group_size, s, scored=False)
         return completions, seconds
 
-    def sample_scored(self, prompts: list[np.ndarray], group_size: int,
-                      s: Sampling) -> tuple[list[np.ndarray], list[np.ndarray], float]:
+    def sample_scored(self, prompts: list[np.ndarray], group_size: int, s: Sampling,
+                      scored: bool = True) -> tuple[list[np.ndarray], list[np.ndarray] | None, float]:
         """As `sample`, with each completion token's log-probability under the copy (fp32, of its
-        logits untempered: the policy's, as the loss takes it)."""
+        logits untempered: the policy's, as the loss takes it); None where not `scored`."""
         t0 = time.perf_counter()
         try:
-            completions, logprobs = self._decode([p for p in prompts for _ in range(group_size)], s)
+            completions, logprobs = self._decode([p for p in prompts for _ in range(group_size)], s, scored)
         finally:
             self.free_cache()  # after the decoding's tensors are gone
         return completions, logprobs, time.perf_counter() - t0
@@ -227,7 +230,8 @@ class Rollout:
         return lambda: result
 
     @torch.no_grad()
-    def _decode(self, rows: list[np.ndarray], s: Sampling) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def _decode(self, rows: list[np.ndarray], s: Sampling,
+                scored: bool) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
         ids, mask, positions = left_padded(rows, self.device)
         from transformers import DynamicCache
 
@@ -238,7 +242,8 @@ class Rollout:
         for _ in range(s.max_new_tokens):
             token = sample_tokens(logits, s.temperature, s.top_p, self.generator)
             new.append(torch.where(done, torch.zeros_like(token), token))
-            scores.append(torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None]).squeeze(-1))
+            if scored:
+                scores.append(torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None]).squeeze(-1))
             if s.eos_id is not None:
                 done |= token == s.eos_id
             if bool(done.all()) or len(new) == s.max_new_tokens:
@@ -248,6 +253,8 @@ class Rollout:
             logits = self.model(input_ids=new[-1][:, None], attention_mask=mask, position_ids=position,
                                 use_cache=True, **{self.cache_kw: cache}).logits[:, -1]
         completions = [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
+        if not scored:
+            return completions, None
         logprobs = torch.stack(scores, dim=1).cpu().numpy()
         return completions, [row[:len(c)] for row, c in zip(logprobs, completions)]
 

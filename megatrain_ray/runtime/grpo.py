@@ -20,12 +20,11 @@ import torch
 from megatrain_ray.config import Config, ConfigError
 from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.layout import BLOCK
-from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.plan import AUTO_OFFLOAD_MARGIN, leanest_plan, with_auto_settings
 from megatrain_ray.rl.prompts import Prompt, PromptOrder, Tokens, read_prompts
 from megatrain_ray.rl.rewards import Rewards
-from megatrain_ray.rl.rollout import GiB, Sampling, resident_layers_within, rollout_bytes, rollout_device
+from megatrain_ray.rl.rollout import (GiB, Sampling, num_decoder_layers, resident_layers_within, rollout_bytes,
+                                      rollout_device)
 from megatrain_ray.rl.step import GrpoStep, Sampled
 
 
@@ -95,10 +94,6 @@ def share_gpu(config: Config, arch: ModelArch, total: int) -> GpuShare:
         resident = None
     room = rollout_bytes(arch, rows, config.data.seq_len, d, max(0, resident) if resident is not None else None)
     return GpuShare(resident, room, int(cap * GiB) if cap is not None else total - room)
-
-
-def num_decoder_layers(arch: ModelArch) -> int:
-    return sum(layout.kind == BLOCK for layout in model_layouts(arch))
 
 
 def trainer_need(config: Config, arch: ModelArch) -> int:
