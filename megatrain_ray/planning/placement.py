@@ -205,8 +205,9 @@ def store_room(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_no
         raise ConfigError("executor.device is 'cuda' but no node of the Ray cluster offers a GPU; "
                           "set executor.device=auto (or cpu) to run the CPU path")
     use_cuda = cluster_has_gpu and config.executor.device != "cpu"
-    gpu = executor_node(nodes, use_cuda, driver_node, rt.num_gpus, rollout_gpus(config, use_cuda))
-    workers = worker_count(rt, gpu, use_cuda, rollout_gpus(config, use_cuda))
+    rollout = rollout_gpus(config, use_cuda)
+    gpu = executor_node(nodes, use_cuda, driver_node, rt.num_gpus, rollout)
+    workers = worker_count(rt, gpu, use_cuda, rollout)
     check_divisible(config.train.grad_accum, workers)
     holders = [n for n in nodes if n.ram_node and n.node_id != gpu.node_id]
     if rt.store_on_gpu_node or not holders:
