@@ -322,9 +322,9 @@ class RolloutActor(Rollout):
     def _page_locked(self, layer_weights: Iterator[tuple[int, torch.Tensor]]) -> Iterator[tuple[int, torch.Tensor]]:
         """The stores' shared compute copies page-locked here (once, on a GPU), so they copy to it at
         full speed, every step for the layers it streams (rl/layer_stream.py reads them in place)."""
-        mapped = {t.data_ptr() for t in self.mapped.values()} if self.device.type == "cuda" else set()
-        for layer, flat in layer_weights:
-            if flat.data_ptr() in mapped and flat.data_ptr() not in self.registered:
+        for layer, flat in layer_weights:  # self.mapped grows as store_weights maps: read it per layer
+            if self.device.type == "cuda" and flat.data_ptr() not in self.registered and \
+                    any(flat.data_ptr() == t.data_ptr() for t in self.mapped.values()):
                 cuda_host_register(flat)
                 self.registered.add(flat.data_ptr())
             yield layer, flat
