@@ -453,7 +453,7 @@ def test_a_run_on_the_gpu_plans_with_the_working_set_its_worker_measured(local_r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next", "llama4_text"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next", "llama4_text", "zamba2", "nemotron_h", "gemma3n_text"])
 def test_bf16_on_the_gpu_compiled_tracks_transformers_autocast(tmp_path, model_type):
     from helpers.hf_parity import assert_bf16_tracks, bf16_cuda_config, local_steps, on_cuda
     from helpers.reference_training import random_micro_batches
