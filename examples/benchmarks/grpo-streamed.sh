@@ -11,9 +11,10 @@
 # NEW_TOKENS=N changes the completions' length. Prints the resident layers, the rollout's and the
 # update's tokens/s and the seconds per step, as grpo-7b-h100.sh does (its script runs it).
 # A decode step moves every streamed layer host to device once, for all the step's sequences at
-# once: about 19 GiB at 128 sequences here, so a decode step takes that over the host link's
-# bandwidth (about 0.5 s at 40 GB/s), and more sequences (PROMPTS_PER_STEP) raise the tokens/s
-# until their KV cache takes the room of resident layers.
+# once: on an H100 the split keeps 46 of 64 layers resident and streams 16.3 GiB a decode step,
+# measured at 365 ms (about 48 GB/s, 79.9 s a GRPO step; examples/benchmarks/2026-11-26-day.md, where
+# the same split was given to an H200, whose 140 GiB hold the whole copy). More sequences
+# (PROMPTS_PER_STEP) raise the tokens/s until their KV cache takes the room of resident layers.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 SHAPE="Qwen2.5-32B" NEW_TOKENS=${NEW_TOKENS:-128} \
