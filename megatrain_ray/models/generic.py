@@ -458,6 +458,7 @@ class LayerCall:
     per_layer: PerLayerInput | None = None  # where its per-layer input goes, for a model with them
     kv: SharedKV | None = None  # the keys and values it stores or reuses, for a model whose layers share them
     stack: int = 1  # copies of the hidden states its layer takes (hidden_stack)
+    written: frozenset[str] = frozenset()  # the weights its forward writes in place (written_in_place)
 
 
 @dataclass(frozen=True)
@@ -530,6 +531,20 @@ def _buffers_on(config_json: str, where: str, device: torch.device) -> dict[str,
 @functools.lru_cache(maxsize=64)
 def _template_frozen(config_json: str, template: int) -> frozenset[str]:
     return buffer_names(hm.parts_of(config_json).layers[template])
+
+
+# Weights that transformers' layers write in place in a training forward, through `.data` (a write
+# autograd does not see), by the class of the module that holds them: Gemma 3n's AltUp clamps its
+# prediction coefficients to +-altup_coef_clip before each prediction (Gemma3nTextAltUp.predict).
+WRITTEN_IN_PLACE = {"Gemma3nTextAltUp": ("prediction_coefs.weight",)}
+
+
+@functools.lru_cache(maxsize=64)
+def written_in_place(config_json: str, template: int) -> frozenset[str]:
+    """A template's weights that its forward writes in place (WRITTEN_IN_PLACE), by local name."""
+    layer = hm.parts_of(config_json).layers[template]
+    return frozenset(f"{name}.{tensor}" if name else tensor for name, module in layer.named_modules()
+                     for tensor in WRITTEN_IN_PLACE.get(type(module).__name__, ()))
 
 
 @functools.lru_cache(maxsize=8)
@@ -710,7 +725,17 @@ def bound_call(arch: TransformersArch, call: LayerCall, device: torch.device) ->
     buffers = _buffers_on(arch.hf_config, str(t), device)
     module = parts(arch).layers[t]
     return LayerCall(t, call.args, call.kwargs, module, _template_frozen(arch.hf_config, t), buffers or None,
-                     routers_in(arch, module), call.per_layer, call.kv, call.stack)
+                     routers_in(arch, module), call.per_layer, call.kv, call.stack, written_in_place(arch.hf_config, t))
+
+
+def own_copies(state: dict[str, torch.Tensor], names: frozenset[str]) -> dict[str, torch.Tensor]:
+    """`state` with a copy of each named weight, for a layer that writes them in place: its write
+    lands in the copy, which it computes with (its gradient passes through to the weight, as to the
+    written parameter in transformers), never in the weights streamed to it. Those are views of one
+    slot (streaming/executor.py) sharing one version counter, and torch.compile turns a write
+    through `.data` into a write to the block's input, which counts: the backward of the compiled
+    block would then refuse every tensor it saved of that slot (a norm's weight) as modified."""
+    return {**state, **{name: state[name].clone() for name in names}} if names else state
 
 
 def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
@@ -718,7 +743,7 @@ def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
     of them (in place of the recorded stand-in), one with deepstack features adds its own to its
     output, and either hands them all on behind its output; one whose layers share keys and values
     has its layer read them and store its own; stacked hidden states (AltUp) go in stacked."""
-    state = frozen(w, call.frozen)
+    state = own_copies(frozen(w, call.frozen), call.written)
     if call.buffers:
         state = {**state, **call.buffers}
     hidden, args, kwargs, inputs, kv, states = x, call.args, call.kwargs, None, None, None

@@ -368,6 +368,68 @@ def test_altup_and_shared_keys_and_values_flow_behind_the_hidden_states(tmp_path
     assert rel(x[..., kv], theirs) < 1e-6
 
 
+def gemma3n_first_block(clip_exceeded: bool):
+    """Gemma 3n's first block as the executor runs it: its weights one flat slot, each bound as a
+    leaf viewing it; with `clip_exceeded`, AltUp prediction coefficients beyond altup_coef_clip.
+    (arch, the slot, the leaves, its input, its call)."""
+    model = small_model("gemma3n_text")
+    arch = TRANSFORMERS.arch_from_hf(model.config.to_dict())
+    clip = model.config.altup_coef_clip
+    state, layouts = model.state_dict(), TRANSFORMERS.layouts(arch)
+    slot = torch.cat([state[layouts[1].hf_name(p.name)].reshape(-1) for p in layouts[1].params])
+    leaves = {name: view.detach().requires_grad_(True) for name, view in layouts[1].views(slot).items()}
+    if clip_exceeded:
+        with torch.no_grad():
+            leaves["altup.prediction_coefs.weight"][:2] = torch.tensor([[3.0], [-2.0]]) * clip
+    ids = torch.randint(0, arch.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    embed = {p.name: state[layouts[0].hf_name(p.name)] for p in layouts[0].params}
+    with torch.no_grad():
+        x = TRANSFORMERS.embed(arch, embed, ids)
+    ctx = TRANSFORMERS.context(arch, torch.arange(8).expand(2, 8), x.dtype)
+    return arch, slot, leaves, x, TRANSFORMERS.layer_context(arch, ctx, 1)
+
+
+def test_altup_clamps_its_prediction_coefficients_in_a_copy_not_in_the_streamed_weights():
+    """Gemma 3n's AltUp clamps its prediction coefficients in place before each training prediction,
+    through `.data`. The block computes as transformers' layer does, with them clamped and their
+    gradient that of the clamped parameter, but the write lands in a copy: the slot the weights were
+    streamed into is left as it was (a write there, under torch.compile, bumps the version counter
+    that every weight of the slot shares, and the compiled block's backward refuses the weights it
+    saved: the next test)."""
+    arch, slot, leaves, x, call = gemma3n_first_block(clip_exceeded=True)
+    streamed = slot.clone()
+    y = TRANSFORMERS.block(arch, leaves, x, call)
+    assert torch.equal(slot, streamed), "the layer's in-place clamp left the streamed weights as they were"
+    clip = json.loads(arch.hf_config)["altup_coef_clip"]
+    clamped = {**leaves, "altup.prediction_coefs.weight": leaves["altup.prediction_coefs.weight"].detach()
+               .clamp(-clip, clip).requires_grad_(True)}
+    expected = TRANSFORMERS.block(arch, clamped, x, call)
+    assert torch.equal(y, expected), "computed with the coefficients clamped"
+    dy = torch.randn_like(y, generator=torch.Generator().manual_seed(1))
+    ours = torch.autograd.grad(y, list(leaves.values()), dy)
+    theirs = torch.autograd.grad(expected, list(clamped.values()), dy)
+    for name, a, b in zip(leaves, ours, theirs):
+        assert torch.equal(a, b), name
+
+
+def test_a_compiled_gemma3n_block_differentiates_after_two_micro_batches():
+    """The kept-graph path under torch.compile (streaming/compiled.py): two micro-batches through
+    one block's compiled forward, on leaves viewing one slot, then each one's backward. AOT
+    autograd's own eager backend: the graph and its input mutations as inductor gets them, without
+    its code generation (which the GPU test runs)."""
+    arch, slot, leaves, x, call = gemma3n_first_block(clip_exceeded=False)
+    compiled = torch.compile(TRANSFORMERS.block, dynamic=False, backend="aot_eager")
+    inputs = [x, x.flip(0)]
+    ys = [compiled(arch, leaves, xi.requires_grad_(True), call) for xi in inputs]
+    eager = [TRANSFORMERS.block(arch, leaves, xi, call) for xi in inputs]
+    for y, expected, xi in zip(ys, eager, inputs):
+        dy = torch.ones_like(y)
+        got = torch.autograd.grad(y, [xi, *leaves.values()], dy)
+        want = torch.autograd.grad(expected, [xi, *leaves.values()], dy)
+        for a, b in zip(got, want):
+            assert rel(a, b) < 1e-5
+
+
 def test_the_routers_load_balancing_loss_trains_as_transformers_adds_it(tmp_path):
     """output_router_logits on: each micro-batch's loss is transformers' mean token loss plus
     coef x load_balancing_loss_func over its layers' router logits, streamed layer by layer."""
