@@ -408,6 +408,19 @@ def test_the_routers_load_balancing_loss_trains_as_transformers_adds_it(tmp_path
         assert rel(exported[key], expected) < RTOL, key
 
 
+def test_a_layers_own_sizes_are_cut_where_the_class_derives_them_again():
+    """Dots3's config class derives per_layer_config (its sliding layers' own heads and widths)
+    from the layer count, at their full sizes: the small config cuts them after the layer count is
+    cut, so transformers' own validation (a sliding layer's head_dim is its two parts' sum) reads it."""
+    full = {k: v for k, v in AutoConfig.for_model("dots3_note_text").to_dict().items()
+            if k not in ("transformers_version", "architectures")}
+    small = hm.small_config(full, hm.decoder_parts(hm.build_empty(full)).kinds)
+    assert small["per_layer_config"], "its sliding layers have sizes of their own"
+    for sizes in small["per_layer_config"].values():
+        assert all(sizes[k] <= hm.SMALL[k] for k in sizes if k in hm.SMALL), sizes
+    hm.config_object(small)  # transformers' validate_architecture
+
+
 # ---------------------------------------------------------------------------------------------- the probe
 
 
