@@ -384,7 +384,8 @@ def decoder_stored_prefixes(p: hm.Parts, pieces: dict[str, tuple], layouts) -> t
     def in_template(layout: LayerLayout) -> list[str]:
         if layout.kind == BLOCK and p.kinds[layout.index - 1] != layout.index - 1:
             return []
-        return [stored(layout.prefix + s.name) for s in layout.params if (layout.prefix + s.name).startswith(p.base_prefix)]
+        names = [layout.prefix + s.name for s in layout.params]
+        return [stored(name) for name in names if name.startswith(p.base_prefix)]
 
     decoder = shared_module_prefix([n for layout in layouts for n in in_template(layout)])
     layers = set()
