@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain_ray.config import Config
-from megatrain_ray.host.precision import SCALE_KEYS, StateFormat
+from megatrain_ray.host.precision import SCALE_KEYS, StateFormat, format_of
 from megatrain_ray.files.durable import fsync_path, publish_dir, write_json
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
@@ -237,6 +237,14 @@ def check_state_format(meta: dict, config: Config, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # What a run records beside the tensors, and what it checks before using a checkpoint
 # ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_bytes(config: Config, arch: ModelArch) -> int:
+    """The bytes of one checkpoint's tensors: every layer's master and moments in the dtypes the run
+    holds them (optim.master, optim.moments: StateFormat.held_bytes). Its files' headers, manifest
+    and meta.json add kilobytes; the final checkpoint's Hugging Face export (hf/) is not counted."""
+    fmt = format_of(config.optim)
+    return sum(fmt.held_bytes(layout.numel, layout.trained_numel) for layout in model_layouts(arch))
 
 
 def checkpoint_root(config: Config) -> Path:

@@ -70,6 +70,17 @@ class StateFormat:
         master = 4 if self.master == "fp32" else 2
         return master + self.moment_bytes() + (compute_bytes if self.master == "fp32" else 2)
 
+    def master_dtype(self) -> torch.dtype:
+        return torch.float32 if self.master == "fp32" else torch.bfloat16
+
+    def held_bytes(self, numel: int, trained: int) -> int:
+        """Bytes of a layer's optimizer state as held and as a checkpoint writes it (host/store.py,
+        LayerState.tensors; no compute copy): the master of its `numel` parameters, the two moments
+        (and their int8 block scales, fp32) of its `trained` ones."""
+        m, v = self.moment_dtypes()
+        scales = 2 * num_blocks(trained) * torch.float32.itemsize if self.quantized else 0
+        return numel * self.master_dtype().itemsize + trained * (m.itemsize + v.itemsize) + scales
+
     def moment_bytes(self) -> float:
         """Host bytes per parameter of its two moments (and their int8 scales): none for a frozen one."""
         return {"fp32": 8, "bf16": 4, "int8": 2 + 2 * 4 / QUANT_BLOCK}[self.moments]

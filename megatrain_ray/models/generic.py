@@ -328,22 +328,29 @@ def frozen_slots(layout: LayerLayout, names: frozenset[str]) -> LayerLayout:
 def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerLayout, ...]) -> tuple[LayerLayout, ...]:
     """Each slot that transformers stores in pieces (stacked experts stored one by one) or under
     another name says so (ParamSlot.stored_as), as a small instance of the same structure shows
-    (hf_modules.expert_pieces); a decoder stored under another name (Nemotron-H's `model.` as
-    `backbone.`) has its layers say where (LayerLayout.stored_prefix)."""
+    (hf_modules.expert_pieces); a decoder or list of layers stored under another name (Nemotron-H's
+    `model.` as `backbone.`, EXAONE 3's `model.layers.` as `transformer.h.`) has its layers say
+    where (LayerLayout.stored_prefix)."""
     pieces = {} if p.decoder_in_root else _expert_pieces(arch.hf_config, p.kinds)  # image-text: renamed_in_files
     if not pieces:
         return layouts
-    stored_base = decoder_stored_prefix(p, pieces)
+    stored_decoder, stored_layers = decoder_stored_prefixes(p, pieces, layouts)
+    in_layers = f"{p.base_prefix}{p.layers_name}."
+
+    def stored(prefix: str) -> str:
+        if prefix.startswith(in_layers):
+            return stored_layers + prefix[len(in_layers):]
+        if prefix.startswith(p.base_prefix):  # the embedding
+            return stored_decoder + prefix[len(p.base_prefix):]
+        return prefix
+
     out = []
     for layout in layouts:
         # a block is stored as the small instance's first block of its structure
         small_prefix = layout.prefix
         if layout.kind == BLOCK:
             small_prefix = f"{p.base_prefix}{p.layers_name}.{p.kinds[layout.index - 1]}."
-        stored_prefix, small_stored = layout.prefix, small_prefix
-        if layout.prefix.startswith(p.base_prefix):  # the embedding and the blocks: the decoder's own
-            stored_prefix = stored_base + layout.prefix[len(p.base_prefix):]
-            small_stored = stored_base + small_prefix[len(p.base_prefix):]
+        stored_prefix, small_stored = stored(layout.prefix), stored(small_prefix)
         params = []
         for s in layout.params:
             templates = pieces.get(small_prefix + s.name)
@@ -356,23 +363,56 @@ def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerL
                 else:
                     s = stored_as(s, local[0])
             elif stored_prefix != layout.prefix:
-                raise hm.Unsupported(f"transformers stores {small_prefix + s.name} as it is, but its decoder "
-                                     f"({p.base_prefix}) as {stored_base}")
+                raise hm.Unsupported(f"transformers stores {small_prefix + s.name} as it is, but the rest of its "
+                                     f"layer ({small_prefix}) under {small_stored}")
             params.append(s)
         out.append(dataclasses.replace(layout, params=tuple(params),
                                        stored_prefix=None if stored_prefix == layout.prefix else stored_prefix))
     return tuple(out)
 
 
-def decoder_stored_prefix(p: hm.Parts, pieces: dict[str, tuple]) -> str:
-    """The prefix under which transformers stores the decoder's tensors: its own (`model.`), or the
-    one its input embedding is stored under, the same name after it (Nemotron-H's `backbone.`)."""
-    embedding = p.root_prefix + input_embedding_name(p)
-    stored = pieces.get(embedding)
-    tail = embedding[len(p.base_prefix):]
-    if not (stored and len(stored) == 1 and isinstance(stored[0], str) and stored[0].endswith("." + tail)):
-        return p.base_prefix
-    return stored[0][:-len(tail)]
+def decoder_stored_prefixes(p: hm.Parts, pieces: dict[str, tuple], layouts) -> tuple[str, str]:
+    """The prefixes under which transformers stores the decoder's tensors and its list of layers
+    (each layer's index after it): its own (`model.`, `model.layers.`), or the ones their stored
+    names share (Nemotron-H's `backbone.`, `backbone.layers.`; EXAONE 3's `transformer.`,
+    `transformer.h.`), as the small instance shows: its first layer of each structure is one of the
+    layouts' (a layer's own index is its template's)."""
+    def stored(name: str) -> str:
+        first = pieces.get(name, (name,))[0]
+        return first[0] if isinstance(first, tuple) else first  # cut along its rows: (name, shape)
+
+    def in_template(layout: LayerLayout) -> list[str]:
+        if layout.kind == BLOCK and p.kinds[layout.index - 1] != layout.index - 1:
+            return []
+        names = [layout.prefix + s.name for s in layout.params]
+        return [stored(name) for name in names if name.startswith(p.base_prefix)]
+
+    decoder = shared_module_prefix([n for layout in layouts for n in in_template(layout)])
+    layers = set()
+    for layout in layouts:
+        names = in_template(layout) if layout.kind == BLOCK else []
+        if not names:
+            continue
+        index, shared = str(layout.index - 1), shared_module_prefix(names)
+        parts = shared[len(decoder):].split(".")
+        if not shared.startswith(decoder) or index not in parts:
+            raise hm.Unsupported(f"transformers stores the tensors of its layer {index} as {names[0]}, ..., "
+                                 f"not under one prefix with the layer's index")
+        layers.add(decoder + "".join(part + "." for part in parts[:parts.index(index)]))
+    if len(layers) != 1:
+        raise hm.Unsupported(f"transformers stores its layers under several prefixes ({', '.join(sorted(layers))})")
+    return decoder, layers.pop()
+
+
+def shared_module_prefix(names: list[str]) -> str:
+    """The longest module path that all the tensor names lie under ("" for none), with its dot."""
+    paths = [name.split(".")[:-1] for name in names]
+    shared = []
+    for parts in zip(*paths):
+        if any(part != parts[0] for part in parts):
+            break
+        shared.append(parts[0])
+    return "".join(part + "." for part in shared)
 
 
 @functools.lru_cache(maxsize=8)

@@ -130,9 +130,6 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
     """The config with small widths and only the layers up to the last first-of-its-kind."""
     small = small_sizes(config)
     layers = max(kinds.index(k) for k in set(kinds)) + 1
-    if isinstance(config.get("per_layer_config"), dict):  # a layer's own sizes (Gemma 4's global head_dim)
-        small["per_layer_config"] = {k: small_sizes(v, config) if isinstance(v, dict) else v
-                                     for k, v in config["per_layer_config"].items() if int(k) < layers}
     if config.get("head_dim") is not None and config.get("head_dim") == config.get("qk_rope_head_dim"):
         small["head_dim"] = small["qk_rope_head_dim"]  # MLA: the rotary part's width
     small.update(rederived(config, small))
@@ -153,6 +150,10 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
     for key in per_layer:
         small[key] = small[key][:layers]
     small.update(rederived(config, small, ["num_hidden_layers", *per_layer]))  # Zamba2's hybrid_layer_ids
+    if isinstance(config.get("per_layer_config"), dict):  # a layer's own sizes (Gemma 4's global head_dim), cut
+        # last: the class derives it again from the layer count with its full sizes (Dots3's sliding layers)
+        small["per_layer_config"] = {k: small_sizes(v, config) if isinstance(v, dict) else v
+                                     for k, v in config["per_layer_config"].items() if int(k) < layers}
     return small
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from megatrain_ray.config import Config
 from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.models.arch import ModelArch
 
 METRICS = "metrics.jsonl"
 TRACKER_DIRS = ("tensorboard",)  # runtime/trackers.py writes these under the output dir
@@ -64,9 +65,9 @@ def holds_run(out: Path, checkpoints: Path) -> list[str]:
     return found
 
 
-def claim(config: Config, resume: str | None, overwrite: bool, params: int) -> Path:
+def claim(config: Config, resume: str | None, overwrite: bool, arch: ModelArch) -> Path:
     """The run's output directory, made and checked; refuses one that holds another run (see the
-    module docstring); `params`: the model's, for the room one checkpoint needs. Returns it."""
+    module docstring); `arch`: the model, for the room one checkpoint needs. Returns it."""
     out = Path(config.train.output_dir)
     root = ckpt.checkpoint_root(config)
     if resume and overwrite:
@@ -84,7 +85,7 @@ def claim(config: Config, resume: str | None, overwrite: bool, params: int) -> P
     if found:
         clear(out, root)
         print(f"--overwrite: deleted the earlier run in {out} ({'; '.join(found)})", flush=True)
-    check_room(root, checkpoint_bytes(params))
+    check_room(root, config, arch)
     return out
 
 
@@ -100,21 +101,17 @@ def check_writable(directory: Path) -> None:
         raise FileSystemError(describe_os_error(e, f"cannot write in {directory}")) from None
 
 
-def checkpoint_bytes(params: int) -> int:
-    """One checkpoint: fp32 master weights and both AdamW moments of every parameter."""
-    return params * 4 * len(ckpt.STATE_KEYS)
-
-
-def check_room(root: Path, need: int) -> None:
-    """Warn, before Ray starts, of a checkpoint directory without room for one checkpoint: the
-    first checkpoint would fail (a file-system error, exit 2) and cost the steps before it. A
-    warning, not a refusal: space may be freed while the run starts, and a model that cannot fit
-    in host memory either is better told so."""
-    free = shutil.disk_usage(root).free
+def check_room(root: Path, config: Config, arch: ModelArch) -> None:
+    """Warn, before Ray starts, of a checkpoint directory without room for one checkpoint
+    (files/checkpoint.py, checkpoint_bytes): the first checkpoint would fail (a file-system error,
+    exit 2) and cost the steps before it. A warning, not a refusal: space may be freed while the run
+    starts, and a model that cannot fit in host memory either is better told so."""
+    free, need = shutil.disk_usage(root).free, ckpt.checkpoint_bytes(config, arch)
     if free < need:
         print(f"warning: {root} has {free / 1e9:.2f} GB free but one checkpoint of this model needs "
-              f"{need / 1e9:.2f} GB (fp32 weights and two AdamW moments): the first checkpoint will fail unless "
-              f"space is freed there; or choose another checkpoint.dir / train.output_dir", file=sys.stderr, flush=True)
+              f"{need / 1e9:.2f} GB (its master weights and two AdamW moments as optim.master={config.optim.master} "
+              f"and optim.moments={config.optim.moments} hold them): the first checkpoint will fail unless space is "
+              f"freed there; or choose another checkpoint.dir / train.output_dir", file=sys.stderr, flush=True)
 
 
 def clear(out: Path, root: Path) -> None:

@@ -166,7 +166,7 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
         config, schedule = ckpt.schedule_on_resume(config, meta)
         if schedule:
             print(schedule, flush=True)
-    out = claim(config, resume, overwrite, num_params(arch))
+    out = claim(config, resume, overwrite, arch)
     print(f"output directory: {where(out)}", flush=True)
     seed_driver(config.train.seed)
     progress = Progress(resume_path, data_summary=counted)

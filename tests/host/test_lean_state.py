@@ -339,6 +339,30 @@ def test_ten_steps_equal_five_then_resume_five(tmp_path, master, moments):
             assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), (layer, key)
 
 
+def tensor_bytes(directory: Path) -> int:
+    """The bytes of the tensors in a directory's safetensors files: each file's size less its header
+    (an 8-byte length, then that many bytes of JSON)."""
+    total = 0
+    for file in directory.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            total += file.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+    return total
+
+
+@pytest.mark.parametrize("master,moments", [("fp32", "fp32"), *NAMED])
+def test_the_size_the_disk_check_expects_is_what_a_checkpoint_writes(tmp_path, master, moments):
+    """The room the start checks for (checkpoint_bytes: a warning when the disk has less) is the
+    bytes of the tensors the stores write, in each state format: 12 bytes a parameter in fp32,
+    down to 4 and the int8 scales."""
+    arch = PRESETS["tiny-llama"]
+    config = trainer_config(master, moments, steps=1)
+    trainer = LocalTrainer(config, arch, num_stores=2)
+    trainer.train_step(random_micro_batches(arch, 1, 1, batch=1, seq=8, seed=1)[0])
+    save(trainer, tmp_path)
+    trainer.close()
+    assert tensor_bytes(tmp_path) == ckpt.checkpoint_bytes(config, arch)
+
+
 def test_an_exact_checkpoint_resumes_lean_converted(tmp_path):
     arch = PRESETS["tiny-llama"]
     data = random_micro_batches(arch, 3, 2, batch=2, seq=16, seed=1)
@@ -401,6 +425,9 @@ def test_six_bytes_a_parameter_resume_exactly_through_the_driver(local_ray, tmp_
     for name in ta:
         assert torch.equal(ta[name].view(torch.uint8), tb[name].view(torch.uint8)), name
     assert whole["final_loss"] == resumed["final_loss"]
+    # the room the start checked for is what the run's checkpoint holds, less kilobytes of headers and metadata
+    assert tensor_bytes(b) == ckpt.checkpoint_bytes(config("split"), PRESETS["tiny-llama"])
+    assert sum(f.stat().st_size for f in b.iterdir()) - tensor_bytes(b) < 64 * 1024, sorted(b.iterdir())
     exported = {}  # the Hugging Face export: the bf16 master, in checkpoint.export_dtype (float32)
     for file in (a / "hf").glob("*.safetensors"):
         exported.update(load_file(str(file)))

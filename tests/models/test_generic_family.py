@@ -50,6 +50,7 @@ MODEL_TYPES = {
     "granitemoe": {},
     "smollm3": {},
     "exaone4": {},
+    "exaone": {},  # EXAONE 3: its files name the decoder transformer.wte, transformer.h.0.attn.attention, ...
     # against transformers' own training, which draws its own dropout masks: without dropout here;
     # with their defaults' (0.1), test_dropout_trains_as_plain_autograd_with_the_same_seed
     "seed_oss": {"attention_dropout": 0.0, "residual_dropout": 0.0},
@@ -121,7 +122,8 @@ RUN = {"gemma4_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
        # 3 steps (its Mamba-2 layers' PyTorch scan is slow on the CPU); the last 2 blocks keep their
        # graphs: the last runs the shared block from a copy of its holder's weights
        "zamba2": {"train": {"steps": 3}, "executor": {"keep_graphs": 2}},
-       "zamba2:mem_blocks": {"train": {"steps": 3}}}
+       "zamba2:mem_blocks": {"train": {"steps": 3}},
+       "exaone": {"train": {"steps": 3}}}
 
 
 def small_model_config(model_type: str) -> dict:
@@ -219,7 +221,7 @@ def prepared(model_type: str, tmp_path: Path):
 # linear attention (qwen3_next), Mamba with experts (granitemoehybrid), a parallel residual and a
 # final norm of its own name (gpt_neox), chunked attention with experts (llama4_text).
 IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_dense", "arcee", "lfm2", "falcon_h1",
-                    "bamba", "phimoe", "cohere", "exaone4", "helium", "ministral", "smollm3", "stablelm", "starcoder2",
+                    "bamba", "phimoe", "cohere", "exaone4", "exaone", "helium", "ministral", "smollm3", "stablelm", "starcoder2",
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
                     "gemma4_text", "nemotron_h", "gemma3n_text",
@@ -468,6 +470,19 @@ def test_the_routers_load_balancing_loss_trains_as_transformers_adds_it(tmp_path
     exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
     for key, expected in model.state_dict().items():
         assert rel(exported[key], expected) < RTOL, key
+
+
+def test_a_layers_own_sizes_are_cut_where_the_class_derives_them_again():
+    """Dots3's config class derives per_layer_config (its sliding layers' own heads and widths)
+    from the layer count, at their full sizes: the small config cuts them after the layer count is
+    cut, so transformers' own validation (a sliding layer's head_dim is its two parts' sum) reads it."""
+    full = {k: v for k, v in AutoConfig.for_model("dots3_note_text").to_dict().items()
+            if k not in ("transformers_version", "architectures")}
+    small = hm.small_config(full, hm.decoder_parts(hm.build_empty(full)).kinds)
+    assert small["per_layer_config"], "its sliding layers have sizes of their own"
+    for sizes in small["per_layer_config"].values():
+        assert all(sizes[k] <= hm.SMALL[k] for k in sizes if k in hm.SMALL), sizes
+    hm.config_object(small)  # transformers' validate_architecture
 
 
 # ---------------------------------------------------------------------------------------------- the probe
