@@ -1,6 +1,6 @@
 """Model types without a hand-written family, run through transformers' own modules: a small
 random model from transformers' own config class (its defaults, small widths, one layer of each
-structure), saved as a Hugging Face directory, 5 AdamW steps of `megatrain-ray train` on packed rows
+structure), saved as a Hugging Face directory, 3 AdamW steps of `megatrain-ray train` on packed rows
 on one real Ray cluster for the module, its export against the transformers model trained by
 torch.optim.AdamW on the same micro-batches. What the family refuses is in
 test_generic_refusals.py (a module without a Ray cluster); the probe of its layers here."""
@@ -31,7 +31,7 @@ from helpers.files import write_documents  # noqa: E402
 from helpers.hf_parity import (RTOL, randomize, rel, run_config, saved, steps_and_export, the_runs_batches,  # noqa: E402
                                train_transformers)
 
-STEPS, GRAD_ACCUM, BATCH, SEQ = 5, 2, 2, 12
+STEPS, GRAD_ACCUM, BATCH, SEQ = 3, 2, 2, 12
 # transformers' Lfm2MoeConfig leaves layer_types unset, and its model cannot be built so: the
 # published LFM2-8B-A1B's pattern (short convolutions, six attention layers)
 LFM2_MOE_LAYERS = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(32)]
@@ -105,25 +105,23 @@ MODEL_TYPES = {
     "gemma4_text:shared_kv": {"num_hidden_layers": 12, "num_kv_shared_layers": 6,
                               "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2,
                               "per_layer_config": {5: {"head_dim": 512}, 11: {"head_dim": 512}}},
-    # kimi_linear trains too (examples/model_table.py), but 5 steps here take minutes on the CPU:
+    # kimi_linear trains too (examples/model_table.py), but 3 steps here take minutes on the CPU:
     # transformers' PyTorch fallback of its linear attention loops over a 64-token chunk
 }
 
-# model_type -> its run's settings other than the parity runs' (helpers/hf_parity.py). Gemma 4:
-# 3 steps, AdamW's eps 1e-3. One micro-batch's gradients are bit-equal to transformers'
-# (generic_check's comparison); a step's are within 2e-6 (its loss chunks and micro-batches summed in
-# the step's own order), but many of its gradient entries (its attention projections' and norms',
-# once clipped) lie near an eps of 1e-6, where such rounding becomes a visible difference of step,
-# and its random small instance amplifies it step after step: with eps 1e-6 its export differs by
-# 8e-5 after 3 steps, with 1e-3 by 3e-6 (1.3e-5 after 5). Gemma 3n the same: 5e-5 after 3 steps at 1e-6.
-RUN = {"gemma4_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
-       "gemma4_text:shared_kv": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
-       "gemma3n_text": {"optim": {"eps": 1e-3}, "train": {"steps": 3}},
-       # 3 steps (its Mamba-2 layers' PyTorch scan is slow on the CPU); the last 2 blocks keep their
-       # graphs: the last runs the shared block from a copy of its holder's weights
-       "zamba2": {"train": {"steps": 3}, "executor": {"keep_graphs": 2}},
-       "zamba2:mem_blocks": {"train": {"steps": 3}},
-       "exaone": {"train": {"steps": 3}}}
+# model_type -> its run's settings other than the parity runs' (helpers/hf_parity.py; every run
+# takes STEPS = 3 steps). Gemma 4: AdamW's eps 1e-3. One micro-batch's gradients are bit-equal to
+# transformers' (generic_check's comparison); a step's are within 2e-6 (its loss chunks and
+# micro-batches summed in the step's own order), but many of its gradient entries (its attention
+# projections' and norms', once clipped) lie near an eps of 1e-6, where such rounding becomes a
+# visible difference of step, and its random small instance amplifies it step after step: with eps
+# 1e-6 its export differs by 8e-5 after 3 steps, with 1e-3 by 3e-6 (1.3e-5 after 5). Gemma 3n the
+# same: 5e-5 after 3 steps at 1e-6.
+RUN = {"gemma4_text": {"optim": {"eps": 1e-3}},
+       "gemma4_text:shared_kv": {"optim": {"eps": 1e-3}},
+       "gemma3n_text": {"optim": {"eps": 1e-3}},
+       # the last 2 blocks keep their graphs: the last runs the shared block from a copy of its holder's weights
+       "zamba2": {"executor": {"keep_graphs": 2}}}
 
 
 def small_model_config(model_type: str) -> dict:
