@@ -166,6 +166,11 @@ class ModelFamily(abc.ABC):
     def aux_loss_on(self, arch: ModelArch) -> bool:
         return False
 
+    def compiled_variants(self, arch: ModelArch) -> int:
+        """How many layer structures torch.compile specialises the block on (streaming/compiled.py
+        sizes its recompile limit by it): one where every layer runs the same code."""
+        return 1
+
     def aux_loss_term(self, arch: ModelArch, stats: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
         """One block's share of the auxiliary loss of a micro-batch (a scalar, already weighted)."""
         raise NotImplementedError(f"{type(self).__name__} has no auxiliary loss")

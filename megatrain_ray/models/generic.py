@@ -507,12 +507,18 @@ class PerLayerInput:
     hidden states (stream_width): Gemma 4's per-layer input, the layer's positional argument
     `position`, or (one of `layers` 1, index 0 for every layer) Zamba2's input that every layer
     reads; or (position None) Qwen3-VL's deepstack features, zero but at the image tokens, added to
-    the output of each of the first `layers` layers, as its decoder adds them."""
+    the output of each of the first `layers` layers, as its decoder adds them.
+
+    The block reads its slice through `at`, the index as a tensor on the device, and whether it adds
+    one through `adds`: torch.compile specialises on a Python int that the block reads, so an int
+    index would make it compile the block once per layer, not once per layer template."""
 
     position: int | None
     index: int
     layers: int
     width: int
+    at: torch.Tensor = dataclasses.field(default=None, compare=False, repr=False)
+    adds: bool = False
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the hidden states, all layers' own inputs [..., layers, width]) of what flows."""
@@ -523,13 +529,21 @@ class PerLayerInput:
         """The layer's recorded positional arguments with its own per-layer input in its place."""
         if self.position is None:
             return args
-        return (*args[:self.position], inputs[..., self.index, :], *args[self.position + 1:])
+        return (*args[:self.position], self.own(inputs), *args[self.position + 1:])
 
     def added(self, out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """The layer's output with its deepstack features added (a layer past them: as it is)."""
-        if self.position is not None or self.index >= self.layers:
-            return out
-        return out + inputs[..., self.index, :]
+        return out + self.own(inputs) if self.adds else out
+
+    def own(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The layer's slice [..., width] of all layers' inputs [..., layers, width]."""
+        return inputs.index_select(-2, self.at).squeeze(-2)
+
+
+@functools.lru_cache(maxsize=1024)
+def index_on(index: int, device: torch.device) -> torch.Tensor:
+    """A layer's index as a one-element tensor on `device` (PerLayerInput.at), made once."""
+    return torch.tensor([index], device=device)
 
 
 @dataclass
@@ -723,22 +737,27 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     if len(recorded) != len(p.layers):
         raise hm.Unsupported(f"its decoder called {len(recorded)} of its {len(p.layers)} layers")
     out = []
+    device = position_ids.device
     for index, (kind, (hidden, args, kwargs)) in enumerate(zip(p.kinds, recorded)):
         shared = {"kv": layer_kv(arch.hf_config, index), "stack": arch.hidden_stack}
         kwargs = keeping_no_kv(kwargs)
         if arch.deepstack_layers:  # each layer hands the features on; the first ones add theirs
-            per_layer = PerLayerInput(None, index, *arch.behind_hidden)
+            count, stack_width = arch.behind_hidden
+            per_layer = PerLayerInput(None, index, count, stack_width, index_on(min(index, count - 1), device),
+                                      adds=index < count)
             out.append(LayerCall(kind, args, kwargs, per_layer=per_layer, **shared))
             continue
         common = common_input_of(arch.hf_config)
         if common:  # every layer reads the one input that flows behind the hidden states
-            out.append(LayerCall(kind, args, kwargs, per_layer=PerLayerInput(common[0], 0, 1, common[1]), **shared))
+            per_layer = PerLayerInput(common[0], 0, 1, common[1], index_on(0, device))
+            out.append(LayerCall(kind, args, kwargs, per_layer=per_layer, **shared))
             continue
         if not width:
             refuse_per_layer_inputs(hidden, args)
             out.append(LayerCall(kind, args, kwargs, **shared))
             continue
-        per_layer = PerLayerInput(per_layer_position(arch, hidden, args), index, len(p.layers), width)
+        per_layer = PerLayerInput(per_layer_position(arch, hidden, args), index, len(p.layers), width,
+                                  index_on(index, device))
         out.append(LayerCall(kind, args, kwargs, per_layer=per_layer, **shared))
     return out
 
@@ -776,6 +795,13 @@ def own_copies(state: dict[str, torch.Tensor], names: frozenset[str]) -> dict[st
     through `.data` into a write to the block's input, which counts: the backward of the compiled
     block would then refuse every tensor it saved of that slot (a norm's weight) as modified."""
     return {**state, **{name: state[name].clone() for name in names}} if names else state
+
+
+def compiled_variant(arch: TransformersArch, index: int) -> tuple:
+    """What torch.compile specialises layer `index`'s block on: its template, and the Python values
+    of its call that the block branches on (LayerCall: PerLayerInput.adds, SharedKV's mode and type)."""
+    kv = layer_kv(arch.hf_config, index)
+    return parts(arch).kinds[index], index < arch.deepstack_layers, kv and (kv.mode, kv.layer_type)
 
 
 def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
@@ -1056,6 +1082,11 @@ class TransformersFamily(ModelFamily):
 
     def aux_loss_term(self, arch: TransformersArch, stats: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
         return router_aux_term(arch, stats, totals)
+
+    def compiled_variants(self, arch: TransformersArch) -> int:
+        """Its layers' templates, told apart further by what of their call the block branches on:
+        whether a deepstack layer adds its features, how a layer shares keys and values."""
+        return len(set(compiled_variant(arch, index) for index in range(arch.num_layers)))
 
     def template_of(self, arch: TransformersArch, ctx: LayerCall) -> int:
         """Which template a block call runs (streaming/compiled.py falls back per template)."""

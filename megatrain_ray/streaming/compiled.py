@@ -16,8 +16,13 @@ width: at long steps those passes are a visible share of the step.
 
 The two compilations of the block use two backends: torch.compile caches a function's graphs per
 code object, and a different backend is what keeps the second from reusing the first's. Each
-backend is made once: torch.compile counts a new backend object as a reason to recompile, and a
-code object recompiled past torch._dynamo's limit runs eager.
+backend is made once: torch.compile counts a new backend object as a reason to recompile.
+
+A code object compiled more often than torch._dynamo's recompile limit (8 by default) runs eagerly
+from then on, said only in a log line. The block's code object is compiled once per layer structure
+that the family's layers have (ModelFamily.compiled_variants: a model run through transformers'
+modules has several templates) for each of GRAPHS_PER_VARIANT ways it is run, so every call of a
+compiled block runs under a limit that covers them all (never below the process's own).
 """
 
 from __future__ import annotations
@@ -27,15 +32,46 @@ from typing import Callable
 
 import torch
 
+# The block's graphs per layer structure, all cached on its one code object: its forward without
+# gradient (a recomputing block's first pass), with gradient (its recompute in backward), and the
+# kept graph's (another backend)
+GRAPHS_PER_VARIANT = 3
 
-def compile_block(block: Callable) -> Callable:
-    """The block as the recompute path runs it: torch.compile's defaults."""
-    return torch.compile(block, dynamic=False)
+
+def compiled_blocks(family, arch) -> tuple[Callable, Callable]:
+    """The family's block compiled for the recompute path and for kept graphs, each falling back to
+    eager per template where compiling fails (per_template), within a limit for all its graphs."""
+    variants = family.compiled_variants(arch)
+    block = per_template(compile_block(family.block, variants), family)
+    budget = family.kept_activation_budget
+    kept = per_template(compile_kept_block(family.block, budget, variants), family) if budget is not None else block
+    return block, kept
 
 
-def compile_kept_block(block: Callable, budget: float) -> Callable:
+def compile_block(block: Callable, variants: int = 1, backend="inductor") -> Callable:
+    """The block as the recompute path runs it: torch.compile's defaults (a test may name another
+    `backend`, to run or count dynamo's graphs on the CPU)."""
+    return within_limit(torch.compile(block, dynamic=False, backend=backend), variants)
+
+
+def compile_kept_block(block: Callable, budget: float, variants: int = 1) -> Callable:
     """The block as a kept graph runs it: its saved tensors within `budget` of the default's."""
-    return torch.compile(block, dynamic=False, backend=_inductor_within(budget))
+    return within_limit(torch.compile(block, dynamic=False, backend=_inductor_within(budget)), variants)
+
+
+def within_limit(compiled: Callable, variants: int) -> Callable:
+    """`compiled`, each call under a recompile limit of GRAPHS_PER_VARIANT graphs per variant: dynamo
+    reads the limit as it decides whether to compile a call's frame, so it holds for these calls
+    and leaves every other compiled function of the process to the process's own limit (the patch
+    costs some 16 us a call on a CPU core, against a block's milliseconds)."""
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    limit = max(getattr(torch._dynamo.config, name), GRAPHS_PER_VARIANT * variants)
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(**{name: limit}):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def compile_head_loss(head_loss: Callable) -> Callable:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from megatrain_ray.streaming.activation_stash import ActivationStash
-from megatrain_ray.streaming.compiled import compile_block, compile_head_loss, compile_kept_block, per_template
+from megatrain_ray.streaming.compiled import compile_head_loss, compiled_blocks
 from megatrain_ray.streaming.data_parallel import Group
 from megatrain_ray.streaming.gradient_sink import GradientSink
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
@@ -154,10 +154,7 @@ class StreamingExecutor:
         self.compiled_block = self.compiled_kept_block = self.compiled_head_loss = None
         self.metrics: PolicyMetrics | None = None
         if compile_blocks and self.streams.cuda and not self.replay:
-            self.compiled_block = per_template(compile_block(self.family.block), self.family)
-            budget = self.family.kept_activation_budget
-            self.compiled_kept_block = (per_template(compile_kept_block(self.family.block, budget), self.family)
-                                        if budget is not None else self.compiled_block)
+            self.compiled_block, self.compiled_kept_block = compiled_blocks(self.family, arch)
             self.compiled_head_loss = compile_head_loss(self.family.head_loss)
         self.group = group or Group.solo(len(self.layouts))
         self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, self.group, hooks)

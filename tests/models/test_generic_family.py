@@ -8,6 +8,7 @@ test_generic_refusals.py (a module without a Ray cluster); the probe of its laye
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -584,3 +585,58 @@ def test_dropout_trains_as_plain_autograd_with_the_same_seed(tmp_path, model_typ
         assert rel(a, b) < RTOL, f"layer {i}"
     assert evaluated[0] == evaluated[1], "validation draws nothing: dropout is off there"
     assert not any(torch.equal(a, b) for a, b in zip(ours, init)), "every layer trained"
+
+
+class CountingBackend:
+    """A torch.compile backend that runs the graph dynamo captured as it is, counting the graphs
+    it was given and the calls that ran one (a call dynamo runs eagerly runs none)."""
+
+    def __init__(self):
+        self.graphs = self.runs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.graphs += 1
+
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+
+
+def test_the_compiled_block_compiles_once_per_layer_template_and_grad_mode(tmp_path, monkeypatch):
+    """Gemma 4's blocks through the executor's compiled path (streaming/compiled.py, which the
+    executor takes on the GPU; here with a backend that runs dynamo's graphs as they are): one
+    graph per layer template for each way the block runs (the recompute path's forward without
+    gradient and its recompute, a kept graph's forward), not one per layer (each reads its own
+    slice of the per-layer inputs); and every block call runs a compiled graph, none eagerly past
+    torch._dynamo's recompile limit, even where the process's limit is below the graphs the model
+    needs (as torch's default, 8, is below the 10 that Gemma 3n's 5 templates need). Its 6 layers
+    have 3 templates; its 5 recomputing layers 2, which per layer would take 10 graphs."""
+    from megatrain_ray.streaming import compiled
+
+    model, arch, _config_file, config, data = prepared("gemma4_text", tmp_path)
+    config = dataclasses.replace(config, executor=dataclasses.replace(config.executor, keep_graphs=1))
+    trainer = LocalTrainer(config, arch)
+    recompute, kept = CountingBackend(), CountingBackend()
+    monkeypatch.setattr(compiled, "compile_block", functools.partial(compiled.compile_block, backend=recompute))
+    monkeypatch.setattr(compiled, "_inductor_within", lambda budget: kept)
+    torch._dynamo.reset()  # graphs other tests compiled of the same code object count toward its limit
+    try:
+        with torch._dynamo.config.patch(recompile_limit=4):  # below the 5 it needs (conftest raises it on a GPU)
+            ex = trainer.executor
+            ex.compiled_block, ex.compiled_kept_block = compiled.compiled_blocks(ex.family, arch)
+            trainer.train_step(data[0])
+    finally:
+        trainer.close()
+        torch._dynamo.reset()
+
+    kinds = TRANSFORMERS.template_kinds(arch)
+    kept_layers = [i - 1 for unit in ex.kept for i in unit.layers]
+    recomputing = [i for i in range(arch.num_layers) if i not in kept_layers]
+    assert TRANSFORMERS.compiled_variants(arch) == len(set(kinds)) == 3
+    assert recompute.graphs == 2 * len({kinds[i] for i in recomputing}) == 4
+    assert kept.graphs == len({kinds[i] for i in kept_layers}) == 1
+    micro_batches = len(data[0])
+    assert recompute.runs == 2 * len(recomputing) * micro_batches, "every recomputing block ran compiled, twice"
+    assert kept.runs == len(kept_layers) * micro_batches, "every kept block ran compiled"
