@@ -17,18 +17,33 @@ def free_port() -> int:
 
 
 def pids_under(directory: Path) -> list[int]:
-    """Our processes whose command line names `directory`: Ray's daemons and agents of a cluster
-    started with that temp dir."""
+    """Our processes whose command line names `directory`, or that hold a file open under it (their
+    logs): Ray's daemons and agents of a cluster started with that temp dir. Some name it nowhere
+    on their command line (the dashboard agent retitles itself `ray::DashboardAgent`, the client
+    server is given addresses only): left running, the agent spins on a core until it gives up on
+    the ended cluster, over a minute later."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if entry.stat().st_uid == os.getuid() and str(directory).encode() in (entry / "cmdline").read_bytes():
+            if entry.stat().st_uid == os.getuid() and (str(directory).encode() in (entry / "cmdline").read_bytes()
+                                                       or holds_a_file_under(entry, directory)):
                 found.append(int(entry.name))
         except OSError:
             pass
     return found
+
+
+def holds_a_file_under(process: Path, directory: Path) -> bool:
+    prefix = f"{directory}{os.sep}"
+    for fd in (process / "fd").iterdir():
+        try:
+            if os.readlink(fd).startswith(prefix):
+                return True
+        except OSError:  # closed meanwhile
+            pass
+    return False
 
 
 def end_processes_under(directory: Path, grace: float = 3.0) -> None:
