@@ -251,12 +251,12 @@ print(int(max(100_000_000, min(2 << 30, 0.3 * free / ($n + 1)))))")
     fi
   done
 
-  # Every node registered with the GCS?
-  local counts=""
-  for t in $(seq 1 60); do
+  # Every node registered with the GCS? (Each look is a driver's connection, about a second.)
+  local counts="" until=$((SECONDS + 60))
+  while true; do
     counts=$(count_nodes "$address" || true)
-    [[ $counts == "$((n + 1)) $n" ]] && break
-    sleep 1
+    [[ $counts == "$((n + 1)) $n" || $SECONDS -ge $until ]] && break
+    sleep 0.2
   done
   if [[ $counts != "$((n + 1)) $n" ]]; then
     log "expected $((n + 1)) nodes ($n RAM nodes), Ray reports '${counts:-nothing}'"
@@ -265,9 +265,10 @@ print(int(max(100_000_000, min(2 << 30, 0.3 * free / ($n + 1)))))")
   # `ray status` (the autoscaler's view) lags the GCS by a few seconds: wait for it too, so that
   # what `status` prints right after `start` is complete.
   if [[ $n -gt 0 ]]; then
-    for t in $(seq 1 30); do
-      "$ray_bin" status --address "$address" 2>/dev/null | grep -q "/$n.0 megatrain_ram" && break
-      sleep 1
+    until=$((SECONDS + 30))
+    until "$ray_bin" status --address "$address" 2>/dev/null | grep -q "/$n.0 megatrain_ram" \
+        || [[ $SECONDS -ge $until ]]; do
+      sleep 0.2
     done
   fi
   trap - ERR
