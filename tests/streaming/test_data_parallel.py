@@ -16,6 +16,7 @@ from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.runtime.session import Session
 from megatrain_ray.runtime.training import run_training
+from megatrain_ray.runtime import watchdog
 from megatrain_ray.runtime.watchdog import ClusterFault, Watchdog
 from helpers.reference_training import random_micro_batches
 from helpers.runs import tensors_of, tiny_raw
@@ -214,8 +215,10 @@ def test_stated_host_memory_replaces_what_the_node_reads_free():
         config_from_dict({**raw, "runtime": {"store_memory_gib": 0}})
 
 
-def test_a_lost_worker_stops_the_step(local_ray):
+def test_a_lost_worker_stops_the_step(local_ray, monkeypatch):
     """A worker that dies leaves the others blocked in a collective: the wait ends at its failure."""
+    monkeypatch.setattr(watchdog, "NODE_MARK_S", 0.5)  # the node is alive: no need to wait for Ray to say so
+    monkeypatch.setattr(watchdog, "PEER_GRACE_S", 0.5)  # the other worker is blocked in a collective: it never ends
     arch = PRESETS["tiny-llama"]
     config = workers_config("tiny-llama", 2)
     data = random_micro_batches(arch, 2, GRAD_ACCUM, batch=2, seq=12, seed=1)
