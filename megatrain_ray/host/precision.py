@@ -67,7 +67,7 @@ class StateFormat:
 
     def bytes_per_param(self, compute_bytes: int) -> float:
         """Host bytes per parameter: master, moments (and their int8 scales), compute copy or gradient."""
-        master = 4 if self.master == "fp32" else 2
+        master = self.master_dtype().itemsize
         return master + self.moment_bytes() + (compute_bytes if self.master == "fp32" else 2)
 
     def master_dtype(self) -> torch.dtype:
