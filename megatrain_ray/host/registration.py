@@ -1,7 +1,7 @@
 """Page-locking memory we did not allocate (the stores' shared-memory buffers a GPU worker maps) on a
 thread of its own, so that the worker's start waits for none of it.
 
-cudaHostRegister costs about a second per 2.5 GB (6 s for a 7B model's bf16 weights, a minute at
+cudaHostRegister page-locks 2.5 to 3 GB a second (6 s for a 7B model's bf16 weights, a minute at
 32B). The buffers are registered in the order they are handed over (`add`: the order a step first
 uses them) and each use waits for its own buffers only (`wait`), so the first step reads layer 0
 while later layers are still being registered. A copy from or to memory not yet registered would
@@ -29,7 +29,9 @@ class BackgroundRegistration:
     def __init__(self, register: Callable[[torch.Tensor], None], unregister: Callable[[torch.Tensor], None],
                  device: torch.device | None = None, say: Callable[[str], None] | None = None):
         self._register, self._unregister = register, unregister
-        self._device = device
+        self._cuda_index = None  # the device to make current on the thread: the caller's where unnamed
+        if device is not None and device.type == "cuda":
+            self._cuda_index = torch.cuda.current_device() if device.index is None else device.index
         self._say = say
         self._lock = threading.Lock()
         self._queue: deque[tuple[Hashable, list[torch.Tensor]]] = deque()
@@ -78,8 +80,8 @@ class BackgroundRegistration:
     def _run(self) -> None:
         t0, nbytes = time.perf_counter(), 0
         try:
-            if self._device is not None and self._device.type == "cuda":
-                torch.cuda.set_device(self._device)
+            if self._cuda_index is not None:
+                torch.cuda.set_device(self._cuda_index)
             while (item := self._next()) is not None:
                 key, tensors = item
                 for t in tensors:
@@ -91,7 +93,7 @@ class BackgroundRegistration:
             self.error = e
         finally:
             self._end()
-        if self.error is None and self._say is not None:
+        if self.error is None and not self._closed and self._say is not None:
             self._say(f"the stores' buffers registered with CUDA in the background: {nbytes / GiB:.1f} GiB in "
                       f"{time.perf_counter() - t0:.1f} s; the reads so far waited {self.waited_s:.1f} s for it")
 

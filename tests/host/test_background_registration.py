@@ -172,7 +172,7 @@ def test_on_a_gpu_a_step_reading_while_the_buffers_register_is_the_in_process_tr
     ray.get(store.init_random.remote(config.train.seed, config.model.init_std))
 
     def slow_register(t: torch.Tensor) -> None:
-        time.sleep(0.5)
+        time.sleep(1.0)  # slow enough that the step starts before the last buffer is registered
         cuda_host_register(t)
 
     registration = BackgroundRegistration(slow_register, cuda_host_unregister, device)
