@@ -3,8 +3,9 @@
 Each is a LayerSource (host/sources.py) whose `update` is one small actor call. Same node: the store's
 buffers are /dev/shm files mapped here and registered with CUDA once, in the background while the
 worker builds (host/registration.py), so copies run at pinned speed and no step republishes the
-model. Other nodes: one bounded window of pinned slots (host/window.py) filled over each store's connections (host/transport.py) ahead of the step's layer order, and an
-outbox the gradients leave from as soon as they land.
+model. Other nodes: one bounded window of pinned slots (host/window.py) filled over each store's
+connections (host/transport.py) ahead of the step's layer order, and an outbox the gradients leave
+from as soon as they land.
 
 With several GPU workers only a layer's owner sends its update (`update`); the others learn of it
 through `expect`: with the owner's reference to that update (shared memory: the next read waits for
