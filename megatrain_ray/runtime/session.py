@@ -80,7 +80,8 @@ class Session:
         self.gpu_ids: list[list[str]] = []  # each worker's GPUs, as Ray gave them
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
         self.carried_from: str | None = None  # where the carried tensors are (files/carried.py)
-        self._filling: list = []  # stores filling their first weights in one call each (init_weights)
+        self._filling: list = []  # stores filling their first weights in one call each (init_weights, restore)
+        self._filling_what = "initialising the weights"  # what a wait for them says
         self._first_reads: dict = {}  # layer -> the call filling it, for the first step's reads to wait on
         try:
             self.gpus = self._launch_workers()
@@ -186,26 +187,31 @@ class Session:
 
     def _wait_filled(self) -> None:
         if self._filling:
-            self.wait(self._filling, "initialising the weights")
+            try:
+                self.wait(self._filling, self._filling_what)
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, ckpt.CheckpointError):  # a store's own message, without the remote traceback
+                    raise e.cause from None
+                raise
             self._filling = []
             self._mark("weights")
 
-    def restore(self, path: Path, verify: bool = True) -> dict:
+    def restore(self, path: Path, verify: bool = True, wait: bool = True) -> dict:
         """Every store loads its layers from the checkpoint, whatever split wrote it; returns its meta.
-        verify=False: its files were hashed already (a run verifies a checkpoint once: 91 GB at 7B)."""
+        verify=False: its files were hashed already (a run verifies a checkpoint once: 91 GB at 7B).
+        wait=False: the stores load while the GPU workers build (`start_executor`, which waits for
+        the loads before it returns: the first step reads the checkpoint's state whole)."""
         manifest, meta = ckpt.read_manifest(path, verify=verify)
         ckpt.check_compatible(meta, self.arch, path, manifest)
         ckpt.check_state_format(meta, self.config, path)
         files = ckpt.shard_files_by_layer(path, manifest)
-        try:
-            self.wait([store.load_layers.remote(files) for store in self.stores], f"loading {path}")
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ckpt.CheckpointError):  # a store's own message, without the remote traceback
-                raise e.cause from None
-            raise
+        self._filling = [store.load_layers.remote(files) for store in self.stores]
+        self._filling_what = f"loading {path}"
         self._updates_done = meta["updates_done"]
         ckpt.restore_rng_state(meta.get("rng"))
         self.carried_from = str(path)
+        if wait:
+            self._wait_filled()
         return meta
 
     def start_executor(self) -> str:

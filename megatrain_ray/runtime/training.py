@@ -239,7 +239,8 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
         if progress.checkpoint is not None:
             say(f"loading {checkpoint_gb(progress.checkpoint):.1f} GB of weights and optimizer state from "
                 f"{progress.checkpoint}")
-            meta = session.restore(progress.checkpoint, verify=False)  # run_training verified it, or this run wrote it
+            # run_training verified it, or this run wrote it; the stores load while the workers build
+            meta = session.restore(progress.checkpoint, verify=False, wait=False)
             print(f"resumed from {progress.checkpoint} at step {meta['step']}", flush=True)
         else:
             gb = num_params(arch) * 4 / 1e9

@@ -12,6 +12,7 @@ from helpers.reference_training import random_micro_batches
 from helpers.runs import make_config
 from helpers.sessions import layer_weights, probed_session
 from megatrain_ray.bench.telemetry import ProbedStore, ProbedWorker
+from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
 from megatrain_ray.runtime.session import Session
 
 
@@ -79,5 +80,59 @@ def test_the_workers_build_and_the_first_step_begins_while_the_stores_fill_their
         session.start_executor()
         assert time.perf_counter() - t0 < 1.5, "the start waited for the last layer's weights"
         assert session.train_step(data[0]).loss == expected
+    finally:
+        session.close()
+
+
+def test_a_resume_loads_the_checkpoint_while_the_workers_build_and_continues_exactly(local_ray, tmp_path):
+    """restore(wait=False), as a run's resume does: the stores load the checkpoint while the GPU
+    workers build (each takes half a second more here, and the two overlap), start_executor returns once
+    the load is done, and the next step is the uninterrupted run's."""
+    import dataclasses
+    import time
+
+    config = make_config("tiny-qwen3", embedding_step="device")
+    config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, dir=str(tmp_path)))
+    arch = PRESETS["tiny-qwen3"]
+    data = random_micro_batches(arch, 2, 2, batch=2, seq=12, seed=1)
+    session = Session(config, arch)
+    try:
+        session.init_weights()
+        session.start_executor()
+        session.train_step(data[0])
+        path = session.save_checkpoint(1, None)
+        expected = session.train_step(data[1]).loss
+    finally:
+        session.close()
+
+    class SlowLoadStore(ShardStoreActor):  # defined here: sent by value
+        def load_layers(self, files_by_layer):
+            begun = time.time()
+            time.sleep(0.5)
+            super().load_layers(files_by_layer)
+            self.loading = (begun, time.time())
+
+        def load_interval(self):
+            return self.loading
+
+    class SlowStartWorker(GpuWorker):
+        def start(self, *args, **kwargs):
+            begun = time.time()
+            time.sleep(0.5)
+            described = super().start(*args, **kwargs)
+            self.building = (begun, time.time())
+            return described
+
+        def build_interval(self):
+            return self.building
+
+    session = Session(config, arch, worker_class=SlowStartWorker, store_class=SlowLoadStore)
+    try:
+        session.restore(path, wait=False)
+        session.start_executor()
+        (load_begun, loaded), = ray.get([store.load_interval.remote() for store in session.stores])
+        (build_begun, built), = ray.get([worker.build_interval.remote() for worker in session.gpus])
+        assert load_begun < built and build_begun < loaded, "the load and the workers' build did not overlap"
+        assert session.train_step(data[1]).loss == expected
     finally:
         session.close()
