@@ -1,11 +1,10 @@
 """How the GPU actor reaches stores in other processes: shared memory on its node, TCP beyond.
 
 Each is a LayerSource (host/sources.py) whose `update` is one small actor call. Same node: the store's
-buffers are /dev/shm files mapped here and registered with CUDA once, in the background while the
-worker builds (host/registration.py), so copies run at pinned speed and no step republishes the
-model. Other nodes: one bounded window of pinned slots (host/window.py) filled over each store's
-connections (host/transport.py) ahead of the step's layer order, and an outbox the gradients leave
-from as soon as they land.
+buffers are /dev/shm files mapped here and registered with CUDA once, so copies run at pinned
+speed and no step republishes the model. Other nodes: one bounded window of pinned slots
+(host/window.py) filled over each store's connections (host/transport.py) ahead of the step's layer order, and an
+outbox the gradients leave from as soon as they land.
 
 With several GPU workers only a layer's owner sends its update (`update`); the others learn of it
 through `expect`: with the owner's reference to that update (shared memory: the next read waits for
@@ -16,14 +15,12 @@ it has applied it). Each worker is told of each update once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import ray
 import torch
 
-from megatrain_ray.host.memory import pinned_empty, shm_tensor
-from megatrain_ray.host.registration import BackgroundRegistration
+from megatrain_ray.host.memory import cuda_host_register, cuda_host_unregister, pinned_empty, shm_tensor
 from megatrain_ray.host.sources import HostLayerState, LayerSource
 from megatrain_ray.host.transport import LayerLink, Transfer
 from megatrain_ray.host.window import OUTBOX_SLOTS, WindowPolicy, pool_sizes
@@ -49,73 +46,53 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 class SharedMemorySource(LayerSource):
-    def __init__(self, store, paths: dict[int, str], numels: dict[int, int], dtype,
-                 registration: BackgroundRegistration | None = None, grad_paths: dict[int, str] | None = None,
-                 states: dict[int, dict[str, str]] | None = None, updates_done: int = 0):
-        """`registration`: page-locks the mapped buffers with CUDA in the background (None: the CPU
-        path); each use of a buffer waits for its own. `grad_paths`: gradient buffers of their own (a
-        bf16 master's, host/store.py), else the gradient lands in the weights' buffer. `states`: layers
-        whose master and moments the store holds in shared memory already (StoreReach.states), each at
-        `updates_done` updates: their `shared_state` asks the store nothing."""
+    def __init__(self, store, paths: dict[int, str], numels: dict[int, int], dtype, register: bool,
+                 grad_paths: dict[int, str] | None = None, states: dict[int, dict[str, str]] | None = None,
+                 updates_done: int = 0):
+        """`grad_paths`: gradient buffers of their own (a bf16 master's, host/store.py), else the
+        gradient lands in the weights' buffer. `states`: layers whose master and moments the store
+        holds in shared memory already (StoreReach.states), each at `updates_done` updates: their
+        `shared_state` asks the store nothing."""
         self.store = store
-        self.registration = registration
+        self.register = register
         self.states = states or {}
         self.updates_done = updates_done
-        self.w = {layer: shm_tensor(Path(path), numels[layer], dtype, create=False) for layer, path in paths.items()}
-        self.g = {layer: shm_tensor(Path(path), numels[layer], torch.bfloat16, create=False)
+        self.registered: list[torch.Tensor] = []
+        self.w = {layer: self._map(Path(path), numels[layer], dtype) for layer, path in paths.items()}
+        self.g = {layer: self._map(Path(path), numels[layer], torch.bfloat16)
                   for layer, path in (grad_paths or {}).items()}
         self.pending: dict[int, ray.ObjectRef] = {}
-        self._register_in_order_of_first_use()
 
-    def _register_in_order_of_first_use(self) -> None:
-        """A step first reads every layer's weights, in layer order (the forward), then writes the
-        gradient buffers of their own from the last layer back (the backward): registered so. A
-        layer's state, mapped later (`shared_state`), comes after them."""
-        if self.registration is None:
-            return
-        for layer in sorted(self.w):
-            self.registration.add(("weights", layer), [self.w[layer]])
-        for layer in sorted(self.g, reverse=True):
-            self.registration.add(("gradient", layer), [self.g[layer]])
-
-    def _registered(self, *keys) -> None:
-        """Wait until these buffers are page-locked (nothing to wait for on the CPU path)."""
-        if self.registration is not None:
-            for key in keys:
-                self.registration.wait(key)
+    def _map(self, path: Path, numel: int, dtype) -> torch.Tensor:
+        t = shm_tensor(path, numel, dtype, create=False)
+        if self.register:
+            cuda_host_register(t)
+            self.registered.append(t)
+        return t
 
     def weights(self, layer: int) -> torch.Tensor:
         ref = self.pending.pop(layer, None)
         if ref is not None:
             ray.get(ref)
-        self._registered(("weights", layer))
         return self.w[layer]
 
     def shared_state(self, layer: int, segments: list[tuple[int, int, bool]]) -> HostLayerState:
-        """The layer's master and moments mapped here too, for its step on this worker's GPU: the
-        step's first copy of them (`HostLayerState.ready`) waits for their registration."""
+        """The layer's master and moments mapped here too, for its step on this worker's GPU."""
         if layer in self.states:
             paths, updates = dict(self.states[layer]), self.updates_done
         else:
             paths = ray.get(self.store.share_state.remote(layer))
             updates = ray.get(self.store.update_counts.remote())[layer]
         numel = self.w[layer].numel()
-        held = shm_tensor(Path(paths.pop("held")), 1, torch.int64, create=False)
-        state = {key: shm_tensor(Path(path), numel, torch.float32, create=False) for key, path in paths.items()}
-        if self.registration is not None:
-            self.registration.add(("state", layer), [*state.values(), held])
-        return HostLayerState(**state, compute=self.w[layer], segments=segments, updates=updates, held=held,
-                              ready=partial(self._registered, ("weights", layer), ("state", layer)))
+        held = self._map(Path(paths.pop("held")), 1, torch.int64)
+        state = {key: self._map(Path(path), numel, torch.float32) for key, path in paths.items()}
+        return HostLayerState(**state, compute=self.w[layer], segments=segments, updates=updates, held=held)
 
     def report_updates(self, layer: int, count: int) -> None:
         ray.get(self.store.set_update_count.remote(layer, count))
 
     def grad_buffer(self, layer: int) -> torch.Tensor:
-        if layer in self.g:  # its own (see host/store.py)
-            self._registered(("gradient", layer))
-            return self.g[layer]
-        self._registered(("weights", layer))
-        return self.w[layer]  # where the weights were
+        return self.g.get(layer, self.w[layer])  # where the weights were, or its own (see host/store.py)
 
     def update(self, layer: int, hp, gradient_landed) -> None:
         gradient_landed.synchronize()
@@ -130,8 +107,9 @@ class SharedMemorySource(LayerSource):
         self.pending.clear()
 
     def close(self) -> None:
-        if self.registration is not None:
-            self.registration.close()
+        for t in self.registered:
+            cuda_host_unregister(t)
+        self.registered.clear()
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -29,7 +29,6 @@ class HostLayerState:
     segments: list[tuple[int, int, bool]]  # (start, end, decays) per parameter, as the store steps them
     updates: int  # AdamW updates applied: the bias correction's count
     held: torch.Tensor  # the store's marker of the update count these buffers hold (ShardStore.held_marker)
-    ready: Callable[[], None] = lambda: None  # waits until these buffers are page-locked, before the first copy
 
 
 class LayerSource(Protocol):

@@ -16,8 +16,7 @@ import torch
 from megatrain_ray.config import Config
 from megatrain_ray.files import shard
 from megatrain_ray.host.adamw import AdamWStep
-from megatrain_ray.host.memory import cuda_host_register, cuda_host_unregister, dtype_of, shm_tensor
-from megatrain_ray.host.registration import BackgroundRegistration
+from megatrain_ray.host.memory import cuda_host_register, dtype_of, shm_tensor
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, StoreReach, WindowSource
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.host.transport import LayerLink, LayerServer
@@ -144,8 +143,7 @@ class GpuWorker:
 
     def start(self, plan: StepPlan, stores: list, store_nodes: list[str], reach: list[StoreReach],
               updates_done: int = 0, master_address: str = "", master_port: int = 0) -> str:
-        """Maps the stores' buffers (page-locked with CUDA in the background: each first use waits for
-        its own) and assembles the worker the plan describes (runtime/worker.py),
+        """Maps the stores' buffers and assembles the worker the plan describes (runtime/worker.py),
         joining the workers' process group (the master address/port: where rank 0 holds its
         rendezvous, unused by a worker alone); returns the device's description. `reach`: each
         store's (ShardStoreActor.allocate): nothing here waits for a store, which may still be
@@ -158,8 +156,8 @@ class GpuWorker:
                                       Rendezvous(self.rank, self.world, master_address, master_port),
                                       updates_done=updates_done)
         if self.rank == 0:  # where a start's seconds go (the benchmark's start-up line has the sum)
-            print(f"GPU worker built in {time.perf_counter() - t0:.1f} s: the stores' buffers mapped {t1 - t0:.1f} s"
-                  f"{' (registered with CUDA in the background)' if self.device.type == 'cuda' else ''}, the "
+            print(f"GPU worker built in {time.perf_counter() - t0:.1f} s: the stores' buffers mapped"
+                  f"{' and registered with CUDA' if self.device.type == 'cuda' else ''} {t1 - t0:.1f} s, the "
                   f"executor (with the embedding's state where it steps here) {time.perf_counter() - t1:.1f} s",
                   flush=True)
         return self.describe_device()
@@ -175,7 +173,7 @@ class GpuWorker:
         for store, node, r in zip(stores, store_nodes, reach):
             if node == here:
                 sources.append(SharedMemorySource(store, r.weights, {i: numels[i] for i in r.layers}, dtype,
-                                                  self._registration(), grad_paths=r.gradients,
+                                                  register=self.device.type == "cuda", grad_paths=r.gradients,
                                                   states=r.states, updates_done=updates_done))
                 routes.append(list(r.layers))
         owners = [(s, r) for s, node, r in zip(stores, store_nodes, reach) if node != here]
@@ -185,14 +183,6 @@ class GpuWorker:
             routes.append([i for _, r in owners for i in r.layers])
         self.kinds = ["shm" if node == here else "stream" for node in store_nodes]
         return RoutedSource(sources, routes)
-
-    def _registration(self) -> BackgroundRegistration | None:
-        """Page-locks a store's buffers mapped here, on a thread of its own, while the worker builds and
-        its first step runs (host/registration.py); rank 0 says when it is done. None on the CPU."""
-        if self.device.type != "cuda":
-            return None
-        say = (lambda text: print(text, flush=True)) if self.rank == 0 else None
-        return BackgroundRegistration(cuda_host_register, cuda_host_unregister, self.device, say)
 
     def _window_source(self, owners: list[tuple], numels: list[int], dtype: torch.dtype) -> WindowSource | None:
         """One window of the plan's slots for every layer on other nodes, with a link to each of their stores."""

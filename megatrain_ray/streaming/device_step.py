@@ -200,7 +200,6 @@ class DeviceStepSource(LayerSource):
             return
         self._settle()
         state, s = self.states[layer], self.streams
-        state.ready()  # its buffers page-locked (host/registration.py): the copies back come after this one
         with s.on(s.h2d):  # memory of the copy stream's own: the compute's may still be read by queued work
             on_device = [torch.empty_like(t, device=s.device) for t in (state.master, state.exp_avg, state.exp_avg_sq)]
             for dst, src in zip(on_device, (state.master, state.exp_avg, state.exp_avg_sq)):
