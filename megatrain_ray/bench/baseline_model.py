@@ -68,7 +68,7 @@ class BaselineModel(nn.Module):
         arch, fam = self.arch, family(self.arch)
         embed = _bound(self, self.embed_layout)
         head = _bound(self, self.head_layout)
-        x = fam.embed(arch, embed, batch["input_ids"])
+        x = fam.embed(arch, embed, fam.embed_inputs(arch, batch))
         ctx = fam.context(arch, batch["position_ids"], self.compute_dtype)
         for block in self.blocks:  # (a family's auxiliary loss is not counted: a throughput baseline)
             x = block(x, fam.layer_context(arch, ctx, block.layout.index))

@@ -443,7 +443,7 @@ def _local(prefix: str, name: str) -> str:
 
 
 # config.json keys of what a training forward draws at random, and such keys of heads other than the causal LM's
-RANDOM_KEYS = ("dropout", "jitter")
+RANDOM_KEYS = ("dropout", "pdrop", "jitter")  # GPT-2 names its dropouts resid_pdrop, embd_pdrop, attn_pdrop
 UNUSED_KEYS = ("classifier_dropout", "summary_first_dropout")
 
 
@@ -625,7 +625,8 @@ def head_call(config_json: str) -> HeadCall:
 
 
 def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
-    """The decoder's own forward from the token ids to its first layer's input (scaling included);
+    """The decoder's own forward from the token ids (and their positions, `embed_inputs`) to its
+    first layer's input (scaling and a learned position embedding included);
     an image-text model's from its inputs (`inputs`, a dict: image_text.embed_inputs), its image
     features in place of the image tokens' embeddings, as its own forward puts them. A model with
     per-layer inputs: its forward runs to its last layer, and every layer's per-layer input, as the
@@ -637,7 +638,8 @@ def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
     decoder, calls, entered = _recording_decoder(arch.hf_config, len(p.layers) - 1 if width else 0)
     calls.clear()
     w = frozen(w, buffer_names(p.root) | (frozenset() if arch.train_vision else vision_names(p)))
-    kwargs = vision_kwargs(inputs, w) if isinstance(inputs, dict) else {"input_ids": inputs}
+    inputs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}  # ids alone: positions from 0
+    kwargs = vision_kwargs(inputs, w) if p.decoder_in_root else inputs
     device = kwargs["input_ids"].device
     hm.run_until_layers(decoder, {**w, **_buffers_on(arch.hf_config, "base", device)}, calls, **kwargs)
     recorded, handed = list(calls), dict(entered)
@@ -718,16 +720,17 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     decoder, calls, _ = _recording_decoder(arch.hf_config, len(p.layers) - 1)
     calls.clear()
     b, t = position_ids.shape
-    state = _buffers_on(arch.hf_config, "base", position_ids.device)
+    # what runs before the first layer reads stand-in weights (a learned position embedding, a norm
+    # of the embeddings, per-layer input projections): the blocks get the real ones
+    state = {**_buffers_on(arch.hf_config, "base", position_ids.device),
+             **stand_in_weights(p, dtype, position_ids.device)}
     width = arch.per_layer_input_width
     if inputs is None:
         stand_in = torch.zeros((), dtype=dtype, device=position_ids.device).expand(b, t, arch.hidden_size)
         kwargs = {"inputs_embeds": stand_in, "position_ids": position_ids}
-        if width:  # stand-in per-layer inputs, projected with stand-in weights (the blocks get the real ones)
-            state = {**state, **stand_in_weights(p, dtype, position_ids.device)}
+        if width:  # stand-in per-layer inputs
             kwargs["per_layer_inputs"] = stand_in.new_zeros(()).expand(b, t, len(p.layers), width)
     else:  # an image-text model's own forward from its inputs, without images: its positions and masks
-        state = {**state, **stand_in_weights(p, dtype, position_ids.device)}
         kwargs = {k: v for k, v in inputs.items() if k not in PIXEL_KEYS}
     cuda = [position_ids.device] if position_ids.device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # the stand-in's dropout draws nothing of the step's
@@ -1055,7 +1058,11 @@ class TransformersFamily(ModelFamily):
         return layer_calls(arch, position_ids, dtype, inputs)
 
     def embed_inputs(self, arch: TransformersArch, mb: dict[str, torch.Tensor]):
-        return embed_inputs(mb) if parts(arch).decoder_in_root else mb["input_ids"]
+        """An image-text model's inputs (image_text.embed_inputs); a decoder's token ids and their
+        positions (a learned position embedding reads them: GPT-2's wpe; packed documents restart them)."""
+        if parts(arch).decoder_in_root:
+            return embed_inputs(mb)
+        return {"input_ids": mb["input_ids"], "position_ids": mb["position_ids"]}
 
     def batch_context(self, arch: TransformersArch, mb: dict[str, torch.Tensor], dtype: torch.dtype,
                       packed: bool | None = None) -> list[LayerCall]:

@@ -112,7 +112,7 @@ def streamed_path(arch, model, batch) -> tuple[torch.Tensor, dict[str, torch.Ten
     layouts = fam.layouts(arch)
     bound = [{p.name: state[layout.hf_name(p.name)].detach().clone().requires_grad_(True) for p in layout.params}
              for layout in layouts]
-    x = fam.embed(arch, bound[0], batch["input_ids"])
+    x = fam.embed(arch, bound[0], fam.embed_inputs(arch, batch))
     ctx = fam.context(arch, batch["position_ids"], x.dtype)
     aux, stats = fam.aux_loss_on(arch), []
     for layout in layouts[1:-1]:

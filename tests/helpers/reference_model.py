@@ -56,7 +56,7 @@ class ReferenceModel(nn.Module):
         """Logits [B, T, vocab]. A family's auxiliary loss of this call is then `self.aux_loss`."""
         arch, fam = self.arch, family(self.arch)
         aux = fam.aux_loss_on(arch)
-        x = fam.embed(arch, self.bound(0), input_ids)
+        x = fam.embed(arch, self.bound(0), fam.embed_inputs(arch, {"input_ids": input_ids, "position_ids": position_ids}))
         ctx = fam.context(arch, position_ids, compute_dtype or x.dtype)
         stats = []
         for layout in self.layouts:

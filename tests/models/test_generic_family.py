@@ -55,6 +55,9 @@ MODEL_TYPES = {
     # against transformers' own training, which draws its own dropout masks: without dropout here;
     # with their defaults' (0.1), test_dropout_trains_as_plain_autograd_with_the_same_seed
     "seed_oss": {"attention_dropout": 0.0, "residual_dropout": 0.0},
+    # a learned position embedding (wpe) before the first layer; dropouts named *_pdrop
+    "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "bloom": {},  # a norm of the embeddings before the first layer, ALiBi
     "ernie4_5": {},
     "ernie4_5_moe": {},
     "hunyuan_v1_dense": {"head_dim": 128},
@@ -224,7 +227,7 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
                     "gemma4_text", "nemotron_h", "gemma3n_text",
-                    "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks")
+                    "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks", "gpt2", "bloom")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
@@ -548,10 +551,10 @@ def test_bf16_on_the_gpu_compiled_tracks_transformers_autocast(tmp_path, model_t
 # ---------------------------------------------------------------------------------------------- dropout
 
 
-@pytest.mark.parametrize("model_type", ["seed_oss", "phimoe"])
+@pytest.mark.parametrize("model_type", ["seed_oss", "phimoe", "gpt2"])
 def test_dropout_trains_as_plain_autograd_with_the_same_seed(tmp_path, model_type):
-    """Seed-OSS's defaults (attention_dropout 0.1, residual_dropout 0.1) and Phi-MoE's (router
-    jitter 0.01): the streaming trainer recomputes each layer in backward, replaying its forward's
+    """Seed-OSS's defaults (attention_dropout 0.1, residual_dropout 0.1), Phi-MoE's (router jitter
+    0.01) and GPT-2's (resid_pdrop, embd_pdrop, attn_pdrop 0.1): the streaming trainer recomputes each layer in backward, replaying its forward's
     random draws, so 3 steps equal plain PyTorch autograd of the same modules (no recompute) from
     the same seed, one micro-batch a step (both then draw in the same order)."""
     from helpers.reference_training import train_reference
