@@ -734,6 +734,10 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
         hm.run_until_layers(decoder, state, calls, **kwargs)
     recorded = list(calls)
     calls.clear()
+    if len(recorded) > len(p.layers):
+        raise hm.Unsupported(f"its decoder made {len(recorded)} layer calls for its {len(p.layers)} layers: it runs "
+                             "some of them more than once (a looped section), and megatrain-ray streams each layer "
+                             "once a pass")
     if len(recorded) != len(p.layers):
         raise hm.Unsupported(f"its decoder called {len(recorded)} of its {len(p.layers)} layers")
     out = []
