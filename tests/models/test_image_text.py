@@ -292,9 +292,9 @@ def test_the_plan_counts_the_vision_tower_by_its_patches_and_whether_it_trains(t
     """The plan's line for the vision tower and projector (ModelFamily.vision_bytes): in proportion
     to a micro-batch's positions (every one an image token at most: 4 patches each, Qwen2-VL's
     merger), larger when the tower trains, within 2x above the peak torch's memory tracker counts
-    for the tiny Qwen2-VL's tower on that many patches, frozen and trained; `megatrain-ray plan`
-    prints it."""
-    from megatrain_ray.planning.plan import gpu_plan, vision_line
+    for the tiny Qwen2-VL's tower on that many patches, frozen and trained; a GPU too small for it
+    is told to freeze the tower; `megatrain-ray plan` prints it."""
+    from megatrain_ray.planning.plan import PlanError, check_gpu_fit, gpu_plan, vision_line
 
     model, model_dir = tiny_model_dir("qwen2_vl", tmp_path / "hf")
     model.set_attn_implementation("sdpa")  # as the embedding layer runs it (eager attention keeps patches^2 a head)
@@ -308,6 +308,8 @@ def test_the_plan_counts_the_vision_tower_by_its_patches_and_whether_it_trains(t
             lines[seq_len, trained] = gpu_plan(arch, config).by_use[vision_line(arch)]
     assert lines[80, False] == 2 * lines[40, False] and lines[80, True] == 2 * lines[40, True]
     assert lines[40, True] > lines[40, False]
+    with pytest.raises(PlanError, match=r"the vision tower frozen \(model.train_vision: false"):
+        check_gpu_fit(gpu_plan(arch, config), lines[80, True], "the GPU")  # the trained tower's alone
 
     patches = 4 * 2 * 80  # micro_batch_size 2 of seq_len 80
     for trained in (False, True):
