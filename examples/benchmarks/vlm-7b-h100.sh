@@ -3,7 +3,7 @@
 # fine-tuned on generated image-text rows (examples/benchmarks/vlm_data.py: two 896 x 896 images a row,
 # 2,048 image tokens, the rest of 4,096 positions text), bf16 compute, 131,072 positions a step as the
 # text-only 7B headline: the vision tower frozen (4 x 8 rows), then trained (model.train_vision; 1 x 32
-# rows: the tower's activations under autograd are not in the plan's count), then the text-only
+# rows: the tower's activations under autograd, which the plan counts for a row of image tokens), then the text-only
 # Qwen2.5-7B shape in the same call. vlm_bench.py runs the session `megatrain-ray train` runs, without its
 # final checkpoint (8 B parameters of optimizer state would not fit the disk), and prints tokens/s, the
 # GPU peak and the plan (host memory). One H100 80GB, 128 GiB host; a few minutes a line.

@@ -29,7 +29,7 @@ from megatrain_ray.data.chat_template import ChatTemplate, load_chat_template
 from megatrain_ray.data.documents import BadRow, DataError, DataPosition, Document, Origin, Row, RowBatch
 from megatrain_ray.data.image_text import IMAGE_READ_ROWS, RowConverter, image_text_documents, in_order_on_threads
 from megatrain_ray.data.processor import load_image_text_processor
-from megatrain_ray.data.packing import fit_length, packed_rows, stack_rows, unpacked_rows
+from megatrain_ray.data.packing import empty_row, fit_length, packed_rows, stack_rows, unpacked_rows
 from megatrain_ray.data.readers import column_spec, detect_format, first_row_columns, read_rows, resolve_files
 from megatrain_ray.data.sft import sft_documents
 from megatrain_ray.data.synthetic import synthetic_documents
@@ -209,8 +209,11 @@ class Dataset:
             yield micro, taken[-1][1]
 
     def fixed_batches(self, micro_batch_size: int, count: int) -> list[dict[str, np.ndarray]]:
-        """The first `count` micro-batches of epoch 0, no wrapping (validation: the same every time);
-        the last may hold fewer rows when the data runs out."""
+        """The first `count` micro-batches of epoch 0, no wrapping (validation: the same every time).
+        When the data runs out, the last is filled with rows of padding (no target, so the loss is
+        the same): every micro-batch has the training step's shape, for which the compiled blocks
+        have their graphs already (streaming/compiled.py); a shape of its own would add one graph
+        per layer structure."""
         rows: list[Row] = []
         for row in self.rows(0):
             rows.append(row)
@@ -218,6 +221,7 @@ class Dataset:
                 break
         if not rows:
             raise DataError(f"empty validation set: {self.describe()} gave no rows")
+        rows += [empty_row(len(rows[0].input_ids))] * (-len(rows) % micro_batch_size)
         return [stack_rows(rows[i:i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
 
 

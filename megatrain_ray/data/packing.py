@@ -46,6 +46,12 @@ def make_row(pieces: list[Document], seq_len: int) -> Row:
     )
 
 
+def empty_row(seq_len: int) -> Row:
+    """A row of padding only: no target, positions as an unpacked row's (it fills a micro-batch)."""
+    return Row(np.zeros(seq_len, dtype=np.int64), np.full(seq_len, IGNORE_INDEX, dtype=np.int64),
+               np.arange(seq_len, dtype=np.int64))
+
+
 def packed_rows(docs: Iterable[Document], seq_len: int, splittable: bool) -> Iterator[Row]:
     """Fill rows with documents. Splittable documents flow over into the next row (no padding);
     others (SFT, at most seq_len long) start a new row when they do not fit."""

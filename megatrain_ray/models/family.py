@@ -166,6 +166,11 @@ class ModelFamily(abc.ABC):
     def aux_loss_on(self, arch: ModelArch) -> bool:
         return False
 
+    def vision_bytes(self, arch: ModelArch, tokens: int, dtype_bytes: int) -> int:
+        """An image-text model's vision tower and projector on the device for a micro-batch of
+        `tokens` positions (planning/plan.py's line for it): none for a decoder alone."""
+        return 0
+
     def compiled_variants(self, arch: ModelArch) -> int:
         """How many layer structures torch.compile specialises the block on (streaming/compiled.py
         sizes its recompile limit by it): one where every layer runs the same code."""

@@ -29,7 +29,7 @@ from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX, ModelFamily, Weights
 from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, ParamSlot, lay_out
-from megatrain_ray.models.image_text import PIXEL_KEYS, embed_inputs, vision_kwargs
+from megatrain_ray.models.image_text import PIXEL_KEYS, embed_inputs, tower_bytes, vision_kwargs
 from megatrain_ray.models.moe import stored_as, stored_in_rows, stored_per_expert
 
 # config.json keys that say nothing about the model's tensors or arithmetic
@@ -737,6 +737,10 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
         hm.run_until_layers(decoder, state, calls, **kwargs)
     recorded = list(calls)
     calls.clear()
+    if len(recorded) > len(p.layers):
+        raise hm.Unsupported(f"its decoder made {len(recorded)} layer calls for its {len(p.layers)} layers: it runs "
+                             "some of them more than once (a looped section), and megatrain-ray streams each layer "
+                             "once a pass")
     if len(recorded) != len(p.layers):
         raise hm.Unsupported(f"its decoder called {len(recorded)} of its {len(p.layers)} layers")
     out = []
@@ -1089,6 +1093,10 @@ class TransformersFamily(ModelFamily):
 
     def aux_loss_term(self, arch: TransformersArch, stats: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
         return router_aux_term(arch, stats, totals)
+
+    def vision_bytes(self, arch: TransformersArch, tokens: int, dtype_bytes: int) -> int:
+        config = arch.config
+        return tower_bytes(config, tokens, dtype_bytes, arch.train_vision) if hm.is_image_text(config) else 0
 
     def compiled_variants(self, arch: TransformersArch) -> int:
         """Its layers' templates, told apart further by what of their call the block branches on:

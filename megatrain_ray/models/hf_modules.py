@@ -127,9 +127,13 @@ SMALL = {
 
 
 def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, Any]:
-    """The config with small widths and only the layers up to the last first-of-its-kind."""
+    """The config with small widths and only the layers up to the last first-of-its-kind (counted
+    as the config counts them: counted_per_layer), the layer counts that must add up to them cut in
+    proportion (layer_parts)."""
     small = small_sizes(config)
-    layers = max(kinds.index(k) for k in set(kinds)) + 1
+    counted = counted_per_layer(config, kinds)
+    parts = layer_parts(config)
+    layers = max(max(kinds.index(k) for k in set(kinds)) + 1, len(parts))
     if config.get("head_dim") is not None and config.get("head_dim") == config.get("qk_rope_head_dim"):
         small["head_dim"] = small["qk_rope_head_dim"]  # MLA: the rotary part's width
     small.update(rederived(config, small))
@@ -142,19 +146,52 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
     for key, value in config.items():
         if key.endswith("token_id") and isinstance(value, int) and isinstance(vocab, int) and value >= vocab:
             small[key] = vocab - 1
-    small["num_hidden_layers"] = layers
+    small["num_hidden_layers"] = layers * counted
+    cut = cut_in_proportion({key: config[key] // counted for key in parts}, layers)
+    small.update({key: n * counted for key, n in cut.items()})
     shared = config.get("num_kv_shared_layers")
     if isinstance(shared, int) and shared > 0:  # the layers that reuse keys and values: from the same first one
         small["num_kv_shared_layers"] = max(0, layers - (config["num_hidden_layers"] - shared))
-    per_layer = [key for key, value in config.items() if isinstance(value, list) and len(value) == len(kinds)]
+    per_layer = [key for key, value in config.items() if isinstance(value, list) and len(value) == len(kinds) * counted]
     for key in per_layer:
-        small[key] = small[key][:layers]
+        small[key] = small[key][:layers * counted]
     small.update(rederived(config, small, ["num_hidden_layers", *per_layer]))  # Zamba2's hybrid_layer_ids
     if isinstance(config.get("per_layer_config"), dict):  # a layer's own sizes (Gemma 4's global head_dim), cut
         # last: the class derives it again from the layer count with its full sizes (Dots3's sliding layers)
         small["per_layer_config"] = {k: small_sizes(v, config) if isinstance(v, dict) else v
                                      for k, v in config["per_layer_config"].items() if int(k) < layers}
     return small
+
+
+def counted_per_layer(config: dict[str, Any], kinds: tuple[int, ...]) -> int:
+    """How many of num_hidden_layers (and of the lists of a value each) a decoder layer is: 1, or
+    where the config counts more, as Dory's counts each layer's attention and MLP blocks apart, 2."""
+    stored = config.get("num_hidden_layers")
+    return stored // len(kinds) if type(stored) is int and stored > len(kinds) and stored % len(kinds) == 0 else 1
+
+
+def layer_parts(config: dict[str, Any]) -> list[str]:
+    """The layer counts that the config class requires to add up to its layers (Dory's
+    n_input_layers + n_recurrent_layers + n_output_layers == num_hidden_layers): the integer
+    `*_layers` keys beside num_hidden_layers, where they do."""
+    total = config.get("num_hidden_layers")
+    keys = [k for k, v in config.items() if k.endswith("_layers") and k != "num_hidden_layers"
+            and type(v) is int and v > 0]
+    return keys if len(keys) > 1 and sum(config[k] for k in keys) == total else []
+
+
+def cut_in_proportion(counts: dict[str, int], total: int) -> dict[str, int]:
+    """`counts` scaled to add up to `total`, each at least 1 (total >= their number), the largest
+    remainders rounded up."""
+    if not counts:
+        return {}
+    whole = sum(counts.values())
+    spare = total - len(counts)  # beyond the one each keeps
+    shares = {k: spare * v / whole for k, v in counts.items()}
+    out = {k: 1 + int(share) for k, share in shares.items()}
+    for k in sorted(shares, key=lambda k: int(shares[k]) - shares[k])[:total - sum(out.values())]:
+        out[k] += 1
+    return out
 
 
 def small_sizes(config: dict[str, Any], outer: dict[str, Any] | None = None) -> dict[str, Any]:

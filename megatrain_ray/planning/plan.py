@@ -1,10 +1,11 @@
 """What a run needs, where it lives, and whether it fits: before anything is allocated.
 
 GPU memory by use (weight slots, gradient buffers, boundary activations, one layer's working set,
-the loss chunk, the forward graphs the last blocks keep where memory is left over), per device
-when several GPUs share a step, host memory per node (from the placement), and a step-time
-prediction from the measured rates of the GPU machine: what bounds the step (compute, PCIe, host
-memory bandwidth, the host optimizer) and how many tokens a step keeps N GPUs busy.
+the loss chunk, an image-text model's vision tower, the forward graphs the last blocks keep where
+memory is left over), per device when several GPUs share a step, host memory per node (from the
+placement), and a step-time prediction from the measured rates of the GPU machine: what bounds the
+step (compute, PCIe, host memory bandwidth, the host optimizer) and how many tokens a step keeps N
+GPUs busy.
 `megatrain-ray plan` prints it; a run's step plan (planning/step_plan.py) checks it once, before
 anything is allocated, and refuses with what to change a run that will not fit.
 """
@@ -223,12 +224,25 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     per_logit = POLICY_LOSS_BYTES_PER_LOGIT if config.train.objective == "grpo" else LOSS_BYTES_PER_LOGIT
     plan.by_use["loss chunk"] = chunk * arch.vocab_size * per_logit
     plan.by_use["RoPE tables"] = 2 * micro_batches_per_gpu(config, num_gpus) * mb_tokens * arch.head_dim * d
+    vision = family(arch).vision_bytes(arch, mb_tokens, d)
+    if vision:
+        plan.by_use[vision_line(arch)] = vision
     plan.by_use[KEPT] = kept * kept_graph_bytes(arch, config, num_gpus)
     if embedding_on_device:
         n = layouts[0].numel
         gone = plan.by_use[KEPT] + plan.by_use["loss chunk"] + plan.by_use["one layer's working set"]
         plan.by_use[EMBEDDING_STEP] = 2 * n * d + max(0, 12 * n - gone)
     return plan
+
+
+VISION = "vision tower and projector"
+TRAINED_VISION = ", and what its backward keeps (model.train_vision)"
+
+
+def vision_line(arch: ModelArch) -> str:
+    """The name of an image-text model's vision tower line (ModelFamily.vision_bytes)."""
+    kept = TRAINED_VISION if getattr(arch, "train_vision", False) else ""
+    return f"{VISION}: pixels, forward{kept} (one micro-batch, every token an image token at most)"
 
 
 # The new weights stay on the device between steps (two copies at the turn: the last step's and
@@ -484,6 +498,9 @@ def check_gpu_fit(plan: GpuPlan, free_bytes: int, where: str, capped: bool = Fal
     acts = plan.by_use[BOUNDARY]
     kept = (f", fewer blocks keeping their forward graphs (executor.keep_graphs: {plan.by_use[KEPT] / GiB:.1f} GiB)"
             if plan.by_use[KEPT] else "")
+    tower = sum(b for use, b in plan.by_use.items() if use.startswith(VISION) and TRAINED_VISION in use)
+    if tower:
+        kept += f", the vision tower frozen (model.train_vision: false; trained, it takes {tower / GiB:.1f} GiB)"
     has = (f"may use {free_bytes / GiB:.1f} GiB of {where} (executor.gpu_memory_gib; it fits under "
            f"{math.ceil(10 * plan.total / GiB) / 10:.1f} GiB as planned here)" if capped
            else f"{where} has {free_bytes / GiB:.1f} GiB free")

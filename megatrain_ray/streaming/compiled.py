@@ -22,7 +22,9 @@ A code object compiled more often than torch._dynamo's recompile limit (8 by def
 from then on, said only in a log line. The block's code object is compiled once per layer structure
 that the family's layers have (ModelFamily.compiled_variants: a model run through transformers'
 modules has several templates) for each of GRAPHS_PER_VARIANT ways it is run, so every call of a
-compiled block runs under a limit that covers them all (never below the process's own).
+compiled block runs under a limit that covers them all (never below the process's own). The graphs
+are static: a micro-batch of another shape would need one more per layer structure, so validation
+runs the training step's shape too.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ from typing import Callable
 import torch
 
 # The block's graphs per layer structure, all cached on its one code object: its forward without
-# gradient (a recomputing block's first pass), with gradient (its recompute in backward), and the
-# kept graph's (another backend)
-GRAPHS_PER_VARIANT = 3
+# gradient (a recomputing block's first pass), with gradient (its recompute in backward), the kept
+# graph's (another backend), and validation's forward (the family's `evaluating`: transformers'
+# modules in eval mode, which dynamo guards on). Every call has the training step's micro-batch
+# shape (validation's last micro-batch is filled with padding rows: data/dataset.py), so no other
+# shape adds graphs.
+GRAPHS_PER_VARIANT = 4
 
 
 def compiled_blocks(family, arch) -> tuple[Callable, Callable]:

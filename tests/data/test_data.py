@@ -321,7 +321,9 @@ def test_validation_batches_are_fixed_and_bounded(tmp_path):
     train, held = build_datasets(DataConfig(source=source, seq_len=4, pack=False), EvalConfig(source=str(evaluation)),
                                  100, seed=0)
     first, again = held.fixed_batches(2, 5), held.fixed_batches(2, 5)
-    assert [b["input_ids"].tolist() for b in first] == [[[7, 8, 9, 0], [1, 2, 0, 0]], [[3, 4, 5, 0]]]
+    # the last filled with a row of padding to the step's shape: no target, positions as an unpacked row's
+    assert [b["input_ids"].tolist() for b in first] == [[[7, 8, 9, 0], [1, 2, 0, 0]], [[3, 4, 5, 0], [0, 0, 0, 0]]]
+    assert first[1]["labels"][1].tolist() == [IGNORE_INDEX] * 4 and first[1]["position_ids"][1].tolist() == [0, 1, 2, 3]
     assert all(np.array_equal(a[k], b[k]) for a, b in zip(first, again) for k in a)
     assert len(held.fixed_batches(1, 2)) == 2
     assert train.files != held.files

@@ -643,3 +643,62 @@ def test_the_compiled_block_compiles_once_per_layer_template_and_grad_mode(tmp_p
     micro_batches = len(data[0])
     assert recompute.runs == 2 * len(recomputing) * micro_batches, "every recomputing block ran compiled, twice"
     assert kept.runs == len(kept_layers) * micro_batches, "every kept block ran compiled"
+
+
+def test_validation_adds_one_graph_per_layer_template_whatever_its_rows(tmp_path, monkeypatch):
+    """A step, then two validation sets whose last micro-batch runs out of rows (1 and 2 of 3), as
+    a run builds them (runtime/training.py, `datasets`), through the compiled blocks: validation
+    adds one graph per layer template (its forward in eval mode), none for its short micro-batches
+    (filled with padding rows to the step's shape), and every block call runs a compiled graph, none
+    eagerly past the recompile limit (its limit counts that graph: here the step's own fill it, a
+    recomputing layer's two and a kept layer's one). The loss is the eager forward's on the rows
+    without padding. OLMo with 2 layers of its one template, the last keeping its graph."""
+    from megatrain_ray.config import EvalConfig
+    from megatrain_ray.models.family import IGNORE_INDEX
+    from megatrain_ray.runtime.training import datasets
+    from megatrain_ray.streaming import compiled
+    from helpers.files import write_jsonl
+
+    torch.manual_seed(0)
+    model = randomize(hm.build_small({**small_model_config("olmo"), "num_hidden_layers": 2}))
+    arch = load_hf_arch(saved(model, tmp_path / "hf"))
+    rows, seq = 3, 12
+    fields = train_config_dict(tmp_path / "hf", write_documents(tmp_path / "docs.jsonl", arch.vocab_size, seed=5),
+                               tmp_path / "run")
+    fields["train"]["micro_batch_size"], fields["executor"]["keep_graphs"] = rows, 1
+    config = config_from_dict(fields)
+    step = the_runs_batches(config, arch.vocab_size)[0]
+    gen = torch.Generator().manual_seed(1)
+    validations = []
+    for count in (4, 5):  # documents of seq tokens, one a row: micro-batches of 3 and 1, of 3 and 2 rows
+        docs = write_jsonl(tmp_path / f"val{count}.jsonl",
+                           [{"input_ids": torch.randint(0, arch.vocab_size, (seq,), generator=gen).tolist()}
+                            for _ in range(count)])
+        _train, batches = datasets(dataclasses.replace(config, eval=EvalConfig(source=str(docs))), arch.vocab_size)
+        assert [int((b["labels"] != IGNORE_INDEX).any(1).sum()) for b in batches] == [3, count - 3]
+        validations.append(batches)
+
+    trainer = LocalTrainer(config, arch)
+    recompute, kept = CountingBackend(), CountingBackend()  # two backends, as the kept graph's is another
+    monkeypatch.setattr(compiled, "compile_block", functools.partial(compiled.compile_block, backend=recompute))
+    monkeypatch.setattr(compiled, "_inductor_within", lambda budget: kept)
+    torch._dynamo.reset()  # graphs other tests compiled of the same code object count toward its limit
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):  # the block's own limit: its graphs per template
+            ex = trainer.executor
+            ex.compiled_block, ex.compiled_kept_block = compiled.compiled_blocks(ex.family, arch)
+            trainer.train_step(step)
+            graphs, runs = recompute.graphs + kept.graphs, recompute.runs + kept.runs
+            compiled_losses = [trainer.eval_loss(batches).loss for batches in validations]
+        ex.compiled_block = ex.compiled_kept_block = None
+        eager_losses = [trainer.eval_loss([{k: v[(b["labels"] != IGNORE_INDEX).any(1)] for k, v in b.items()}
+                                           for b in batches]).loss for batches in validations]
+    finally:
+        trainer.close()
+        torch._dynamo.reset()
+
+    assert TRANSFORMERS.compiled_variants(arch) == 1
+    assert graphs == 3, "the step: the recomputing layer's forward and recompute, the kept layer's graph"
+    assert recompute.graphs + kept.graphs == graphs + 1, "validation: one graph in eval mode, whatever its rows"
+    assert recompute.runs + kept.runs == runs + 2 * 4, "every validation block call ran compiled: 2 layers, 4 micro-batches"
+    assert compiled_losses == eager_losses

@@ -263,3 +263,62 @@ def test_deepstack_features_flow_behind_the_hidden_states_and_the_plan_counts_th
     assert torch.equal(x[..., hidden:].unflatten(-1, (deep, hidden)), theirs)
     assert torch.equal(y[..., hidden:], x[..., hidden:])
     assert hidden_state_bytes(arch, config) == config.train.micro_batch_size * config.data.seq_len * arch.stream_width * 4
+
+
+def tower_peak(model, patches: int, trained: bool) -> int:
+    """The peak bytes torch's memory tracker counts while Qwen2-VL's vision tower and merger run on
+    `patches` patches (forward without gradient; or, trained, forward and backward), beside the
+    pixel values (alive throughout, as a micro-batch's are) and without its weights and their
+    gradients (the plan's weight slots and gradient buffers)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    visual = model.model.visual
+    grid = torch.tensor([[1, 16, patches // 16]])  # one image of 16 rows of patches (even: 2 x 2 merged)
+    tracker = MemTracker()
+    tracker.track_external(visual)
+    with tracker:
+        pixels = torch.randn(patches, 3 * 2 * 14 * 14)
+        with torch.set_grad_enabled(trained):
+            out = visual(pixels, grid_thw=grid)
+            out = out if torch.is_tensor(out) else out.pooler_output
+            if trained:
+                out.sum().backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    visual.zero_grad(set_to_none=True)
+    return peak["Total"] - peak[_MemRefType.PARAM] - peak[_MemRefType.GRAD]
+
+
+def test_the_plan_counts_the_vision_tower_by_its_patches_and_whether_it_trains(tmp_path, capsys):
+    """The plan's line for the vision tower and projector (ModelFamily.vision_bytes): in proportion
+    to a micro-batch's positions (every one an image token at most: 4 patches each, Qwen2-VL's
+    merger), larger when the tower trains, within 2x above the peak torch's memory tracker counts
+    for the tiny Qwen2-VL's tower on that many patches, frozen and trained; a GPU too small for it
+    is told to freeze the tower; `megatrain-ray plan` prints it."""
+    from megatrain_ray.planning.plan import PlanError, check_gpu_fit, gpu_plan, vision_line
+
+    model, model_dir = tiny_model_dir("qwen2_vl", tmp_path / "hf")
+    model.set_attn_implementation("sdpa")  # as the embedding layer runs it (eager attention keeps patches^2 a head)
+    fields = run_dict(model_dir, tmp_path / "rows.jsonl", tmp_path / "run")
+    lines = {}
+    for seq_len in (40, 80):
+        for trained in (False, True):
+            fields["data"]["seq_len"], fields["model"]["train_vision"] = seq_len, trained
+            config = config_from_dict(fields)
+            arch = model_arch(config.model)
+            lines[seq_len, trained] = gpu_plan(arch, config).by_use[vision_line(arch)]
+    assert lines[80, False] == 2 * lines[40, False] and lines[80, True] == 2 * lines[40, True]
+    assert lines[40, True] > lines[40, False]
+    with pytest.raises(PlanError, match=r"the vision tower frozen \(model.train_vision: false"):
+        check_gpu_fit(gpu_plan(arch, config), lines[80, True], "the GPU")  # the trained tower's alone
+
+    patches = 4 * 2 * 80  # micro_batch_size 2 of seq_len 80
+    for trained in (False, True):
+        measured = tower_peak(model, patches, trained)
+        assert measured <= lines[80, trained] <= 2 * measured, (trained, measured, lines[80, trained])
+
+    (tmp_path / "rows.jsonl").write_text("")
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(fields))
+    assert cli.main(["plan", str(config_file), "--cluster", "examples/cluster-h100-128g.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert f"{vision_line(arch)}: " in out, out
