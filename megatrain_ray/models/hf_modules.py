@@ -262,6 +262,8 @@ class Parts:
     shares: tuple[int | None, ...] = ()
     # per decoder layer: the names of those tensors in it (the same in the layer that holds them)
     shared_names: tuple[frozenset[str], ...] = ()
+    # the decoder reads a layer's output as a tuple, the hidden states first (GPT-Neo: outputs[0])
+    layers_return_tuples: bool = False
 
 
 def decoder_parts(model: nn.Module) -> Parts:
@@ -276,16 +278,20 @@ def decoder_parts(model: nn.Module) -> Parts:
         if any(word in name for word in ("cross_attn", "encoder_attn", "crossattention")):
             raise Unsupported(f"its layers have cross-attention ({name})")
     shares, shared_names = shared_tensors(layers)
-    norm = _final_module(base, layers_name, model.get_input_embeddings())
-    after = tuple(n for n in _children_run_after_layers(base, layers_name) if n != norm)
+    tuples = layers_return_tuples(base, layers_name)
+    norm = _final_module(base, layers_name, model.get_input_embeddings(), tuples)
+    after = tuple(n for n in _children_run_after_layers(base, layers_name, tuples) if n != norm)
     keys: dict[tuple, int] = {}  # a layer that holds a shared block and one that runs it are of two kinds
     kinds = tuple(keys.setdefault((structure_key(layer), names), i)
                   for i, (layer, names) in enumerate(zip(layers, shared_names)))
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
     root_prefix, _, decoder_in_root = prefix.partition(".")
-    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name, getattr(model, root_prefix),
-                 root_prefix + ".", decoder_in_root + "." if decoder_in_root else "", after, shares, shared_names)
+    if not hasattr(model.config, "vision_config"):  # a decoder below its model (OPT's model.decoder) is the root
+        root_prefix, decoder_in_root = prefix, ""
+    return Parts(model, base, prefix + ".", list(layers), norm, kinds, tied, layers_name,
+                 model.get_submodule(root_prefix), root_prefix + ".", decoder_in_root + "." if decoder_in_root else "",
+                 after, shares, shared_names, tuples)
 
 
 def shared_tensors(layers: nn.ModuleList) -> tuple[tuple[int | None, ...], tuple[frozenset[str], ...]]:
@@ -338,15 +344,33 @@ def _decoder_and_layers(model: nn.Module) -> tuple[str, str]:
         if len(lists) > 1:
             raise Unsupported(f"its decoder ({prefix}) has several lists of layers "
                               f"({', '.join(n for n, _ in lists)})")
+    nested = [(path, name) for path, module in model.named_modules() if "." in path and
+              any(m is embedding for m in module.modules()) for name, child in module.named_children()
+              if isinstance(child, nn.ModuleList) and len(child) == count]
+    if len(nested) == 1:  # a decoder below the causal LM's child (OPT: model.decoder)
+        return nested[0]
     raise Unsupported("its decoder holds no list of layers beside its input embedding")
 
 
-def _final_module(base: nn.Module, layers_name: str, embedding: nn.Module) -> str:
+def layers_return_tuples(base: nn.Module, layers_name: str) -> bool:
+    """Whether the decoder reads its layers' outputs as tuples (GPT-Neo indexes outputs[0]) rather
+    than as the hidden states: told by its forward on zeros with layers that pass the hidden
+    states through as a tensor, which such a decoder cannot run to its end, then as a tuple."""
+    for as_tuple in (False, True):
+        calls: list = []
+        decoder = recording_decoder(base, layers_name, calls, stop_after=-1, as_tuple=as_tuple)
+        ran = _run_on_zeros(decoder, base, len(decoder._modules[layers_name]), [])
+        if ran and all(isinstance(hidden, torch.Tensor) for hidden, _, _ in calls):
+            return as_tuple
+    return False
+
+
+def _final_module(base: nn.Module, layers_name: str, embedding: nn.Module, tuples: bool = False) -> str:
     """The decoder's child that its forward calls after its last layer; where a run on a stand-in
     input cannot tell, its one child with weights that is neither its layers nor (part of) its
     input embedding, or of several the one registered after the layers. The check of a small
     instance against transformers (generic_check.py) confirms the choice."""
-    called = _called_after_layers(base, layers_name)
+    called = _called_after_layers(base, layers_name, tuples)
     if called is not None:
         return called
     names = list(base._modules)
@@ -362,11 +386,11 @@ def _final_module(base: nn.Module, layers_name: str, embedding: nn.Module) -> st
                       f"({', '.join(others)})")
 
 
-def _called_after_layers(base: nn.Module, layers_name: str) -> str | None:
+def _called_after_layers(base: nn.Module, layers_name: str, tuples: bool = False) -> str | None:
     """The first of the decoder's children that its forward calls after its last layer, run with
     layers that pass the hidden states through (None where that run fails before)."""
     calls: list = []
-    decoder = recording_decoder(base, layers_name, calls, stop_after=-1)
+    decoder = recording_decoder(base, layers_name, calls, stop_after=-1, as_tuple=tuples)
     count, found = len(decoder._modules[layers_name]), []
 
     def pre_hook(name):
@@ -381,12 +405,12 @@ def _called_after_layers(base: nn.Module, layers_name: str) -> str | None:
     return found[0] if ran and found else None
 
 
-def _children_run_after_layers(base: nn.Module, layers_name: str) -> list[str]:
+def _children_run_after_layers(base: nn.Module, layers_name: str, tuples: bool = False) -> list[str]:
     """The decoder's children with weights any part of which its forward runs after its last layer,
     run to its end on stand-in weights with layers that pass the hidden states through (none
     where that run fails)."""
     calls: list = []
-    decoder = recording_decoder(base, layers_name, calls, stop_after=-1)
+    decoder = recording_decoder(base, layers_name, calls, stop_after=-1, as_tuple=tuples)
     count, found = len(decoder._modules[layers_name]), []
 
     def pre_hook(name):
@@ -558,20 +582,21 @@ class Recorder(StandIn):
     states on unchanged. Reads of the layer's attributes (attention_type, layer_type, ...) go to
     the layer it stands for."""
 
-    def __init__(self, layer: nn.Module, calls: list, last: bool):
+    def __init__(self, layer: nn.Module, calls: list, last: bool, as_tuple: bool = False):
         super().__init__(layer)
         object.__setattr__(self, "_calls", calls)
         object.__setattr__(self, "_last", last)
+        object.__setattr__(self, "_as_tuple", as_tuple)
 
     def forward(self, hidden_states, *args, **kwargs):
         self._calls.append((hidden_states, args, kwargs))
         if self._last:
             raise _Stop
-        return hidden_states
+        return (hidden_states,) if self._as_tuple else hidden_states
 
 
 def recording_decoder(base: nn.Module, layers_name: str, calls: list, stop_after: int,
-                      entered: dict | None = None) -> nn.Module:
+                      entered: dict | None = None, as_tuple: bool = False) -> nn.Module:
     """A shallow copy of the decoder whose layers record their calls and stop after `stop_after`;
     given `entered`, the decoder's own keyword arguments are kept there at each call (what an
     image-text model's forward hands its language model beside the embeddings: Qwen3-VL's
@@ -579,7 +604,7 @@ def recording_decoder(base: nn.Module, layers_name: str, calls: list, stop_after
     clone = copy.copy(base)
     clone._modules = dict(base._modules)
     clone._modules[layers_name] = nn.ModuleList(
-        [Recorder(layer, calls, i == stop_after) for i, layer in enumerate(base._modules[layers_name])])
+        [Recorder(layer, calls, i == stop_after, as_tuple) for i, layer in enumerate(base._modules[layers_name])])
     if entered is not None:
         forward = clone.forward  # the decoder's own, bound to the copy
 
@@ -596,7 +621,7 @@ def recording_root(parts: Parts, calls: list, stop_after: int, entered: dict | N
     """The module that runs from the inputs to the first layer (parts.root), its decoder's layers
     recording: the recording decoder itself, or a shallow copy of an image-text model's inner
     model holding it."""
-    decoder = recording_decoder(parts.base, parts.layers_name, calls, stop_after, entered)
+    decoder = recording_decoder(parts.base, parts.layers_name, calls, stop_after, entered, parts.layers_return_tuples)
     if not parts.decoder_in_root:
         return decoder
     clone = copy.copy(parts.root)
@@ -689,16 +714,22 @@ def post_layers_decoder(parts: Parts, stack: int) -> nn.Module:
 def head_model(parts: Parts, stack: int = 1) -> nn.Module:
     """A shallow copy of the causal LM whose decoder is only the final norm, or (parts.after_layers)
     its own code after its last layer (post_layers_decoder)."""
-    head = copy.copy(parts.model)
-    head._modules = dict(parts.model._modules)
     if parts.after_layers:
         if parts.decoder_in_root:
             raise Unsupported("its language model runs more than a final norm after its last layer")
-        head._modules[parts.root_prefix[:-1]] = post_layers_decoder(parts, stack)
-        return head
-    head._modules[parts.root_prefix[:-1]] = FinalNorm(getattr(parts.base, parts.final_norm),
-                                                      parts.decoder_in_root + parts.final_norm, parts.root)
-    return head
+        return with_module(parts.model, parts.root_prefix[:-1], post_layers_decoder(parts, stack))
+    return with_module(parts.model, parts.root_prefix[:-1], FinalNorm(getattr(parts.base, parts.final_norm),
+                                                                      parts.decoder_in_root + parts.final_norm,
+                                                                      parts.root))
+
+
+def with_module(model: nn.Module, path: str, module: nn.Module) -> nn.Module:
+    """A shallow copy of `model` with `module` at `path` (dotted: the modules above it copied too)."""
+    copied = copy.copy(model)
+    copied._modules = dict(model._modules)
+    first, _, rest = path.partition(".")
+    copied._modules[first] = with_module(model._modules[first], rest, module) if rest else module
+    return copied
 
 
 def layer_output(out) -> torch.Tensor:

@@ -58,6 +58,7 @@ MODEL_TYPES = {
     # a learned position embedding (wpe) before the first layer; dropouts named *_pdrop
     "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
     "bloom": {},  # a norm of the embeddings before the first layer, ALiBi
+    "opt": {"dropout": 0.0},  # its decoder below its model (model.decoder.layers), a learned position embedding
     "ernie4_5": {},
     "ernie4_5_moe": {},
     "hunyuan_v1_dense": {"head_dim": 128},
@@ -227,7 +228,7 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
                     "gemma4_text", "nemotron_h", "gemma3n_text",
-                    "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks", "gpt2", "bloom")
+                    "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks", "gpt2", "bloom", "opt")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
@@ -702,3 +703,19 @@ def test_validation_adds_one_graph_per_layer_template_whatever_its_rows(tmp_path
     assert recompute.graphs + kept.graphs == graphs + 1, "validation: one graph in eval mode, whatever its rows"
     assert recompute.runs + kept.runs == runs + 2 * 4, "every validation block call ran compiled: 2 layers, 4 micro-batches"
     assert compiled_losses == eager_losses
+
+
+def test_a_decoder_that_reads_its_layers_outputs_as_tuples_runs_like_transformers():
+    """GPT-Neo's decoder indexes each layer's output (outputs[0]): the stand-in layers that record the
+    decoder's calls hand on a tuple there, the hidden states elsewhere (Llama's), and a small GPT-Neo
+    (local and global attention) then runs alike through both paths. Its sizes are set here, not its
+    defaults': those build 24 layers of 2,048 x 2,048 attention masks first."""
+    from megatrain_ray.models.generic_check import check_config
+
+    small = {"model_type": "gpt_neo", "vocab_size": 128, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+             "attention_types": [[["global", "local"], 1]], "max_position_embeddings": 64, "window_size": 8,
+             "resid_dropout": 0.0, "embed_dropout": 0.0, "attention_dropout": 0.0}
+    neo = AutoConfig.for_model(**small).to_dict()
+    assert hm.decoder_parts(hm.build_empty(neo)).layers_return_tuples
+    assert not hm.decoder_parts(hm.build_empty(small_model_config("olmo"))).layers_return_tuples
+    assert check_config(json.dumps(neo)) is None
