@@ -38,6 +38,9 @@ def refusal(config: dict[str, Any]) -> str | None:
         return f"transformers cannot read this config: {type(e).__name__}: {e}"
     if config.get("is_encoder_decoder"):
         return "it is an encoder-decoder model; megatrain-ray trains decoder-only causal language models"
+    if isinstance(config.get("layerdrop"), (int, float)) and config["layerdrop"] > 0:
+        return (f"its decoder skips each layer at random in training (layerdrop: {config['layerdrop']}), which a "
+                "streamed step, running every layer, does not do; set layerdrop to 0 in config.json to train it")
     try:
         hm.decoder_parts(hm.build_empty(config))
     except hm.Unsupported as e:
