@@ -331,7 +331,8 @@ def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerL
     (hf_modules.expert_pieces); a decoder or list of layers stored under another name (Nemotron-H's
     `model.` as `backbone.`, EXAONE 3's `model.layers.` as `transformer.h.`) has its layers say
     where (LayerLayout.stored_prefix)."""
-    pieces = {} if p.decoder_in_root else _expert_pieces(arch.hf_config, p.kinds)  # image-text: renamed_in_files
+    pieces = _image_text_expert_pieces(arch.hf_config, p.kinds) if p.decoder_in_root \
+        else _expert_pieces(arch.hf_config, p.kinds)
     if not pieces:
         return layouts
     stored_decoder, stored_layers = decoder_stored_prefixes(p, pieces, layouts)
@@ -419,6 +420,17 @@ def shared_module_prefix(names: list[str]) -> str:
 def _expert_pieces(config_json: str, kinds: tuple[int, ...]) -> dict[str, tuple[str, ...]]:
     config = json.loads(config_json)
     return hm.expert_pieces(hm.build_small(hm.small_config(config, kinds)))
+
+
+@functools.lru_cache(maxsize=8)
+def _image_text_expert_pieces(config_json: str, kinds: tuple[int, ...]) -> dict[str, tuple]:
+    """An image-text decoder's experts that transformers stores one by one (Qwen3.5-MoE's), as a
+    small instance shows; its tensors stored whole under other names are renamed_in_files'."""
+    config = json.loads(config_json)
+    if not expert_counts(config["text_config"])[0]:
+        return {}
+    pieces = hm.expert_pieces(hm.build_small(hm.small_image_text_config(config, kinds)))
+    return {name: stored for name, stored in pieces.items() if len(stored) > 1 or "{}" in stored[0]}
 
 
 @functools.lru_cache(maxsize=8)

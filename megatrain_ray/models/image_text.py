@@ -50,6 +50,9 @@ COVERED = {
     "qwen3_vl": "a Qwen3-VL vision tower and merger, 3D rotary positions, deepstack features added after the "
                 "first decoder layers",
     "qwen3_vl_moe": "Qwen3-VL's vision tower and deepstack, a decoder with experts",
+    "qwen3_5": "Qwen3-VL's vision tower and merger without deepstack, 3D rotary positions on a quarter of each "
+               "head, a decoder of linear-attention (gated delta rule) layers and full-attention ones",
+    "qwen3_5_moe": "Qwen3.5's vision tower and decoder, its MLPs experts beside a shared expert",
 }
 
 
