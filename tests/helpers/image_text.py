@@ -23,7 +23,7 @@ TOKEN_KEYS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|
               "eoi_token_index": "<end_of_image>"}
 TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistral3": {"image_token_index": "[IMG]"},
                    "idefics3": {"image_token_id": "<image>"},
-                   "llava_onevision": {"video_token_index": "<video>"}}
+                   "llava_onevision": {"video_token_index": "<video>"}, "internvl": {"image_token_id": "<IMG_CONTEXT>"}}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
           "{% else %}{% for c in m.content %}{% if c.type == 'image' %}IMAGE{% else %}{{ c.text }}{% endif %}"
@@ -74,6 +74,10 @@ TYPES = {
                  {"text_config": {"num_hidden_layers": 4, "rope_parameters": {"mrope_section": [4, 2, 2]}},
                   "vision_config": {"out_hidden_size": 64, "depth": 3, "deepstack_visual_indexes": [0, 1, 2]}},
                  {"min_pixels": 64 * 64, "max_pixels": 64 * 64, "patch_size": 16}),
+    # a 28-pixel image: one tile of 2 x 2 patches, pixel-shuffled (downsample_ratio 0.5) into one image token
+    "internvl": (["<img>", "</img>", "<IMG_CONTEXT>", "<video>"], "<IMG_CONTEXT>",
+                 {"vision_config": {"image_size": [IMAGE, IMAGE], "patch_size": [14, 14]}, "image_seq_length": 1},
+                 {"size": {"height": IMAGE, "width": IMAGE}}),
     # its processor (Pixtral's) needs torchvision, which the CPU machines lack: no processor files;
     # its micro-batches are made by hand (hand_made_batches)
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
@@ -99,7 +103,9 @@ def word_tokenizer(directory: Path, specials: list[str]):
     return fast
 
 
-NAMED_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+NAMED_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>",
+                "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                "video_token": "<video>"}
 
 
 def tiny_config(model_type: str, tokenizer) -> dict:
@@ -151,7 +157,8 @@ PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy"
                                    "num_additional_image_tokens": 1},
                     "idefics3": {"image_seq_len": 1},
                     "vipllava": {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
-                    "llava_onevision": {"vision_feature_select_strategy": "full", "num_image_tokens": 4}}
+                    "llava_onevision": {"vision_feature_select_strategy": "full", "num_image_tokens": 4},
+                    "internvl": {"image_seq_length": 1}}
 # SmolVLM is Idefics3's model with a processor of its own (SmolVLMProcessor): the same tiny sizes,
 # tokens and processor settings
 for by_type in (TYPES, TYPE_TOKEN_KEYS, PROCESSOR_KWARGS):
