@@ -17,13 +17,16 @@ TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 96}
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1, "num_attention_heads": 2,
           "num_heads": 2, "head_dim": 16}
+GLM4V_TOKENS = ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|video|>", "<|end_of_video|>"]
 # a config's token ids -> the tokens they are (of the type's tokens)
 TOKEN_KEYS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>",
               "vision_end_token_id": "<|vision_end|>", "image_token_index": "<image>", "boi_token_index": "<start_of_image>",
               "eoi_token_index": "<end_of_image>"}
 TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistral3": {"image_token_index": "[IMG]"},
                    "idefics3": {"image_token_id": "<image>"},
-                   "llava_onevision": {"video_token_index": "<video>"}, "internvl": {"image_token_id": "<IMG_CONTEXT>"}}
+                   "llava_onevision": {"video_token_index": "<video>"}, "internvl": {"image_token_id": "<IMG_CONTEXT>"},
+                   "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
+                                      "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
           "{% else %}{% for c in m.content %}{% if c.type == 'image' %}IMAGE{% else %}{{ c.text }}{% endif %}"
@@ -78,6 +81,9 @@ TYPES = {
     "internvl": (["<img>", "</img>", "<IMG_CONTEXT>", "<video>"], "<IMG_CONTEXT>",
                  {"vision_config": {"image_size": [IMAGE, IMAGE], "patch_size": [14, 14]}, "image_seq_length": 1},
                  {"size": {"height": IMAGE, "width": IMAGE}}),
+    "glm4v": (GLM4V_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>",
+              {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}, "vision_config": {"out_hidden_size": 64}},
+              {"size": {"shortest_edge": 28 * 28, "longest_edge": 56 * 56}}),
     # its processor (Pixtral's) needs torchvision, which the CPU machines lack: no processor files;
     # its micro-batches are made by hand (hand_made_batches)
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
@@ -178,7 +184,13 @@ TYPES["qwen3_5"] = (*TYPES["qwen3_vl"][:2], {"text_config": QWEN3_5_TEXT, "visio
 TYPES["qwen3_5_moe"] = (*TYPES["qwen3_vl"][:2], {"vision_config": {"out_hidden_size": 64}, "text_config": {
     **QWEN3_5_TEXT, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "num_experts_per_tok": 2}}, TYPES["qwen3_vl"][3])
-IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl"}  # a type with no image processor of its own
+# GLM-4.5V (glm4v_moe): GLM-4V's tower, tokens and processor; a decoder whose first layer is dense, the
+# second of 4 experts (2 a token) and a shared one, half of each head rotated
+TYPES["glm4v_moe"] = (*TYPES["glm4v"][:2], {**TYPES["glm4v"][2], "text_config": {
+    "rope_parameters": {"mrope_section": [1, 1, 2]}, "n_routed_experts": 4, "moe_intermediate_size": 32,
+    "num_experts_per_tok": 2}}, TYPES["glm4v"][3])
+TYPE_TOKEN_KEYS["glm4v_moe"] = TYPE_TOKEN_KEYS["glm4v"]
+IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 
