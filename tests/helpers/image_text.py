@@ -25,6 +25,7 @@ TOKEN_KEYS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|
 TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistral3": {"image_token_index": "[IMG]"},
                    "idefics3": {"image_token_id": "<image>"},
                    "llava_onevision": {"video_token_index": "<video>"}, "internvl": {"image_token_id": "<IMG_CONTEXT>"},
+                   "aya_vision": {"image_token_index": "<|IMG_PATCH|>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
                                       "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
@@ -84,6 +85,12 @@ TYPES = {
     "glm4v": (GLM4V_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>",
               {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}, "vision_config": {"out_hidden_size": 64}},
               {"size": {"shortest_edge": 28 * 28, "longest_edge": 56 * 56}}),
+    # a 28-pixel image: one tile of 2 x 2 patches, pixel-shuffled (downsample_factor 2) into one image token;
+    # Cohere 2's decoder: 3 sliding-window layers, then one of global attention
+    "aya_vision": (["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"],
+                   "<image>", {"text_config": {"num_hidden_layers": 4, "sliding_window": 8},
+                               "vision_config": {"image_size": IMAGE, "patch_size": 14}},
+                   {"size": {"height": IMAGE, "width": IMAGE}}),
     # its processor (Pixtral's) needs torchvision, which the CPU machines lack: no processor files;
     # its micro-batches are made by hand (hand_made_batches)
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
@@ -164,7 +171,8 @@ PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy"
                     "idefics3": {"image_seq_len": 1},
                     "vipllava": {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
                     "llava_onevision": {"vision_feature_select_strategy": "full", "num_image_tokens": 4},
-                    "internvl": {"image_seq_length": 1}}
+                    "internvl": {"image_seq_length": 1},
+                    "aya_vision": {"img_size": IMAGE, "patch_size": 14, "downsample_factor": 2}}
 # SmolVLM is Idefics3's model with a processor of its own (SmolVLMProcessor): the same tiny sizes,
 # tokens and processor settings
 for by_type in (TYPES, TYPE_TOKEN_KEYS, PROCESSOR_KWARGS):
