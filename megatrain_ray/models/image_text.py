@@ -54,6 +54,8 @@ COVERED = {
     "glm4v": "a GLM-4V vision tower and merger, 3D rotary positions from the image grids",
     "glm4v_moe": "GLM-4V's vision tower and merger, a decoder with experts beside a shared one",
     "aya_vision": "a SigLIP tower, a pixel-shuffle projector, Cohere 2's decoder",
+    "cohere2_vision": "a SigLIP tower, a pixel-shuffle projector, Cohere 2's decoder (its image processor needs "
+                      "torchvision)",
     "qwen3_5": "Qwen3-VL's vision tower and merger without deepstack, 3D rotary positions on a quarter of each "
                "head, a decoder of linear-attention (gated delta rule) layers and full-attention ones",
     "qwen3_5_moe": "Qwen3.5's vision tower and decoder, its MLPs experts beside a shared expert",

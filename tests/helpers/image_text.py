@@ -26,6 +26,7 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                    "idefics3": {"image_token_id": "<image>"},
                    "llava_onevision": {"video_token_index": "<video>"}, "internvl": {"image_token_id": "<IMG_CONTEXT>"},
                    "aya_vision": {"image_token_index": "<|IMG_PATCH|>"},
+                   "cohere2_vision": {"image_token_id": "<|IMG_PATCH|>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
                                       "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
@@ -91,11 +92,20 @@ TYPES = {
                    "<image>", {"text_config": {"num_hidden_layers": 4, "sliding_window": 8},
                                "vision_config": {"image_size": IMAGE, "patch_size": 14}},
                    {"size": {"height": IMAGE, "width": IMAGE}}),
-    # its processor (Pixtral's) needs torchvision, which the CPU machines lack: no processor files;
-    # its micro-batches are made by hand (hand_made_batches)
+    # the processors of these need torchvision, which the CPU machines lack: no processor files; their
+    # micro-batches are made by hand (hand_made_batches)
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
                  {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "spatial_merge_size": 2}, None),
+    # a SigLIP tower with its (unused) pooling head, pixel-shuffled (downsample_factor 2); Cohere 2's decoder
+    "cohere2_vision": (["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"], "<|IMG_PATCH|>",
+                       {"text_config": {"num_hidden_layers": 4, "sliding_window": 8},
+                        "vision_config": {"image_size": IMAGE, "patch_size": 14}, "alignment_intermediate_size": 64},
+                       None),
 }
+# type -> an image's tokens and whether its micro-batch carries the images' sizes, as its processor
+# makes them for an image of IMAGE pixels a side (one merged patch; Cohere 2 Vision: one tile)
+HAND_MADE = {"mistral3": ("[IMG][IMG_END]", True),
+             "cohere2_vision": ("<|START_OF_IMG|><|IMG_PATCH|><|END_OF_IMG|>", False)}
 
 
 def word_tokenizer(directory: Path, specials: list[str]):
@@ -227,12 +237,13 @@ def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
     return model, directory
 
 
-def hand_made_batches(model_dir: Path, steps: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
-    """Mistral 3's micro-batches as its processor makes them, for an image of IMAGE pixels a side
-    (one merged patch: `[IMG][IMG_END]`): two rows of a question with an image and an answer, the
-    loss on the answer and its end of turn; pixel values random, image_sizes the image's."""
+def hand_made_batches(model_type: str, model_dir: Path, steps: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
+    """A HAND_MADE type's micro-batches as its processor makes them, for an image of IMAGE pixels a
+    side (Mistral 3: `[IMG][IMG_END]`, one merged patch): two rows of a question with an image and an
+    answer, the loss on the answer and its end of turn; pixel values random, image_sizes the image's."""
     from transformers import AutoTokenizer
 
+    image, sized = HAND_MADE[model_type]
     tok = AutoTokenizer.from_pretrained(model_dir)
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -240,17 +251,17 @@ def hand_made_batches(model_dir: Path, steps: int, seed: int = 0) -> list[list[d
     for _ in range(steps):
         rows, labels = [], []
         for _ in range(2):
-            prompt = tok("<|im_start|>user [IMG][IMG_END] " + " ".join(rng.choice(WORDS, 3)) + "<|im_end|> "
+            prompt = tok(f"<|im_start|>user {image} " + " ".join(rng.choice(WORDS, 3)) + "<|im_end|> "
                          "<|im_start|>assistant")["input_ids"]
             answer = tok(" ".join(rng.choice(WORDS, 3)) + "<|im_end|>")["input_ids"]
             ids = (prompt + answer + [0] * 16)[:16]
             target = [-100] * len(prompt) + answer + [-100] * 16
             rows.append(ids)
             labels.append((target[1:] + [-100])[:16])
-        out.append([{"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
-                     "position_ids": torch.arange(16).expand(2, 16).contiguous(),
-                     "pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen),
-                     "image_sizes": torch.tensor([[IMAGE, IMAGE]] * 2)}])
+        mb = {"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
+              "position_ids": torch.arange(16).expand(2, 16).contiguous(),
+              "pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen)}
+        out.append([{**mb, "image_sizes": torch.tensor([[IMAGE, IMAGE]] * 2)} if sized else mb])
     return out
 
 

@@ -28,7 +28,7 @@ from megatrain_ray.models.registry import model_arch, model_layouts  # noqa: E40
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from helpers.hf_parity import PARITY_OPTIM, RTOL, save, steps_and_export, the_runs_batches, token_loss_sum, train_transformers  # noqa: E402
 from helpers.reference_training import assert_within_fp32_noise  # noqa: E402
-from helpers.image_text import WITH_PROCESSOR, hand_made_batches, tiny_model_dir, write_images, write_rows  # noqa: E402
+from helpers.image_text import HAND_MADE, WITH_PROCESSOR, hand_made_batches, tiny_model_dir, write_images, write_rows  # noqa: E402
 
 STEPS, ROWS, BROKEN = 3, 7, 1
 
@@ -138,14 +138,15 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     steps_in_process(model_type, tmp_path)
 
 
-def test_mistral3_from_micro_batches_made_as_its_processor_makes_them(tmp_path):
-    """Pixtral's processor needs torchvision (absent here): the micro-batches are made by hand,
-    the rest as for the other types."""
-    model, model_dir = tiny_model_dir("mistral3", tmp_path / "hf")
+@pytest.mark.parametrize("model_type", HAND_MADE)
+def test_from_micro_batches_made_as_its_processor_makes_them(tmp_path, model_type):
+    """Pixtral's and Cohere 2 Vision's processors need torchvision (absent here): the micro-batches
+    are made by hand, the rest as for the other types."""
+    model, model_dir = tiny_model_dir(model_type, tmp_path / "hf")
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     config = config_from_dict(run_dict(model_dir, tmp_path / "unused.jsonl", tmp_path / "run"))
     arch = model_arch(config.model)
-    data = hand_made_batches(model_dir, STEPS)
+    data = hand_made_batches(model_type, model_dir, STEPS)
     losses, export = steps_and_export(config, arch, model_dir, data, tmp_path / "export")
     exact_model = exact_copy(model)
     assert losses == pytest.approx(transformers_losses(model, config, data, False), rel=RTOL)
