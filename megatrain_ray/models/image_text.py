@@ -56,6 +56,8 @@ COVERED = {
     "aya_vision": "a SigLIP tower, a pixel-shuffle projector, Cohere 2's decoder",
     "cohere2_vision": "a SigLIP tower, a pixel-shuffle projector, Cohere 2's decoder (its image processor needs "
                       "torchvision)",
+    "lfm2_vl": "a SigLIP 2 (NaFlex) tower over each image's own patch grid, a pixel-unshuffle projector, LFM2's "
+               "decoder of short-convolution and attention layers (its image processor needs torchvision)",
     "qwen3_5": "Qwen3-VL's vision tower and merger without deepstack, 3D rotary positions on a quarter of each "
                "head, a decoder of linear-attention (gated delta rule) layers and full-attention ones",
     "qwen3_5_moe": "Qwen3.5's vision tower and decoder, its MLPs experts beside a shared expert",

@@ -26,7 +26,7 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                    "idefics3": {"image_token_id": "<image>"},
                    "llava_onevision": {"video_token_index": "<video>"}, "internvl": {"image_token_id": "<IMG_CONTEXT>"},
                    "aya_vision": {"image_token_index": "<|IMG_PATCH|>"},
-                   "cohere2_vision": {"image_token_id": "<|IMG_PATCH|>"},
+                   "cohere2_vision": {"image_token_id": "<|IMG_PATCH|>"}, "lfm2_vl": {"image_token_id": "<image>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
                                       "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
@@ -101,11 +101,25 @@ TYPES = {
                        {"text_config": {"num_hidden_layers": 4, "sliding_window": 8},
                         "vision_config": {"image_size": IMAGE, "patch_size": 14}, "alignment_intermediate_size": 64},
                        None),
+    # a SigLIP 2 (NaFlex) tower over an image's patches as they come, pixel-unshuffled (downsample_factor 2);
+    # LFM2's decoder: a short-convolution layer, then one of attention
+    "lfm2_vl": (["<|image_start|>", "<image>", "<|image_end|>"], "<image>",
+                {"text_config": {"layer_types": ["conv", "full_attention"]},
+                 "vision_config": {"patch_size": 16, "num_patches": 16}, "projector_hidden_size": 64}, None),
 }
-# type -> an image's tokens and whether its micro-batch carries the images' sizes, as its processor
-# makes them for an image of IMAGE pixels a side (one merged patch; Cohere 2 Vision: one tile)
-HAND_MADE = {"mistral3": ("[IMG][IMG_END]", True),
-             "cohere2_vision": ("<|START_OF_IMG|><|IMG_PATCH|><|END_OF_IMG|>", False)}
+# type -> an image's tokens and its image tensors for a micro-batch of two rows of an image each, as
+# its processor makes them for an image of IMAGE pixels a side (Mistral 3: one merged patch; Cohere 2
+# Vision: one tile; LFM2-VL: 2 x 2 patches of 16 pixels, a row each, and their grid)
+HAND_MADE = {
+    "mistral3": ("[IMG][IMG_END]", lambda gen: {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen),
+                                                 "image_sizes": torch.tensor([[IMAGE, IMAGE]] * 2)}),
+    "cohere2_vision": ("<|START_OF_IMG|><|IMG_PATCH|><|END_OF_IMG|>",
+                       lambda gen: {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen)}),
+    "lfm2_vl": ("<|image_start|><image><|image_end|>",
+                lambda gen: {"pixel_values": torch.randn(2, 4, 3 * 16 * 16, generator=gen),
+                             "pixel_attention_mask": torch.ones(2, 4, dtype=torch.int32),
+                             "spatial_shapes": torch.tensor([[2, 2]] * 2)}),
+}
 
 
 def word_tokenizer(directory: Path, specials: list[str]):
@@ -240,10 +254,10 @@ def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
 def hand_made_batches(model_type: str, model_dir: Path, steps: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
     """A HAND_MADE type's micro-batches as its processor makes them, for an image of IMAGE pixels a
     side (Mistral 3: `[IMG][IMG_END]`, one merged patch): two rows of a question with an image and an
-    answer, the loss on the answer and its end of turn; pixel values random, image_sizes the image's."""
+    answer, the loss on the answer and its end of turn; pixel values random."""
     from transformers import AutoTokenizer
 
-    image, sized = HAND_MADE[model_type]
+    image, image_tensors = HAND_MADE[model_type]
     tok = AutoTokenizer.from_pretrained(model_dir)
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -258,10 +272,8 @@ def hand_made_batches(model_type: str, model_dir: Path, steps: int, seed: int = 
             target = [-100] * len(prompt) + answer + [-100] * 16
             rows.append(ids)
             labels.append((target[1:] + [-100])[:16])
-        mb = {"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
-              "position_ids": torch.arange(16).expand(2, 16).contiguous(),
-              "pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen)}
-        out.append([{**mb, "image_sizes": torch.tensor([[IMAGE, IMAGE]] * 2)} if sized else mb])
+        out.append([{"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
+                     "position_ids": torch.arange(16).expand(2, 16).contiguous(), **image_tensors(gen)}])
     return out
 
 
