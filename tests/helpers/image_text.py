@@ -205,10 +205,12 @@ for by_type in (TYPES, TYPE_TOKEN_KEYS, PROCESSOR_KWARGS):
 TYPES["qwen3_vl_moe"] = (*TYPES["qwen3_vl"][:2], {**TYPES["qwen3_vl"][2], "text_config": {
     **TYPES["qwen3_vl"][2]["text_config"], "num_local_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2}},
     TYPES["qwen3_vl"][3])
-# Qwen3.5: Qwen3-VL's tokens and processor, no deepstack; a decoder of 3 linear-attention (gated
-# delta rule) layers and one of full attention, a quarter of each head rotated (its 3D rotary
-# positions interleaved over the rotated quarter's 4 frequencies); Qwen3.5-MoE with 4 experts
-QWEN3_5_TEXT = {"num_hidden_layers": 4, "head_dim": 32, "rope_parameters": {"mrope_section": [2, 1, 1]},
+# Qwen3.5: Qwen3-VL's tokens and processor, no deepstack; a decoder of a linear-attention (gated
+# delta rule: transformers' torch code for it is slow on the CPU, so one such layer, not 3 a full one)
+# layer and one of full attention, a quarter of each head rotated (its 3D rotary positions interleaved
+# over the rotated quarter's 4 frequencies); Qwen3.5-MoE with 4 experts
+QWEN3_5_TEXT = {"layer_types": ["linear_attention", "full_attention"], "head_dim": 32,
+                "rope_parameters": {"mrope_section": [2, 1, 1]},
                 "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
                 "linear_num_value_heads": 4}
 TYPES["qwen3_5"] = (*TYPES["qwen3_vl"][:2], {"text_config": QWEN3_5_TEXT, "vision_config": {"out_hidden_size": 64}},

@@ -214,10 +214,10 @@ def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
         second.close()
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl"])
 def test_train_vision_trains_the_tower_as_transformers_does(tmp_path, model_type):
     """Qwen3-VL's deepstack mergers get their gradients only through the features that the first
-    decoder layers add: they train as transformers trains them."""
+    decoder layers add: they train as transformers trains them; so do Qwen3.5's tower and InternVL's."""
     steps_in_process(model_type, tmp_path, train_vision=True)
 
 
