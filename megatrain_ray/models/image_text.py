@@ -58,6 +58,7 @@ COVERED = {
                       "torchvision)",
     "lfm2_vl": "a SigLIP 2 (NaFlex) tower over each image's own patch grid, a pixel-unshuffle projector, LFM2's "
                "decoder of short-convolution and attention layers (its image processor needs torchvision)",
+    "glm46v": "GLM-4V's vision tower, merger and decoder",
     "qwen3_5": "Qwen3-VL's vision tower and merger without deepstack, 3D rotary positions on a quarter of each "
                "head, a decoder of linear-attention (gated delta rule) layers and full-attention ones",
     "qwen3_5_moe": "Qwen3.5's vision tower and decoder, its MLPs experts beside a shared expert",

@@ -224,6 +224,9 @@ TYPES["glm4v_moe"] = (*TYPES["glm4v"][:2], {**TYPES["glm4v"][2], "text_config": 
     "rope_parameters": {"mrope_section": [1, 1, 2]}, "n_routed_experts": 4, "moe_intermediate_size": 32,
     "num_experts_per_tok": 2}}, TYPES["glm4v"][3])
 TYPE_TOKEN_KEYS["glm4v_moe"] = TYPE_TOKEN_KEYS["glm4v"]
+# GLM-4.6V: GLM-4V's tower, decoder, tokens and sizes, a processor of its own
+for by_type in (TYPES, TYPE_TOKEN_KEYS):
+    by_type["glm46v"] = by_type["glm4v"]
 IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
