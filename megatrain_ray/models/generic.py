@@ -474,7 +474,14 @@ def random_settings(config: dict[str, Any]) -> dict[str, float]:
 MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "num_mtp_modules")
 
 
+# where Qwen3-Next and Qwen3.5 store their multi-token-prediction module: beside the model, which
+# ignores it on load (its class's _keys_to_ignore_on_load_unexpected)
+MTP_MODULE = "mtp."
+
+
 def mtp_layers(config: dict[str, Any]) -> int:
+    """The multi-token-prediction layers a config counts (an image-text model's: its decoder's)."""
+    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     return next((config[k] for k in MTP_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
 
 
@@ -1036,8 +1043,9 @@ class TransformersFamily(ModelFamily):
 
     def carried(self, arch: TransformersArch, name: str) -> bool:
         """The tensors of the multi-token-prediction layers, stored as the decoder's layers after
-        its last (model.layers.61.* for DeepSeek-V3), which transformers' model does not build."""
-        return mtp_layers(arch.config) > 0 and mtp_layer_of(arch, name) is not None
+        its last (model.layers.61.* for DeepSeek-V3) or as a module beside the model (`mtp.*`,
+        Qwen3.5's), which transformers' model does not build."""
+        return mtp_layers(arch.config) > 0 and (mtp_layer_of(arch, name) is not None or name.startswith(MTP_MODULE))
 
     def carried_note(self, arch: TransformersArch) -> str | None:
         n = mtp_layers(arch.config)

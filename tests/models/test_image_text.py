@@ -154,6 +154,44 @@ def test_from_micro_batches_made_as_its_processor_makes_them(tmp_path, model_typ
     check_export(export, model, exact_model, initial, vision_of(model))
 
 
+def test_qwen3_5_multi_token_prediction_module_is_carried_unchanged(tmp_path):
+    """Qwen3.5's published files hold its multi-token-prediction module beside the model (`mtp.*`,
+    text_config.mtp_num_hidden_layers), which transformers' model ignores on load: the weights load
+    past it, a step trains, and the export carries it as it was stored; transformers loads the export."""
+    from safetensors.torch import load_file, save_file
+
+    from megatrain_ray.files.carried import carried_tensors
+    from megatrain_ray.files.hf import export_hf
+    from megatrain_ray.models.generic import TRANSFORMERS
+
+    model, config = prepared("qwen3_5", tmp_path)
+    model_dir = Path(config.model.path)
+    gen, hidden = torch.Generator().manual_seed(3), model.config.text_config.hidden_size
+    mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen).to(torch.bfloat16),
+           "mtp.norm.weight": torch.randn(hidden, generator=gen)}
+    save_file({**load_file(model_dir / "model.safetensors"), **mtp}, model_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    saved = json.loads((model_dir / "config.json").read_text())
+    saved["text_config"]["mtp_num_hidden_layers"] = 1
+    (model_dir / "config.json").write_text(json.dumps(saved))
+
+    arch = model_arch(config.model)
+    assert "1 multi-token-prediction layer (config.json)" in TRANSFORMERS.carried_note(arch)
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, str(model_dir))
+        trainer.train_step(the_runs_batches(config, arch.vocab_size)[0])
+        export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()),
+                           carried=carried_tensors(model_dir, arch))
+    finally:
+        trainer.close()
+    stored = {k: v for file in export.glob("*.safetensors") for k, v in load_file(file).items() if k in mtp}
+    assert set(stored) == set(mtp) and all(stored[k].dtype == v.dtype and torch.equal(stored[k], v)
+                                           for k, v in mtp.items())
+    AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
+
+
 def test_validation_loss_is_transformers_with_the_images(tmp_path):
     """eval_loss (forward only, layer-major) on image-text micro-batches: transformers' summed loss."""
     model, config = prepared("gemma3", tmp_path)
