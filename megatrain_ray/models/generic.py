@@ -331,7 +331,8 @@ def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerL
     (hf_modules.expert_pieces); a decoder or list of layers stored under another name (Nemotron-H's
     `model.` as `backbone.`, EXAONE 3's `model.layers.` as `transformer.h.`) has its layers say
     where (LayerLayout.stored_prefix)."""
-    pieces = {} if p.decoder_in_root else _expert_pieces(arch.hf_config, p.kinds)  # image-text: renamed_in_files
+    pieces = _image_text_expert_pieces(arch.hf_config, p.kinds) if p.decoder_in_root \
+        else _expert_pieces(arch.hf_config, p.kinds)
     if not pieces:
         return layouts
     stored_decoder, stored_layers = decoder_stored_prefixes(p, pieces, layouts)
@@ -422,6 +423,17 @@ def _expert_pieces(config_json: str, kinds: tuple[int, ...]) -> dict[str, tuple[
 
 
 @functools.lru_cache(maxsize=8)
+def _image_text_expert_pieces(config_json: str, kinds: tuple[int, ...]) -> dict[str, tuple]:
+    """An image-text decoder's experts that transformers stores one by one (Qwen3.5-MoE's), as a
+    small instance shows; its tensors stored whole under other names are renamed_in_files'."""
+    config = json.loads(config_json)
+    if not expert_counts(config["text_config"])[0]:
+        return {}
+    pieces = hm.expert_pieces(hm.build_small(hm.small_image_text_config(config, kinds)))
+    return {name: stored for name, stored in pieces.items() if len(stored) > 1 or "{}" in stored[0]}
+
+
+@functools.lru_cache(maxsize=8)
 def renamed_in_files(config_json: str) -> dict[str, str]:
     """An image-text model's tensors that save_pretrained stores under other names (their names
     before transformers 5: `language_model.model.layers.0...`, `visual.blocks...`): stored name ->
@@ -462,7 +474,14 @@ def random_settings(config: dict[str, Any]) -> dict[str, float]:
 MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "num_mtp_modules")
 
 
+# where Qwen3-Next and Qwen3.5 store their multi-token-prediction module: beside the model, which
+# ignores it on load (its class's _keys_to_ignore_on_load_unexpected)
+MTP_MODULE = "mtp."
+
+
 def mtp_layers(config: dict[str, Any]) -> int:
+    """The multi-token-prediction layers a config counts (an image-text model's: its decoder's)."""
+    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     return next((config[k] for k in MTP_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
 
 
@@ -1024,8 +1043,9 @@ class TransformersFamily(ModelFamily):
 
     def carried(self, arch: TransformersArch, name: str) -> bool:
         """The tensors of the multi-token-prediction layers, stored as the decoder's layers after
-        its last (model.layers.61.* for DeepSeek-V3), which transformers' model does not build."""
-        return mtp_layers(arch.config) > 0 and mtp_layer_of(arch, name) is not None
+        its last (model.layers.61.* for DeepSeek-V3) or as a module beside the model (`mtp.*`,
+        Qwen3.5's), which transformers' model does not build."""
+        return mtp_layers(arch.config) > 0 and (mtp_layer_of(arch, name) is not None or name.startswith(MTP_MODULE))
 
     def carried_note(self, arch: TransformersArch) -> str | None:
         n = mtp_layers(arch.config)

@@ -163,6 +163,18 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
     return small
 
 
+def small_image_text_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, Any]:
+    """An image-text config with its decoder's small_config and a vision tower of one small block
+    (its merger's output as wide as the small decoder)."""
+    text, vision = small_config(config["text_config"], kinds), small_sizes(config["vision_config"])
+    vision.update({key: 1 for key in ("depth", "num_hidden_layers") if isinstance(vision.get(key), int)})
+    vision.update({key: min(vision[key], SMALL["num_attention_heads"]) for key in ("num_heads", "num_attention_heads")
+                   if isinstance(vision.get(key), int)})
+    if isinstance(vision.get("out_hidden_size"), int):
+        vision["out_hidden_size"] = text["hidden_size"]
+    return {**config, "text_config": text, "vision_config": vision}
+
+
 def counted_per_layer(config: dict[str, Any], kinds: tuple[int, ...]) -> int:
     """How many of num_hidden_layers (and of the lists of a value each) a decoder layer is: 1, or
     where the config counts more, as Dory's counts each layer's attention and MLP blocks apart, 2."""

@@ -50,6 +50,18 @@ COVERED = {
     "qwen3_vl": "a Qwen3-VL vision tower and merger, 3D rotary positions, deepstack features added after the "
                 "first decoder layers",
     "qwen3_vl_moe": "Qwen3-VL's vision tower and deepstack, a decoder with experts",
+    "internvl": "an InternViT tower, a pixel-shuffle projector",
+    "glm4v": "a GLM-4V vision tower and merger, 3D rotary positions from the image grids",
+    "glm4v_moe": "GLM-4V's vision tower and merger, a decoder with experts beside a shared one",
+    "aya_vision": "a SigLIP tower, a pixel-shuffle projector, Cohere 2's decoder",
+    "cohere2_vision": "a SigLIP tower, a pixel-shuffle projector, Cohere 2's decoder (its image processor needs "
+                      "torchvision)",
+    "lfm2_vl": "a SigLIP 2 (NaFlex) tower over each image's own patch grid, a pixel-unshuffle projector, LFM2's "
+               "decoder of short-convolution and attention layers (its image processor needs torchvision)",
+    "glm46v": "GLM-4V's vision tower, merger and decoder",
+    "qwen3_5": "Qwen3-VL's vision tower and merger without deepstack, 3D rotary positions on a quarter of each "
+               "head, a decoder of linear-attention (gated delta rule) layers and full-attention ones",
+    "qwen3_5_moe": "Qwen3.5's vision tower and decoder, its MLPs experts beside a shared expert",
 }
 
 
@@ -97,8 +109,10 @@ def tower_shape(config: dict[str, Any]) -> tuple[int, int, int, int, float]:
     mlp = v.get("intermediate_size") or int(v.get("mlp_ratio", 4) * width)
     layers = v.get("depth") or v["num_hidden_layers"]
     channels = v.get("in_channels") or v.get("num_channels") or v.get("in_chans") or 3
-    pixels = channels * v.get("temporal_patch_size", 1) * v["patch_size"] ** 2
-    merge = v.get("spatial_merge_size") or config.get("spatial_merge_size") or config.get("scale_factor")
+    patch = v["patch_size"] if isinstance(v["patch_size"], list) else [v["patch_size"]] * 2  # InternViT's [h, w]
+    pixels = channels * v.get("temporal_patch_size", 1) * math.prod(patch)
+    merge = v.get("spatial_merge_size") or config.get("spatial_merge_size") or config.get("scale_factor") \
+        or config.get("downsample_factor") or (config.get("downsample_ratio") and round(1 / config["downsample_ratio"]))
     if merge:
         per_token = float(merge * merge)
     elif config.get("mm_tokens_per_image"):

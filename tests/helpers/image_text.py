@@ -17,13 +17,18 @@ TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 96}
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1, "num_attention_heads": 2,
           "num_heads": 2, "head_dim": 16}
+GLM4V_TOKENS = ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|video|>", "<|end_of_video|>"]
 # a config's token ids -> the tokens they are (of the type's tokens)
 TOKEN_KEYS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>",
               "vision_end_token_id": "<|vision_end|>", "image_token_index": "<image>", "boi_token_index": "<start_of_image>",
               "eoi_token_index": "<end_of_image>"}
 TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistral3": {"image_token_index": "[IMG]"},
                    "idefics3": {"image_token_id": "<image>"},
-                   "llava_onevision": {"video_token_index": "<video>"}}
+                   "llava_onevision": {"video_token_index": "<video>"}, "internvl": {"image_token_id": "<IMG_CONTEXT>"},
+                   "aya_vision": {"image_token_index": "<|IMG_PATCH|>"},
+                   "cohere2_vision": {"image_token_id": "<|IMG_PATCH|>"}, "lfm2_vl": {"image_token_id": "<image>"},
+                   "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
+                                      "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
           "{% else %}{% for c in m.content %}{% if c.type == 'image' %}IMAGE{% else %}{{ c.text }}{% endif %}"
@@ -74,10 +79,46 @@ TYPES = {
                  {"text_config": {"num_hidden_layers": 4, "rope_parameters": {"mrope_section": [4, 2, 2]}},
                   "vision_config": {"out_hidden_size": 64, "depth": 3, "deepstack_visual_indexes": [0, 1, 2]}},
                  {"min_pixels": 64 * 64, "max_pixels": 64 * 64, "patch_size": 16}),
-    # its processor (Pixtral's) needs torchvision, which the CPU machines lack: no processor files;
-    # its micro-batches are made by hand (hand_made_batches)
+    # a 28-pixel image: one tile of 2 x 2 patches, pixel-shuffled (downsample_ratio 0.5) into one image token
+    "internvl": (["<img>", "</img>", "<IMG_CONTEXT>", "<video>"], "<IMG_CONTEXT>",
+                 {"vision_config": {"image_size": [IMAGE, IMAGE], "patch_size": [14, 14]}, "image_seq_length": 1},
+                 {"size": {"height": IMAGE, "width": IMAGE}}),
+    "glm4v": (GLM4V_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>",
+              {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}, "vision_config": {"out_hidden_size": 64}},
+              {"size": {"shortest_edge": 28 * 28, "longest_edge": 56 * 56}}),
+    # a 28-pixel image: one tile of 2 x 2 patches, pixel-shuffled (downsample_factor 2) into one image token;
+    # Cohere 2's decoder: 3 sliding-window layers, then one of global attention
+    "aya_vision": (["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"],
+                   "<image>", {"text_config": {"num_hidden_layers": 4, "sliding_window": 8},
+                               "vision_config": {"image_size": IMAGE, "patch_size": 14}},
+                   {"size": {"height": IMAGE, "width": IMAGE}}),
+    # the processors of these need torchvision, which the CPU machines lack: no processor files; their
+    # micro-batches are made by hand (hand_made_batches)
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
                  {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "spatial_merge_size": 2}, None),
+    # a SigLIP tower with its (unused) pooling head, pixel-shuffled (downsample_factor 2); Cohere 2's decoder
+    "cohere2_vision": (["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"], "<|IMG_PATCH|>",
+                       {"text_config": {"num_hidden_layers": 4, "sliding_window": 8},
+                        "vision_config": {"image_size": IMAGE, "patch_size": 14}, "alignment_intermediate_size": 64},
+                       None),
+    # a SigLIP 2 (NaFlex) tower over an image's patches as they come, pixel-unshuffled (downsample_factor 2);
+    # LFM2's decoder: a short-convolution layer, then one of attention
+    "lfm2_vl": (["<|image_start|>", "<image>", "<|image_end|>"], "<image>",
+                {"text_config": {"layer_types": ["conv", "full_attention"]},
+                 "vision_config": {"patch_size": 16, "num_patches": 16}, "projector_hidden_size": 64}, None),
+}
+# type -> an image's tokens and its image tensors for a micro-batch of two rows of an image each, as
+# its processor makes them for an image of IMAGE pixels a side (Mistral 3: one merged patch; Cohere 2
+# Vision: one tile; LFM2-VL: 2 x 2 patches of 16 pixels, a row each, and their grid)
+HAND_MADE = {
+    "mistral3": ("[IMG][IMG_END]", lambda gen: {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen),
+                                                 "image_sizes": torch.tensor([[IMAGE, IMAGE]] * 2)}),
+    "cohere2_vision": ("<|START_OF_IMG|><|IMG_PATCH|><|END_OF_IMG|>",
+                       lambda gen: {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen)}),
+    "lfm2_vl": ("<|image_start|><image><|image_end|>",
+                lambda gen: {"pixel_values": torch.randn(2, 4, 3 * 16 * 16, generator=gen),
+                             "pixel_attention_mask": torch.ones(2, 4, dtype=torch.int32),
+                             "spatial_shapes": torch.tensor([[2, 2]] * 2)}),
 }
 
 
@@ -99,7 +140,9 @@ def word_tokenizer(directory: Path, specials: list[str]):
     return fast
 
 
-NAMED_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+NAMED_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>",
+                "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                "video_token": "<video>"}
 
 
 def tiny_config(model_type: str, tokenizer) -> dict:
@@ -151,7 +194,9 @@ PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy"
                                    "num_additional_image_tokens": 1},
                     "idefics3": {"image_seq_len": 1},
                     "vipllava": {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
-                    "llava_onevision": {"vision_feature_select_strategy": "full", "num_image_tokens": 4}}
+                    "llava_onevision": {"vision_feature_select_strategy": "full", "num_image_tokens": 4},
+                    "internvl": {"image_seq_length": 1},
+                    "aya_vision": {"img_size": IMAGE, "patch_size": 14, "downsample_factor": 2}}
 # SmolVLM is Idefics3's model with a processor of its own (SmolVLMProcessor): the same tiny sizes,
 # tokens and processor settings
 for by_type in (TYPES, TYPE_TOKEN_KEYS, PROCESSOR_KWARGS):
@@ -160,7 +205,29 @@ for by_type in (TYPES, TYPE_TOKEN_KEYS, PROCESSOR_KWARGS):
 TYPES["qwen3_vl_moe"] = (*TYPES["qwen3_vl"][:2], {**TYPES["qwen3_vl"][2], "text_config": {
     **TYPES["qwen3_vl"][2]["text_config"], "num_local_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2}},
     TYPES["qwen3_vl"][3])
-IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl"}  # a type with no image processor of its own
+# Qwen3.5: Qwen3-VL's tokens and processor, no deepstack; a decoder of a linear-attention (gated
+# delta rule: transformers' torch code for it is slow on the CPU, so one such layer, not 3 a full one)
+# layer and one of full attention, a quarter of each head rotated (its 3D rotary positions interleaved
+# over the rotated quarter's 4 frequencies); Qwen3.5-MoE with 4 experts
+QWEN3_5_TEXT = {"layer_types": ["linear_attention", "full_attention"], "head_dim": 32,
+                "rope_parameters": {"mrope_section": [2, 1, 1]},
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4}
+TYPES["qwen3_5"] = (*TYPES["qwen3_vl"][:2], {"text_config": QWEN3_5_TEXT, "vision_config": {"out_hidden_size": 64}},
+                    TYPES["qwen3_vl"][3])
+TYPES["qwen3_5_moe"] = (*TYPES["qwen3_vl"][:2], {"vision_config": {"out_hidden_size": 64}, "text_config": {
+    **QWEN3_5_TEXT, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "num_experts_per_tok": 2}}, TYPES["qwen3_vl"][3])
+# GLM-4.5V (glm4v_moe): GLM-4V's tower, tokens and processor; a decoder whose first layer is dense, the
+# second of 4 experts (2 a token) and a shared one, half of each head rotated
+TYPES["glm4v_moe"] = (*TYPES["glm4v"][:2], {**TYPES["glm4v"][2], "text_config": {
+    "rope_parameters": {"mrope_section": [1, 1, 2]}, "n_routed_experts": 4, "moe_intermediate_size": 32,
+    "num_experts_per_tok": 2}}, TYPES["glm4v"][3])
+TYPE_TOKEN_KEYS["glm4v_moe"] = TYPE_TOKEN_KEYS["glm4v"]
+# GLM-4.6V: GLM-4V's tower, decoder, tokens and sizes, a processor of its own
+for by_type in (TYPES, TYPE_TOKEN_KEYS):
+    by_type["glm46v"] = by_type["glm4v"]
+IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 
@@ -189,12 +256,13 @@ def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
     return model, directory
 
 
-def hand_made_batches(model_dir: Path, steps: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
-    """Mistral 3's micro-batches as its processor makes them, for an image of IMAGE pixels a side
-    (one merged patch: `[IMG][IMG_END]`): two rows of a question with an image and an answer, the
-    loss on the answer and its end of turn; pixel values random, image_sizes the image's."""
+def hand_made_batches(model_type: str, model_dir: Path, steps: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
+    """A HAND_MADE type's micro-batches as its processor makes them, for an image of IMAGE pixels a
+    side (Mistral 3: `[IMG][IMG_END]`, one merged patch): two rows of a question with an image and an
+    answer, the loss on the answer and its end of turn; pixel values random."""
     from transformers import AutoTokenizer
 
+    image, image_tensors = HAND_MADE[model_type]
     tok = AutoTokenizer.from_pretrained(model_dir)
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -202,7 +270,7 @@ def hand_made_batches(model_dir: Path, steps: int, seed: int = 0) -> list[list[d
     for _ in range(steps):
         rows, labels = [], []
         for _ in range(2):
-            prompt = tok("<|im_start|>user [IMG][IMG_END] " + " ".join(rng.choice(WORDS, 3)) + "<|im_end|> "
+            prompt = tok(f"<|im_start|>user {image} " + " ".join(rng.choice(WORDS, 3)) + "<|im_end|> "
                          "<|im_start|>assistant")["input_ids"]
             answer = tok(" ".join(rng.choice(WORDS, 3)) + "<|im_end|>")["input_ids"]
             ids = (prompt + answer + [0] * 16)[:16]
@@ -210,9 +278,7 @@ def hand_made_batches(model_dir: Path, steps: int, seed: int = 0) -> list[list[d
             rows.append(ids)
             labels.append((target[1:] + [-100])[:16])
         out.append([{"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
-                     "position_ids": torch.arange(16).expand(2, 16).contiguous(),
-                     "pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen),
-                     "image_sizes": torch.tensor([[IMAGE, IMAGE]] * 2)}])
+                     "position_ids": torch.arange(16).expand(2, 16).contiguous(), **image_tensors(gen)}])
     return out
 
 

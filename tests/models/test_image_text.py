@@ -28,7 +28,7 @@ from megatrain_ray.models.registry import model_arch, model_layouts  # noqa: E40
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from helpers.hf_parity import PARITY_OPTIM, RTOL, save, steps_and_export, the_runs_batches, token_loss_sum, train_transformers  # noqa: E402
 from helpers.reference_training import assert_within_fp32_noise  # noqa: E402
-from helpers.image_text import WITH_PROCESSOR, hand_made_batches, tiny_model_dir, write_images, write_rows  # noqa: E402
+from helpers.image_text import HAND_MADE, WITH_PROCESSOR, hand_made_batches, tiny_model_dir, write_images, write_rows  # noqa: E402
 
 STEPS, ROWS, BROKEN = 3, 7, 1
 
@@ -89,7 +89,8 @@ def check_export(export: Path, model, exact_model, initial: dict, frozen: set[st
         assert_within_fp32_noise(ours[key], expected, exact[key], key)
         if key in frozen:
             assert torch.equal(ours[key], initial[key]), f"{key} is frozen: carried through unchanged"
-    unchanged = [k for k in theirs if k not in frozen and torch.equal(ours[k], initial[k])]
+    # buffers (a router's e_score_correction_bias) are transformers' too, but no optimizer moves them
+    unchanged = [k for k, _ in model.named_parameters() if k not in frozen and torch.equal(ours[k], initial[k])]
     assert not unchanged, f"{unchanged} did not train"
     out = exported.generate(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 6), "the export generates"
@@ -137,19 +138,58 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
     steps_in_process(model_type, tmp_path)
 
 
-def test_mistral3_from_micro_batches_made_as_its_processor_makes_them(tmp_path):
-    """Pixtral's processor needs torchvision (absent here): the micro-batches are made by hand,
-    the rest as for the other types."""
-    model, model_dir = tiny_model_dir("mistral3", tmp_path / "hf")
+@pytest.mark.parametrize("model_type", HAND_MADE)
+def test_from_micro_batches_made_as_its_processor_makes_them(tmp_path, model_type):
+    """Pixtral's, Cohere 2 Vision's and LFM2-VL's image processors need torchvision (absent here):
+    the micro-batches are made by hand, the rest as for the other types."""
+    model, model_dir = tiny_model_dir(model_type, tmp_path / "hf")
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     config = config_from_dict(run_dict(model_dir, tmp_path / "unused.jsonl", tmp_path / "run"))
     arch = model_arch(config.model)
-    data = hand_made_batches(model_dir, STEPS)
+    data = hand_made_batches(model_type, model_dir, STEPS)
     losses, export = steps_and_export(config, arch, model_dir, data, tmp_path / "export")
     exact_model = exact_copy(model)
     assert losses == pytest.approx(transformers_losses(model, config, data, False), rel=RTOL)
     transformers_losses(exact_model, config, data, False)
     check_export(export, model, exact_model, initial, vision_of(model))
+
+
+def test_qwen3_5_multi_token_prediction_module_is_carried_unchanged(tmp_path):
+    """Qwen3.5's published files hold its multi-token-prediction module beside the model (`mtp.*`,
+    text_config.mtp_num_hidden_layers), which transformers' model ignores on load: the weights load
+    past it, a step trains, and the export carries it as it was stored; transformers loads the export."""
+    from safetensors.torch import load_file, save_file
+
+    from megatrain_ray.files.carried import carried_tensors
+    from megatrain_ray.files.hf import export_hf
+    from megatrain_ray.models.generic import TRANSFORMERS
+
+    model, config = prepared("qwen3_5", tmp_path)
+    model_dir = Path(config.model.path)
+    gen, hidden = torch.Generator().manual_seed(3), model.config.text_config.hidden_size
+    mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen).to(torch.bfloat16),
+           "mtp.norm.weight": torch.randn(hidden, generator=gen)}
+    save_file({**load_file(model_dir / "model.safetensors"), **mtp}, model_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    saved = json.loads((model_dir / "config.json").read_text())
+    saved["text_config"]["mtp_num_hidden_layers"] = 1
+    (model_dir / "config.json").write_text(json.dumps(saved))
+
+    arch = model_arch(config.model)
+    assert "1 multi-token-prediction layer (config.json)" in TRANSFORMERS.carried_note(arch)
+    trainer = LocalTrainer(config, arch)
+    try:
+        for store in trainer.stores:
+            shard.load_hf(store, str(model_dir))
+        trainer.train_step(the_runs_batches(config, arch.vocab_size)[0])
+        export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()),
+                           carried=carried_tensors(model_dir, arch))
+    finally:
+        trainer.close()
+    stored = {k: v for file in export.glob("*.safetensors") for k, v in load_file(file).items() if k in mtp}
+    assert set(stored) == set(mtp) and all(stored[k].dtype == v.dtype and torch.equal(stored[k], v)
+                                           for k, v in mtp.items())
+    AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
 
 
 def test_validation_loss_is_transformers_with_the_images(tmp_path):
@@ -212,10 +252,10 @@ def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
         second.close()
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl"])
 def test_train_vision_trains_the_tower_as_transformers_does(tmp_path, model_type):
     """Qwen3-VL's deepstack mergers get their gradients only through the features that the first
-    decoder layers add: they train as transformers trains them."""
+    decoder layers add: they train as transformers trains them; so do Qwen3.5's tower and InternVL's."""
     steps_in_process(model_type, tmp_path, train_vision=True)
 
 
