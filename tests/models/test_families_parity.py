@@ -296,8 +296,8 @@ def test_multimodal_gemma3_is_refused_with_what_to_do(tmp_path):
     # the hand-written family (auto runs it through transformers' modules: tests/models/test_image_text.py)
     with pytest.raises(ConfigError, match="multimodal Gemma 3.*Gemma3ForCausalLM"):
         arch_of({"model_type": "gemma3", "text_config": HUB_CONFIGS["gemma-3-4b"]}, "native")
-    with pytest.raises(ConfigError, match="'opt' cannot be trained: its decoder holds no list of layers"):
-        arch_of({"model_type": "opt"})  # no hand-written family, and its decoder's layers are one level down
+    with pytest.raises(ConfigError, match="'roberta' cannot be trained: its decoder holds no list of layers"):
+        arch_of({"model_type": "roberta"})  # no hand-written family, and its layers are in an encoder
 
 
 @pytest.mark.parametrize("preset", ["gemma-3-4b", "tiny-phi3"])
