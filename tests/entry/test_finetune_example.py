@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: 
 from megatrain_ray.config import load_config  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.files.hub import resolve_names  # noqa: E402
+from helpers.examples import example_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "finetune-sft.yaml"
@@ -45,8 +46,7 @@ def mean_loss(model, batches) -> float:
 
 def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, joining_env):
     made = tmp_path / "tiny-hf"
-    subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_hf_model.py"), str(made)],
-                   check=True, capture_output=True, text=True, timeout=120)
+    example_module("make_tiny_hf_model").main([str(made)])  # `python examples/make_tiny_hf_model.py DIR`
     model_dir, data, tokenizer = made / "model", made / "sft.jsonl", made / "model" / "tokenizer.json"
     out = tmp_path / "run"
     overrides = [f"model.path={model_dir}", f"data.source={data}", f"train.output_dir={out}"]
