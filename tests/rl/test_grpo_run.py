@@ -10,8 +10,6 @@ import contextlib
 import io
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -149,16 +147,20 @@ def assert_resumed_bit_for_bit(runs: Path, prompts: int = 8) -> None:
     assert [[r[k] for k in keys] for r in records(runs, "whole")] == [[r[k] for k in keys] for r in records(runs, "split")]
 
 
-def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path):
+def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path, capsys):
+    """The command's own entry, in this process (a Python started for it would import torch again)."""
+    from megatrain_ray import cli
+
     tiny_model(tmp_path)
     raw = grpo_raw(tmp_path, "bad")
     raw["grpo"]["rewards"] = {"no_such_module_xyz:score": 1.0}
     config = tmp_path / "bad.yaml"
     config.write_text(json.dumps(raw))
-    done = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "train", str(config)], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert "no_such_module_xyz" in done.stderr and "cannot be imported" in done.stderr
+    code = cli.main(["train", str(config)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "no_such_module_xyz" in err and "cannot be imported" in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()  # refused before the run's output directory was made
 
 
 @pytest.mark.parametrize("embedding_step", ["host", "device"])
