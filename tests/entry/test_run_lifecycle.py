@@ -31,10 +31,12 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from helpers.files import steps_of
 from helpers.runs import tensors_of, tiny_raw
+from megatrain_ray import cli
 from megatrain_ray.runtime.signals import StopRequest, StoppedAtOnce
 from megatrain_ray.runtime.training import release
 
@@ -171,32 +173,38 @@ def test_the_progress_line_on_a_terminal(whole):
     assert first["data"]["train"]["rows_read"] == 64 and first["data"]["validation"]["rows_trainable"] == 4
 
 
-def test_a_used_output_dir_is_refused_and_left_untouched(head, whole, tmp_path):
+def test_a_used_output_dir_is_refused_and_left_untouched(whole, tmp_path, capsys):
+    """Both answered before Ray: the command's entry in this process (cli.main), which a Python
+    started for it would reach only after seconds of imports."""
     whole, _ = whole
     config = write_config(tmp_path, whole)
     before = digests(whole)
-    done = train([str(config)], head, tmp_path)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "--resume" in done.stderr and "--overwrite" in done.stderr and str(whole) in done.stderr
-    assert "Traceback" not in done.stderr
+    code = cli.main(["train", str(config)])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "--resume" in err and "--overwrite" in err and str(whole) in err
+    assert "Traceback" not in err
     # --resume of the finished run says so and writes nothing
-    done = train([str(config), "--resume"], head, tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "is finished" in done.stdout and f"step {STEPS} of {STEPS}" in done.stdout
+    code = cli.main(["train", str(config), "--resume"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "is finished" in out and f"step {STEPS} of {STEPS}" in out
     assert digests(whole) == before
+    assert not ray.is_initialized()  # neither joined nor started a Ray
 
 
-def test_file_system_errors_are_one_paragraph_before_ray(head, tmp_path):
+def test_file_system_errors_are_one_paragraph_before_ray(head, tmp_path, capsys, monkeypatch):
     """The first with no cluster to join: the error comes before Ray would start."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": "local"}
+    monkeypatch.setenv("RAY_ADDRESS", "local")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     config = write_config(tmp_path, blocker / "run")
-    done = train([str(config)], env, tmp_path, timeout=120)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.startswith("megatrain-ray: file-system error:") and "Traceback" not in done.stderr
-    assert str(blocker / "run") in done.stderr and "Not a directory" in done.stderr
-    assert "Ray" not in done.stdout  # nothing started
+    code = cli.main(["train", str(config)])  # in this process, as above
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert err.startswith("megatrain-ray: file-system error:") and "Traceback" not in err
+    assert str(blocker / "run") in err and "Not a directory" in err
+    assert "Ray" not in out and not ray.is_initialized()  # nothing started
     # A checkpoint that no disk here holds (about 50 TB: fp32 weights and two moments)
     huge = tmp_path / "huge.yaml"
     raw = json.loads(config.read_text())
