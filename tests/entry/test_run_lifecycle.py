@@ -194,12 +194,13 @@ def test_a_used_output_dir_is_refused_and_left_untouched(whole, tmp_path, capsys
 
 
 def test_file_system_errors_are_one_paragraph_before_ray(head, tmp_path, capsys, monkeypatch):
-    """The first with no cluster to join: the error comes before Ray would start."""
+    """The first with no cluster to join: the error comes before Ray would start. Both through the
+    command's entry in this process (cli.main), as above."""
     monkeypatch.setenv("RAY_ADDRESS", "local")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     config = write_config(tmp_path, blocker / "run")
-    code = cli.main(["train", str(config)])  # in this process, as above
+    code = cli.main(["train", str(config)])
     out, err = capsys.readouterr()
     assert code == 2, out + err
     assert err.startswith("megatrain-ray: file-system error:") and "Traceback" not in err
@@ -212,11 +213,17 @@ def test_file_system_errors_are_one_paragraph_before_ray(head, tmp_path, capsys,
     raw["model"]["overrides"] = {"hidden_size": 16384, "intermediate_size": 65536, "num_layers": 1000,
                                  "num_heads": 128, "num_kv_heads": 8}
     huge.write_text(json.dumps(raw))
-    done = train([str(huge)], head, tmp_path, timeout=300)
-    assert done.returncode == 2, done.stdout + done.stderr  # the host memory refuses it after the warning
-    warning = next(line for line in done.stderr.splitlines() if line.startswith("warning: "))
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE"):  # the session's head, which reads the host memory
+        monkeypatch.setenv(name, head[name])
+    try:
+        code = cli.main(["train", str(huge)])
+    finally:
+        ray.shutdown()
+    out, err = capsys.readouterr()
+    assert code == 2, out + err  # the host memory refuses it after the warning
+    warning = next(line for line in err.splitlines() if line.startswith("warning: "))
     assert "one checkpoint of this model needs" in warning and str(tmp_path / "huge" / "checkpoints") in warning
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in err
 
 
 def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
