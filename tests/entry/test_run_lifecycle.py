@@ -323,10 +323,11 @@ def test_a_second_signal_stops_at_once(head, tmp_path, shm_dir):
     pending when the same one comes is merged there.)"""
     out = tmp_path / "run"
     config = write_config(tmp_path, out, shm_dir)
-    # Steps of about 2 s on 2 cores (64 micro-batches of 2 x 512 tokens, ~35k tokens/s): the second
-    # signal comes during the step after the first, before its stop has written a checkpoint.
+    # Steps of about 1 s on 2 cores (32 micro-batches of 2 x 512 tokens, ~35k tokens/s; longer on a
+    # busy machine): the second signal, 0.15 s after the first and at most 0.05 s after the first
+    # step's row, comes during the step after the first, before its stop has written a checkpoint.
     slow = ["--set", "train.steps=1000", "--set", "data.seq_len=512", "--set", "train.micro_batch_size=2",
-            "--set", "train.grad_accum=64"]
+            "--set", "train.grad_accum=32"]
     proc = subprocess.Popen([str(BIN / "megatrain-ray"), "train", str(config), *slow],
                             env=head, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
