@@ -9,7 +9,6 @@ wrong reward path stops the command before Ray, exit 2."""
 import contextlib
 import io
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.runtime.training import run_training
-from helpers.runs import tensors_of
+from helpers.runs import as_stood_at, tensors_of
 
 REWARD = "def low_tokens(prompts, completions, completion_ids, **columns):\n" \
          "    return [sum(t < 32 for t in ids) / len(ids) for ids in completion_ids]\n"
@@ -76,20 +75,11 @@ def whole_then_split(root: Path, whole_grpo: dict, split_grpo: dict) -> Path:
         with contextlib.redirect_stdout(io.StringIO()) as out:
             run_training(config_from_dict(whole))
         (root / "whole.out").write_text(out.getvalue())
-        split_at_step_2(root)
+        as_stood_at(root / "whole", root / "split", 2)  # two runs, not three
         split = grpo_raw(root, "split")
         split["grpo"].update(split_grpo)
         run_training(config_from_dict(split), resume="latest")
     return root
-
-
-def split_at_step_2(root: Path) -> None:
-    """The run "whole" as it stood after its step 2 (its checkpoint then, its metrics to then) in
-    the directory "split": the resume from there is a run of its own (two runs, not three)."""
-    (root / "split" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(root / "whole" / "checkpoints" / "step-00000002", root / "split" / "checkpoints" / "step-00000002")
-    lines = (root / "whole" / "metrics.jsonl").read_text().splitlines()[:2]
-    (root / "split" / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
 
 
 def records(root: Path, run: str) -> list[dict]:
