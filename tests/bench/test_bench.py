@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import ray
 
 from megatrain_ray.bench.run import add_arguments, shapes_from
 from megatrain_ray.cli import main
@@ -43,12 +44,30 @@ def steps_rate(timed: list[dict]) -> float:
     return sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed)
 
 
-def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path, joining_env):
+@pytest.fixture
+def bench(capsys, monkeypatch, ray_head):
+    """`megatrain-ray bench ARGS` through the command's entry in this process (a Python started for
+    each would import torch and the package again: seconds on 2 cores), joining the test session's
+    Ray head (conftest's joining_env says why without token authentication): its exit status and
+    what it printed. This process leaves Ray again after each."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_head)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        try:
+            code = main(["bench", *args])
+        finally:
+            ray.shutdown()
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["megatrain-ray", "bench", *args], code, out, err)
+    return run
+
+
+def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path, bench):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "megatrain_ray.cli", "bench", "--model", "tiny-qwen2", "--device", "cpu",
-           "--seq-len", "32", "64", "--micro-batch", "2", "1", "--grad-accum", "2", "3", "--steps", "2",
-           "--warmup", "1", "--optimizer-threads", "1", "--keep-graphs", "1", "auto", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=joining_env)
+    proc = bench("--model", "tiny-qwen2", "--device", "cpu", "--seq-len", "32", "64", "--micro-batch", "2", "1",
+                 "--grad-accum", "2", "3", "--steps", "2", "--warmup", "1", "--optimizer-threads", "1",
+                 "--keep-graphs", "1", "auto", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("init ") == 1, "the host state was built more than once"
     written = json.loads(out.read_text())
@@ -74,15 +93,13 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path, joining_env
     assert "predicted step on" not in proc.stdout and "- (no GPU) |" in proc.stdout
 
 
-def test_baselines_run_once_per_split_and_serve_shapes_that_differ_only_in_kept_graphs(tmp_path, joining_env):
+def test_baselines_run_once_per_split_and_serve_shapes_that_differ_only_in_kept_graphs(tmp_path, bench):
     """--keep-graphs 0 1 on one step shape: the plain baseline runs at each of its two splits once,
     and both of our rows are compared with the same best."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "megatrain_ray.cli", "bench", "--model", "tiny-qwen2", "--device", "cpu",
-           "--seq-len", "32", "--micro-batch", "1", "--grad-accum", "2", "--keep-graphs", "0", "1", "--steps", "1",
-           "--warmup", "0", "--optimizer-threads", "1", "--baseline", "plain", "--baseline-splits", "1x2,2x1",
-           "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=joining_env)
+    proc = bench("--model", "tiny-qwen2", "--device", "cpu", "--seq-len", "32", "--micro-batch", "1",
+                 "--grad-accum", "2", "--keep-graphs", "0", "1", "--steps", "1", "--warmup", "0",
+                 "--optimizer-threads", "1", "--baseline", "plain", "--baseline-splits", "1x2,2x1", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stderr.count("baseline plain: starting a fresh process") == 2
     runs = json.loads(out.read_text())["runs"]
@@ -108,11 +125,10 @@ def test_parts_times_each_named_layer_of_a_family(model, layers):
     assert out["host_adamw_one_pass_best"] == {"gparams_per_s": max(rates.values()), "threads": max(rates, key=rates.get)}
 
 
-def test_parts_times_the_host_adamw_both_ways_per_thread_count(tmp_path):
+def test_parts_times_the_host_adamw_both_ways_per_thread_count(tmp_path, bench):
     out = tmp_path / "parts.json"
-    cmd = [sys.executable, "-m", "megatrain_ray.cli", "bench", "--model", "tiny-qwen2", "--device", "cpu", "--parts",
-           "--seq-len", "16", "--optimizer-threads", "1", "2", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = bench("--model", "tiny-qwen2", "--device", "cpu", "--parts", "--seq-len", "16", "--optimizer-threads", "1",
+                 "2", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     parts = json.loads(out.read_text())
     assert parts["host_adamw_kernel"] == "one pass"
@@ -179,14 +195,12 @@ def test_raylets_of_the_benchmark_share_the_cores_a_store_on_the_gpu_node_would_
     assert raylet_cpus(2, 0, 1) == (1, 2)
 
 
-def test_two_workers_and_stated_host_memory_and_a_shape_that_does_not_split(tmp_path, joining_env):
+def test_two_workers_and_stated_host_memory_and_a_shape_that_does_not_split(tmp_path, bench):
     """--num-gpus 2 on the CPU path (gloo); a shape whose micro-batches do not split over the two
     workers is refused and the sweep goes on; --store-memory-gib sizes the placement."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "megatrain_ray.cli", "bench", "--model", "tiny-qwen2", "--device", "cpu",
-           "--num-gpus", "2", "--store-memory-gib", "1.5", "--seq-len", "32", "--grad-accum", "4", "3", "2",
-           "--steps", "1", "--warmup", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=joining_env)
+    proc = bench("--model", "tiny-qwen2", "--device", "cpu", "--num-gpus", "2", "--store-memory-gib", "1.5",
+                 "--seq-len", "32", "--grad-accum", "4", "3", "2", "--steps", "1", "--warmup", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "of 1.5 GiB stated (runtime.store_memory_gib)" in proc.stdout
     assert "2 CPU worker(s), data parallel" in proc.stdout

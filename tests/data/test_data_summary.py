@@ -4,9 +4,6 @@ a source without a trainable row is refused with its reasons, before Ray, exit 2
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,6 @@ from megatrain_ray.data import DataError, build_dataset
 from megatrain_ray.data.summary import summarize, summarize_data
 from helpers.files import word_tokenizer, write_jsonl
 
-REPO = Path(__file__).parents[2]
 SEQ_LEN = 16
 WORDS = ["[UNK]", "</s>", "###", "User", "Assistant", ":", "what", "is", "two", "plus", "four", "hello", "yes", "ok"]
 
@@ -97,15 +93,20 @@ def test_a_source_without_trainable_rows_is_refused_with_its_reasons(tmp_path, t
     assert "1 empty answer" in str(e.value)
 
 
-def test_the_cli_refuses_it_before_ray(tmp_path, tokenizer_path):
+def test_the_cli_refuses_it_before_ray(tmp_path, tokenizer_path, capsys, monkeypatch):
+    """The command's entry in this process (cli.main): a Python started for it would import torch again."""
+    import ray
+
+    from megatrain_ray import cli
+
+    monkeypatch.setenv("RAY_ADDRESS", "local")  # no cluster to join: a Ray would start here
     source = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": []}] * 3)
     config = {"model": {"preset": "tiny-llama"}, "train": {"output_dir": str(tmp_path / "out")},
               "data": {"source": str(source), "tokenizer": tokenizer_path, "seq_len": SEQ_LEN,
                        "chat_template": "fallback"}}
     (tmp_path / "c.yaml").write_text(json.dumps(config))
-    done = subprocess.run([str(Path(sys.executable).parent / "megatrain-ray"), "train", str(tmp_path / "c.yaml")],
-                          env={**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": "local"},
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "no trainable rows in training data" in done.stderr and "3 empty conversation" in done.stderr
-    assert "Ray" not in done.stdout + done.stderr and "Traceback" not in done.stderr
+    code = cli.main(["train", str(tmp_path / "c.yaml")])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "no trainable rows in training data" in err and "3 empty conversation" in err
+    assert "Ray" not in out + err and "Traceback" not in err and not ray.is_initialized()

@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
+from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import load_config  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.files.hub import resolve_names  # noqa: E402
+from helpers.examples import example_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "finetune-sft.yaml"
@@ -43,20 +44,24 @@ def mean_loss(model, batches) -> float:
     return total / count
 
 
-def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, joining_env):
+def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, ray_head, monkeypatch, capsys):
+    """`megatrain-ray train` through the command's entry in this process (cli.main; a Python started
+    for it would import torch and transformers again), joining the session's head as conftest's
+    joining_env does; this process leaves Ray after it."""
     made = tmp_path / "tiny-hf"
-    subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_hf_model.py"), str(made)],
-                   check=True, capture_output=True, text=True, timeout=120)
+    example_module("make_tiny_hf_model").main([str(made)])  # `python examples/make_tiny_hf_model.py DIR`
     model_dir, data, tokenizer = made / "model", made / "sft.jsonl", made / "model" / "tokenizer.json"
     out = tmp_path / "run"
     overrides = [f"model.path={model_dir}", f"data.source={data}", f"train.output_dir={out}"]
-    env = {**joining_env, "RAY_USAGE_STATS_ENABLED": "0"}
-    script = Path(sys.executable).parent / "megatrain-ray"  # this environment's entry point
-    cli = [str(script)] if script.exists() else [sys.executable, "-m", "megatrain_ray.cli"]
-    args = [arg for item in overrides for arg in ("--set", item)]
-    run = subprocess.run(cli + ["train", str(CONFIG), *args], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    monkeypatch.setenv("RAY_ADDRESS", ray_head)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = cli.main(["train", str(CONFIG), *[arg for item in overrides for arg in ("--set", item)]])
+    finally:
+        ray.shutdown()
+    run = capsys.readouterr()
+    assert code == 0, run.out[-3000:] + run.err[-3000:]
 
     config = resolve_names(load_config(CONFIG, overrides))
     assert config.data.tokenizer == str(model_dir)  # the model's own tokenizer, by default
@@ -67,7 +72,7 @@ def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, join
     validation = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     assert [s for s, _ in validation] == [4, 8, 12]
     assert validation[-1][1] < validation[0][1] - 0.3, validation  # it generalises to held-out rows
-    assert f"validation loss {validation[-1][1]}" in run.stdout
+    assert f"validation loss {validation[-1][1]}" in run.out
 
     # The rows it trained on are the model's chat template, token for token as transformers renders it,
     # the loss on exactly the assistant's answer and its <|im_end|>.

@@ -12,6 +12,9 @@ environment (PIP_NO_BUILD_ISOLATION=0). So `pip install torch==2.13.0` finds it 
 installs this project (a copy of it) into the venv with its `megatrain-ray` script, and downloads
 nothing: the test checks the lines, their order and that `megatrain-ray` is on the PATH after
 them, not PyPI (CI's own install, .ci/run, does that). About 15 s more than the Quick start alone.
+
+The plan the Quick start's `megatrain-ray plan` prints is checked here too (the planner's own
+tests are in tests/planning/).
 """
 
 import json
@@ -22,6 +25,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.runs import kernel_cache
 
@@ -92,6 +96,14 @@ def test_the_readme_install_and_quick_start_run_in_order_in_a_fresh_shell(tmp_pa
                           text=True, timeout=900)
     assert done.returncode == 0, f"exit {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}"
     assert (work / ".venv" / "bin" / "megatrain-ray").exists()
+
+    # `megatrain-ray plan` printed the plan, ending in its verdict, before the run's first line.
+    plan = done.stdout[:done.stdout.index("\nfits\n")]
+    assert "host bytes/param" in plan and "device memory, predicted peak" in plan
+    if not torch.cuda.is_available():  # no GPU's figure on a machine without one
+        assert "no GPU here: no step time is predicted" in plan
+        assert "predicted step" not in plan and "tokens/s" not in plan and "busy" not in plan
+        assert "GPU node" not in plan and "GPU memory" not in plan  # nor its memory or kept graphs
 
     # The resume to step 60 kept the schedule of the first 40 steps (its LR at the floor), and said so.
     assert f"LR schedule: kept from the checkpoint's run (warmup + cosine over {STEPS} steps)" in done.stdout

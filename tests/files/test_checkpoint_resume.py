@@ -16,7 +16,7 @@ from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.data import DataPosition, build_dataset
 from megatrain_ray.runtime.training import run_training
-from helpers.runs import tensors_of, tiny_raw
+from helpers.runs import as_stood_at, tensors_of, tiny_raw
 
 
 
@@ -35,8 +35,9 @@ def meta_of(checkpoint: Path) -> dict:
 
 @pytest.fixture(scope="module", params=["host", "device"])
 def resumed(local_ray, tmp_path_factory, request) -> dict:
-    """10 steps in one go ("whole"), and the same config stopped after step 5 (its own final
-    checkpoint) then resumed ("split"), recording each file the resume hashed. device: the
+    """10 steps in one go ("whole"), and the same run from step 5 resumed ("split"), recording each
+    file the resume hashed. host: the same config stopped after step 5 (until_step: its own final
+    checkpoint); device: the one-go run's own checkpoint of step 5 (checkpoint.every=5), and the
     embedding's state and update count go through the checkpoint from the GPU worker's step
     (streaming/device_step.py), and its bias correction goes on from there."""
     root = tmp_path_factory.mktemp(f"resume-{request.param}")
@@ -46,7 +47,10 @@ def resumed(local_ray, tmp_path_factory, request) -> dict:
                                                                 "embedding_step": request.param}))
 
     whole = run_training(config("whole"))
-    run_training(config("split"), until_step=5)
+    if request.param == "host":
+        run_training(config("split"), until_step=5)
+    else:  # the checkpoint a run writes on its way: a third run proves no more
+        as_stood_at(root / "whole", root / "split", 5)
     hashed, real_digest = [], ckpt.file_digest
 
     def counting_digest(path):

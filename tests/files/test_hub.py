@@ -4,7 +4,6 @@ built here, in the layout huggingface_hub writes (refs/main -> snapshots/<commit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -18,16 +17,9 @@ from megatrain_ray.cli import main  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
 from megatrain_ray.files.hub import HubError, looks_like_hub_name, resolve_names  # noqa: E402
 from megatrain_ray.models.registry import model_arch  # noqa: E402
+from helpers.examples import example_module  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def example_maker():
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_model", ROOT / "examples" / "make_tiny_hf_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -39,7 +31,7 @@ def hf_home(tmp_path, monkeypatch) -> Path:
     snapshot.mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
-    maker = example_maker()
+    maker = example_module("make_tiny_hf_model")
     vocab = maker.write_tokenizer(snapshot)
     maker.write_model(snapshot, seed=0, vocab_size=len(vocab))
     monkeypatch.setenv("HF_HOME", str(home))

@@ -1,9 +1,10 @@
 """The small runs the tests start: the in-process trainer's config, the driver's YAML-equivalent
-config, and the weights a run's checkpoint holds."""
+config, the weights a run's checkpoint holds, and a run's start as another run stood at a step."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -60,3 +61,14 @@ def tensors_of(checkpoint: Path) -> dict[str, torch.Tensor]:
     for file in sorted(checkpoint.glob("*.safetensors")):
         out.update(load_file(str(file)))
     return out
+
+
+def as_stood_at(whole: Path, split: Path, step: int) -> None:
+    """The run in `whole` as it stood after `step` (its checkpoint of that step, its metrics rows to
+    then) in the directory `split`: a resume from there is a run of its own, the second half of
+    "N steps in one go equal the first k + resume" without a third run for the first k."""
+    name = f"step-{step:08d}"
+    (split / "checkpoints").mkdir(parents=True)
+    shutil.copytree(whole / "checkpoints" / name, split / "checkpoints" / name)
+    rows = (whole / "metrics.jsonl").read_text().splitlines()[:step]
+    (split / "metrics.jsonl").write_text("".join(row + "\n" for row in rows))

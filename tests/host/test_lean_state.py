@@ -21,7 +21,7 @@ from megatrain_ray.runtime.local import LocalTrainer
 from helpers.threads import three_threads  # noqa: F401 (a fixture)
 from helpers.hf_parity import save
 from helpers.reference_training import random_micro_batches
-from helpers.runs import tensors_of, tiny_raw
+from helpers.runs import as_stood_at, tensors_of, tiny_raw
 from megatrain_ray.runtime.training import run_training
 
 LEAN = [("fp32", "bf16"), ("fp32", "int8"), ("bf16", "int8"), ("bf16", "fp32"), ("bf16", "bf16")]
@@ -404,8 +404,8 @@ def test_lean_settings_are_checked():
 
 def test_six_bytes_a_parameter_resume_exactly_through_the_driver(local_ray, tmp_path):
     """The Ray path: stores in actors, the bf16 master and its gradient buffer in shared memory, the
-    checkpoint written by the stores; 10 steps equal 5 + resume + 5, bit for bit. Resuming it as an
-    fp32 run is refused before anything starts."""
+    checkpoint written by the stores; 10 steps equal 5 + resume + 5 (from the 10 steps' checkpoint of
+    step 5), bit for bit. Resuming it as an fp32 run is refused before anything starts."""
     lean = {"model": {"compute_dtype": "bfloat16"}, "optim": {"master": "bf16", "moments": "int8"}}
 
     def config(run: str, export: bool = False, **optim):
@@ -415,7 +415,7 @@ def test_six_bytes_a_parameter_resume_exactly_through_the_driver(local_ray, tmp_
         return config_from_dict(raw)
 
     whole = run_training(config("whole", export=True))
-    run_training(config("split"), until_step=5)
+    as_stood_at(tmp_path / "whole", tmp_path / "split", 5)  # its checkpoint of step 5: two runs, not three
     resumed = run_training(config("split"), resume="latest")
     a, b = Path(whole["checkpoint"]), Path(resumed["checkpoint"])
     assert a.name == b.name == "step-00000010"

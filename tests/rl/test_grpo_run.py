@@ -9,9 +9,6 @@ wrong reward path stops the command before Ray, exit 2."""
 import contextlib
 import io
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ import torch
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.runtime.training import run_training
-from helpers.runs import tensors_of
+from helpers.runs import as_stood_at, tensors_of
 
 REWARD = "def low_tokens(prompts, completions, completion_ids, **columns):\n" \
          "    return [sum(t < 32 for t in ids) / len(ids) for ids in completion_ids]\n"
@@ -78,20 +75,11 @@ def whole_then_split(root: Path, whole_grpo: dict, split_grpo: dict) -> Path:
         with contextlib.redirect_stdout(io.StringIO()) as out:
             run_training(config_from_dict(whole))
         (root / "whole.out").write_text(out.getvalue())
-        split_at_step_2(root)
+        as_stood_at(root / "whole", root / "split", 2)  # two runs, not three
         split = grpo_raw(root, "split")
         split["grpo"].update(split_grpo)
         run_training(config_from_dict(split), resume="latest")
     return root
-
-
-def split_at_step_2(root: Path) -> None:
-    """The run "whole" as it stood after its step 2 (its checkpoint then, its metrics to then) in
-    the directory "split": the resume from there is a run of its own (two runs, not three)."""
-    (root / "split" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(root / "whole" / "checkpoints" / "step-00000002", root / "split" / "checkpoints" / "step-00000002")
-    lines = (root / "whole" / "metrics.jsonl").read_text().splitlines()[:2]
-    (root / "split" / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
 
 
 def records(root: Path, run: str) -> list[dict]:
@@ -149,16 +137,20 @@ def assert_resumed_bit_for_bit(runs: Path, prompts: int = 8) -> None:
     assert [[r[k] for k in keys] for r in records(runs, "whole")] == [[r[k] for k in keys] for r in records(runs, "split")]
 
 
-def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path):
+def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path, capsys):
+    """The command's own entry, in this process (a Python started for it would import torch again)."""
+    from megatrain_ray import cli
+
     tiny_model(tmp_path)
     raw = grpo_raw(tmp_path, "bad")
     raw["grpo"]["rewards"] = {"no_such_module_xyz:score": 1.0}
     config = tmp_path / "bad.yaml"
     config.write_text(json.dumps(raw))
-    done = subprocess.run([sys.executable, "-m", "megatrain_ray.cli", "train", str(config)], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert "no_such_module_xyz" in done.stderr and "cannot be imported" in done.stderr
+    code = cli.main(["train", str(config)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "no_such_module_xyz" in err and "cannot be imported" in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()  # refused before the run's output directory was made
 
 
 @pytest.mark.parametrize("embedding_step", ["host", "device"])

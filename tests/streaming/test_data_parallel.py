@@ -19,7 +19,7 @@ from megatrain_ray.runtime.training import run_training
 from megatrain_ray.runtime import watchdog
 from megatrain_ray.runtime.watchdog import ClusterFault, Watchdog
 from helpers.reference_training import random_micro_batches
-from helpers.runs import tensors_of, tiny_raw
+from helpers.runs import as_stood_at, tensors_of, tiny_raw
 from helpers.reference_training import relative_error
 from helpers.runs import make_config
 from helpers.sessions import layer_weights
@@ -240,7 +240,9 @@ def test_a_lost_worker_stops_the_step(local_ray, monkeypatch):
 
 
 def test_two_workers_resume_exactly(local_ray, tmp_path):
-    """Checkpoints and resume with two workers: 4 steps in one go equal 2 + resume + 2, bit for bit;
+    """Checkpoints and resume with two workers: 4 steps in one go equal 2 + resume + 2, bit for bit
+    (the resume from the one-go run's checkpoint of step 2; a run stopped at a step and resumed from
+    its own checkpoint: tests/files/test_checkpoint_resume.py);
     the embedding stepped on its owner's device (its state copied back to its store), every other
     layer on the host."""
     def raw(out):
@@ -248,7 +250,7 @@ def test_two_workers_resume_exactly(local_ray, tmp_path):
                         checkpoint={"every": 2, "keep": 5}, executor={"embedding_step": "device"})
 
     whole = run_training(config_from_dict(raw(tmp_path / "whole")))
-    run_training(config_from_dict(raw(tmp_path / "split")), until_step=2)
+    as_stood_at(tmp_path / "whole", tmp_path / "split", 2)  # its checkpoint of step 2: two runs, not three
     resumed = run_training(config_from_dict(raw(tmp_path / "split")), resume="latest")
     a, b = Path(whole["checkpoint"]), Path(resumed["checkpoint"])
     assert a.name == b.name == "step-00000004"
