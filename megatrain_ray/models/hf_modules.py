@@ -121,7 +121,7 @@ SMALL = {
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "num_expert_group": 1, "topk_group": 1, "sliding_window": 8,
     "attention_chunk_size": 8,
-    "num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 16,
+    "num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 16, "num_heads": 8,
     "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8, "laurel_rank": 8,
     "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_chunk_size": 16, "chunk_size": 16, "mamba_d_ssm": 64, "mamba_num_heads": 8, "ssm_state_size": 16,
 }
