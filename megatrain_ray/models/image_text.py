@@ -62,6 +62,10 @@ COVERED = {
     "qwen3_5": "Qwen3-VL's vision tower and merger without deepstack, 3D rotary positions on a quarter of each "
                "head, a decoder of linear-attention (gated delta rule) layers and full-attention ones",
     "qwen3_5_moe": "Qwen3.5's vision tower and decoder, its MLPs experts beside a shared expert",
+    "exaone4_5": "a Qwen2.5-VL-like vision tower (windowed attention, 2D rotary positions) and merger, EXAONE 4's "
+                 "decoder of sliding-window and global attention layers",
+    "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
+               "short-convolution and attention layers",
 }
 
 

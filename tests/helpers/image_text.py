@@ -227,7 +227,21 @@ TYPE_TOKEN_KEYS["glm4v_moe"] = TYPE_TOKEN_KEYS["glm4v"]
 # GLM-4.6V: GLM-4V's tower, decoder, tokens and sizes, a processor of its own
 for by_type in (TYPES, TYPE_TOKEN_KEYS):
     by_type["glm46v"] = by_type["glm4v"]
-IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v"}  # a type with no image processor of its own
+# EXAONE 4.5: a Qwen2.5-VL-like tower (windowed attention, 2D rotary positions) and merger, Qwen2-VL's
+# tokens and image processor, EXAONE 4's decoder: a sliding-window layer, then one of global attention
+TYPES["exaone4_5"] = (*TYPES["qwen2_vl"][:2], {"text_config": {"layer_types": ["sliding_attention", "full_attention"],
+                                                               "sliding_window": 8},
+                                               "vision_config": {"out_hidden_size": 64, "fullatt_block_indexes": [0],
+                                                                                 "num_key_value_heads": 1}},
+                      TYPES["qwen2_vl"][3])
+# LFM3-VL: a tower of short-convolution and attention layers over 16-pixel patches and a merger, Qwen2-VL's
+# tokens and image processor; LFM3's decoder: a short-convolution layer, then one of attention
+TYPES["lfm3_vl"] = (*TYPES["qwen2_vl"][:2], {"text_config": {"layer_types": ["conv", "full_attention"]},
+                                             "vision_config": {"layer_types": ["conv", "full_attention"],
+                                                               "num_hidden_layers": 2, "num_key_value_heads": 1},
+                                             "projector_hidden_size": 64},
+                    {**TYPES["qwen2_vl"][3], "patch_size": 16, "min_pixels": 32 * 32, "max_pixels": 64 * 64})
+IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 
