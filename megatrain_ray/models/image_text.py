@@ -64,6 +64,8 @@ COVERED = {
     "qwen3_5_moe": "Qwen3.5's vision tower and decoder, its MLPs experts beside a shared expert",
     "exaone4_5": "a Qwen2.5-VL-like vision tower (windowed attention, 2D rotary positions) and merger, EXAONE 4's "
                  "decoder of sliding-window and global attention layers",
+    "gemma4": "a tower of patches at their 2D positions pooled into image tokens, Gemma 4's decoder with per-layer "
+              "inputs (its image processor's PIL path pads each image's patches to a budget of hundreds)",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -27,6 +27,10 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                    "llava_onevision": {"video_token_index": "<video>"}, "internvl": {"image_token_id": "<IMG_CONTEXT>"},
                    "aya_vision": {"image_token_index": "<|IMG_PATCH|>"},
                    "cohere2_vision": {"image_token_id": "<|IMG_PATCH|>"}, "lfm2_vl": {"image_token_id": "<image>"},
+                   "gemma4": {"boi_token_id": "<start_of_image>", "eoi_token_id": "<end_of_image>",
+                              "image_token_id": "<image_soft_token>", "video_token_id": "<|video|>",
+                              "audio_token_id": "<audio_soft_token>", "boa_token_id": "<start_of_audio>",
+                              "eoa_token_index": "<end_of_audio>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
                                       "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
@@ -106,6 +110,14 @@ TYPES = {
     "lfm2_vl": (["<|image_start|>", "<image>", "<|image_end|>"], "<image>",
                 {"text_config": {"layer_types": ["conv", "full_attention"]},
                  "vision_config": {"patch_size": 16, "num_patches": 16}, "projector_hidden_size": 64}, None),
+    # Gemma 4: a tower of 16-pixel patches at their 2D positions, pooled 3 x 3 into an image token; its
+    # decoder: per-layer inputs, a sliding-window layer, then a full-attention one with wider heads
+    "gemma4": (["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<|video|>", "<audio_soft_token>",
+                "<start_of_audio>", "<end_of_audio>"], "<start_of_image>",
+               {"text_config": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+                                "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": TEXT["vocab_size"],
+                                "per_layer_config": {1: {"head_dim": 32}}},
+                "vision_config": {"num_key_value_heads": 2, "position_embedding_size": 64}}, None),
 }
 # type -> an image's tokens and its image tensors for a micro-batch of two rows of an image each, as
 # its processor makes them for an image of IMAGE pixels a side (Mistral 3: one merged patch; Cohere 2
@@ -119,6 +131,13 @@ HAND_MADE = {
                 lambda gen: {"pixel_values": torch.randn(2, 4, 3 * 16 * 16, generator=gen),
                              "pixel_attention_mask": torch.ones(2, 4, dtype=torch.int32),
                              "spatial_shapes": torch.tensor([[2, 2]] * 2)}),
+    # Gemma 4: an image of 48 pixels a side, 3 x 3 patches of 16 at their (x, y) positions, padded as its
+    # processor pads to a budget of patches (here 18: positions -1), pixels in [0, 1]
+    "gemma4": ("<start_of_image><image_soft_token><end_of_image>",
+               lambda gen: {"pixel_values": torch.cat([torch.rand(2, 9, 3 * 16 * 16, generator=gen),
+                                                       torch.zeros(2, 9, 3 * 16 * 16)], dim=1),
+                            "image_position_ids": torch.tensor(
+                                [[(x, y) for y in range(3) for x in range(3)] + [(-1, -1)] * 9] * 2)}),
 }
 
 
@@ -153,12 +172,17 @@ def tiny_config(model_type: str, tokenizer) -> dict:
     config = AutoConfig.for_model(model_type).to_dict()
     specials, _, sizes, _ = TYPES[model_type]
     for part, small in (("text_config", TEXT), ("vision_config", VISION)):
+        if config[part] is None:  # an optional part (Gemma 4's tower): its config class's defaults
+            config[part] = type(AutoConfig.for_model(model_type)).sub_configs[part]().to_dict()
         config[part].update({k: v for k, v in small.items() if k in config[part]})
         for key, value in sizes.get(part, {}).items():
             config[part][key] = {**config[part][key], **value} if isinstance(value, dict) else value
         layers = config[part].get("num_hidden_layers")
         if isinstance(config[part].get("layer_types"), list):
             config[part]["layer_types"] = config[part]["layer_types"][:layers]
+        if isinstance(config[part].get("per_layer_config"), dict):  # a layer's own sizes (Gemma 4's), of the layers kept
+            config[part]["per_layer_config"] = {k: v for k, v in config[part]["per_layer_config"].items()
+                                                if int(k) < layers}
     config.update({k: v for k, v in sizes.items() if k not in ("text_config", "vision_config")})
     for key, value in list(config.items()):
         if key.endswith(("token_id", "token_index")) and isinstance(value, int):
