@@ -66,6 +66,8 @@ COVERED = {
                  "decoder of sliding-window and global attention layers",
     "gemma4": "a tower of patches at their 2D positions pooled into image tokens, Gemma 4's decoder with per-layer "
               "inputs (its image processor's PIL path pads each image's patches to a budget of hundreds)",
+    "hyperclovax_vision_v2": "Qwen2.5-VL's vision tower and merger, HyperCLOVA X's decoder (1D positions, scaling "
+                             "multipliers, a norm after each sublayer)",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -265,6 +265,10 @@ TYPES["lfm3_vl"] = (*TYPES["qwen2_vl"][:2], {"text_config": {"layer_types": ["co
                                                                "num_hidden_layers": 2, "num_key_value_heads": 1},
                                              "projector_hidden_size": 64},
                     {**TYPES["qwen2_vl"][3], "patch_size": 16, "min_pixels": 32 * 32, "max_pixels": 64 * 64})
+# HyperCLOVA X SEED (hyperclovax_vision_v2): Qwen2.5-VL's tower and merger, tokens and image processor, the
+# HyperCLOVA X decoder (1D positions, its multipliers, a norm after each sublayer)
+TYPES["hyperclovax_vision_v2"] = (*TYPES["qwen2_5_vl"][:2], {**TYPES["qwen2_5_vl"][2], "text_config": {}},
+                                  TYPES["qwen2_5_vl"][3])
 IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
