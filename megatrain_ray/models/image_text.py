@@ -68,6 +68,7 @@ COVERED = {
               "inputs (its image processor's PIL path pads each image's patches to a budget of hundreds)",
     "hyperclovax_vision_v2": "Qwen2.5-VL's vision tower and merger, HyperCLOVA X's decoder (1D positions, scaling "
                              "multipliers, a norm after each sublayer)",
+    "lighton_ocr": "Mistral 3's Pixtral tower, patch merger and projector, Qwen3's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -96,6 +96,11 @@ TYPES = {
                    "<image>", {"text_config": {"num_hidden_layers": 4, "sliding_window": 8},
                                "vision_config": {"image_size": IMAGE, "patch_size": 14}},
                    {"size": {"height": IMAGE, "width": IMAGE}}),
+    # LightOnOCR: Mistral 3's Pixtral tower, patch merger and projector (a 28-pixel image: one merged patch, one
+    # image token), Qwen3's decoder
+    "lighton_ocr": (["<|image_pad|>", "<|vision_pad|>", "<|vision_end|>"], "<|image_pad|>",
+                    {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "spatial_merge_size": 2},
+                    {"patch_size": 14, "size": {"longest_edge": IMAGE}}),
     # the processors of these need torchvision, which the CPU machines lack: no processor files; their
     # micro-batches are made by hand (hand_made_batches)
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
@@ -141,7 +146,7 @@ HAND_MADE = {
 }
 
 
-def word_tokenizer(directory: Path, specials: list[str]):
+def word_tokenizer(directory: Path, specials: list[str], model_type: str = ""):
     """A fast tokenizer of one token a word, with ChatML's and the model's special tokens."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -151,7 +156,8 @@ def word_tokenizer(directory: Path, specials: list[str]):
     vocab = {w: i for i, w in enumerate(["<pad>", "[UNK]", *WORDS])}
     tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = Whitespace()
-    named = {name: token for name, token in NAMED_TOKENS.items() if token in specials}
+    named = {**{name: token for name, token in NAMED_TOKENS.items() if token in specials},
+             **TYPE_NAMED_TOKENS.get(model_type, {})}
     # the tokens a processor reads by name (Gemma 3's tokenizer.boi_token) as extra_special_tokens
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="[UNK]", eos_token="<|im_end|>",
                                    extra_special_tokens=named)
@@ -162,6 +168,10 @@ def word_tokenizer(directory: Path, specials: list[str]):
 NAMED_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>",
                 "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
                 "video_token": "<video>"}
+
+# a type's tokens that its processor reads by name, where they are not NAMED_TOKENS'
+TYPE_NAMED_TOKENS = {"lighton_ocr": {"image_token": "<|image_pad|>", "image_break_token": "<|vision_pad|>",
+                                     "image_end_token": "<|vision_end|>"}}
 
 
 def tiny_config(model_type: str, tokenizer) -> dict:
@@ -220,7 +230,8 @@ PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy"
                     "vipllava": {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
                     "llava_onevision": {"vision_feature_select_strategy": "full", "num_image_tokens": 4},
                     "internvl": {"image_seq_length": 1},
-                    "aya_vision": {"img_size": IMAGE, "patch_size": 14, "downsample_factor": 2}}
+                    "aya_vision": {"img_size": IMAGE, "patch_size": 14, "downsample_factor": 2},
+                    "lighton_ocr": {"patch_size": 14, "spatial_merge_size": 2}}
 # SmolVLM is Idefics3's model with a processor of its own (SmolVLMProcessor): the same tiny sizes,
 # tokens and processor settings
 for by_type in (TYPES, TYPE_TOKEN_KEYS, PROCESSOR_KWARGS):
@@ -281,7 +292,7 @@ def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
 
     directory.mkdir(parents=True, exist_ok=True)
     specials, placeholder, _, _ = TYPES[model_type]
-    tokenizer = word_tokenizer(directory, specials)
+    tokenizer = word_tokenizer(directory, specials, model_type)
     config = tiny_config(model_type, tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config_object(config), dtype=torch.float32,
