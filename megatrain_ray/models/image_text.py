@@ -69,6 +69,8 @@ COVERED = {
     "hyperclovax_vision_v2": "Qwen2.5-VL's vision tower and merger, HyperCLOVA X's decoder (1D positions, scaling "
                              "multipliers, a norm after each sublayer)",
     "lighton_ocr": "Mistral 3's Pixtral tower, patch merger and projector, Qwen3's decoder",
+    "paddleocr_vl": "a SigLIP-like tower over each image's patch grid, 2 x 2 merged, and a projector, 3D rotary "
+                    "positions from the image grids, ERNIE 4.5's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -31,6 +31,8 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                               "image_token_id": "<image_soft_token>", "video_token_id": "<|video|>",
                               "audio_token_id": "<audio_soft_token>", "boa_token_id": "<start_of_audio>",
                               "eoa_token_index": "<end_of_audio>"},
+                   "paddleocr_vl": {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "vision_start_token_id": "<|IMAGE_START|>",
+                                    "vision_end_token_id": "<|IMAGE_END|>", "video_token_id": "<|VIDEO_PLACEHOLDER|>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
                                       "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
@@ -101,6 +103,13 @@ TYPES = {
     "lighton_ocr": (["<|image_pad|>", "<|vision_pad|>", "<|vision_end|>"], "<|image_pad|>",
                     {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "spatial_merge_size": 2},
                     {"patch_size": 14, "size": {"longest_edge": IMAGE}}),
+    # PaddleOCR-VL: a SigLIP-like tower over each image's patch grid, 2 x 2 merged, 3D rotary positions from the
+    # image grids, ERNIE 4.5's decoder
+    "paddleocr_vl": (["<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>", "<|VIDEO_PLACEHOLDER|>"],
+                     "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
+                     {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
+                      "vision_config": {"image_size": IMAGE, "patch_size": 14}},
+                     {"min_pixels": 28 * 28, "max_pixels": 56 * 56}),
     # the processors of these need torchvision, which the CPU machines lack: no processor files; their
     # micro-batches are made by hand (hand_made_batches)
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
@@ -171,7 +180,8 @@ NAMED_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", 
 
 # a type's tokens that its processor reads by name, where they are not NAMED_TOKENS'
 TYPE_NAMED_TOKENS = {"lighton_ocr": {"image_token": "<|image_pad|>", "image_break_token": "<|vision_pad|>",
-                                     "image_end_token": "<|vision_end|>"}}
+                                     "image_end_token": "<|vision_end|>"},
+                     "paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"}}
 
 
 def tiny_config(model_type: str, tokenizer) -> dict:
