@@ -71,6 +71,8 @@ COVERED = {
     "lighton_ocr": "Mistral 3's Pixtral tower, patch merger and projector, Qwen3's decoder",
     "paddleocr_vl": "a SigLIP-like tower over each image's patch grid, 2 x 2 merged, and a projector, 3D rotary "
                     "positions from the image grids, ERNIE 4.5's decoder",
+    "hunyuan_vl": "a tower over each image's patch grid, 2 x 2 merged, with learned tokens closing each row and "
+                  "around the image, HunYuan's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

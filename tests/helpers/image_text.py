@@ -33,6 +33,7 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                               "eoa_token_index": "<end_of_audio>"},
                    "paddleocr_vl": {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "vision_start_token_id": "<|IMAGE_START|>",
                                     "vision_end_token_id": "<|IMAGE_END|>", "video_token_id": "<|VIDEO_PLACEHOLDER|>"},
+                   "hunyuan_vl": {"image_token_id": "<hy_image>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
                                       "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
@@ -110,6 +111,13 @@ TYPES = {
                      {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
                       "vision_config": {"image_size": IMAGE, "patch_size": 14}},
                      {"min_pixels": 28 * 28, "max_pixels": 56 * 56}),
+    # HunyuanOCR (hunyuan_vl): a tower over each image's patch grid of 16 pixels, 2 x 2 merged with a token closing
+    # each row and two around the image (a 32-pixel image: 4 image tokens), HunYuan's decoder with rotary positions
+    # on 4 axes (the sequence, the image's width and height, the image's index)
+    "hunyuan_vl": (["<hy_image_start>", "<hy_image>", "<hy_image_end>"], "<hy_image_start><hy_image><hy_image_end>",
+                   {"text_config": {"rope_parameters": {"mrope_section": [2, 2, 2, 2]}},
+                    "vision_config": {"num_key_value_heads": 2, "out_hidden_size": 64, "text_hidden_size": 64}},
+                   {"size": {"shortest_edge": 32 * 32, "longest_edge": 32 * 32}}),
     # the processors of these need torchvision, which the CPU machines lack: no processor files; their
     # micro-batches are made by hand (hand_made_batches)
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
@@ -181,7 +189,9 @@ NAMED_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", 
 # a type's tokens that its processor reads by name, where they are not NAMED_TOKENS'
 TYPE_NAMED_TOKENS = {"lighton_ocr": {"image_token": "<|image_pad|>", "image_break_token": "<|vision_pad|>",
                                      "image_end_token": "<|vision_end|>"},
-                     "paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"}}
+                     "paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
+                     "hunyuan_vl": {"image_token": "<hy_image>", "image_start_token": "<hy_image_start>",
+                                    "image_end_token": "<hy_image_end>"}}
 
 
 def tiny_config(model_type: str, tokenizer) -> dict:
