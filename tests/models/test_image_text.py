@@ -141,8 +141,9 @@ def test_in_process_steps_export_equals_transformers_adamw(tmp_path, model_type)
 
 @pytest.mark.parametrize("model_type", HAND_MADE)
 def test_from_micro_batches_made_as_its_processor_makes_them(tmp_path, model_type):
-    """Pixtral's, Cohere 2 Vision's and LFM2-VL's image processors need torchvision (absent here):
-    the micro-batches are made by hand, the rest as for the other types."""
+    """Pixtral's, Cohere 2 Vision's and LFM2-VL's image processors need torchvision (absent here),
+    Gemma 4's pads an image to more image tokens than the test's rows hold: the micro-batches are
+    made by hand, the rest as for the other types."""
     model, model_dir = tiny_model_dir(model_type, tmp_path / "hf")
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     config = config_from_dict(run_dict(model_dir, tmp_path / "unused.jsonl", tmp_path / "run"))
