@@ -60,8 +60,8 @@ class TransformersArch(ModelArch):
     def per_layer_input_width(self) -> int:
         """The width of the input of its own that the embedding hands each decoder layer beside the
         hidden states (Gemma 3n/4's per-layer input embeddings, hidden_size_per_layer_input); 0 for
-        a model without."""
-        return int(self.config.get("hidden_size_per_layer_input") or 0)
+        a model without; an image-text model's: its decoder's, Gemma 4's)."""
+        return int(decoder_config(self.config).get("hidden_size_per_layer_input") or 0)
 
     @property
     def deepstack_layers(self) -> int:
@@ -109,6 +109,11 @@ class TransformersArch(ModelArch):
         own and hands all of them on)."""
         count, width = self.behind_hidden
         return self.hidden_width + self.shared_kv_width + count * width
+
+
+def decoder_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config: an image-text model's text_config, else the config itself."""
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
 def hidden_stack(config: dict[str, Any]) -> int:
@@ -481,7 +486,7 @@ MTP_MODULE = "mtp."
 
 def mtp_layers(config: dict[str, Any]) -> int:
     """The multi-token-prediction layers a config counts (an image-text model's: its decoder's)."""
-    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    config = decoder_config(config)
     return next((config[k] for k in MTP_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
 
 

@@ -62,6 +62,19 @@ COVERED = {
     "qwen3_5": "Qwen3-VL's vision tower and merger without deepstack, 3D rotary positions on a quarter of each "
                "head, a decoder of linear-attention (gated delta rule) layers and full-attention ones",
     "qwen3_5_moe": "Qwen3.5's vision tower and decoder, its MLPs experts beside a shared expert",
+    "exaone4_5": "a Qwen2.5-VL-like vision tower (windowed attention, 2D rotary positions) and merger, EXAONE 4's "
+                 "decoder of sliding-window and global attention layers",
+    "gemma4": "a tower of patches at their 2D positions pooled into image tokens, Gemma 4's decoder with per-layer "
+              "inputs (its image processor's PIL path pads each image's patches to a budget of hundreds)",
+    "hyperclovax_vision_v2": "Qwen2.5-VL's vision tower and merger, HyperCLOVA X's decoder (1D positions, scaling "
+                             "multipliers, a norm after each sublayer)",
+    "lighton_ocr": "Mistral 3's Pixtral tower, patch merger and projector, Qwen3's decoder",
+    "paddleocr_vl": "a SigLIP-like tower over each image's patch grid, 2 x 2 merged, and a projector, 3D rotary "
+                    "positions from the image grids, ERNIE 4.5's decoder",
+    "hunyuan_vl": "a tower over each image's patch grid, 2 x 2 merged, with learned tokens closing each row and "
+                  "around the image, HunYuan's decoder",
+    "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
+               "short-convolution and attention layers",
 }
 
 

@@ -27,6 +27,13 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                    "llava_onevision": {"video_token_index": "<video>"}, "internvl": {"image_token_id": "<IMG_CONTEXT>"},
                    "aya_vision": {"image_token_index": "<|IMG_PATCH|>"},
                    "cohere2_vision": {"image_token_id": "<|IMG_PATCH|>"}, "lfm2_vl": {"image_token_id": "<image>"},
+                   "gemma4": {"boi_token_id": "<start_of_image>", "eoi_token_id": "<end_of_image>",
+                              "image_token_id": "<image_soft_token>", "video_token_id": "<|video|>",
+                              "audio_token_id": "<audio_soft_token>", "boa_token_id": "<start_of_audio>",
+                              "eoa_token_index": "<end_of_audio>"},
+                   "paddleocr_vl": {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "vision_start_token_id": "<|IMAGE_START|>",
+                                    "vision_end_token_id": "<|IMAGE_END|>", "video_token_id": "<|VIDEO_PLACEHOLDER|>"},
+                   "hunyuan_vl": {"image_token_id": "<hy_image>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
                                       "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
@@ -92,6 +99,25 @@ TYPES = {
                    "<image>", {"text_config": {"num_hidden_layers": 4, "sliding_window": 8},
                                "vision_config": {"image_size": IMAGE, "patch_size": 14}},
                    {"size": {"height": IMAGE, "width": IMAGE}}),
+    # LightOnOCR: Mistral 3's Pixtral tower, patch merger and projector (a 28-pixel image: one merged patch, one
+    # image token), Qwen3's decoder
+    "lighton_ocr": (["<|image_pad|>", "<|vision_pad|>", "<|vision_end|>"], "<|image_pad|>",
+                    {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "spatial_merge_size": 2},
+                    {"patch_size": 14, "size": {"longest_edge": IMAGE}}),
+    # PaddleOCR-VL: a SigLIP-like tower over each image's patch grid, 2 x 2 merged, 3D rotary positions from the
+    # image grids, ERNIE 4.5's decoder
+    "paddleocr_vl": (["<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>", "<|VIDEO_PLACEHOLDER|>"],
+                     "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
+                     {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
+                      "vision_config": {"image_size": IMAGE, "patch_size": 14}},
+                     {"min_pixels": 28 * 28, "max_pixels": 56 * 56}),
+    # HunyuanOCR (hunyuan_vl): a tower over each image's patch grid of 16 pixels, 2 x 2 merged with a token closing
+    # each row and two around the image (a 32-pixel image: 4 image tokens), HunYuan's decoder with rotary positions
+    # on 4 axes (the sequence, the image's width and height, the image's index)
+    "hunyuan_vl": (["<hy_image_start>", "<hy_image>", "<hy_image_end>"], "<hy_image_start><hy_image><hy_image_end>",
+                   {"text_config": {"rope_parameters": {"mrope_section": [2, 2, 2, 2]}},
+                    "vision_config": {"num_key_value_heads": 2, "out_hidden_size": 64, "text_hidden_size": 64}},
+                   {"size": {"shortest_edge": 32 * 32, "longest_edge": 32 * 32}}),
     # the processors of these need torchvision, which the CPU machines lack: no processor files; their
     # micro-batches are made by hand (hand_made_batches)
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]",
@@ -106,6 +132,14 @@ TYPES = {
     "lfm2_vl": (["<|image_start|>", "<image>", "<|image_end|>"], "<image>",
                 {"text_config": {"layer_types": ["conv", "full_attention"]},
                  "vision_config": {"patch_size": 16, "num_patches": 16}, "projector_hidden_size": 64}, None),
+    # Gemma 4: a tower of 16-pixel patches at their 2D positions, pooled 3 x 3 into an image token; its
+    # decoder: per-layer inputs, a sliding-window layer, then a full-attention one with wider heads
+    "gemma4": (["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<|video|>", "<audio_soft_token>",
+                "<start_of_audio>", "<end_of_audio>"], "<start_of_image>",
+               {"text_config": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+                                "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": TEXT["vocab_size"],
+                                "per_layer_config": {1: {"head_dim": 32}}},
+                "vision_config": {"num_key_value_heads": 2, "position_embedding_size": 64}}, None),
 }
 # type -> an image's tokens and its image tensors for a micro-batch of two rows of an image each, as
 # its processor makes them for an image of IMAGE pixels a side (Mistral 3: one merged patch; Cohere 2
@@ -119,10 +153,17 @@ HAND_MADE = {
                 lambda gen: {"pixel_values": torch.randn(2, 4, 3 * 16 * 16, generator=gen),
                              "pixel_attention_mask": torch.ones(2, 4, dtype=torch.int32),
                              "spatial_shapes": torch.tensor([[2, 2]] * 2)}),
+    # Gemma 4: an image of 48 pixels a side, 3 x 3 patches of 16 at their (x, y) positions, padded as its
+    # processor pads to a budget of patches (here 18: positions -1), pixels in [0, 1]
+    "gemma4": ("<start_of_image><image_soft_token><end_of_image>",
+               lambda gen: {"pixel_values": torch.cat([torch.rand(2, 9, 3 * 16 * 16, generator=gen),
+                                                       torch.zeros(2, 9, 3 * 16 * 16)], dim=1),
+                            "image_position_ids": torch.tensor(
+                                [[(x, y) for y in range(3) for x in range(3)] + [(-1, -1)] * 9] * 2)}),
 }
 
 
-def word_tokenizer(directory: Path, specials: list[str]):
+def word_tokenizer(directory: Path, specials: list[str], model_type: str = ""):
     """A fast tokenizer of one token a word, with ChatML's and the model's special tokens."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -132,7 +173,8 @@ def word_tokenizer(directory: Path, specials: list[str]):
     vocab = {w: i for i, w in enumerate(["<pad>", "[UNK]", *WORDS])}
     tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = Whitespace()
-    named = {name: token for name, token in NAMED_TOKENS.items() if token in specials}
+    named = {**{name: token for name, token in NAMED_TOKENS.items() if token in specials},
+             **TYPE_NAMED_TOKENS.get(model_type, {})}
     # the tokens a processor reads by name (Gemma 3's tokenizer.boi_token) as extra_special_tokens
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="[UNK]", eos_token="<|im_end|>",
                                    extra_special_tokens=named)
@@ -144,6 +186,13 @@ NAMED_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", 
                 "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
                 "video_token": "<video>"}
 
+# a type's tokens that its processor reads by name, where they are not NAMED_TOKENS'
+TYPE_NAMED_TOKENS = {"lighton_ocr": {"image_token": "<|image_pad|>", "image_break_token": "<|vision_pad|>",
+                                     "image_end_token": "<|vision_end|>"},
+                     "paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
+                     "hunyuan_vl": {"image_token": "<hy_image>", "image_start_token": "<hy_image_start>",
+                                    "image_end_token": "<hy_image_end>"}}
+
 
 def tiny_config(model_type: str, tokenizer) -> dict:
     """The config class's defaults, its sizes cut (TEXT, VISION and the type's), the image tokens
@@ -153,12 +202,17 @@ def tiny_config(model_type: str, tokenizer) -> dict:
     config = AutoConfig.for_model(model_type).to_dict()
     specials, _, sizes, _ = TYPES[model_type]
     for part, small in (("text_config", TEXT), ("vision_config", VISION)):
+        if config[part] is None:  # an optional part (Gemma 4's tower): its config class's defaults
+            config[part] = type(AutoConfig.for_model(model_type)).sub_configs[part]().to_dict()
         config[part].update({k: v for k, v in small.items() if k in config[part]})
         for key, value in sizes.get(part, {}).items():
             config[part][key] = {**config[part][key], **value} if isinstance(value, dict) else value
         layers = config[part].get("num_hidden_layers")
         if isinstance(config[part].get("layer_types"), list):
             config[part]["layer_types"] = config[part]["layer_types"][:layers]
+        if isinstance(config[part].get("per_layer_config"), dict):  # a layer's own sizes (Gemma 4's), of the layers kept
+            config[part]["per_layer_config"] = {k: v for k, v in config[part]["per_layer_config"].items()
+                                                if int(k) < layers}
     config.update({k: v for k, v in sizes.items() if k not in ("text_config", "vision_config")})
     for key, value in list(config.items()):
         if key.endswith(("token_id", "token_index")) and isinstance(value, int):
@@ -196,7 +250,8 @@ PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy"
                     "vipllava": {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
                     "llava_onevision": {"vision_feature_select_strategy": "full", "num_image_tokens": 4},
                     "internvl": {"image_seq_length": 1},
-                    "aya_vision": {"img_size": IMAGE, "patch_size": 14, "downsample_factor": 2}}
+                    "aya_vision": {"img_size": IMAGE, "patch_size": 14, "downsample_factor": 2},
+                    "lighton_ocr": {"patch_size": 14, "spatial_merge_size": 2}}
 # SmolVLM is Idefics3's model with a processor of its own (SmolVLMProcessor): the same tiny sizes,
 # tokens and processor settings
 for by_type in (TYPES, TYPE_TOKEN_KEYS, PROCESSOR_KWARGS):
@@ -227,7 +282,25 @@ TYPE_TOKEN_KEYS["glm4v_moe"] = TYPE_TOKEN_KEYS["glm4v"]
 # GLM-4.6V: GLM-4V's tower, decoder, tokens and sizes, a processor of its own
 for by_type in (TYPES, TYPE_TOKEN_KEYS):
     by_type["glm46v"] = by_type["glm4v"]
-IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v"}  # a type with no image processor of its own
+# EXAONE 4.5: a Qwen2.5-VL-like tower (windowed attention, 2D rotary positions) and merger, Qwen2-VL's
+# tokens and image processor, EXAONE 4's decoder: a sliding-window layer, then one of global attention
+TYPES["exaone4_5"] = (*TYPES["qwen2_vl"][:2], {"text_config": {"layer_types": ["sliding_attention", "full_attention"],
+                                                               "sliding_window": 8},
+                                               "vision_config": {"out_hidden_size": 64, "fullatt_block_indexes": [0],
+                                                                                 "num_key_value_heads": 1}},
+                      TYPES["qwen2_vl"][3])
+# LFM3-VL: a tower of short-convolution and attention layers over 16-pixel patches and a merger, Qwen2-VL's
+# tokens and image processor; LFM3's decoder: a short-convolution layer, then one of attention
+TYPES["lfm3_vl"] = (*TYPES["qwen2_vl"][:2], {"text_config": {"layer_types": ["conv", "full_attention"]},
+                                             "vision_config": {"layer_types": ["conv", "full_attention"],
+                                                               "num_hidden_layers": 2, "num_key_value_heads": 1},
+                                             "projector_hidden_size": 64},
+                    {**TYPES["qwen2_vl"][3], "patch_size": 16, "min_pixels": 32 * 32, "max_pixels": 64 * 64})
+# HyperCLOVA X SEED (hyperclovax_vision_v2): Qwen2.5-VL's tower and merger, tokens and image processor, the
+# HyperCLOVA X decoder (1D positions, its multipliers, a norm after each sublayer)
+TYPES["hyperclovax_vision_v2"] = (*TYPES["qwen2_5_vl"][:2], {**TYPES["qwen2_5_vl"][2], "text_config": {}},
+                                  TYPES["qwen2_5_vl"][3])
+IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 
@@ -239,7 +312,7 @@ def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
 
     directory.mkdir(parents=True, exist_ok=True)
     specials, placeholder, _, _ = TYPES[model_type]
-    tokenizer = word_tokenizer(directory, specials)
+    tokenizer = word_tokenizer(directory, specials, model_type)
     config = tiny_config(model_type, tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config_object(config), dtype=torch.float32,
