@@ -358,9 +358,9 @@ def _decoder_and_layers(model: nn.Module) -> tuple[str, str]:
             raise Unsupported(f"its decoder ({prefix}) has several lists of layers "
                               f"({', '.join(n for n, _ in lists)})")
     nested = [(path, name) for path, module in model.named_modules() if "." in path and
-              any(m is embedding for m in module.modules()) for name, child in module.named_children()
-              if isinstance(child, nn.ModuleList) and len(child) == count]
-    if len(nested) == 1:  # a decoder below the causal LM's child (OPT: model.decoder)
+              any(m is embedding for m in module.modules()) and _alone_below(model, path)
+              for name, child in module.named_children() if isinstance(child, nn.ModuleList) and len(child) == count]
+    if len(nested) == 1:  # a decoder below the causal LM's child, alone there (OPT: model.decoder)
         return nested[0]
     raise Unsupported("its decoder holds no list of layers beside its input embedding")
 
@@ -376,6 +376,17 @@ def layers_return_tuples(base: nn.Module, layers_name: str) -> bool:
         if ran and all(isinstance(hidden, torch.Tensor) for hidden, _, _ in calls):
             return as_tuple
     return False
+
+
+def _alone_below(model: nn.Module, path: str) -> bool:
+    """Whether the modules above `path` hold nothing with weights beside it (OPT's model holds only
+    its decoder; Fuyu's holds its patch embedding beside its language model)."""
+    parts = path.split(".")
+    for depth in range(1, len(parts)):
+        above = model.get_submodule(".".join(parts[:depth]))
+        if any(name != parts[depth] and persistent_tensors(child) for name, child in above.named_children()):
+            return False
+    return True
 
 
 def _final_module(base: nn.Module, layers_name: str, embedding: nn.Module, tuples: bool = False) -> str:

@@ -28,6 +28,8 @@ def write_config(path: Path, config: dict) -> Path:
 @pytest.mark.parametrize("config, named", [
     ({"model_type": "t5"}, "no causal language model for model_type 't5'"),
     ({"model_type": "roberta"}, "its decoder holds no list of layers beside its input embedding"),
+    # its language model below its model, beside the patch embedding that model holds too
+    ({"model_type": "fuyu"}, "its decoder holds no list of layers beside its input embedding"),
     ({"model_type": "opt", "layerdrop": 0.1}, "skips each layer at random in training (layerdrop: 0.1)"),
     ({"model_type": "mllama"}, "its layers have cross-attention"),
     # its config class requires n_input_layers + n_recurrent_layers + n_output_layers == num_hidden_layers
