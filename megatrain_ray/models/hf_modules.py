@@ -625,10 +625,8 @@ def recording_decoder(base: nn.Module, layers_name: str, calls: list, stop_after
     given `entered`, the decoder's own keyword arguments are kept there at each call (what an
     image-text model's forward hands its language model beside the embeddings: Qwen3-VL's
     deepstack features)."""
-    clone = copy.copy(base)
-    clone._modules = dict(base._modules)
-    clone._modules[layers_name] = nn.ModuleList(
-        [Recorder(layer, calls, i == stop_after, as_tuple) for i, layer in enumerate(base._modules[layers_name])])
+    clone = with_module(base, layers_name, nn.ModuleList(
+        [Recorder(layer, calls, i == stop_after, as_tuple) for i, layer in enumerate(base._modules[layers_name])]))
     if entered is not None:
         forward = clone.forward  # the decoder's own, bound to the copy
 
@@ -646,12 +644,7 @@ def recording_root(parts: Parts, calls: list, stop_after: int, entered: dict | N
     recording: the recording decoder itself, or a shallow copy of an image-text model's inner
     model holding it."""
     decoder = recording_decoder(parts.base, parts.layers_name, calls, stop_after, entered, parts.layers_return_tuples)
-    if not parts.decoder_in_root:
-        return decoder
-    clone = copy.copy(parts.root)
-    clone._modules = dict(parts.root._modules)
-    clone._modules[parts.decoder_in_root[:-1]] = decoder
-    return clone
+    return with_module(parts.root, parts.decoder_in_root[:-1], decoder) if parts.decoder_in_root else decoder
 
 
 def run_until_layers(decoder: nn.Module, state: dict[str, torch.Tensor], calls: list, **inputs) -> None:
@@ -717,10 +710,8 @@ def post_layers_decoder(parts: Parts, stack: int) -> nn.Module:
     (Gemma 3n's AltUp unembedding). Its forward runs from a stand-in input of zeros (its weights
     before the layers: stand-ins too, generic.head_state), and its first layer hands on what it was given."""
     base, given = parts.base, {}
-    clone = copy.copy(base)
-    clone._modules = dict(base._modules)
-    clone._modules[parts.layers_name] = nn.ModuleList(
-        [HandsOn(layer, given, i == 0) for i, layer in enumerate(base._modules[parts.layers_name])])
+    clone = with_module(base, parts.layers_name, nn.ModuleList(
+        [HandsOn(layer, given, i == 0) for i, layer in enumerate(base._modules[parts.layers_name])]))
     forward = clone.forward
 
     def from_the_last_layer(*args, inputs_embeds=None, **kwargs):
