@@ -732,6 +732,13 @@ def stand_in_weights(p: hm.Parts, dtype: torch.dtype, device: torch.device) -> d
     return zero
 
 
+@functools.lru_cache(maxsize=64)
+def _stand_ins_on(config_json: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """stand_in_weights made once per device and dtype: layer_calls runs for every micro-batch, and the
+    stand-ins are only read (expanded zeros cannot be written)."""
+    return stand_in_weights(hm.parts_of(config_json), dtype, device)
+
+
 def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch.dtype,
                 inputs: dict | None = None) -> list[LayerCall]:
     """Per decoder layer, the arguments its decoder passes it for these positions, recorded from
@@ -747,7 +754,7 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
     # what runs before the first layer reads stand-in weights (a learned position embedding, a norm
     # of the embeddings, per-layer input projections): the blocks get the real ones
     state = {**_buffers_on(arch.hf_config, "base", position_ids.device),
-             **stand_in_weights(p, dtype, position_ids.device)}
+             **_stand_ins_on(arch.hf_config, dtype, position_ids.device)}
     width = arch.per_layer_input_width
     if inputs is None:
         stand_in = torch.zeros((), dtype=dtype, device=position_ids.device).expand(b, t, arch.hidden_size)
