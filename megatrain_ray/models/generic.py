@@ -757,7 +757,8 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
              **_stand_ins_on(arch.hf_config, dtype, position_ids.device)}
     width = arch.per_layer_input_width
     if inputs is None:
-        stand_in = torch.zeros((), dtype=dtype, device=position_ids.device).expand(b, t, arch.hidden_size)
+        # real zeros, not expanded ones: a decoder may scale its input in place (CTRL's `inputs_embeds *=`)
+        stand_in = torch.zeros((b, t, arch.hidden_size), dtype=dtype, device=position_ids.device)
         kwargs = {"inputs_embeds": stand_in, "position_ids": position_ids}
         if width:  # stand-in per-layer inputs
             kwargs["per_layer_inputs"] = stand_in.new_zeros(()).expand(b, t, len(p.layers), width)

@@ -719,3 +719,14 @@ def test_a_decoder_that_reads_its_layers_outputs_as_tuples_runs_like_transformer
     assert hm.decoder_parts(hm.build_empty(neo)).layers_return_tuples
     assert not hm.decoder_parts(hm.build_empty(small_model_config("olmo"))).layers_return_tuples
     assert check_config(json.dumps(neo)) is None
+
+
+def test_a_decoder_that_scales_its_input_in_place_runs_like_transformers():
+    """CTRL's decoder multiplies its input embeddings in place (`inputs_embeds *= sqrt(d)`): the
+    stand-in input from which the layers' arguments are recorded must be writable, and a small CTRL
+    then runs alike through both paths."""
+    from megatrain_ray.models.generic_check import check_config
+
+    small = {"model_type": "ctrl", "vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "dff": 64,
+             "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+    assert check_config(json.dumps(AutoConfig.for_model(**small).to_dict())) is None
