@@ -9,11 +9,16 @@ store's buffer straight into a pinned slot on the GPU node, and a gradient from 
 pinned outbox straight into the store's buffer: no copy but the kernel's, each layer split over
 `streams` connections that run in parallel.
 
-Wire: every connection opens with a hello (kind, stream k, streams). On a weights connection the
-GPU worker sends (layer, version) and the store answers with byte chunk k of the layer once it
-has applied `version` updates to it. On a gradient connection the GPU worker sends (layer) and
-chunk k of the layer's gradient, which lands in the store's buffer of that layer (its weights
-were read for the last time this step before the gradient was computed).
+Wire: every connection opens with a hello (kind, stream k, streams, piece). A layer travels in
+pieces of `piece` elements (the last one shorter; 0: the whole layer as one piece), each piece split
+over the `streams` connections, chunk k on connection k. On a weights connection the GPU worker sends
+(layer, version) and the store answers with chunk k of each piece in order, each once it has applied
+`version` updates to that piece. On a gradient connection the GPU worker sends (layer) and chunk k
+of each piece of the layer's gradient, in order, which land in the store's buffer of that layer
+(its weights were read for the last time this step before the gradient was computed). So at the turn
+of a step, where the first layer's gradient goes out and its new weights come straight back, the
+store updates each piece as soon as it has landed and each new piece leaves as soon as it is updated:
+the three stages overlap, and the turn costs about the slowest of them and a piece of the others.
 """
 
 from __future__ import annotations
@@ -22,18 +27,42 @@ import queue
 import socket
 import struct
 import threading
+from collections import Counter
 from typing import Callable
 
 import torch
 
-HELLO = struct.Struct("<cII")  # b"W" or b"G", stream index, streams
+from megatrain_ray.host.precision import QUANT_BLOCK
+
+HELLO = struct.Struct("<cIIQ")  # b"W" or b"G", stream index, streams, piece elements (0: whole layers)
 REQUEST = struct.Struct("<qq")  # layer, version
 GRADIENT = struct.Struct("<q")  # layer
+MiB = 1024**2
+
+
+def piece_elements(mib: float, element_size: int) -> int:
+    """runtime.transport_piece_mib in elements, whole int8 blocks of them (host/precision.py) so that
+    a piece's update is the layer's bit for bit (host/adamw.py, `adamw_step`); 0: whole layers."""
+    if mib <= 0:
+        return 0
+    return max(1, int(mib * MiB / element_size) // QUANT_BLOCK) * QUANT_BLOCK
+
+
+def piece_bounds(numel: int, piece: int) -> list[tuple[int, int]]:
+    """A layer's pieces on the wire, as element ranges: of `piece` elements each, the last shorter."""
+    if piece <= 0 or numel <= piece:
+        return [(0, numel)]
+    return [(lo, min(numel, lo + piece)) for lo in range(0, numel, piece)]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A flat tensor's memory as bytes, for recv_into / sendall without a copy."""
     return memoryview(t.view(torch.uint8).numpy())
+
+
+def piece_views(t: torch.Tensor, bounds: list[tuple[int, int]]) -> list[memoryview]:
+    view, size = byte_view(t), t.element_size()
+    return [view[lo * size : hi * size] for lo, hi in bounds]
 
 
 def chunk(view: memoryview, k: int, streams: int) -> memoryview:
@@ -68,19 +97,23 @@ class LayerServer:
     """The store's end: serves a layer's weights once they are current, receives gradients.
 
     `applied[i]` counts the updates the store has finished on layer i (skipped ones included),
-    `received[i]` the gradients that have fully landed; an update waits for its gradient, and a
-    request for version v waits until v updates are applied. Once a gradient connection closes (the
-    GPU worker died, or its links were closed), an update still waiting for its gradient gives up
-    without touching the layer: the store is free again, for a checkpoint from its state.
+    `received(i)` the gradients that have fully landed. An update runs piece by piece (`step`), each
+    piece once it has landed, and a request for version v is served piece by piece, each once its
+    v-th update is applied. Once a gradient connection closes (the GPU worker died, or its links were
+    closed), an update still waiting for its gradient gives up without touching the layer: the store is
+    free again, for a checkpoint from its state. (One cut after its first piece leaves the layer part-way
+    through the update, which it counts: a checkpoint from the stores then refuses that step.)
     """
 
     def __init__(self, buffers: dict[int, torch.Tensor], host: str, grads: dict[int, torch.Tensor] | None = None):
         """`buffers`: each layer's weights; `grads`: where its gradient lands (default: over the weights)."""
-        self.views = {i: byte_view(t) for i, t in buffers.items()}
-        self.grad_views = {i: byte_view(t) for i, t in (grads or buffers).items()}
+        self.buffers = buffers
+        self.grads = grads or buffers
         self.applied = {i: 0 for i in buffers}
-        self.arrived = {i: 0 for i in buffers}  # gradient chunks landed, over all streams
-        self.streams = 1
+        self.done = {i: 0 for i in buffers}  # pieces updated, over all updates
+        self.arrived: Counter = Counter()  # (layer, stream): gradient pieces landed on that stream, over all
+        self.wire: tuple[int, int] | None = None  # (streams, piece), from the first hello
+        self._cut(1, 0)
         self.gradients_cut = False  # a gradient connection closed: no gradient still missing will come
         self.cond = threading.Condition()
         self.listener = socket.create_server((host, 0))
@@ -88,8 +121,18 @@ class LayerServer:
         self.connections: list[socket.socket] = []
         threading.Thread(target=self._accept, name="layer-server", daemon=True).start()
 
+    def _cut(self, streams: int, piece: int) -> None:
+        self.streams = streams
+        self.bounds = {i: piece_bounds(t.numel(), piece) for i, t in self.buffers.items()}
+        self.weight_pieces = {i: piece_views(t, self.bounds[i]) for i, t in self.buffers.items()}
+        self.grad_pieces = {i: piece_views(t, self.bounds[i]) for i, t in self.grads.items()}
+
+    def _landed(self, layer: int) -> int:
+        """Gradient pieces of the layer landed on every stream, over all its gradients."""
+        return min(self.arrived[layer, k] for k in range(self.streams))
+
     def received(self, layer: int) -> int:
-        return self.arrived[layer] // self.streams
+        return self._landed(layer) // len(self.bounds[layer])
 
     def _accept(self) -> None:
         while True:
@@ -106,10 +149,16 @@ class LayerServer:
             hello = recv_struct(conn, HELLO)
             if hello is None:
                 return
-            kind, k, streams = hello
-            self.streams = streams
+            kind, k, streams, piece = hello
+            with self.cond:
+                if self.wire is None:
+                    self.wire = (streams, piece)
+                    self._cut(streams, piece)
+                elif self.wire != (streams, piece):
+                    raise ConnectionError(f"a link of {streams} streams in pieces of {piece} elements to a store "
+                                          f"served as {self.wire}")
             if kind == b"W":
-                self._serve_weights(conn, k, streams)
+                self._serve_weights(conn, k)
             else:
                 self._receive_gradients(conn, k)
         except OSError:
@@ -117,39 +166,57 @@ class LayerServer:
         finally:
             conn.close()
 
-    def _serve_weights(self, conn: socket.socket, k: int, streams: int) -> None:
+    def _serve_weights(self, conn: socket.socket, k: int) -> None:
         while (request := recv_struct(conn, REQUEST)) is not None:
             layer, version = request
-            with self.cond:
-                self.cond.wait_for(lambda: self.applied[layer] >= version)
-            conn.sendall(chunk(self.views[layer], k, streams))
+            before = (version - 1) * len(self.bounds[layer])  # pieces updated before this version's
+            for p, view in enumerate(self.weight_pieces[layer]):
+                with self.cond:
+                    self.cond.wait_for(lambda: self.done[layer] > before + p)
+                conn.sendall(chunk(view, k, self.streams))
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         try:
             while (header := recv_struct(conn, GRADIENT)) is not None:
                 (layer,) = header
-                if not recv_exact(conn, chunk(self.grad_views[layer], k, self.streams)):
-                    raise ConnectionError("gradient cut short")
-                with self.cond:
-                    self.arrived[layer] += 1
-                    self.cond.notify_all()
+                for view in self.grad_pieces[layer]:
+                    if not recv_exact(conn, chunk(view, k, self.streams)):
+                        raise ConnectionError("gradient cut short")
+                    with self.cond:
+                        self.arrived[layer, k] += 1
+                        self.cond.notify_all()
         finally:
             with self.cond:
                 self.gradients_cut = True
                 self.cond.notify_all()
 
-    def step(self, layer: int, update: Callable[[], None]) -> None:
-        """Run a layer's update once its gradient has landed; then its new weights may leave. A
-        gradient that can no longer come (its connection closed) raises, the layer untouched."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.received(layer) > self.applied[layer] or self.gradients_cut)
-            if self.received(layer) <= self.applied[layer]:
-                raise ConnectionError(f"layer {layer}'s gradient never came: the GPU worker's link closed; "
-                                      f"the layer keeps its state")
-        update()
-        with self.cond:
-            self.applied[layer] += 1
-            self.cond.notify_all()
+    def step(self, layer: int, begin: Callable[[], None], update: Callable[[int, int], None]) -> None:
+        """Run a layer's update piece by piece, each `update(lo, hi)` (its elements) once that piece
+        of the gradient has landed, after `begin()` once the first has; each new piece may leave as
+        soon as it is updated. A gradient that can no longer come (its connection closed) raises: the
+        layer untouched if no piece had landed."""
+        p = 0
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self._landed(layer) > self.done[layer] or self.gradients_cut)
+                pieces = len(self.bounds[layer])  # read once a piece landed: the link's hello set them
+                if self._landed(layer) <= self.done[layer]:
+                    if p == 0:
+                        raise ConnectionError(f"layer {layer}'s gradient never came: the GPU worker's link closed; "
+                                              f"the layer keeps its state")
+                    raise ConnectionError(f"layer {layer}'s gradient was cut after {p} of its {pieces} pieces: the GPU "
+                                          f"worker's link closed part-way through the layer's update")
+            if p == 0:
+                begin()
+            update(*self.bounds[layer][p])
+            p += 1
+            with self.cond:
+                self.done[layer] += 1
+                if p == pieces:
+                    self.applied[layer] += 1
+                self.cond.notify_all()
+            if p == pieces:
+                return
 
     def close(self) -> None:
         self.listener.close()
@@ -193,7 +260,7 @@ class _Stream:
         self.k = k
         self.sock = socket.create_connection(link.address)
         _tune(self.sock)
-        self.sock.sendall(HELLO.pack(kind, k, link.streams))
+        self.sock.sendall(HELLO.pack(kind, k, link.streams, link.piece))
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         work = self._fetch if kind == b"W" else self._send
         self.thread = threading.Thread(target=self._run, args=(work,), name=f"link-{kind.decode()}{k}", daemon=True)
@@ -214,22 +281,26 @@ class _Stream:
                 self.link.fail(e)
                 transfer.fail(self.link.error)
 
-    def _fetch(self, layer: int, version: int, dest: memoryview) -> None:
+    def _fetch(self, layer: int, version: int, dest: list[memoryview]) -> None:
         self.sock.sendall(REQUEST.pack(layer, version))
-        if not recv_exact(self.sock, chunk(dest, self.k, self.link.streams)):
-            raise ConnectionError("the store closed the connection")
+        for piece in dest:
+            if not recv_exact(self.sock, chunk(piece, self.k, self.link.streams)):
+                raise ConnectionError("the store closed the connection")
 
-    def _send(self, layer: int, src: memoryview) -> None:
+    def _send(self, layer: int, src: list[memoryview]) -> None:
         self.sock.sendall(GRADIENT.pack(layer))
-        self.sock.sendall(chunk(src, self.k, self.link.streams))
+        for piece in src:
+            self.sock.sendall(chunk(piece, self.k, self.link.streams))
 
 
 class LayerLink:
-    """The GPU worker's end of one store's connections: `streams` for weights, as many for gradients."""
+    """The GPU worker's end of one store's connections: `streams` for weights, as many for gradients;
+    layers in pieces of `piece` elements (`piece_elements`; 0: whole)."""
 
-    def __init__(self, address: tuple[str, int], streams: int, name: str):
+    def __init__(self, address: tuple[str, int], streams: int, name: str, piece: int = 0):
         self.address = tuple(address)
         self.streams = streams
+        self.piece = piece
         self.name = name
         self.error: ConnectionError | None = None
         self.transfers: list[Transfer] = []
@@ -247,11 +318,14 @@ class LayerLink:
 
     def fetch(self, layer: int, version: int, dest: torch.Tensor, after: list[Callable[[], None]]) -> Transfer:
         """The layer's weights after `version` updates, into `dest`, once every `after` has returned."""
-        return self._queue(self.weights, (layer, version, byte_view(dest)), after)
+        return self._queue(self.weights, (layer, version, self._pieces(dest)), after)
 
     def send(self, layer: int, src: torch.Tensor, after: list[Callable[[], None]]) -> Transfer:
         """The layer's gradient from `src` into the store's buffer, once every `after` has returned."""
-        return self._queue(self.gradients, (layer, byte_view(src)), after)
+        return self._queue(self.gradients, (layer, self._pieces(src)), after)
+
+    def _pieces(self, t: torch.Tensor) -> list[memoryview]:
+        return piece_views(t, piece_bounds(t.numel(), self.piece))
 
     def fail(self, error: BaseException) -> None:
         self.error = self.error or ConnectionError(f"lost the connection to the store on {self.name}: {error}")
