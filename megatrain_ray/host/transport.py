@@ -9,16 +9,21 @@ store's buffer straight into a pinned slot on the GPU node, and a gradient from 
 pinned outbox straight into the store's buffer: no copy but the kernel's, each layer split over
 `streams` connections that run in parallel.
 
-Wire: every connection opens with a hello (kind, stream k, streams, piece). A layer travels in
-pieces of `piece` elements (the last one shorter; 0: the whole layer as one piece), each piece split
-over the `streams` connections, chunk k on connection k. On a weights connection the GPU worker sends
-(layer, version) and the store answers with chunk k of each piece in order, each once it has applied
-`version` updates to that piece. On a gradient connection the GPU worker sends (layer) and chunk k
-of each piece of the layer's gradient, in order, which land in the store's buffer of that layer
-(its weights were read for the last time this step before the gradient was computed). So at the turn
-of a step, where the first layer's gradient goes out and its new weights come straight back, the
-store updates each piece as soon as it has landed and each new piece leaves as soon as it is updated:
-the three stages overlap, and the turn costs about the slowest of them and a piece of the others.
+Wire: every connection opens with a hello (kind, stream k, streams). A layer travels in pieces of
+`piece` elements (the last one shorter; 0: the whole layer as one piece), each piece split over the
+`streams` connections, chunk k on connection k; a layer always travels in the same pieces. On a
+weights connection the GPU worker sends (layer, version, piece) and the store answers with chunk k
+of each piece in order, each once it has applied `version` updates to that piece. On a gradient
+connection the GPU worker sends (layer, piece) and chunk k of each piece of the layer's gradient, in
+order, which land in the store's buffer of that layer (its weights were read for the last time this
+step before the gradient was computed). The store updates each piece as soon as it has landed, and
+each new piece leaves as soon as it is updated: the three stages overlap.
+
+That pays at the turn of a step, where the first layer's gradient goes out last and its new weights
+must come straight back for the next forward: the turn then costs about the slowest stage and a
+piece of the others instead of their sum (`turn_pieces`: only that layer travels in pieces). Any
+other layer's gradient has long landed when its update runs, and a piece is one more call of the
+multi-threaded AdamW kernel, whose threads meet at its end.
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ import torch
 
 from megatrain_ray.host.precision import QUANT_BLOCK
 
-HELLO = struct.Struct("<cIIQ")  # b"W" or b"G", stream index, streams, piece elements (0: whole layers)
-REQUEST = struct.Struct("<qq")  # layer, version
-GRADIENT = struct.Struct("<q")  # layer
+HELLO = struct.Struct("<cII")  # b"W" or b"G", stream index, streams
+REQUEST = struct.Struct("<qqQ")  # layer, version, piece elements (0: whole)
+GRADIENT = struct.Struct("<qQ")  # layer, piece elements (0: whole)
 MiB = 1024**2
+TURN_LAYER = 0  # the step's first layer forward and last backward (the embedding)
 
 
 def piece_elements(mib: float, element_size: int) -> int:
@@ -46,6 +52,12 @@ def piece_elements(mib: float, element_size: int) -> int:
     if mib <= 0:
         return 0
     return max(1, int(mib * MiB / element_size) // QUANT_BLOCK) * QUANT_BLOCK
+
+
+def turn_pieces(mib: float, element_size: int) -> dict[int, int]:
+    """The layers that travel in pieces, and their piece elements: the turn's layer only (above)."""
+    piece = piece_elements(mib, element_size)
+    return {TURN_LAYER: piece} if piece else {}
 
 
 def piece_bounds(numel: int, piece: int) -> list[tuple[int, int]]:
@@ -112,8 +124,9 @@ class LayerServer:
         self.applied = {i: 0 for i in buffers}
         self.done = {i: 0 for i in buffers}  # pieces updated, over all updates
         self.arrived: Counter = Counter()  # (layer, stream): gradient pieces landed on that stream, over all
-        self.wire: tuple[int, int] | None = None  # (streams, piece), from the first hello
-        self._cut(1, 0)
+        self.piece: dict[int, int] = {}  # each layer's piece elements, from the first message naming it
+        self.bounds = {i: piece_bounds(t.numel(), 0) for i, t in buffers.items()}
+        self.streams = 1
         self.gradients_cut = False  # a gradient connection closed: no gradient still missing will come
         self.cond = threading.Condition()
         self.listener = socket.create_server((host, 0))
@@ -121,11 +134,14 @@ class LayerServer:
         self.connections: list[socket.socket] = []
         threading.Thread(target=self._accept, name="layer-server", daemon=True).start()
 
-    def _cut(self, streams: int, piece: int) -> None:
-        self.streams = streams
-        self.bounds = {i: piece_bounds(t.numel(), piece) for i, t in self.buffers.items()}
-        self.weight_pieces = {i: piece_views(t, self.bounds[i]) for i, t in self.buffers.items()}
-        self.grad_pieces = {i: piece_views(t, self.bounds[i]) for i, t in self.grads.items()}
+    def _pieces(self, layer: int, piece: int) -> list[tuple[int, int]]:
+        """The layer's pieces, as the first message naming it set them; a message in others is refused."""
+        with self.cond:
+            if self.piece.setdefault(layer, piece) != piece:
+                raise ConnectionError(f"layer {layer} asked for in pieces of {piece} elements, not the "
+                                      f"{self.piece[layer]} it travels in")
+            self.bounds[layer] = piece_bounds(self.buffers[layer].numel(), piece)
+            return self.bounds[layer]
 
     def _landed(self, layer: int) -> int:
         """Gradient pieces of the layer landed on every stream, over all its gradients."""
@@ -149,14 +165,7 @@ class LayerServer:
             hello = recv_struct(conn, HELLO)
             if hello is None:
                 return
-            kind, k, streams, piece = hello
-            with self.cond:
-                if self.wire is None:
-                    self.wire = (streams, piece)
-                    self._cut(streams, piece)
-                elif self.wire != (streams, piece):
-                    raise ConnectionError(f"a link of {streams} streams in pieces of {piece} elements to a store "
-                                          f"served as {self.wire}")
+            kind, k, self.streams = hello
             if kind == b"W":
                 self._serve_weights(conn, k)
             else:
@@ -168,9 +177,10 @@ class LayerServer:
 
     def _serve_weights(self, conn: socket.socket, k: int) -> None:
         while (request := recv_struct(conn, REQUEST)) is not None:
-            layer, version = request
-            before = (version - 1) * len(self.bounds[layer])  # pieces updated before this version's
-            for p, view in enumerate(self.weight_pieces[layer]):
+            layer, version, piece = request
+            bounds = self._pieces(layer, piece)
+            before = (version - 1) * len(bounds)  # pieces updated before this version's
+            for p, view in enumerate(piece_views(self.buffers[layer], bounds)):
                 with self.cond:
                     self.cond.wait_for(lambda: self.done[layer] > before + p)
                 conn.sendall(chunk(view, k, self.streams))
@@ -178,8 +188,8 @@ class LayerServer:
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         try:
             while (header := recv_struct(conn, GRADIENT)) is not None:
-                (layer,) = header
-                for view in self.grad_pieces[layer]:
+                layer, piece = header
+                for view in piece_views(self.grads[layer], self._pieces(layer, piece)):
                     if not recv_exact(conn, chunk(view, k, self.streams)):
                         raise ConnectionError("gradient cut short")
                     with self.cond:
@@ -199,7 +209,7 @@ class LayerServer:
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: self._landed(layer) > self.done[layer] or self.gradients_cut)
-                pieces = len(self.bounds[layer])  # read once a piece landed: the link's hello set them
+                pieces = len(self.bounds[layer])  # read once a piece landed: its message set them
                 if self._landed(layer) <= self.done[layer]:
                     if p == 0:
                         raise ConnectionError(f"layer {layer}'s gradient never came: the GPU worker's link closed; "
@@ -260,7 +270,7 @@ class _Stream:
         self.k = k
         self.sock = socket.create_connection(link.address)
         _tune(self.sock)
-        self.sock.sendall(HELLO.pack(kind, k, link.streams, link.piece))
+        self.sock.sendall(HELLO.pack(kind, k, link.streams))
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         work = self._fetch if kind == b"W" else self._send
         self.thread = threading.Thread(target=self._run, args=(work,), name=f"link-{kind.decode()}{k}", daemon=True)
@@ -281,26 +291,26 @@ class _Stream:
                 self.link.fail(e)
                 transfer.fail(self.link.error)
 
-    def _fetch(self, layer: int, version: int, dest: list[memoryview]) -> None:
-        self.sock.sendall(REQUEST.pack(layer, version))
+    def _fetch(self, layer: int, version: int, piece: int, dest: list[memoryview]) -> None:
+        self.sock.sendall(REQUEST.pack(layer, version, piece))
         for piece in dest:
             if not recv_exact(self.sock, chunk(piece, self.k, self.link.streams)):
                 raise ConnectionError("the store closed the connection")
 
-    def _send(self, layer: int, src: list[memoryview]) -> None:
-        self.sock.sendall(GRADIENT.pack(layer))
+    def _send(self, layer: int, piece: int, src: list[memoryview]) -> None:
+        self.sock.sendall(GRADIENT.pack(layer, piece))
         for piece in src:
             self.sock.sendall(chunk(piece, self.k, self.link.streams))
 
 
 class LayerLink:
     """The GPU worker's end of one store's connections: `streams` for weights, as many for gradients;
-    layers in pieces of `piece` elements (`piece_elements`; 0: whole)."""
+    the layers of `pieces` travel in pieces of so many elements (`turn_pieces`), the others whole."""
 
-    def __init__(self, address: tuple[str, int], streams: int, name: str, piece: int = 0):
+    def __init__(self, address: tuple[str, int], streams: int, name: str, pieces: dict[int, int] | None = None):
         self.address = tuple(address)
         self.streams = streams
-        self.piece = piece
+        self.pieces = pieces or {}
         self.name = name
         self.error: ConnectionError | None = None
         self.transfers: list[Transfer] = []
@@ -318,14 +328,14 @@ class LayerLink:
 
     def fetch(self, layer: int, version: int, dest: torch.Tensor, after: list[Callable[[], None]]) -> Transfer:
         """The layer's weights after `version` updates, into `dest`, once every `after` has returned."""
-        return self._queue(self.weights, (layer, version, self._pieces(dest)), after)
+        piece = self.pieces.get(layer, 0)
+        return self._queue(self.weights, (layer, version, piece, piece_views(dest, piece_bounds(dest.numel(), piece))),
+                           after)
 
     def send(self, layer: int, src: torch.Tensor, after: list[Callable[[], None]]) -> Transfer:
         """The layer's gradient from `src` into the store's buffer, once every `after` has returned."""
-        return self._queue(self.gradients, (layer, self._pieces(src)), after)
-
-    def _pieces(self, t: torch.Tensor) -> list[memoryview]:
-        return piece_views(t, piece_bounds(t.numel(), self.piece))
+        piece = self.pieces.get(layer, 0)
+        return self._queue(self.gradients, (layer, piece, piece_views(src, piece_bounds(src.numel(), piece))), after)
 
     def fail(self, error: BaseException) -> None:
         self.error = self.error or ConnectionError(f"lost the connection to the store on {self.name}: {error}")

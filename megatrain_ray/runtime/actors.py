@@ -19,7 +19,7 @@ from megatrain_ray.host.adamw import AdamWStep
 from megatrain_ray.host.memory import cuda_host_register, dtype_of, shm_tensor
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, StoreReach, WindowSource
 from megatrain_ray.host.store import ShardStore
-from megatrain_ray.host.transport import LayerLink, LayerServer, piece_elements
+from megatrain_ray.host.transport import LayerLink, LayerServer, turn_pieces
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, measured_facts
@@ -192,7 +192,7 @@ class GpuWorker:
         store_of, link_of, remote = {}, {}, {}
         for store, r in owners:
             link = LayerLink(r.link, self.config.runtime.transport_streams, f"{r.link[0]}",
-                             piece_elements(self.config.runtime.transport_piece_mib, dtype.itemsize))
+                             turn_pieces(self.config.runtime.transport_piece_mib, dtype.itemsize))
             for i in r.layers:
                 store_of[i], link_of[i], remote[i] = store, link, numels[i]
         return WindowSource(store_of, link_of, remote, dtype, self.plan.window_slots)

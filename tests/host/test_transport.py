@@ -97,8 +97,8 @@ def pieced():
 def gradient_connection(server: LayerServer, layer: int) -> socket.socket:
     """A GPU worker's one gradient connection, spoken by hand: its hello and the layer's header."""
     sock = socket.create_connection(server.address)
-    sock.sendall(HELLO.pack(b"G", 0, 1, PIECE))
-    sock.sendall(GRADIENT.pack(layer))
+    sock.sendall(HELLO.pack(b"G", 0, 1))
+    sock.sendall(GRADIENT.pack(layer, PIECE))
     return sock
 
 
@@ -131,7 +131,7 @@ def test_a_piece_is_updated_as_soon_as_it_lands_and_leaves_as_soon_as_it_is_upda
     wait_until(lambda: updated == bounds[:1], "the first piece was not updated once it had landed")
     assert begun == [True] and server.applied[0] == 0 and server.received(0) == 0
 
-    link = LayerLink(server.address, 1, "test store", PIECE)  # as the hand-spoken hello said
+    link = LayerLink(server.address, 1, "test store", {0: PIECE})  # one stream, as the hand-spoken hello said
     dest = torch.zeros(1001)
     transfer = link.fetch(0, 1, dest, [])
     sock.sendall(byte_view(grad)[PIECE * 4 :])  # the rest of the gradient lands
@@ -174,13 +174,15 @@ def test_a_gradient_cut_after_its_first_piece_stops_the_update_there(pieced):
 
 @pytest.mark.parametrize("streams", [1, 3])
 def test_pieced_layers_cross_whole_in_both_directions(streams):
-    """Pieces split over the streams as whole layers are: odd sizes, a bf16 layer, two updates."""
+    """Pieces split over the streams as whole layers are: odd sizes, a bf16 layer, two updates; a
+    layer not named travels whole beside one that travels in pieces."""
     buffers = {0: torch.arange(1001, dtype=torch.float32), 1: torch.arange(700, dtype=torch.bfloat16)}
     server = LayerServer(buffers, "127.0.0.1")
-    link = LayerLink(server.address, streams, "test store", PIECE)
+    link = LayerLink(server.address, streams, "test store", {1: PIECE})
     try:
         for version in (1, 2):
             for layer, t in buffers.items():
+                assert len(server.bounds[layer]) == (3 if layer == 1 and version == 2 else 1)  # once sent in them
                 grad = torch.randn(t.numel()).to(t.dtype)
                 link.send(layer, grad, []).wait()
                 server.step(layer, lambda: None, lambda lo, hi: None)  # the new weights are the gradient here
