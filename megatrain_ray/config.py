@@ -149,6 +149,7 @@ class RuntimeConfig:
     optimizer_threads: int | None = None  # per store; default: the CPUs Ray counts on its node less one and one per GPU worker there (a RAM node: less one)
     remote_window: int = 0  # pinned slots per layer size on the GPU node for layers on other nodes; 0 = from the plan
     transport_streams: int = 4  # TCP connections per store and direction; each layer is split over them
+    transport_piece_mib: float = 64.0  # the step's first layer, on another node, travels in pieces of this size: its store updates each piece of its gradient as it lands and sends it back at once; 0 = whole
     network_gbps: float = 25.0  # link speed the plan assumes for each node (it cannot measure it), Gbit/s
     num_gpus: int | None = None  # GPU workers, data parallel; None: every GPU of the GPU node (1 on a node without GPUs)
     worker_threads: int | None = None  # CPU threads of each GPU worker; default: the node's cores / the workers
@@ -445,6 +446,8 @@ def check_values(config: Config) -> None:
         (rt.remote_window == 0 or rt.remote_window >= (ex.num_slots or 3),
          "runtime.remote_window must be 0 (the plan chooses) or at least executor.num_slots (3 when null)"),
         (rt.transport_streams >= 1, "runtime.transport_streams must be >= 1"),
+        (_finite(rt.transport_piece_mib) and rt.transport_piece_mib >= 0,
+         "runtime.transport_piece_mib must be a finite number >= 0 (0: whole layers)"),
         (_finite(rt.network_gbps) and rt.network_gbps > 0, "runtime.network_gbps must be a finite number > 0"),
         (ck.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)"),
         (ck.keep >= 1, "checkpoint.keep must be >= 1"),

@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pinned slots per layer size for layers on other nodes (runtime.remote_window; 0: the plan's)")
     p.add_argument("--transport-streams", type=int, default=4,
                    help="TCP connections per store and direction (runtime.transport_streams)")
+    p.add_argument("--transport-piece-mib", type=float, default=64.0,
+                   help="pieces the step's first layer travels and is updated in on a RAM node "
+                        "(runtime.transport_piece_mib; 0: whole)")
     p.add_argument("--optimizer-threads", type=int, nargs="+", default=None,
                    help="host optimizer threads per store (runtime.optimizer_threads; default: cores less one and one per GPU worker); "
                         "with --parts, the thread counts to time (default: 4 8 12, cores less two, cores)")
@@ -172,7 +175,7 @@ def bench_config(args, shape: Shape):
         "runtime": {"object_store_memory": 2 * 1024**3,
                     "optimizer_threads": args.optimizer_threads[0] if args.optimizer_threads else None,
                     "store_on_gpu_node": not args.ram_nodes, "remote_window": args.remote_window,
-                    "transport_streams": args.transport_streams,
+                    "transport_streams": args.transport_streams, "transport_piece_mib": args.transport_piece_mib,
                     "num_gpus": args.num_gpus, "store_memory_gib": args.store_memory_gib},
         "data": {"seq_len": shape.seq_len},
     })

@@ -53,6 +53,11 @@ class AdamWStep:
     weight_decay: float
 
 
+def segments_within(segments: list[tuple[int, int, bool]], lo: int, hi: int) -> list[tuple[int, int, bool]]:
+    """A layer's parameter segments cut to its elements [lo, hi), counted from lo (a piece's, adamw_step)."""
+    return [(max(start, lo) - lo, min(end, hi) - lo, decays) for start, end, decays in segments if start < hi and end > lo]
+
+
 def adamw_step(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -66,6 +71,7 @@ def adamw_step(
     grad: torch.Tensor | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     rounding_key: int = 0,
+    offset: int = 0,
 ) -> None:
     """Update `master` and the moments from the gradient in `grad_weights`, then write the new
     compute-dtype weights over it: one pass in the native kernel, or torch's fused AdamW in three
@@ -77,7 +83,14 @@ def adamw_step(
     Lean state (host/precision.py) is told by its dtypes: bf16 or int8/uint8 moments (int8 with
     their block `scales`), or a bf16 master, which is itself the compute copy: pass it as
     `grad_weights` too, with the gradient in its own buffer `grad`, and the update's `rounding_key`.
+
+    The buffers may be a piece of a layer's (host/store.py, `update_piece`), its `segments` then
+    counted from the piece's start; `offset` is that start's index in the layer, a multiple of
+    precision.QUANT_BLOCK: a bf16 master's rounding noise follows the element's index in its layer and
+    int8 moments' scales their blocks, so a layer updated piece by piece ends bit for bit as in one call.
     """
+    if offset % precision.QUANT_BLOCK:
+        raise ValueError(f"a piece of a layer starts at a multiple of {precision.QUANT_BLOCK} elements, not {offset}")
     ends, at = [], 0
     for start, end, _ in segments:
         if start != at:
@@ -96,7 +109,7 @@ def adamw_step(
             adamw_update(master, grad_weights, exp_avg, exp_avg_sq, segments, hp, step, compute_copy=grad_weights)
         else:
             lean_update(master, exp_avg, exp_avg_sq, scales, grad if bf16_master else grad_weights,
-                        None if bf16_master else grad_weights, segments, hp, step, rounding_key)
+                        None if bf16_master else grad_weights, segments, hp, step, rounding_key, offset=offset)
         return
     decays = [1.0 - hp.lr * hp.weight_decay if decays_here else 1.0 for _, _, decays_here in segments]
     beta1, beta2 = hp.betas
@@ -106,7 +119,7 @@ def adamw_step(
         return
     m_scale, v_scale = scales if scales is not None else (None, None)
     kernel.adamw_step_lean(master, exp_avg, exp_avg_sq, m_scale, v_scale, grad if bf16_master else grad_weights,
-                           None if bf16_master else grad_weights, ends, decays, *scalars, rounding_key)
+                           None if bf16_master else grad_weights, ends, decays, *scalars, rounding_key, offset)
 
 
 def lean_update(
@@ -121,9 +134,11 @@ def lean_update(
     step: int,
     rounding_key: int,
     chunk: int = CHUNK_ELEMENTS,
+    offset: int = 0,
 ) -> None:
     """The lean modes without the kernel: each chunk (whole int8 blocks) widened to fp32, stepped by
-    torch's fused AdamW segment by segment, and narrowed again as host/precision.py defines it."""
+    torch's fused AdamW segment by segment, and narrowed again as host/precision.py defines it.
+    `offset`: the buffers' first element's index in its layer (adamw_step)."""
     n = master.numel()
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
@@ -137,7 +152,7 @@ def lean_update(
                 _adam_chunk(p[s], g[s], m[s], v[s], hp, step, hp.weight_decay if decays else 0.0)
         _narrow_moments(m, v, exp_avg, exp_avg_sq, scales, lo, hi)
         if master.dtype == torch.bfloat16:
-            master[lo:hi].copy_(precision.stochastic_round_bf16(p, rounding_key, lo))
+            master[lo:hi].copy_(precision.stochastic_round_bf16(p, rounding_key, offset + lo))
         else:
             master[lo:hi].copy_(p)
             weights[lo:hi].copy_(p)

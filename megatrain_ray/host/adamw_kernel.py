@@ -174,13 +174,14 @@ struct MasterF32 {  // fp32 master; the compute copy W (bf16 or fp32) receives t
 struct MasterBF16 {  // bf16 master, itself the compute copy
   uint16_t* p;
   uint32_t key;
+  int64_t origin;  // p[0]'s index in its layer (a multiple of kBlock): the noise follows the layer's indices
   struct Block {
     uint16_t* p;
     uint32_t low, key;  // the block's first index's low word; the key with its high word folded in
     float get(int k) const { return load(p, k); }
     void put(int k, float x) const { p[k] = round_stochastic(x, low + uint32_t(k), key); }
   };
-  Block at(int64_t b0) const { return {p + b0, uint32_t(b0), block_key(key, b0)}; }
+  Block at(int64_t b0) const { return {p + b0, uint32_t(origin + b0), block_key(key, origin + b0)}; }
 };
 
 template <typename T>
@@ -367,12 +368,13 @@ void check_state(const at::Tensor& t, int64_t n, std::initializer_list<at::Scala
 // The lean modes' one pass (host/precision.py). master: fp32 or bf16; the moments: fp32, bf16, or
 // int8 (exp_avg) and uint8 (exp_avg_sq) with an fp32 scale per kBlock; grad: the gradient (bf16 or
 // fp32); weights: the compute copy to publish (with an fp32 master: the gradient's own buffer;
-// with a bf16 master: none, the master is the copy). rounding_key: this update's noise.
+// with a bf16 master: none, the master is the copy). rounding_key: this update's noise; origin: the
+// index of the master's first element in its layer (a piece of it, host/store.py), where its noise starts.
 void adamw_step_lean(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                      const c10::optional<at::Tensor>& exp_avg_scale, const c10::optional<at::Tensor>& exp_avg_sq_scale,
                      const at::Tensor& grad, const c10::optional<at::Tensor>& weights, c10::ArrayRef<int64_t> ends,
                      c10::ArrayRef<double> decays, double grad_scale, double beta1, double beta2, double bias2_sqrt,
-                     double eps, double step_size, int64_t rounding_key) {
+                     double eps, double step_size, int64_t rounding_key, int64_t origin) {
   const int64_t n = master.numel();
   check_state(master, n, {at::kFloat, at::kBFloat16}, "the master");
   check_state(grad, n, {at::kFloat, at::kBFloat16}, "the gradient");
@@ -389,7 +391,8 @@ void adamw_step_lean(const at::Tensor& master, const at::Tensor& exp_avg, const 
                   float(bias2_sqrt), float(eps), float(-step_size)};
   if (master.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(grad.scalar_type() == at::kBFloat16 && !weights, "a bf16 master takes a bf16 gradient and no weights");
-    const MasterBF16 P{reinterpret_cast<uint16_t*>(master.data_ptr<at::BFloat16>()), uint32_t(rounding_key)};
+    TORCH_CHECK(origin >= 0 && origin % kBlock == 0, "a piece of a bf16 master starts at a multiple of ", kBlock);
+    const MasterBF16 P{reinterpret_cast<uint16_t*>(master.data_ptr<at::BFloat16>()), uint32_t(rounding_key), origin};
     with_moments(P, reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()), exp_avg, exp_avg_sq,
                  exp_avg_scale, exp_avg_sq_scale, n, ends, decays, s);
     return;
@@ -435,7 +438,7 @@ TORCH_LIBRARY(megatrain, library) {
   library.def("adamw_step_lean(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
               "Tensor(d!)? exp_avg_scale, Tensor(e!)? exp_avg_sq_scale, Tensor(f!) grad, Tensor(g!)? weights, "
               "int[] ends, float[] decays, float grad_scale, float beta1, float beta2, float bias2_sqrt, "
-              "float eps, float step_size, int rounding_key) -> ()", &adamw_step_lean);
+              "float eps, float step_size, int rounding_key, int origin) -> ()", &adamw_step_lean);
 }
 """
 

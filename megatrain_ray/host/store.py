@@ -30,7 +30,7 @@ from megatrain_ray.host.adamw_kernel import native_kernel
 from megatrain_ray.models.family import ModelFamily
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 from megatrain_ray.models.registry import family, model_layouts
-from megatrain_ray.host.adamw import AdamWStep, adamw_step
+from megatrain_ray.host.adamw import AdamWStep, adamw_step, segments_within
 
 
 IN_FLUX = -1  # a held marker's value while a GPU worker writes the layer's state (ShardStore.held_marker)
@@ -279,25 +279,42 @@ class ShardStore:
 
         hp None skips the update (a non-finite step) and only puts the weights back.
         """
+        self.begin_update(index, hp)
+        self.update_piece(index, hp, 0, self.layers[index].layout.numel)
+        return index
+
+    def begin_update(self, index: int, hp: AdamWStep | None) -> None:
+        """Count the layer's update (not a skipped one): its bias correction and rounding key. Its
+        pieces follow (`update_piece`), all of them, in any order."""
+        if hp is not None:
+            self.layers[index].updates += 1
+
+    def update_piece(self, index: int, hp: AdamWStep | None, lo: int, hi: int) -> None:
+        """The counted update (`begin_update`) on elements [lo, hi) of the layer, `lo` a multiple of
+        precision.QUANT_BLOCK: AdamW is elementwise, so a layer updated piece by piece (its gradient
+        arriving in pieces over a link, host/transport.py) ends bit for bit as in one call."""
         t0 = time.perf_counter()
         state = self.layers[index]
         if hp is None:
-            self.publish(state)
-            return index
-        state.updates += 1
+            if state.compute is not state.master:
+                state.compute[lo:hi].copy_(state.master[lo:hi])
+            return
         k = state.exp_avg.numel()  # the trained parameters; a frozen tail after them is not stepped
-        master = state.master if k == state.layout.numel else state.master[:k]
-        compute = master if state.compute is state.master else state.compute[:k]  # a bf16 master is the copy
-        adamw_step(
-            master, state.exp_avg, state.exp_avg_sq, compute,
-            [s for s in state.layout.segments() if s[1] <= k], hp, state.updates,
-            grad=None if state.grad is state.compute else state.grad[:k], scales=state.scales,
-            rounding_key=precision.rounding_key(self.seed, index, state.updates),
-        )
-        if k < state.layout.numel and state.grad is state.compute:  # the tail's (zero) gradient over its weights
-            state.compute[k:].copy_(state.master[k:])
+        a, b = lo, min(hi, k)
+        if a < b:
+            master = state.master[a:b]
+            compute = master if state.compute is state.master else state.compute[a:b]  # a bf16 master is the copy
+            segments = segments_within(state.layout.segments(), a, b)
+            scales = None if state.scales is None else tuple(
+                t[a // precision.QUANT_BLOCK : precision.num_blocks(b)] for t in state.scales)
+            adamw_step(
+                master, state.exp_avg[a:b], state.exp_avg_sq[a:b], compute, segments, hp, state.updates,
+                grad=None if state.grad is state.compute else state.grad[a:b], scales=scales,
+                rounding_key=precision.rounding_key(self.seed, index, state.updates), offset=a,
+            )
+        if max(lo, k) < hi and state.grad is state.compute:  # the frozen tail's (zero) gradient over its weights
+            state.compute[max(lo, k):hi].copy_(state.master[max(lo, k):hi])
         self.optimizer_seconds += time.perf_counter() - t0
-        return index
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def update_counts(self) -> dict[int, int]:

@@ -9,11 +9,21 @@ store's buffer straight into a pinned slot on the GPU node, and a gradient from 
 pinned outbox straight into the store's buffer: no copy but the kernel's, each layer split over
 `streams` connections that run in parallel.
 
-Wire: every connection opens with a hello (kind, stream k, streams). On a weights connection the
-GPU worker sends (layer, version) and the store answers with byte chunk k of the layer once it
-has applied `version` updates to it. On a gradient connection the GPU worker sends (layer) and
-chunk k of the layer's gradient, which lands in the store's buffer of that layer (its weights
-were read for the last time this step before the gradient was computed).
+Wire: every connection opens with a hello (kind, stream k, streams). A layer travels in pieces of
+`piece` elements (the last one shorter; 0: the whole layer as one piece), each piece split over the
+`streams` connections, chunk k on connection k; a layer always travels in the same pieces. On a
+weights connection the GPU worker sends (layer, version, piece) and the store answers with chunk k
+of each piece in order, each once it has applied `version` updates to that piece. On a gradient
+connection the GPU worker sends (layer, piece) and chunk k of each piece of the layer's gradient, in
+order, which land in the store's buffer of that layer (its weights were read for the last time this
+step before the gradient was computed). The store updates each piece as soon as it has landed, and
+each new piece leaves as soon as it is updated: the three stages overlap.
+
+That pays at the turn of a step, where the first layer's gradient goes out last and its new weights
+must come straight back for the next forward: the turn then costs about the slowest stage and a
+piece of the others instead of their sum (`turn_pieces`: only that layer travels in pieces). Any
+other layer's gradient has long landed when its update runs, and a piece is one more call of the
+multi-threaded AdamW kernel, whose threads meet at its end.
 """
 
 from __future__ import annotations
@@ -22,18 +32,49 @@ import queue
 import socket
 import struct
 import threading
+from collections import Counter
 from typing import Callable
 
 import torch
 
+from megatrain_ray.host.precision import QUANT_BLOCK
+
 HELLO = struct.Struct("<cII")  # b"W" or b"G", stream index, streams
-REQUEST = struct.Struct("<qq")  # layer, version
-GRADIENT = struct.Struct("<q")  # layer
+REQUEST = struct.Struct("<qqQ")  # layer, version, piece elements (0: whole)
+GRADIENT = struct.Struct("<qQ")  # layer, piece elements (0: whole)
+MiB = 1024**2
+TURN_LAYER = 0  # the step's first layer forward and last backward (the embedding)
+
+
+def piece_elements(mib: float, element_size: int) -> int:
+    """runtime.transport_piece_mib in elements, whole int8 blocks of them (host/precision.py) so that
+    a piece's update is the layer's bit for bit (host/adamw.py, `adamw_step`); 0: whole layers."""
+    if mib <= 0:
+        return 0
+    return max(1, int(mib * MiB / element_size) // QUANT_BLOCK) * QUANT_BLOCK
+
+
+def turn_pieces(mib: float, element_size: int) -> dict[int, int]:
+    """The layers that travel in pieces, and their piece elements: the turn's layer only (above)."""
+    piece = piece_elements(mib, element_size)
+    return {TURN_LAYER: piece} if piece else {}
+
+
+def piece_bounds(numel: int, piece: int) -> list[tuple[int, int]]:
+    """A layer's pieces on the wire, as element ranges: of `piece` elements each, the last shorter."""
+    if piece <= 0 or numel <= piece:
+        return [(0, numel)]
+    return [(lo, min(numel, lo + piece)) for lo in range(0, numel, piece)]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A flat tensor's memory as bytes, for recv_into / sendall without a copy."""
     return memoryview(t.view(torch.uint8).numpy())
+
+
+def piece_views(t: torch.Tensor, bounds: list[tuple[int, int]]) -> list[memoryview]:
+    view, size = byte_view(t), t.element_size()
+    return [view[lo * size : hi * size] for lo, hi in bounds]
 
 
 def chunk(view: memoryview, k: int, streams: int) -> memoryview:
@@ -68,18 +109,23 @@ class LayerServer:
     """The store's end: serves a layer's weights once they are current, receives gradients.
 
     `applied[i]` counts the updates the store has finished on layer i (skipped ones included),
-    `received[i]` the gradients that have fully landed; an update waits for its gradient, and a
-    request for version v waits until v updates are applied. Once a gradient connection closes (the
-    GPU worker died, or its links were closed), an update still waiting for its gradient gives up
-    without touching the layer: the store is free again, for a checkpoint from its state.
+    `received(i)` the gradients that have fully landed. An update runs piece by piece (`step`), each
+    piece once it has landed, and a request for version v is served piece by piece, each once its
+    v-th update is applied. Once a gradient connection closes (the GPU worker died, or its links were
+    closed), an update still waiting for its gradient gives up without touching the layer: the store is
+    free again, for a checkpoint from its state. (One cut after its first piece leaves the layer part-way
+    through the update, which it counts: a checkpoint from the stores then refuses that step.)
     """
 
     def __init__(self, buffers: dict[int, torch.Tensor], host: str, grads: dict[int, torch.Tensor] | None = None):
         """`buffers`: each layer's weights; `grads`: where its gradient lands (default: over the weights)."""
-        self.views = {i: byte_view(t) for i, t in buffers.items()}
-        self.grad_views = {i: byte_view(t) for i, t in (grads or buffers).items()}
+        self.buffers = buffers
+        self.grads = grads or buffers
         self.applied = {i: 0 for i in buffers}
-        self.arrived = {i: 0 for i in buffers}  # gradient chunks landed, over all streams
+        self.done = {i: 0 for i in buffers}  # pieces updated, over all updates
+        self.arrived: Counter = Counter()  # (layer, stream): gradient pieces landed on that stream, over all
+        self.piece: dict[int, int] = {}  # each layer's piece elements, from the first message naming it
+        self.bounds = {i: piece_bounds(t.numel(), 0) for i, t in buffers.items()}
         self.streams = 1
         self.gradients_cut = False  # a gradient connection closed: no gradient still missing will come
         self.cond = threading.Condition()
@@ -88,8 +134,21 @@ class LayerServer:
         self.connections: list[socket.socket] = []
         threading.Thread(target=self._accept, name="layer-server", daemon=True).start()
 
+    def _pieces(self, layer: int, piece: int) -> list[tuple[int, int]]:
+        """The layer's pieces, as the first message naming it set them; a message in others is refused."""
+        with self.cond:
+            if self.piece.setdefault(layer, piece) != piece:
+                raise ConnectionError(f"layer {layer} asked for in pieces of {piece} elements, not the "
+                                      f"{self.piece[layer]} it travels in")
+            self.bounds[layer] = piece_bounds(self.buffers[layer].numel(), piece)
+            return self.bounds[layer]
+
+    def _landed(self, layer: int) -> int:
+        """Gradient pieces of the layer landed on every stream, over all its gradients."""
+        return min(self.arrived[layer, k] for k in range(self.streams))
+
     def received(self, layer: int) -> int:
-        return self.arrived[layer] // self.streams
+        return self._landed(layer) // len(self.bounds[layer])
 
     def _accept(self) -> None:
         while True:
@@ -106,10 +165,9 @@ class LayerServer:
             hello = recv_struct(conn, HELLO)
             if hello is None:
                 return
-            kind, k, streams = hello
-            self.streams = streams
+            kind, k, self.streams = hello
             if kind == b"W":
-                self._serve_weights(conn, k, streams)
+                self._serve_weights(conn, k)
             else:
                 self._receive_gradients(conn, k)
         except OSError:
@@ -117,39 +175,58 @@ class LayerServer:
         finally:
             conn.close()
 
-    def _serve_weights(self, conn: socket.socket, k: int, streams: int) -> None:
+    def _serve_weights(self, conn: socket.socket, k: int) -> None:
         while (request := recv_struct(conn, REQUEST)) is not None:
-            layer, version = request
-            with self.cond:
-                self.cond.wait_for(lambda: self.applied[layer] >= version)
-            conn.sendall(chunk(self.views[layer], k, streams))
+            layer, version, piece = request
+            bounds = self._pieces(layer, piece)
+            before = (version - 1) * len(bounds)  # pieces updated before this version's
+            for p, view in enumerate(piece_views(self.buffers[layer], bounds)):
+                with self.cond:
+                    self.cond.wait_for(lambda: self.done[layer] > before + p)
+                conn.sendall(chunk(view, k, self.streams))
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         try:
             while (header := recv_struct(conn, GRADIENT)) is not None:
-                (layer,) = header
-                if not recv_exact(conn, chunk(self.grad_views[layer], k, self.streams)):
-                    raise ConnectionError("gradient cut short")
-                with self.cond:
-                    self.arrived[layer] += 1
-                    self.cond.notify_all()
+                layer, piece = header
+                for view in piece_views(self.grads[layer], self._pieces(layer, piece)):
+                    if not recv_exact(conn, chunk(view, k, self.streams)):
+                        raise ConnectionError("gradient cut short")
+                    with self.cond:
+                        self.arrived[layer, k] += 1
+                        self.cond.notify_all()
         finally:
             with self.cond:
                 self.gradients_cut = True
                 self.cond.notify_all()
 
-    def step(self, layer: int, update: Callable[[], None]) -> None:
-        """Run a layer's update once its gradient has landed; then its new weights may leave. A
-        gradient that can no longer come (its connection closed) raises, the layer untouched."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.received(layer) > self.applied[layer] or self.gradients_cut)
-            if self.received(layer) <= self.applied[layer]:
-                raise ConnectionError(f"layer {layer}'s gradient never came: the GPU worker's link closed; "
-                                      f"the layer keeps its state")
-        update()
-        with self.cond:
-            self.applied[layer] += 1
-            self.cond.notify_all()
+    def step(self, layer: int, begin: Callable[[], None], update: Callable[[int, int], None]) -> None:
+        """Run a layer's update piece by piece, each `update(lo, hi)` (its elements) once that piece
+        of the gradient has landed, after `begin()` once the first has; each new piece may leave as
+        soon as it is updated. A gradient that can no longer come (its connection closed) raises: the
+        layer untouched if no piece had landed."""
+        p = 0
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self._landed(layer) > self.done[layer] or self.gradients_cut)
+                pieces = len(self.bounds[layer])  # read once a piece landed: its message set them
+                if self._landed(layer) <= self.done[layer]:
+                    if p == 0:
+                        raise ConnectionError(f"layer {layer}'s gradient never came: the GPU worker's link closed; "
+                                              f"the layer keeps its state")
+                    raise ConnectionError(f"layer {layer}'s gradient was cut after {p} of its {pieces} pieces: the GPU "
+                                          f"worker's link closed part-way through the layer's update")
+            if p == 0:
+                begin()
+            update(*self.bounds[layer][p])
+            p += 1
+            with self.cond:
+                self.done[layer] += 1
+                if p == pieces:
+                    self.applied[layer] += 1
+                self.cond.notify_all()
+            if p == pieces:
+                return
 
     def close(self) -> None:
         self.listener.close()
@@ -214,22 +291,26 @@ class _Stream:
                 self.link.fail(e)
                 transfer.fail(self.link.error)
 
-    def _fetch(self, layer: int, version: int, dest: memoryview) -> None:
-        self.sock.sendall(REQUEST.pack(layer, version))
-        if not recv_exact(self.sock, chunk(dest, self.k, self.link.streams)):
-            raise ConnectionError("the store closed the connection")
+    def _fetch(self, layer: int, version: int, piece: int, dest: list[memoryview]) -> None:
+        self.sock.sendall(REQUEST.pack(layer, version, piece))
+        for piece in dest:
+            if not recv_exact(self.sock, chunk(piece, self.k, self.link.streams)):
+                raise ConnectionError("the store closed the connection")
 
-    def _send(self, layer: int, src: memoryview) -> None:
-        self.sock.sendall(GRADIENT.pack(layer))
-        self.sock.sendall(chunk(src, self.k, self.link.streams))
+    def _send(self, layer: int, piece: int, src: list[memoryview]) -> None:
+        self.sock.sendall(GRADIENT.pack(layer, piece))
+        for piece in src:
+            self.sock.sendall(chunk(piece, self.k, self.link.streams))
 
 
 class LayerLink:
-    """The GPU worker's end of one store's connections: `streams` for weights, as many for gradients."""
+    """The GPU worker's end of one store's connections: `streams` for weights, as many for gradients;
+    the layers of `pieces` travel in pieces of so many elements (`turn_pieces`), the others whole."""
 
-    def __init__(self, address: tuple[str, int], streams: int, name: str):
+    def __init__(self, address: tuple[str, int], streams: int, name: str, pieces: dict[int, int] | None = None):
         self.address = tuple(address)
         self.streams = streams
+        self.pieces = pieces or {}
         self.name = name
         self.error: ConnectionError | None = None
         self.transfers: list[Transfer] = []
@@ -247,11 +328,14 @@ class LayerLink:
 
     def fetch(self, layer: int, version: int, dest: torch.Tensor, after: list[Callable[[], None]]) -> Transfer:
         """The layer's weights after `version` updates, into `dest`, once every `after` has returned."""
-        return self._queue(self.weights, (layer, version, byte_view(dest)), after)
+        piece = self.pieces.get(layer, 0)
+        return self._queue(self.weights, (layer, version, piece, piece_views(dest, piece_bounds(dest.numel(), piece))),
+                           after)
 
     def send(self, layer: int, src: torch.Tensor, after: list[Callable[[], None]]) -> Transfer:
         """The layer's gradient from `src` into the store's buffer, once every `after` has returned."""
-        return self._queue(self.gradients, (layer, byte_view(src)), after)
+        piece = self.pieces.get(layer, 0)
+        return self._queue(self.gradients, (layer, piece, piece_views(src, piece_bounds(src.numel(), piece))), after)
 
     def fail(self, error: BaseException) -> None:
         self.error = self.error or ConnectionError(f"lost the connection to the store on {self.name}: {error}")

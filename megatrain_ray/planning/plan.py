@@ -287,7 +287,8 @@ def embedding_step_line(arch: ModelArch, workers: int = 1) -> str:
 class NetworkTimes:
     """Seconds a step's network transfers take (planning/traffic.py): weights in ahead of the forward and
     again ahead of the backward, gradients out during the backward, and at the turn of the step
-    the first layer's gradient out and its new weights back, which nothing hides."""
+    the first layer's gradient out, its store's update and its new weights back, which nothing hides
+    (overlapped piece by piece: StepTraffic.turn_seconds)."""
 
     forward_in_s: float = 0.0
     backward_in_s: float = 0.0
@@ -633,7 +634,7 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
             f"network: weights in {net.forward_in_s:.2f} s before the forward (beside {p.forward_s:.2f} s of "
             f"forward compute and the host optimizer) + {net.backward_in_s:.2f} s before the backward, gradients out "
             f"{net.out_s:.2f} s (beside {p.compute_s - p.forward_s:.2f} s of backward compute), {net.boundary_s:.2f} s for "
-            f"the first layer between steps; {p.network_exposed_s:.2f} s not hidden"
+            f"the first layer between steps (out, updated, back, in pieces); {p.network_exposed_s:.2f} s not hidden"
         )
     whose = rates.describe() if rates else "the H100 machine's measured rates"
     lines.append(

@@ -4,7 +4,9 @@ Each layer held by a store on another machine than the GPU worker's crosses the 
 three times a step: its weights ahead of the forward, again ahead of the backward unless the
 GPU node's window still holds them at the turn (window.fetches_per_step, the window's own
 policy) or the block keeps its forward graph, and its gradient once, on the way back. Links are
-full duplex: weights in and gradients out overlap. A store on the GPU worker's machine (a raylet
+full duplex: weights in and gradients out overlap. At the turn of a step nothing hides the first
+layer's gradient out, its store's AdamW and its new weights back; it travels in pieces
+(host/transport.py, turn_pieces), so the three overlap. A store on the GPU worker's machine (a raylet
 beside it) is reached over loopback and crosses no network card: its bytes are listed, not timed.
 """
 
@@ -19,6 +21,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.placement import Placement
 from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, NetworkTimes
+from megatrain_ray.host.transport import TURN_LAYER, piece_bounds, turn_pieces
 from megatrain_ray.host.window import fetches_per_step
 
 GiB = 1024**3
@@ -63,6 +66,17 @@ class StepTraffic:
     stores: tuple[NodeTraffic, ...]
     first_layer_bytes: int  # layer 0 when it streams: its gradient out and new weights in sit between steps
     first_layer_gbps: float
+    first_layer_adamw_s: float = 0.0  # its store's AdamW on it, between the two
+    first_layer_pieces: int = 1  # what it travels in (host/transport.py, turn_pieces): the three overlap
+
+    def turn_seconds(self, gbps: float | None = None) -> float:
+        """The turn of the step: layer 0's gradient out, its update, its new weights back, one after
+        the other piece by piece; in pieces it costs the slowest stage and a piece of the others."""
+        if not self.first_layer_bytes:
+            return 0.0
+        wire = self.first_layer_bytes * 8 / ((gbps or self.first_layer_gbps) * 1e9)
+        stages = (wire, self.first_layer_adamw_s, wire)
+        return max(stages) + (sum(stages) - max(stages)) / self.first_layer_pieces
 
     def times(self, gbps: float | None = None) -> NetworkTimes:
         """Seconds per phase at the nodes' link speeds (or every link at `gbps`)."""
@@ -73,9 +87,8 @@ class StepTraffic:
         def slowest(bytes_of) -> float:
             return max([self.gpu.seconds(bytes_of(self.gpu), gbps)] + [s.seconds(bytes_of(s), gbps) for s in remote])
 
-        boundary = 2 * self.first_layer_bytes * 8 / ((gbps or self.first_layer_gbps) * 1e9)
         return NetworkTimes(slowest(lambda n: n.forward_bytes), slowest(lambda n: n.backward_bytes),
-                            slowest(lambda n: n.gradient_bytes), boundary)
+                            slowest(lambda n: n.gradient_bytes), self.turn_seconds(gbps))
 
     def optimizer_seconds(self) -> float:
         """The slowest store machine's AdamW over its layers; machines work in parallel."""
@@ -116,10 +129,14 @@ def step_traffic(arch: ModelArch, config: Config, placement: Placement, kept: in
         pinned_bytes=placement.window_bytes, forward_bytes=totals[0], backward_bytes=totals[1],
         gradient_bytes=totals[2], gbps=placement.gpu.gbps or default_gbps, adamw_params_per_s=HOST_ADAMW_PARAMS_PER_S,
     )
-    first = next((s for s in placement.stores if 0 in s.layers), None)
-    crosses = first is not None and first.node.ip != gpu_ip
-    return StepTraffic(gpu, tuple(stores), layouts[0].numel * esize if crosses else 0,
-                       min(gpu.gbps, first.node.gbps or default_gbps) if crosses else gpu.gbps)
+    first = next((s for s in placement.stores if TURN_LAYER in s.layers), None)
+    if first is None or first.node.ip == gpu_ip:
+        return StepTraffic(gpu, tuple(stores), 0, gpu.gbps)
+    numel = layouts[TURN_LAYER].numel
+    piece = turn_pieces(config.runtime.transport_piece_mib, esize).get(TURN_LAYER, 0)
+    return StepTraffic(gpu, tuple(stores), numel * esize, min(gpu.gbps, first.node.gbps or default_gbps),
+                       numel / (first.node.adamw_params_per_s or HOST_ADAMW_PARAMS_PER_S),
+                       len(piece_bounds(numel, piece)))
 
 
 def describe_traffic(traffic: StepTraffic, compute_s: float | None) -> str:

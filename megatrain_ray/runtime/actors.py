@@ -19,7 +19,7 @@ from megatrain_ray.host.adamw import AdamWStep
 from megatrain_ray.host.memory import cuda_host_register, dtype_of, shm_tensor
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, StoreReach, WindowSource
 from megatrain_ray.host.store import ShardStore
-from megatrain_ray.host.transport import LayerLink, LayerServer
+from megatrain_ray.host.transport import LayerLink, LayerServer, turn_pieces
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, measured_facts
@@ -84,9 +84,10 @@ class ShardStoreActor(ShardStore):
         return self.server.address
 
     def step_streamed(self, index: int, hp: AdamWStep | None) -> int:
-        """A layer's update whose gradient comes over the link: waits for it to land, then lets the
-        new weights leave."""
-        self.server.step(index, lambda: self.step_layer(index, hp))
+        """A layer's update whose gradient comes over the link, piece by piece as it lands; each
+        updated piece's new weights may leave at once."""
+        self.server.step(index, lambda: self.begin_update(index, hp),
+                         lambda lo, hi: self.update_piece(index, hp, lo, hi))
         return index
 
     def close(self) -> None:
@@ -190,7 +191,8 @@ class GpuWorker:
             return None
         store_of, link_of, remote = {}, {}, {}
         for store, r in owners:
-            link = LayerLink(r.link, self.config.runtime.transport_streams, f"{r.link[0]}")
+            link = LayerLink(r.link, self.config.runtime.transport_streams, f"{r.link[0]}",
+                             turn_pieces(self.config.runtime.transport_piece_mib, dtype.itemsize))
             for i in r.layers:
                 store_of[i], link_of[i], remote[i] = store, link, numels[i]
         return WindowSource(store_of, link_of, remote, dtype, self.plan.window_slots)

@@ -13,7 +13,7 @@ from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
 from megatrain_ray.planning.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement, with_window
-from megatrain_ray.planning.plan import EMBEDDING_STEP, PlanError, describe, predict_step
+from megatrain_ray.planning.plan import EMBEDDING_STEP, HOST_ADAMW_PARAMS_PER_S, PlanError, describe, predict_step
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 from megatrain_ray.planning.traffic import step_traffic
 from megatrain_ray.host.window import WindowPolicy, fetches_per_step, window_bytes
@@ -286,3 +286,26 @@ def test_plan_says_how_many_cores_each_ram_node_needs_to_keep_up():
         assert 1 < need < 63
         assert f"RAM node {store.node.ip} ({params / 1e9:.2f} B parameters): {need} cores keep up" in text, text
         assert verdict in text
+
+
+def test_the_turn_of_the_step_is_planned_as_the_link_carries_it():
+    """The embedding on a RAM node: its gradient out, its store's AdamW and its new weights back sit
+    between steps. Whole, the three add up; in the link's pieces (runtime.transport_piece_mib) they
+    overlap, and the turn is the slowest stage and a piece of the others."""
+    arch = SEVEN_B
+    nodes = [gpu_node(16, gbps=100), ram_node(1, 400, gbps=100), ram_node(2, 400, gbps=100)]
+    turns = {}
+    for mib in (0, 64):
+        cfg = config(transport_piece_mib=mib)
+        traffic = step_traffic(arch, cfg, placed(arch, cfg, nodes))
+        embedding = model_layouts(arch)[0].numel
+        wire = embedding * 2 * 8 / 100e9
+        adamw = traffic.first_layer_adamw_s
+        assert adamw == pytest.approx(embedding / HOST_ADAMW_PARAMS_PER_S)
+        turns[mib] = traffic.times().boundary_s
+        if mib == 0:
+            assert traffic.first_layer_pieces == 1 and turns[mib] == pytest.approx(2 * wire + adamw)
+        else:  # 545 M elements in pieces of 32 Mi (64 MiB of bf16): 17
+            assert traffic.first_layer_pieces == 17
+            assert turns[mib] == pytest.approx(max(wire, adamw) + (wire + adamw + wire - max(wire, adamw)) / 17)
+    assert max(wire, adamw) < turns[64] < 0.6 * turns[0]

@@ -68,11 +68,12 @@ WIDE = PRESETS["tiny-llama"].replace(hidden_size=128, intermediate_size=512, num
 
 def streamed_run(layers: int, steps: int = 2):
     """Every layer on the two RAM nodes, the GPU worker on the head: weights, losses and what the
-    GPU worker held and moved."""
+    GPU worker held and moved. The embedding, at the turn of each step, travels and is updated in
+    five pieces (runtime.transport_piece_mib)."""
     arch = WIDE.replace(num_layers=layers)
     base = make_config("tiny-llama")
     config = base.replace(runtime=dataclasses.replace(base.runtime, store_on_gpu_node=False, remote_window=4,
-                                                      transport_streams=2))
+                                                      transport_streams=2, transport_piece_mib=0.03))
     data = random_micro_batches(arch, steps, 2, batch=2, seq=12, seed=5)
     session = probed_session(config, arch)
     try:
