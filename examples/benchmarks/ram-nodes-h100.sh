@@ -2,12 +2,12 @@
 # Qwen2.5-7B at 131,072 tokens a step with the stores on the GPU node (shared memory), then with every
 # layer on two RAM-node raylets of this machine (TCP), one after the other on GPU 0: the ratio, each
 # store's AdamW rate per thread, and each run's start-up line. Usage from the repository root:
-#   bash examples/benchmarks/ram-nodes-h100.sh OUT_DIR
+#   bash examples/benchmarks/ram-nodes-h100.sh OUT_DIR        (STEPS=2 in the environment: 2 timed steps, not 3)
 set -uo pipefail
 out=${1:?OUT_DIR}
 source examples/benchmarks/device-setup.sh
 export CUDA_VISIBLE_DEVICES=0
-SHAPE="--model qwen2.5-7b --seq-len 4096 --micro-batch 4 --grad-accum 8 --steps 3 --warmup 1 --loss-chunk-tokens 2048"
+SHAPE="--model qwen2.5-7b --seq-len 4096 --micro-batch 4 --grad-accum 8 --steps ${STEPS:-3} --warmup 1 --loss-chunk-tokens 2048"
 nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mr bench $SHAPE --json "$out/7b-local.json" >"$out/7b-local.log" 2>&1
 mr bench $SHAPE --ram-nodes 2 --json "$out/7b-ram-nodes-2.json" >"$out/7b-ram-nodes-2.log" 2>&1
