@@ -487,7 +487,7 @@ class KernelBuild:
     the one build: none builds or loads it a second time."""
 
     def __init__(self, cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = ()):
-        """`cache_dir` None: this node's (`_cache_dir`, read on the build's thread)."""
+        """`cache_dir` None: this node's (`_cache_dir`, found on the build's thread)."""
         self.cache_dir = cache_dir
         self.extra_cflags = extra_cflags
         self._lock = threading.Lock()
@@ -502,7 +502,7 @@ class KernelBuild:
         return self
 
     def _build(self) -> None:
-        self._kernel = build_kernel(self.cache_dir or _cache_dir(), self.extra_cflags)
+        self._kernel = build_kernel(self.cache_dir, self.extra_cflags)
 
     def result(self):
         """torch.ops.megatrain, or None where it could not be built (`build_kernel` warned)."""
@@ -526,16 +526,17 @@ def native_kernel():
     return _THIS_PROCESS.result()
 
 
-def build_kernel(cache_dir: Path, extra_cflags: tuple[str, ...] = ()):
-    """Load the cached build, or compile one and publish it into the cache; warn and return None
-    where no compiler or ninja can.
+def build_kernel(cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = ()):
+    """Load the cached build, or compile one and publish it into the cache (None: this node's,
+    `_cache_dir`); warn and return None where no compiler or ninja can.
 
     Each build runs in a directory of its own and is published with an atomic rename: processes
     that start together may each compile, but none waits on a lock that a killed process left.
     """
     name = _build_name()
-    library = cache_dir / f"{name}.so"
-    try:
+    try:  # the cache's place too: torch.utils.cpp_extension needs setuptools, which a venv may lack
+        cache_dir = cache_dir or _cache_dir()
+        library = cache_dir / f"{name}.so"
         if library.exists():
             torch.ops.load_library(str(library))
         else:
