@@ -114,7 +114,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="throughput benchmark, optionally beside baselines")
     if argv and argv[0] == "bench":
-        from megatrain_ray.bench.run import add_arguments
+        from megatrain_ray.bench.arguments import add_arguments
 
         add_arguments(bench)
     bench.set_defaults(func=_bench)

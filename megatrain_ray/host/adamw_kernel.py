@@ -8,8 +8,10 @@ host's memory where torch's fused AdamW needs a gradient upcast and a weight cas
 CPU sqrt, MKL's, may differ from IEEE's in a last bit), and bf16 is rounded to nearest even as
 torch's `.to(torch.bfloat16)`.
 
-The kernel is compiled at first use with torch.utils.cpp_extension.load_inline, with
--march=native so that it vectorises for the CPU it runs on, and cached under
+The kernel is compiled with torch.utils.cpp_extension.load_inline, with -march=native so that it
+vectorises for the CPU it runs on, on a thread of its own that a store starts as its process starts
+(`start_native_kernel`): the build overlaps the run's start, and the first update waits for it only
+if it is still running (`native_kernel`). It is cached under
 ~/.cache/torch_extensions/megatrain (or $TORCH_EXTENSIONS_DIR). The build's name carries a digest
 of the source, flags, torch version and the CPU's model and flags, so nodes of a cluster that
 share a home directory never load a build made for another CPU. Threads are torch's
@@ -25,12 +27,12 @@ from its element's noise. Every loop vectorises; one pass over memory still, rea
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import platform
 import shutil
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -482,23 +484,62 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-@functools.cache
+class KernelBuild:
+    """One load or build of the kernel (`build_kernel`) on a thread of its own: `start` begins it, at
+    most once; `result` waits for it, starting it if nothing has. Callers on several threads share
+    the one build: none builds or loads it a second time."""
+
+    def __init__(self, cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = ()):
+        """`cache_dir` None: this node's (`_cache_dir`, found on the build's thread)."""
+        self.cache_dir = cache_dir
+        self.extra_cflags = extra_cflags
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._kernel = None
+
+    def start(self) -> KernelBuild:
+        with self._lock:
+            if self._thread is None:  # a daemon: a store that ends mid-build does not wait for it
+                self._thread = threading.Thread(target=self._build, name="host-adamw-kernel", daemon=True)
+                self._thread.start()
+        return self
+
+    def _build(self) -> None:
+        self._kernel = build_kernel(self.cache_dir, self.extra_cflags)
+
+    def result(self):
+        """torch.ops.megatrain, or None where it could not be built (`build_kernel` warned)."""
+        self.start()._thread.join()
+        return self._kernel
+
+
+# This process's build: torch.ops holds one library of a name per process, so its build is per process too.
+_THIS_PROCESS = KernelBuild()
+
+
+def start_native_kernel() -> None:
+    """Begin loading or building this node's kernel in the background (tens of seconds on a machine
+    that never built it), so that it overlaps whatever the process does next; once per process."""
+    _THIS_PROCESS.start()
+
+
 def native_kernel():
     """torch.ops.megatrain (adamw_step, adamw_step_lean) for this node (built once, then loaded from
-    the cache), or None."""
-    return build_kernel(_cache_dir())
+    the cache), or None; waits for the build `start_native_kernel` began, or runs it now."""
+    return _THIS_PROCESS.result()
 
 
-def build_kernel(cache_dir: Path, extra_cflags: tuple[str, ...] = ()):
-    """Load the cached build, or compile one and publish it into the cache; warn and return None
-    where no compiler or ninja can.
+def build_kernel(cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = ()):
+    """Load the cached build, or compile one and publish it into the cache (None: this node's,
+    `_cache_dir`); warn and return None where no compiler or ninja can.
 
     Each build runs in a directory of its own and is published with an atomic rename: processes
     that start together may each compile, but none waits on a lock that a killed process left.
     """
     name = _build_name()
-    library = cache_dir / f"{name}.so"
-    try:
+    try:  # the cache's place too: torch.utils.cpp_extension needs setuptools, which a venv may lack
+        cache_dir = cache_dir or _cache_dir()
+        library = cache_dir / f"{name}.so"
         if library.exists():
             torch.ops.load_library(str(library))
         else:

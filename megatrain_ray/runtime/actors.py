@@ -16,6 +16,7 @@ import torch
 from megatrain_ray.config import Config
 from megatrain_ray.files import shard
 from megatrain_ray.host.adamw import AdamWStep
+from megatrain_ray.host.adamw_kernel import start_native_kernel
 from megatrain_ray.host.memory import cuda_host_register, dtype_of, shm_tensor
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, StoreReach, WindowSource
 from megatrain_ray.host.store import ShardStore
@@ -36,12 +37,17 @@ class ShardStoreActor(ShardStore):
 
     It starts in two steps: the actor's process (seconds of importing torch) starts beside the GPU
     workers', and its host memory is taken in `allocate` only once the driver's plan of the step fits.
+    The host AdamW kernel's load or build (host/adamw_kernel.py; tens of seconds on a machine that
+    never built it) begins with the process, in the background: it overlaps the workers' start, the
+    plan, the allocation and the first weights, and the first update waits for it only if it is still
+    building.
     """
 
     def __init__(self, threads: int | None = None):
         """`threads`: the placement's for this store (planning/placement.py, store_threads); None (a
         node whose CPUs Ray does not count): this machine's cores less two."""
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - 2))
+        start_native_kernel()
         self.server: LayerServer | None = None
         self.shm_paths, self.grad_shm_paths, self.extra_shm_paths = {}, {}, []  # what `close` releases
 

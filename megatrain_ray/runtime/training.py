@@ -226,7 +226,8 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
     progress.placement = None
     watch = Watchdog(placement, config.train.step_timeout_s)
     say(f"starting {len(placement.stores)} store(s)" + ("" if host_kernel_built() else
-        " (they build the host AdamW kernel: once per machine, 1-2 minutes on a small one)"))
+        " (they build the host AdamW kernel meanwhile: once per machine, 1-2 minutes on a small one, "
+        "which the first step waits for if the rest of the start is shorter)"))
     try:
         session = Session(config, arch, placement=placement, wait=watch.get)
     except FAULTS as e:  # a node left between the plan and the actors' start

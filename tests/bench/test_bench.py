@@ -9,7 +9,8 @@ import sys
 import pytest
 import ray
 
-from megatrain_ray.bench.run import add_arguments, shapes_from
+from megatrain_ray.bench.arguments import add_arguments
+from megatrain_ray.bench.run import shapes_from
 from megatrain_ray.cli import main
 from megatrain_ray.bench.workload import Shape
 from megatrain_ray.streaming.layer_order import layer_order

@@ -443,9 +443,10 @@ def test_the_version_and_a_full_disk_in_one_paragraph(capsys):
     assert "\n" not in text
 
 
-def test_the_version_answers_without_importing_torch_or_ray():
-    """`megatrain-ray --version` in a fresh interpreter: no torch, no Ray (seconds of imports)."""
-    code = ("import sys\nfrom megatrain_ray import cli\ntry:\n    cli.main(['--version'])\nexcept SystemExit as e:\n"
+@pytest.mark.parametrize("argv", [["--version"], ["bench", "--help"]], ids=["version", "bench-help"])
+def test_the_version_and_help_answer_without_importing_torch_or_ray(argv):
+    """`megatrain-ray --version` or `bench --help` in a fresh interpreter: no torch, no Ray (seconds of imports)."""
+    code = (f"import sys\nfrom megatrain_ray import cli\ntry:\n    cli.main({argv!r})\nexcept SystemExit as e:\n"
             "    assert e.code == 0\nprint(sorted({'torch', 'ray'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr

@@ -4,6 +4,7 @@ torch gets the same bf16-rounded gradient upcast to fp32, torch.nn.utils.clip_gr
 it, and two parameter groups carry the weight decay (matrices) and none (norms, biases).
 """
 
+import threading
 import warnings
 
 import pytest
@@ -135,8 +136,17 @@ def test_segments_must_tile_the_buffer(segments):
         adamw_step(t, t.clone(), t.clone(), t.clone(), segments, AdamWStep(1, 1e-3, 1.0, BETAS, EPS, 0.0), 1)
 
 
-def test_unbuildable_kernel_warns_and_falls_back(tmp_path):
+def test_unbuildable_kernel_warns_once_and_falls_back_for_every_caller(tmp_path):
+    """Three threads ask for a kernel that cannot build, at once: one build on its own thread, one
+    warning, the same answer (none: torch's three passes) for each."""
+    build = host_adamw.KernelBuild(tmp_path, extra_cflags=("--no-such-compiler-flag",))
+    answers = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert host_adamw.build_kernel(tmp_path, extra_cflags=("--no-such-compiler-flag",)) is None
+        threads = [threading.Thread(target=lambda: answers.append(build.result())) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert answers == [None, None, None]
     assert len(caught) == 1 and "three passes" in str(caught[0].message)

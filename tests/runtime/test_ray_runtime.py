@@ -136,3 +136,70 @@ def test_a_resume_loads_the_checkpoint_while_the_workers_build_and_continues_exa
         assert session.train_step(data[1]).loss == expected
     finally:
         session.close()
+
+
+GATE = """#!/bin/sh
+# A compiler held shut: it says it started, then fails once told to (or after two minutes).
+touch "{dir}/started"
+for i in $(seq 1200); do
+  [ -e "{dir}/fail" ] && exit 1
+  sleep 0.1
+done
+exit 1
+"""
+
+
+def test_a_store_takes_its_memory_while_its_host_adamw_kernel_builds(local_ray, tmp_path):
+    """A store on a machine whose kernel cache is empty begins the build with its process and takes
+    its memory without waiting for it; its first update waits for the build. The build's compiler is
+    a gate held shut, then let fail, so that the test takes seconds and not the build's 40 (the kernel's
+    own arithmetic is tests/host/test_host_adamw.py's): the update then runs torch's three passes,
+    and equals torch.optim.AdamW."""
+    import time
+    from pathlib import Path
+
+    from megatrain_ray.host.adamw import AdamWStep
+    from megatrain_ray.host.memory import shm_tensor
+    from megatrain_ray.models.registry import model_layouts
+
+    gate, cache, shm = tmp_path / "g++-gate", tmp_path / "kernels", tmp_path / "shm"
+    gate.write_text(GATE.format(dir=tmp_path))
+    gate.chmod(0o755)
+    shm.mkdir()
+    arch, index = PRESETS["tiny-llama"], 1
+    layout = model_layouts(arch)[index]
+    env = {"TORCH_EXTENSIONS_DIR": str(cache), "CXX": str(gate), "TORCH_DONT_CHECK_COMPILER_ABI": "1"}
+    store = ray.remote(ShardStoreActor).options(num_cpus=0, runtime_env={"env_vars": env}).remote(threads=1)
+    try:
+        reach = ray.get(store.allocate.remote(arch, [index], torch.float32, str(shm), "gate"), timeout=60)
+        for _ in range(300):  # the build began on its own, before any update asked for it
+            if (tmp_path / "started").exists():
+                break
+            time.sleep(0.1)
+        assert (tmp_path / "started").exists() and not list(cache.rglob("*.so"))
+        ray.get(store.init_random.remote(0, 0.05))
+        init = ray.get(store.master.remote(index)).clone()
+        grad = torch.randn(layout.numel, generator=torch.Generator().manual_seed(1)) * 0.01
+        shm_tensor(Path(reach.weights[index]), layout.numel, torch.float32, create=False).copy_(grad)
+        hp = AdamWStep(1, 1e-2, 1.0, (0.9, 0.95), 1e-8, 0.1)
+        update = store.step_layer.remote(index, hp)
+        assert ray.wait([update], timeout=1.0)[0] == [], "the first update did not wait for the build"
+        (tmp_path / "fail").touch()
+        ray.get(update, timeout=60)
+        master = ray.get(store.master.remote(index))
+        compute = shm_tensor(Path(reach.weights[index]), layout.numel, torch.float32, create=False).clone()
+        ray.get(store.close.remote())
+    finally:
+        ray.kill(store)
+        (tmp_path / "fail").touch()
+
+    params = [torch.nn.Parameter(init[a:b].clone()) for a, b, _ in layout.segments()]
+    for p, (a, b, _) in zip(params, layout.segments()):
+        p.grad = grad[a:b].clone()
+    decays = [d for _, _, d in layout.segments()]
+    torch.optim.AdamW([{"params": [p for p, d in zip(params, decays) if d], "weight_decay": 0.1},
+                       {"params": [p for p, d in zip(params, decays) if not d], "weight_decay": 0.0}],
+                      lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False, fused=False).step()
+    expected = torch.cat([p.detach() for p in params])
+    torch.testing.assert_close(master, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().mean()))
+    assert torch.equal(compute, master), "the compute copy is the new master (fp32)"

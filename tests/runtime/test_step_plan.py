@@ -19,7 +19,8 @@ from megatrain_ray.planning.plan import size
 from megatrain_ray.runtime import local, session as session_module
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.bench.telemetry import Probe, ProbedWorker
-from megatrain_ray.bench.run import add_arguments, bench_config, run_shapes, shapes_from
+from megatrain_ray.bench.arguments import add_arguments
+from megatrain_ray.bench.run import bench_config, run_shapes, shapes_from
 from megatrain_ray.runtime.session import Session
 from megatrain_ray.runtime.training import run_training
 from helpers.runs import tiny_raw
