@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(runtime.store_on_gpu_node false): the TCP transport without a network")
     p.add_argument("--remote-window", type=int, default=0,
                    help="pinned slots per layer size for layers on other nodes (runtime.remote_window; 0: the plan's)")
-    p.add_argument("--transport-streams", type=int, default=4,
+    p.add_argument("--transport-streams", type=int, default=8,
                    help="TCP connections per store and direction (runtime.transport_streams)")
     p.add_argument("--transport-piece-mib", type=float, default=64.0,
                    help="pieces the step's first layer travels and is updated in on a RAM node "
