@@ -163,9 +163,9 @@ class GpuWorker:
                                       Rendezvous(self.rank, self.world, master_address, master_port),
                                       updates_done=updates_done)
         if self.rank == 0:  # where a start's seconds go (the benchmark's start-up line has the sum)
+            parts = ", ".join(f"{what} {s:.1f} s" for what, s in self.worker.seconds.items())
             print(f"GPU worker built in {time.perf_counter() - t0:.1f} s: the stores' buffers mapped"
-                  f"{' and registered with CUDA' if self.device.type == 'cuda' else ''} {t1 - t0:.1f} s, the "
-                  f"executor (with the embedding's state where it steps here) {time.perf_counter() - t1:.1f} s",
+                  f"{' and registered with CUDA' if self.device.type == 'cuda' else ''} {t1 - t0:.1f} s, {parts}",
                   flush=True)
         return self.describe_device()
 

@@ -6,7 +6,9 @@ through `assemble_worker`; none of them wires these pieces itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +45,7 @@ class Worker:
     executor: StreamingExecutor
     lr_schedule: LrSchedule
     group: Group
+    seconds: dict[str, float] = field(default_factory=dict)  # what its assembly took, part by part
 
 
 def assemble_worker(arch: ModelArch, config: Config, plan: StepPlan, layers: LayerSource, device: torch.device,
@@ -57,10 +60,24 @@ def assemble_worker(arch: ModelArch, config: Config, plan: StepPlan, layers: Lay
     if plan.device != device.type:
         raise ValueError(f"the step was planned for {plan.device} but this worker's device is {device}")
     hold_to_cap(plan, device)
-    group = group or join_group(arch, config, device, meet)
-    source = with_embedding_step(layers, arch, config, device, group) if plan.embedding_on_device else layers
-    return Worker(layers, source, build_executor(arch, config, plan, source, device, group, hooks),
-                  LrSchedule(config.optim, config.train.steps, updates_done), group)
+    seconds: dict[str, float] = {}
+    with timed(seconds, "the process group"):
+        group = group or join_group(arch, config, device, meet)
+    source = layers
+    if plan.embedding_on_device:
+        with timed(seconds, "the embedding's state on the device"):
+            source = with_embedding_step(layers, arch, config, device, group)
+    with timed(seconds, "the executor"):
+        executor = build_executor(arch, config, plan, source, device, group, hooks)
+    return Worker(layers, source, executor, LrSchedule(config.optim, config.train.steps, updates_done), group, seconds)
+
+
+@contextlib.contextmanager
+def timed(seconds: dict[str, float], what: str):
+    """Adds the seconds the block took to seconds[what] (a start's split: the GPU worker's build line)."""
+    t0 = time.perf_counter()
+    yield
+    seconds[what] = seconds.get(what, 0.0) + time.perf_counter() - t0
 
 
 def build_executor(arch: ModelArch, config: Config, plan: StepPlan, source: LayerSource, device: torch.device,
