@@ -44,6 +44,9 @@ IMAGE_READ_ROWS = 16  # rows read from a file at a time (their documents hold pi
 # the processor's outputs that are not image tensors: one value per token, or not the model's
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
 NOT_MODEL_INPUTS = ("input_ids", "attention_mask", "offset_mapping")
+# an image processor's old names of the model's inputs -> the names its forward now takes (Video-LLaVA's
+# image processor still returns pixel_values_images by default; its forward maps it to pixel_values)
+RENAMED = {"pixel_values_images": "pixel_values"}
 
 
 def with_image_items(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
@@ -116,7 +119,7 @@ def image_text_document(origin: Origin, row: dict[str, Any], processor, template
     check_token_ids(ids, vocab_size, origin, "tokens")
     doc = masked_document(ids, carried_marks(list(plain["input_ids"]), marks, ids.tolist()), origin)
     per_token = {k: np.asarray(out[k][0]) for k in out if k in PER_TOKEN}
-    per_image = {k: np.asarray(out[k]) for k in out if k not in PER_TOKEN and k not in NOT_MODEL_INPUTS}
+    per_image = {RENAMED.get(k, k): np.asarray(out[k]) for k in out if k not in PER_TOKEN and k not in NOT_MODEL_INPUTS}
     return Document(doc.input_ids, doc.labels, origin, images=ImageInputs(per_token, per_image))
 
 

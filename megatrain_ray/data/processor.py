@@ -3,7 +3,8 @@ the model's directory.
 
 AutoProcessor builds it where it can. Where it cannot, for want of torchvision (a processor whose
 constructor checks the class of its video processor, Qwen2.5-VL's, fails without it:
-"VIDEO_PROCESSOR_MAPPING has no attribute '_extra_content'"), it is composed from its parts as
+"VIDEO_PROCESSOR_MAPPING has no attribute '_extra_content'"; one named as its processor,
+LLaVA-NeXT-Video's, recurses), it is composed from its parts as
 AutoProcessor would compose them: the model's processor class over its image processor on the PIL
 backend, its tokenizer and its processor_config.json, without a video processor (image-text rows
 have no video).
@@ -42,7 +43,9 @@ def load_processor(model_dir: str | Path, model_type: str | None):
 
     try:
         return AutoProcessor.from_pretrained(str(model_dir))
-    except (AttributeError, ImportError, ValueError, TypeError, OSError):  # no torchvision: compose it
+    # no torchvision: compose it (a video processor whose name ends as its processor's, LLaVA-NeXT-Video's
+    # LlavaNextVideoProcessor, is looked up as that processor again, without end)
+    except (AttributeError, ImportError, ValueError, TypeError, OSError, RecursionError):
         if model_type is None:
             raise DataError(f"cannot load the processor of {model_dir}: AutoProcessor failed and its config.json "
                             "names no model_type") from None

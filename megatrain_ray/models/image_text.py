@@ -73,6 +73,8 @@ COVERED = {
                     "positions from the image grids, ERNIE 4.5's decoder",
     "hunyuan_vl": "a tower over each image's patch grid, 2 x 2 merged, with learned tokens closing each row and "
                   "around the image, HunYuan's decoder",
+    "llava_next_video": "LLaVA-NeXT's CLIP tower over image tiles, projector and image-newline embedding (image rows)",
+    "video_llava": "a CLIP tower and projector (image rows)",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

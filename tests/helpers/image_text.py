@@ -300,6 +300,17 @@ TYPES["lfm3_vl"] = (*TYPES["qwen2_vl"][:2], {"text_config": {"layer_types": ["co
 # HyperCLOVA X decoder (1D positions, its multipliers, a norm after each sublayer)
 TYPES["hyperclovax_vision_v2"] = (*TYPES["qwen2_5_vl"][:2], {**TYPES["qwen2_5_vl"][2], "text_config": {}},
                                   TYPES["qwen2_5_vl"][3])
+# LLaVA-NeXT-Video: LLaVA-NeXT's model, tokens and sizes (image rows only), a processor of its own
+TYPES["llava_next_video"] = (["<image>", "<video>"], *TYPES["llava_next"][1:])
+TYPE_TOKEN_KEYS["llava_next_video"] = {"video_token_index": "<video>"}
+PROCESSOR_KWARGS["llava_next_video"] = {**PROCESSOR_KWARGS["llava_next"], "image_token": "<image>", "video_token": "<video>"}
+# Video-LLaVA: a CLIP tower and projector (images and videos through the one tower); image rows only
+TYPES["video_llava"] = (["<image>", "<video>"], "<image>",
+                        {"vision_config": {"image_size": IMAGE, "patch_size": 14, "num_hidden_layers": 2,
+                                           "projection_dim": 32}},
+                        {"size": {"shortest_edge": IMAGE}, "crop_size": {"height": IMAGE, "width": IMAGE}})
+TYPE_TOKEN_KEYS["video_llava"] = {"video_token_index": "<video>"}
+PROCESSOR_KWARGS["video_llava"] = PROCESSOR_KWARGS["llava"]
 IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
