@@ -75,6 +75,9 @@ COVERED = {
                   "around the image, HunYuan's decoder",
     "llava_next_video": "LLaVA-NeXT's CLIP tower over image tiles, projector and image-newline embedding (image rows)",
     "video_llava": "a CLIP tower and projector (image rows)",
+    "idefics2": "a SigLIP-like tower and a perceiver resampler of learned latents",
+    "granite_docling": "an Idefics3-like SigLIP tower over image tiles, a pixel-shuffle connector, deepstack "
+                       "features of inner blocks added after the first decoder layers, Granite's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -213,7 +213,9 @@ def tiny_config(model_type: str, tokenizer) -> dict:
         if isinstance(config[part].get("per_layer_config"), dict):  # a layer's own sizes (Gemma 4's), of the layers kept
             config[part]["per_layer_config"] = {k: v for k, v in config[part]["per_layer_config"].items()
                                                 if int(k) < layers}
-    config.update({k: v for k, v in sizes.items() if k not in ("text_config", "vision_config")})
+    for key, value in sizes.items():  # a third part's sizes (Idefics2's perceiver_config) merged into its defaults
+        if key not in ("text_config", "vision_config"):
+            config[key] = {**config[key], **value} if isinstance(value, dict) and isinstance(config.get(key), dict) else value
     for key, value in list(config.items()):
         if key.endswith(("token_id", "token_index")) and isinstance(value, int):
             token = {**TOKEN_KEYS, **TYPE_TOKEN_KEYS.get(model_type, {})}.get(key)
@@ -311,6 +313,23 @@ TYPES["video_llava"] = (["<image>", "<video>"], "<image>",
                         {"size": {"shortest_edge": IMAGE}, "crop_size": {"height": IMAGE, "width": IMAGE}})
 TYPE_TOKEN_KEYS["video_llava"] = {"video_token_index": "<video>"}
 PROCESSOR_KWARGS["video_llava"] = PROCESSOR_KWARGS["llava"]
+# Idefics2: a SigLIP-like tower and a perceiver resampler of a few latents (here one: one image token an image)
+TYPES["idefics2"] = (["<fake_token_around_image>", "<image>", "<end_of_utterance>"], "<image>",
+                     {"vision_config": {"image_size": IMAGE, "patch_size": 14},
+                      "perceiver_config": {"resampler_n_latents": 1, "resampler_depth": 1, "resampler_n_heads": 2,
+                                           "resampler_head_dim": 16, "num_key_value_heads": 1}},
+                     {"size": {"shortest_edge": IMAGE, "longest_edge": IMAGE}, "do_image_splitting": False})
+TYPE_TOKEN_KEYS["idefics2"] = {"image_token_id": "<image>"}
+PROCESSOR_KWARGS["idefics2"] = {"image_seq_len": 1}
+# Granite-Docling: an Idefics3-like SigLIP tower over 64-pixel tiles of 16-pixel patches, pixel-shuffled 4 x 4 into
+# one image token, deepstack features of 3 of its blocks added after the first 3 of 4 decoder layers
+TYPES["granite_docling"] = (["<fake_token_around_image>", "<image>", "<global-img>"], "<image>",
+                            {"text_config": {"num_hidden_layers": 4},
+                             "vision_config": {"image_size": 64, "patch_size": 16, "num_hidden_layers": 3,
+                                               "deepstack_visual_indexes": [0, 1, 2], "out_hidden_size": 64}},
+                            {"size": {"height": 64, "width": 64}, "crop_to_patches": False})
+TYPE_TOKEN_KEYS["granite_docling"] = {"image_token_id": "<image>"}
+PROCESSOR_KWARGS["granite_docling"] = {"image_seq_len": 1}
 IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
