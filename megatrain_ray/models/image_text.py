@@ -78,6 +78,9 @@ COVERED = {
     "idefics2": "a SigLIP-like tower and a perceiver resampler of learned latents",
     "granite_docling": "an Idefics3-like SigLIP tower over image tiles, a pixel-shuffle connector, deepstack "
                        "features of inner blocks added after the first decoder layers, Granite's decoder",
+    "deepseek_vl": "a SigLIP tower and a two-layer aligner, Llama's decoder",
+    "janus": "a SigLIP-like tower and an aligner (its image-generation VQ model and heads carried unchanged), "
+             "Llama's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -330,6 +330,25 @@ TYPES["granite_docling"] = (["<fake_token_around_image>", "<image>", "<global-im
                             {"size": {"height": 64, "width": 64}, "crop_to_patches": False})
 TYPE_TOKEN_KEYS["granite_docling"] = {"image_token_id": "<image>"}
 PROCESSOR_KWARGS["granite_docling"] = {"image_seq_len": 1}
+# DeepSeek-VL: a SigLIP tower (with its unused pooling head) and a two-layer aligner, one image token a patch
+TYPES["deepseek_vl"] = (["<image_placeholder>"], "<image_placeholder>",
+                        {"vision_config": {"image_size": IMAGE, "patch_size": 14}},
+                        {"size": {"height": IMAGE, "width": IMAGE}})
+TYPE_TOKEN_KEYS["deepseek_vl"] = {"image_token_id": "<image_placeholder>"}
+TYPE_NAMED_TOKENS["deepseek_vl"] = {"image_token": "<image_placeholder>"}
+PROCESSOR_KWARGS["deepseek_vl"] = {"num_image_tokens": 4}
+# Janus: a SigLIP-like tower and an aligner for understanding (its image-generation VQ model and heads, untouched
+# by an image-text row, are carried as the tower is)
+TYPES["janus"] = (["<image_placeholder>", "<begin_of_image>", "<end_of_image>"], "<image_placeholder>",
+                  {"vision_config": {"image_size": 32, "patch_size": 16, "num_image_tokens": 4, "projection_dim": 64},
+                   "vq_config": {"num_embeddings": 32, "embed_dim": 8, "latent_channels": 32, "base_channels": 32,
+                                 "channel_multiplier": [1, 2], "num_res_blocks": 1, "num_patches": 2,
+                                 "projection_dim": 64, "image_token_embed_dim": 64}},
+                  {"size": {"height": 32, "width": 32}})
+TYPE_TOKEN_KEYS["janus"] = {"image_token_id": "<image_placeholder>"}
+TYPE_NAMED_TOKENS["janus"] = {"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
+                              "eoi_token": "<end_of_image>"}
+PROCESSOR_KWARGS["janus"] = {"num_image_tokens": 4}
 IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 

@@ -70,8 +70,9 @@ def exact_copy(model):
 
 
 def transformers_losses(model, config, data, train_vision: bool) -> list[float]:
+    vision = vision_of(model)
     for name, p in model.named_parameters():
-        p.requires_grad_(train_vision or name not in vision_of(model))
+        p.requires_grad_(train_vision or name not in vision)
 
     def loss_sum(mb):  # the pixel values in the model's dtype (float64's exact run: LFM3-VL's tower does not cast them)
         inputs = vision_kwargs(embed_inputs(mb), dict(model.named_parameters()))
