@@ -81,6 +81,8 @@ COVERED = {
     "deepseek_vl": "a SigLIP tower and a two-layer aligner, Llama's decoder",
     "janus": "a SigLIP-like tower and an aligner (its image-generation VQ model and heads carried unchanged), "
              "Llama's decoder",
+    "minicpmv4_6": "a SigLIP-like tower with a window-attention merger between its layers, a merger of 2 x 2 "
+                   "patches, Qwen3.5's decoder (its processor needs torchvision)",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -33,7 +33,7 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                               "eoa_token_index": "<end_of_audio>"},
                    "paddleocr_vl": {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "vision_start_token_id": "<|IMAGE_START|>",
                                     "vision_end_token_id": "<|IMAGE_END|>", "video_token_id": "<|VIDEO_PLACEHOLDER|>"},
-                   "hunyuan_vl": {"image_token_id": "<hy_image>"},
+                   "hunyuan_vl": {"image_token_id": "<hy_image>"}, "minicpmv4_6": {"image_token_id": "<|image_pad|>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
                                       "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
@@ -41,6 +41,11 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is s
           "{% else %}{% for c in m.content %}{% if c.type == 'image' %}IMAGE{% else %}{{ c.text }}{% endif %}"
           "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+# Qwen3.5's tiny decoder (qwen3_5 below; MiniCPM-V's too)
+QWEN3_5_TEXT = {"layer_types": ["linear_attention", "full_attention"], "head_dim": 32,
+                "rope_parameters": {"mrope_section": [2, 1, 1]},
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4}
 # model_type -> (its tokens beside ChatML's, the placeholder its template writes for an image,
 #                its config's sizes beside TEXT and VISION, its image processor's sizes)
 TYPES = {
@@ -140,6 +145,11 @@ TYPES = {
                                 "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": TEXT["vocab_size"],
                                 "per_layer_config": {1: {"head_dim": 32}}},
                 "vision_config": {"num_key_value_heads": 2, "position_embedding_size": 64}}, None),
+    # MiniCPM-V 4.6: a SigLIP-like tower whose window-attention merger (after its first layer here) merges 2 x 2
+    # patches, a merger of 2 x 2 more into an image token, Qwen3.5's decoder
+    "minicpmv4_6": (["<image>", "</image>", "<|image_pad|>"], "<image>",
+                    {"text_config": QWEN3_5_TEXT, "insert_layer_id": 0,
+                     "vision_config": {"image_size": 56, "patch_size": 14, "num_hidden_layers": 2}}, None),
 }
 # type -> an image's tokens and its image tensors for a micro-batch of two rows of an image each, as
 # its processor makes them for an image of IMAGE pixels a side (Mistral 3: one merged patch; Cohere 2
@@ -160,6 +170,11 @@ HAND_MADE = {
                                                        torch.zeros(2, 9, 3 * 16 * 16)], dim=1),
                             "image_position_ids": torch.tensor(
                                 [[(x, y) for y in range(3) for x in range(3)] + [(-1, -1)] * 9] * 2)}),
+    # MiniCPM-V 4.6: an image of 56 pixels a side, 4 x 4 patches of 14 (16 merged into one image token); its
+    # processor packs a micro-batch's images side by side into one row of patches, with each one's patch grid
+    "minicpmv4_6": ("<image><|image_pad|></image>",
+                    lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 16 * 14, generator=gen),
+                                 "target_sizes": torch.tensor([[4, 4]] * 2, dtype=torch.int32)}),
 }
 
 
@@ -217,7 +232,7 @@ def tiny_config(model_type: str, tokenizer) -> dict:
         if key not in ("text_config", "vision_config"):
             config[key] = {**config[key], **value} if isinstance(value, dict) and isinstance(config.get(key), dict) else value
     for key, value in list(config.items()):
-        if key.endswith(("token_id", "token_index")) and isinstance(value, int):
+        if key.endswith(("token_id", "token_index")) and (isinstance(value, int) or key in TYPE_TOKEN_KEYS.get(model_type, {})):
             token = {**TOKEN_KEYS, **TYPE_TOKEN_KEYS.get(model_type, {})}.get(key)
             config[key] = tokenizer.convert_tokens_to_ids(token) if token in specials else min(value, TEXT["vocab_size"] - 1)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -266,10 +281,6 @@ TYPES["qwen3_vl_moe"] = (*TYPES["qwen3_vl"][:2], {**TYPES["qwen3_vl"][2], "text_
 # delta rule: transformers' torch code for it is slow on the CPU, so one such layer, not 3 a full one)
 # layer and one of full attention, a quarter of each head rotated (its 3D rotary positions interleaved
 # over the rotated quarter's 4 frequencies); Qwen3.5-MoE with 4 experts
-QWEN3_5_TEXT = {"layer_types": ["linear_attention", "full_attention"], "head_dim": 32,
-                "rope_parameters": {"mrope_section": [2, 1, 1]},
-                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-                "linear_num_value_heads": 4}
 TYPES["qwen3_5"] = (*TYPES["qwen3_vl"][:2], {"text_config": QWEN3_5_TEXT, "vision_config": {"out_hidden_size": 64}},
                     TYPES["qwen3_vl"][3])
 TYPES["qwen3_5_moe"] = (*TYPES["qwen3_vl"][:2], {"vision_config": {"out_hidden_size": 64}, "text_config": {
