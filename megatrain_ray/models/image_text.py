@@ -83,6 +83,8 @@ COVERED = {
              "Llama's decoder",
     "minicpmv4_6": "a SigLIP-like tower with a window-attention merger between its layers, a merger of 2 x 2 "
                    "patches, Qwen3.5's decoder (its processor needs torchvision)",
+    "minicpmv4_7": "MiniCPM-V 4.6's tower and mergers, Qwen3.5's decoder with 3D rotary positions over each image's "
+                   "canvas (its processor needs torchvision)",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -34,6 +34,8 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                    "paddleocr_vl": {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "vision_start_token_id": "<|IMAGE_START|>",
                                     "vision_end_token_id": "<|IMAGE_END|>", "video_token_id": "<|VIDEO_PLACEHOLDER|>"},
                    "hunyuan_vl": {"image_token_id": "<hy_image>"}, "minicpmv4_6": {"image_token_id": "<|image_pad|>"},
+                   "minicpmv4_7": {"image_token_id": "<|image_pad|>", "image_start_id": "<image>",
+                                   "image_end_id": "</image>", "slice_start_id": "<slice>", "slice_end_id": "</slice>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
                                       "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
@@ -150,6 +152,11 @@ TYPES = {
     "minicpmv4_6": (["<image>", "</image>", "<|image_pad|>"], "<image>",
                     {"text_config": QWEN3_5_TEXT, "insert_layer_id": 0,
                      "vision_config": {"image_size": 56, "patch_size": 14, "num_hidden_layers": 2}}, None),
+    # MiniCPM-V 4.7: 4.6's model, its decoder's 3D rotary positions laid out over each image's canvas from its patch
+    # grid, the image tokens (mm_token_type_ids) and the markers around them
+    "minicpmv4_7": (["<image>", "</image>", "<|image_pad|>", "<slice>", "</slice>"], "<image>",
+                    {"text_config": QWEN3_5_TEXT, "insert_layer_id": 0,
+                     "vision_config": {"image_size": 56, "patch_size": 14, "num_hidden_layers": 2}}, None),
 }
 # type -> an image's tokens and its image tensors for a micro-batch of two rows of an image each, as
 # its processor makes them for an image of IMAGE pixels a side (Mistral 3: one merged patch; Cohere 2
@@ -175,7 +182,13 @@ HAND_MADE = {
     "minicpmv4_6": ("<image><|image_pad|></image>",
                     lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 16 * 14, generator=gen),
                                  "target_sizes": torch.tensor([[4, 4]] * 2, dtype=torch.int32)}),
+    "minicpmv4_7": ("<image><|image_pad|></image>",
+                    lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 16 * 14, generator=gen),
+                                 "target_sizes": torch.tensor([[4, 4]] * 2, dtype=torch.int32)}),
 }
+
+# a HAND_MADE type whose processor marks its image tokens (mm_token_type_ids: 1) -> its image token
+WITH_TOKEN_TYPES = {"minicpmv4_7": "<|image_pad|>"}
 
 
 def word_tokenizer(directory: Path, specials: list[str], model_type: str = ""):
@@ -232,7 +245,7 @@ def tiny_config(model_type: str, tokenizer) -> dict:
         if key not in ("text_config", "vision_config"):
             config[key] = {**config[key], **value} if isinstance(value, dict) and isinstance(config.get(key), dict) else value
     for key, value in list(config.items()):
-        if key.endswith(("token_id", "token_index")) and (isinstance(value, int) or key in TYPE_TOKEN_KEYS.get(model_type, {})):
+        if (key.endswith(("token_id", "token_index")) and isinstance(value, int)) or key in TYPE_TOKEN_KEYS.get(model_type, {}):
             token = {**TOKEN_KEYS, **TYPE_TOKEN_KEYS.get(model_type, {})}.get(key)
             config[key] = tokenizer.convert_tokens_to_ids(token) if token in specials else min(value, TEXT["vocab_size"] - 1)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -410,8 +423,11 @@ def hand_made_batches(model_type: str, model_dir: Path, steps: int, seed: int = 
             target = [-100] * len(prompt) + answer + [-100] * 16
             rows.append(ids)
             labels.append((target[1:] + [-100])[:16])
-        out.append([{"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
-                     "position_ids": torch.arange(16).expand(2, 16).contiguous(), **image_tensors(gen)}])
+        mb = {"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
+              "position_ids": torch.arange(16).expand(2, 16).contiguous(), **image_tensors(gen)}
+        if model_type in WITH_TOKEN_TYPES:  # the processor's marks of the image tokens
+            mb["mm_token_type_ids"] = (mb["input_ids"] == tok.convert_tokens_to_ids(WITH_TOKEN_TYPES[model_type])).long()
+        out.append([mb])
     return out
 
 
