@@ -85,6 +85,8 @@ COVERED = {
                    "patches, Qwen3.5's decoder (its processor needs torchvision)",
     "minicpmv4_7": "MiniCPM-V 4.6's tower and mergers, Qwen3.5's decoder with 3D rotary positions over each image's "
                    "canvas (its processor needs torchvision)",
+    "got_ocr2": "a SAM-like tower of windowed and global attention, two strided convolutions and a projector, "
+                "Qwen2's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -33,7 +33,7 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                               "eoa_token_index": "<end_of_audio>"},
                    "paddleocr_vl": {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "vision_start_token_id": "<|IMAGE_START|>",
                                     "vision_end_token_id": "<|IMAGE_END|>", "video_token_id": "<|VIDEO_PLACEHOLDER|>"},
-                   "hunyuan_vl": {"image_token_id": "<hy_image>"}, "minicpmv4_6": {"image_token_id": "<|image_pad|>"},
+                   "hunyuan_vl": {"image_token_id": "<hy_image>"}, "minicpmv4_6": {"image_token_id": "<|image_pad|>"}, "got_ocr2": {"image_token_index": "<imgpad>"},
                    "minicpmv4_7": {"image_token_id": "<|image_pad|>", "image_start_id": "<image>",
                                    "image_end_id": "</image>", "slice_start_id": "<slice>", "slice_end_id": "</slice>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
@@ -157,6 +157,12 @@ TYPES = {
     "minicpmv4_7": (["<image>", "</image>", "<|image_pad|>", "<slice>", "</slice>"], "<image>",
                     {"text_config": QWEN3_5_TEXT, "insert_layer_id": 0,
                      "vision_config": {"image_size": 56, "patch_size": 14, "num_hidden_layers": 2}}, None),
+    # GOT-OCR 2: a SAM-like tower (windowed attention, one global layer here) over 16-pixel patches of a 64-pixel
+    # image, two strided convolutions into one image token, Qwen2's decoder; its processor writes 256 image tokens
+    # a tile (the tower's for its 1024-pixel tiles), too many for the test's rows
+    "got_ocr2": (["<img>", "</img>", "<imgpad>"], "<img><imgpad></img>",
+                 {"vision_config": {"image_size": 64, "patch_size": 16, "output_channels": 16, "mlp_dim": 64,
+                                    "window_size": 2, "global_attn_indexes": [0]}}, None),
 }
 # type -> an image's tokens and its image tensors for a micro-batch of two rows of an image each, as
 # its processor makes them for an image of IMAGE pixels a side (Mistral 3: one merged patch; Cohere 2
@@ -185,6 +191,7 @@ HAND_MADE = {
     "minicpmv4_7": ("<image><|image_pad|></image>",
                     lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 16 * 14, generator=gen),
                                  "target_sizes": torch.tensor([[4, 4]] * 2, dtype=torch.int32)}),
+    "got_ocr2": ("<img><imgpad></img>", lambda gen: {"pixel_values": torch.randn(2, 3, 64, 64, generator=gen)}),
 }
 
 # a HAND_MADE type whose processor marks its image tokens (mm_token_type_ids: 1) -> its image token
