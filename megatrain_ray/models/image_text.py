@@ -87,6 +87,8 @@ COVERED = {
                    "canvas (its processor needs torchvision)",
     "got_ocr2": "a SAM-like tower of windowed and global attention, two strided convolutions and a projector, "
                 "Qwen2's decoder",
+    "aria": "an Idefics3-like tower, a projector of learned queries cross-attending to the patches, a decoder of "
+            "experts beside shared ones",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

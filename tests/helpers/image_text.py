@@ -33,7 +33,8 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                               "eoa_token_index": "<end_of_audio>"},
                    "paddleocr_vl": {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "vision_start_token_id": "<|IMAGE_START|>",
                                     "vision_end_token_id": "<|IMAGE_END|>", "video_token_id": "<|VIDEO_PLACEHOLDER|>"},
-                   "hunyuan_vl": {"image_token_id": "<hy_image>"}, "minicpmv4_6": {"image_token_id": "<|image_pad|>"}, "got_ocr2": {"image_token_index": "<imgpad>"},
+                   "hunyuan_vl": {"image_token_id": "<hy_image>"}, "minicpmv4_6": {"image_token_id": "<|image_pad|>"},
+                   "got_ocr2": {"image_token_index": "<imgpad>"}, "aria": {"image_token_index": "<|img|>"},
                    "minicpmv4_7": {"image_token_id": "<|image_pad|>", "image_start_id": "<image>",
                                    "image_end_id": "</image>", "slice_start_id": "<slice>", "slice_end_id": "</slice>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
@@ -163,6 +164,12 @@ TYPES = {
     "got_ocr2": (["<img>", "</img>", "<imgpad>"], "<img><imgpad></img>",
                  {"vision_config": {"image_size": 64, "patch_size": 16, "output_channels": 16, "mlp_dim": 64,
                                     "window_size": 2, "global_attn_indexes": [0]}}, None),
+    # Aria: an Idefics3-like tower, a projector of learned queries cross-attending to the patches (one query for an
+    # image of 2 x 2 patches here), Aria's decoder of 4 experts (2 a token) beside 2 shared ones; its processor
+    # resizes every image to 980 pixels a side (the processor's default, over its image processor's)
+    "aria": (["<|img|>"], "<|img|>",
+             {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "projector_patch_to_query_dict": {4: 1},
+              "text_config": {"moe_num_experts": 4}}, None),
 }
 # type -> an image's tokens and its image tensors for a micro-batch of two rows of an image each, as
 # its processor makes them for an image of IMAGE pixels a side (Mistral 3: one merged patch; Cohere 2
@@ -192,6 +199,8 @@ HAND_MADE = {
                     lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 16 * 14, generator=gen),
                                  "target_sizes": torch.tensor([[4, 4]] * 2, dtype=torch.int32)}),
     "got_ocr2": ("<img><imgpad></img>", lambda gen: {"pixel_values": torch.randn(2, 3, 64, 64, generator=gen)}),
+    "aria": ("<|img|>", lambda gen: {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen),
+                                     "pixel_mask": torch.ones(2, IMAGE, IMAGE, dtype=torch.bool)}),
 }
 
 # a HAND_MADE type whose processor marks its image tokens (mm_token_type_ids: 1) -> its image token
