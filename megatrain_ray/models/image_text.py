@@ -89,6 +89,8 @@ COVERED = {
                 "Qwen2's decoder",
     "aria": "an Idefics3-like tower, a projector of learned queries cross-attending to the patches, a decoder of "
             "experts beside shared ones",
+    "ovis2": "a SigLIP-like tower whose patches become probabilities over a visual vocabulary embedded by a table, "
+             "indicator tokens around each image, Qwen2's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

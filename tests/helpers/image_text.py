@@ -261,7 +261,9 @@ def tiny_config(model_type: str, tokenizer) -> dict:
         if key not in ("text_config", "vision_config"):
             config[key] = {**config[key], **value} if isinstance(value, dict) and isinstance(config.get(key), dict) else value
     for key, value in list(config.items()):
-        if (key.endswith(("token_id", "token_index")) and isinstance(value, int)) or key in TYPE_TOKEN_KEYS.get(model_type, {}):
+        if isinstance(TYPE_TOKEN_KEYS.get(model_type, {}).get(key), list):  # a list of token ids (Ovis2's indicators)
+            config[key] = tokenizer.convert_tokens_to_ids(TYPE_TOKEN_KEYS[model_type][key])
+        elif (key.endswith(("token_id", "token_index")) and isinstance(value, int)) or key in TYPE_TOKEN_KEYS.get(model_type, {}):
             token = {**TOKEN_KEYS, **TYPE_TOKEN_KEYS.get(model_type, {})}.get(key)
             config[key] = tokenizer.convert_tokens_to_ids(token) if token in specials else min(value, TEXT["vocab_size"] - 1)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -389,6 +391,15 @@ TYPE_TOKEN_KEYS["janus"] = {"image_token_id": "<image_placeholder>"}
 TYPE_NAMED_TOKENS["janus"] = {"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
                               "eoi_token": "<end_of_image>"}
 PROCESSOR_KWARGS["janus"] = {"num_image_tokens": 4}
+# Ovis2: a SigLIP-like tower whose patches become probabilities over a visual vocabulary, embedded by its table
+# (5 indicator tokens around an image's tiles), Qwen2's decoder
+OVIS2_INDICATORS = ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"]
+TYPES["ovis2"] = (["<image>", "<IMG_ATOM>", *OVIS2_INDICATORS], "<image>",
+                  {"vision_config": {"image_size": IMAGE, "patch_size": 14, "vocab_size": 32}, "vocab_size": 32,
+                   "hidden_size": TEXT["hidden_size"]},
+                  {"size": {"height": IMAGE, "width": IMAGE}})
+TYPE_TOKEN_KEYS["ovis2"] = {"image_token_id": "<IMG_ATOM>", "visual_indicator_token_ids": OVIS2_INDICATORS}
+PROCESSOR_KWARGS["ovis2"] = {"image_seq_length": 4}
 IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
