@@ -91,6 +91,8 @@ COVERED = {
             "experts beside shared ones",
     "ovis2": "a SigLIP-like tower whose patches become probabilities over a visual vocabulary embedded by a table, "
              "indicator tokens around each image, Qwen2's decoder",
+    "video_llama_3": "a SigLIP-like tower over each image's patch grid with 2D rotary positions, a projector, "
+                     "Qwen2's decoder (image rows)",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -400,6 +400,11 @@ TYPES["ovis2"] = (["<image>", "<IMG_ATOM>", *OVIS2_INDICATORS], "<image>",
                   {"size": {"height": IMAGE, "width": IMAGE}})
 TYPE_TOKEN_KEYS["ovis2"] = {"image_token_id": "<IMG_ATOM>", "visual_indicator_token_ids": OVIS2_INDICATORS}
 PROCESSOR_KWARGS["ovis2"] = {"image_seq_length": 4}
+# VideoLLaMA3 (image rows): a SigLIP-like tower over each image's patch grid with 2D rotary positions and a
+# projector, Qwen2's decoder; Qwen2-VL's tokens
+TYPES["video_llama_3"] = (["<|image_pad|>", "<|video_pad|>"], "<|image_pad|>",
+                          {"vision_config": {"patch_size": 14}},
+                          {"size": {"shortest_edge": IMAGE * IMAGE, "longest_edge": 56 * 56}})
 IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
