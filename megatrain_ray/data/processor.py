@@ -61,13 +61,25 @@ def composed_processor(model_dir: str, model_type: str):
     from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    base = getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
+    named = processor_class_named(model_dir)  # as AutoProcessor reads it (one of transformers'); else the type's own
+    base = getattr(transformers, named, None) if named else None
+    base = base or getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
     cls = without_video_check(base)
     processor_dict, _ = cls.get_processor_dict(model_dir)
     parts = {"image_processor": AutoImageProcessor.from_pretrained(model_dir, backend="pil"),
              "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
     args = [parts.get(name) for name in cls.get_attributes()]
     return cls.from_args_and_dict(args, processor_dict)
+
+
+def processor_class_named(model_dir: str) -> str | None:
+    """The processor class that the directory's processor_config.json names (GLM-OCR's, a type with
+    no processor of its own, names GLM-4V's), None where it names none."""
+    file = Path(model_dir) / "processor_config.json"
+    if not file.is_file():
+        return None
+    named = json.loads(file.read_text()).get("processor_class")
+    return named if isinstance(named, str) else None
 
 
 def without_video_check(base: type) -> type:

@@ -93,6 +93,8 @@ COVERED = {
              "indicator tokens around each image, Qwen2's decoder",
     "video_llama_3": "a SigLIP-like tower over each image's patch grid with 2D rotary positions, a projector, "
                      "Qwen2's decoder (image rows)",
+    "glm_ocr": "a GLM-4V-like vision tower and merger, 3D rotary positions from the image grids, GLM-4's decoder "
+               "(GLM-4V's processor)",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -286,7 +286,7 @@ def save_processor(model_type: str, tokenizer, chat_template: str, directory: Pa
     tokenizer.save_pretrained(directory)
     (directory / "chat_template.jinja").write_text(chat_template)
     (directory / "processor_config.json").write_text(json.dumps(
-        {"processor_class": PROCESSOR_MAPPING_NAMES[model_type], **extra}))
+        {"processor_class": PROCESSOR_CLASS_OF.get(model_type) or PROCESSOR_MAPPING_NAMES[model_type], **extra}))
 
 
 PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy": "default",
@@ -405,7 +405,12 @@ PROCESSOR_KWARGS["ovis2"] = {"image_seq_length": 4}
 TYPES["video_llama_3"] = (["<|image_pad|>", "<|video_pad|>"], "<|image_pad|>",
                           {"vision_config": {"patch_size": 14}},
                           {"size": {"shortest_edge": IMAGE * IMAGE, "longest_edge": 56 * 56}})
-IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
+# GLM-OCR: a GLM-4V-like tower and merger (3D rotary positions from the image grids), GLM-4's decoder, GLM-4V's
+# tokens and sizes; no processor of its own: its directory names GLM-4V's
+for by_type in (TYPES, TYPE_TOKEN_KEYS):
+    by_type["glm_ocr"] = by_type["glm4v"]
+PROCESSOR_CLASS_OF = {"glm_ocr": "Glm4vProcessor"}  # a type's processor where transformers names none for it
+IMAGE_PROCESSOR_OF = {"glm_ocr": "glm4v", "qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 
