@@ -122,6 +122,13 @@ def joined_axes(processor) -> dict[str, int]:
     return out
 
 
+def token_types_asked(processor) -> dict[str, bool]:
+    """The processor asked for the image tokens' marks (mm_token_type_ids) where the model takes
+    them (its model_input_names): Cosmos3-Edge's processor makes them only when asked, and its
+    model's 3D rotary positions need them."""
+    return {"return_mm_token_type_ids": True} if "mm_token_type_ids" in getattr(processor, "model_input_names", ()) else {}
+
+
 def image_text_document(origin: Origin, row: dict[str, Any], processor, template: ChatTemplate,
                         vocab_size: int, seq_len: int, joined: dict[str, int] | None = None) -> Document:
     chat, count = with_image_items(sharegpt_messages(row, origin, strict=False))
@@ -133,7 +140,8 @@ def image_text_document(origin: Origin, row: dict[str, Any], processor, template
     tokenizer = processor.tokenizer
     plain = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     marks = trained_tokens(plain["offset_mapping"], spans)
-    out = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="np")
+    out = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="np",
+                    **token_types_asked(processor))
     ids = np.asarray(out["input_ids"][0], dtype=np.int64)
     if len(ids) > seq_len:
         raise BadRow(origin, "image-text row longer than data.seq_len",

@@ -95,6 +95,8 @@ COVERED = {
                      "Qwen2's decoder (image rows)",
     "glm_ocr": "a GLM-4V-like vision tower and merger, 3D rotary positions from the image grids, GLM-4's decoder "
                "(GLM-4V's processor)",
+    "cosmos3_edge": "a SigLIP-like tower over each image's patch grid, 2 x 2 merged, and a projector, 3D rotary "
+                    "positions from the image grids, its decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -410,6 +410,12 @@ TYPES["video_llama_3"] = (["<|image_pad|>", "<|video_pad|>"], "<|image_pad|>",
 for by_type in (TYPES, TYPE_TOKEN_KEYS):
     by_type["glm_ocr"] = by_type["glm4v"]
 PROCESSOR_CLASS_OF = {"glm_ocr": "Glm4vProcessor"}  # a type's processor where transformers names none for it
+# Cosmos3-Edge: a SigLIP-like tower over each image's grid of 16-pixel patches (a 32-pixel image: 2 x 2, merged
+# into one image token) and a projector, 3D rotary positions from the image grids, its decoder; Qwen2-VL's tokens
+TYPES["cosmos3_edge"] = (TYPES["qwen2_vl"][0], TYPES["qwen2_vl"][1],
+                         {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
+                          "vision_config": {"patch_size": 16, "num_patches": 16}, "projector_hidden_size": 64},
+                         {"size": {"shortest_edge": 32 * 32, "longest_edge": 32 * 32}})
 IMAGE_PROCESSOR_OF = {"glm_ocr": "glm4v", "qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 

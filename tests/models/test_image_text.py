@@ -57,7 +57,8 @@ def vision_of(model) -> set[str]:
     decoder = model.get_decoder()
     inner = {n for n, _ in decoder.named_parameters()}
     prefix = next(n for n, m in model.named_modules() if m is decoder) + "."
-    return {n for n, _ in model.named_parameters() if n[len(prefix):] not in inner and not n.startswith("lm_head")}
+    return {n for n, _ in model.named_parameters()
+            if not (n.startswith(prefix) and n[len(prefix):] in inner) and not n.startswith("lm_head")}
 
 
 def exact_copy(model):
