@@ -97,6 +97,8 @@ COVERED = {
                "(GLM-4V's processor)",
     "cosmos3_edge": "a SigLIP-like tower over each image's patch grid, 2 x 2 merged, and a projector, 3D rotary "
                     "positions from the image grids, its decoder",
+    "cosmos3_omni": "Qwen3-VL's vision tower, merger, deepstack features and decoder (Qwen3-VL's processor)",
+    "glmga": "GLM-4.6V's vision tower, merger and decoder (GLM-4.6V's processor)",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -416,7 +416,14 @@ TYPES["cosmos3_edge"] = (TYPES["qwen2_vl"][0], TYPES["qwen2_vl"][1],
                          {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
                           "vision_config": {"patch_size": 16, "num_patches": 16}, "projector_hidden_size": 64},
                          {"size": {"shortest_edge": 32 * 32, "longest_edge": 32 * 32}})
-IMAGE_PROCESSOR_OF = {"glm_ocr": "glm4v", "qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
+# Cosmos3-Omni: Qwen3-VL's tower, deepstack and decoder, tokens and sizes; GLM-GA (glmga): GLM-4.6V's model, GLM-4V's
+# tokens and sizes, an image processor of its own; neither has a processor of its own: their directories name Qwen3-VL's
+# and GLM-4.6V's
+TYPES["cosmos3_omni"] = TYPES["qwen3_vl"]
+for by_type in (TYPES, TYPE_TOKEN_KEYS):
+    by_type["glmga"] = by_type["glm4v"]
+PROCESSOR_CLASS_OF.update({"cosmos3_omni": "Qwen3VLProcessor", "glmga": "Glm46VProcessor"})
+IMAGE_PROCESSOR_OF = {"glm_ocr": "glm4v", "cosmos3_omni": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 
