@@ -32,7 +32,8 @@ import torch
 
 # the micro-batch's keys that are not the model's inputs
 NOT_INPUTS = ("labels", "position_ids")
-# the model's inputs that only its vision tower reads (the rest make the positions and masks)
+# the model's inputs that only its vision tower reads (the rest make the positions and masks), beside
+# any other pixel values (DeepSeek-VL-Hybrid's high_res_pixel_values: is_pixels)
 PIXEL_KEYS = ("pixel_values", "pixel_attention_mask")
 
 # model_type -> the structure covered (tested against transformers, tests/models/test_image_text.py)
@@ -99,6 +100,8 @@ COVERED = {
                     "positions from the image grids, its decoder",
     "cosmos3_omni": "Qwen3-VL's vision tower, merger, deepstack features and decoder (Qwen3-VL's processor)",
     "glmga": "GLM-4.6V's vision tower, merger and decoder (GLM-4.6V's processor)",
+    "deepseek_vl_hybrid": "DeepSeek-VL's SigLIP tower beside a SAM tower over the image at a higher resolution, "
+                          "their features joined by an aligner, Llama's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }
@@ -133,10 +136,15 @@ def embed_inputs(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in mb.items() if k not in NOT_INPUTS}
 
 
+def is_pixels(key: str) -> bool:
+    """Whether the model's input `key` is one that only its vision towers read."""
+    return key in PIXEL_KEYS or key.endswith("pixel_values")
+
+
 def vision_kwargs(inputs: dict[str, torch.Tensor], w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's inputs with its pixel values in the weights' dtype (the compute dtype)."""
     dtype = next(iter(w.values())).dtype
-    return {k: v.to(dtype) if k in PIXEL_KEYS and v.is_floating_point() else v for k, v in inputs.items()}
+    return {k: v.to(dtype) if is_pixels(k) and v.is_floating_point() else v for k, v in inputs.items()}
 
 
 def tower_shape(config: dict[str, Any]) -> tuple[int, int, int, int, float]:

@@ -423,6 +423,17 @@ TYPES["cosmos3_omni"] = TYPES["qwen3_vl"]
 for by_type in (TYPES, TYPE_TOKEN_KEYS):
     by_type["glmga"] = by_type["glm4v"]
 PROCESSOR_CLASS_OF.update({"cosmos3_omni": "Qwen3VLProcessor", "glmga": "Glm46VProcessor"})
+# DeepSeek-VL-Hybrid: DeepSeek-VL's SigLIP tower (2 x 2 patches of a 32-pixel image) beside a SAM tower over the image
+# at a higher resolution (64 pixels here), their features joined by the aligner
+TYPES["deepseek_vl_hybrid"] = (["<image_placeholder>"], "<image_placeholder>",
+                               {"vision_config": {"image_size": 32, "patch_size": 16},
+                                "high_res_vision_config": {"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 1,
+                                                           "num_attention_heads": 2, "image_size": 64, "patch_size": 16,
+                                                           "window_size": 2, "global_attn_indexes": [0], "mlp_dim": 64}},
+                               {"size": {"height": 32, "width": 32}, "high_res_size": {"height": 64, "width": 64}})
+TYPE_TOKEN_KEYS["deepseek_vl_hybrid"] = TYPE_TOKEN_KEYS["deepseek_vl"]
+TYPE_NAMED_TOKENS["deepseek_vl_hybrid"] = TYPE_NAMED_TOKENS["deepseek_vl"]
+PROCESSOR_KWARGS["deepseek_vl_hybrid"] = PROCESSOR_KWARGS["deepseek_vl"]
 IMAGE_PROCESSOR_OF = {"glm_ocr": "glm4v", "cosmos3_omni": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
