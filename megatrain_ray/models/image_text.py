@@ -102,6 +102,8 @@ COVERED = {
     "glmga": "GLM-4.6V's vision tower, merger and decoder (GLM-4.6V's processor)",
     "deepseek_vl_hybrid": "DeepSeek-VL's SigLIP tower beside a SAM tower over the image at a higher resolution, "
                           "their features joined by an aligner, Llama's decoder",
+    "minicpm_ocr": "MiniCPM-V 4.6's tower and merger reading 4 times more image tokens (its window-attention "
+                   "merger left out), Qwen3.5's decoder (its processor needs torchvision)",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

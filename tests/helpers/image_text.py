@@ -34,6 +34,7 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                    "paddleocr_vl": {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "vision_start_token_id": "<|IMAGE_START|>",
                                     "vision_end_token_id": "<|IMAGE_END|>", "video_token_id": "<|VIDEO_PLACEHOLDER|>"},
                    "hunyuan_vl": {"image_token_id": "<hy_image>"}, "minicpmv4_6": {"image_token_id": "<|image_pad|>"},
+                   "minicpm_ocr": {"image_token_id": "<|image_pad|>"},
                    "got_ocr2": {"image_token_index": "<imgpad>"}, "aria": {"image_token_index": "<|img|>"},
                    "minicpmv4_7": {"image_token_id": "<|image_pad|>", "image_start_id": "<image>",
                                    "image_end_id": "</image>", "slice_start_id": "<slice>", "slice_end_id": "</slice>"},
@@ -170,6 +171,11 @@ TYPES = {
     "aria": (["<|img|>"], "<|img|>",
              {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "projector_patch_to_query_dict": {4: 1},
               "text_config": {"moe_num_experts": 4}}, None),
+    # MiniCPM-OCR: MiniCPM-V 4.6's model reading 4 times more image tokens (downsample_mode 4x: the tower's
+    # window-attention merger left out, the 2 x 2 merger alone)
+    "minicpm_ocr": (["<image>", "</image>", "<|image_pad|>"], "<image>",
+                    {"text_config": QWEN3_5_TEXT, "vision_config": {"image_size": 56, "patch_size": 14,
+                                                                    "num_hidden_layers": 2}}, None),
 }
 # type -> an image's tokens and its image tensors for a micro-batch of two rows of an image each, as
 # its processor makes them for an image of IMAGE pixels a side (Mistral 3: one merged patch; Cohere 2
@@ -198,6 +204,10 @@ HAND_MADE = {
     "minicpmv4_7": ("<image><|image_pad|></image>",
                     lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 16 * 14, generator=gen),
                                  "target_sizes": torch.tensor([[4, 4]] * 2, dtype=torch.int32)}),
+    # MiniCPM-OCR: an image of 28 pixels a side, 2 x 2 patches of 14 merged into one image token
+    "minicpm_ocr": ("<image><|image_pad|></image>",
+                    lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 4 * 14, generator=gen),
+                                 "target_sizes": torch.tensor([[2, 2]] * 2, dtype=torch.int32)}),
     "got_ocr2": ("<img><imgpad></img>", lambda gen: {"pixel_values": torch.randn(2, 3, 64, 64, generator=gen)}),
     "aria": ("<|img|>", lambda gen: {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen),
                                      "pixel_mask": torch.ones(2, IMAGE, IMAGE, dtype=torch.bool)}),
