@@ -104,6 +104,7 @@ COVERED = {
                           "their features joined by an aligner, Llama's decoder",
     "minicpm_ocr": "MiniCPM-V 4.6's tower and merger reading 4 times more image tokens (its window-attention "
                    "merger left out), Qwen3.5's decoder (its processor needs torchvision)",
+    "pp_chart2table": "GOT-OCR 2's SAM-like tower, strided convolutions and projector, Qwen2's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }

@@ -444,6 +444,11 @@ TYPES["deepseek_vl_hybrid"] = (["<image_placeholder>"], "<image_placeholder>",
 TYPE_TOKEN_KEYS["deepseek_vl_hybrid"] = TYPE_TOKEN_KEYS["deepseek_vl"]
 TYPE_NAMED_TOKENS["deepseek_vl_hybrid"] = TYPE_NAMED_TOKENS["deepseek_vl"]
 PROCESSOR_KWARGS["deepseek_vl_hybrid"] = PROCESSOR_KWARGS["deepseek_vl"]
+# PP-Chart2Table: GOT-OCR 2's model (its sizes and tokens), a processor of its own whose chat template writes the
+# image tokens
+TYPES["pp_chart2table"] = (TYPES["got_ocr2"][0], TYPES["got_ocr2"][1], TYPES["got_ocr2"][2],
+                           {"size": {"height": 64, "width": 64}})
+TYPE_TOKEN_KEYS["pp_chart2table"] = TYPE_TOKEN_KEYS["got_ocr2"]
 IMAGE_PROCESSOR_OF = {"glm_ocr": "glm4v", "cosmos3_omni": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
