@@ -104,13 +104,14 @@ def joined_axes(processor) -> dict[str, int]:
     """Per image tensor of the processor's image processor whose images are not joined along the
     first axis, the axis they are joined along: a processor that packs a batch's images side by
     side into one row of patches (MiniCPM-V's pixel_values, [1, channels, patch, patches x patch])
-    grows that axis, not the first, with more images. Found from its outputs for one and for two
-    small blank images; none where it cannot process them."""
+    grows that axis, not the first, with more rows. Found from its outputs for one and for two rows
+    of a small blank image each (as it is given a batch's images: a list per row); none where it
+    cannot process them."""
     from PIL import Image
 
     image = Image.new("RGB", (PROBE_PIXELS, PROBE_PIXELS))
     try:
-        one, two = (processor.image_processor([image] * n, return_tensors="np") for n in (1, 2))
+        one, two = (processor.image_processor([[image]] * n, return_tensors="np") for n in (1, 2))
     except Exception:  # an image processor that wants other images: its tensors are joined along the first axis
         return {}
     out = {}
