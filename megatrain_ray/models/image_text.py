@@ -80,7 +80,7 @@ COVERED = {
     "granite_docling": "an Idefics3-like SigLIP tower over image tiles, a pixel-shuffle connector, deepstack "
                        "features of inner blocks added after the first decoder layers, Granite's decoder",
     "deepseek_vl": "a SigLIP tower and a two-layer aligner, Llama's decoder",
-    "janus": "a SigLIP-like tower and an aligner (its image-generation VQ model and heads carried unchanged), "
+    "janus": "a SigLIP-like tower and an aligner (its image-generation VQ model and heads belong to the tower), "
              "Llama's decoder",
     "minicpmv4_6": "a SigLIP-like tower with a window-attention merger between its layers, a merger of 2 x 2 "
                    "patches, Qwen3.5's decoder (its processor needs torchvision)",
