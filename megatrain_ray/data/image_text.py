@@ -44,6 +44,10 @@ IMAGE_READ_ROWS = 16  # rows read from a file at a time (their documents hold pi
 # the processor's outputs that are not image tensors: one value per token, or not the model's
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
 NOT_MODEL_INPUTS = ("input_ids", "attention_mask", "offset_mapping")
+# an image processor's old names of the model's inputs -> the names its forward now takes (Video-LLaVA's
+# image processor still returns pixel_values_images by default; its forward maps it to pixel_values)
+RENAMED = {"pixel_values_images": "pixel_values"}
+PROBE_PIXELS = 56  # a side of the blank images that tell how a processor joins images (joined_axes)
 
 
 def with_image_items(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
@@ -96,8 +100,38 @@ def carried_marks(plain: list[int], marks: list[bool], expanded: list[int]) -> n
     return out
 
 
+def joined_axes(processor) -> dict[str, int]:
+    """Per image tensor of the processor's image processor whose images are not joined along the
+    first axis, the axis they are joined along: a processor that packs a batch's images side by
+    side into one row of patches (MiniCPM-V's pixel_values, [1, channels, patch, patches x patch])
+    grows that axis, not the first, with more rows. Found from its outputs for one and for two rows
+    of a small blank image each (as it is given a batch's images: a list per row); none where it
+    cannot process them."""
+    from PIL import Image
+
+    image = Image.new("RGB", (PROBE_PIXELS, PROBE_PIXELS))
+    try:
+        one, two = (processor.image_processor([[image]] * n, return_tensors="np") for n in (1, 2))
+    except Exception:  # an image processor that wants other images: its tensors are joined along the first axis
+        return {}
+    out = {}
+    for key in one:
+        a, b = np.shape(one[key]), np.shape(two[key])
+        grown = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        if len(a) == len(b) and a[:1] == (1,) and len(grown) == 1 and grown[0] > 0:
+            out[key] = grown[0]
+    return out
+
+
+def token_types_asked(processor) -> dict[str, bool]:
+    """The processor asked for the image tokens' marks (mm_token_type_ids) where the model takes
+    them (its model_input_names): Cosmos3-Edge's processor makes them only when asked, and its
+    model's 3D rotary positions need them."""
+    return {"return_mm_token_type_ids": True} if "mm_token_type_ids" in getattr(processor, "model_input_names", ()) else {}
+
+
 def image_text_document(origin: Origin, row: dict[str, Any], processor, template: ChatTemplate,
-                        vocab_size: int, seq_len: int) -> Document:
+                        vocab_size: int, seq_len: int, joined: dict[str, int] | None = None) -> Document:
     chat, count = with_image_items(sharegpt_messages(row, origin, strict=False))
     skip = skip_reason(chat)
     if skip is not None:
@@ -107,7 +141,8 @@ def image_text_document(origin: Origin, row: dict[str, Any], processor, template
     tokenizer = processor.tokenizer
     plain = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     marks = trained_tokens(plain["offset_mapping"], spans)
-    out = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="np")
+    out = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="np",
+                    **token_types_asked(processor))
     ids = np.asarray(out["input_ids"][0], dtype=np.int64)
     if len(ids) > seq_len:
         raise BadRow(origin, "image-text row longer than data.seq_len",
@@ -116,13 +151,14 @@ def image_text_document(origin: Origin, row: dict[str, Any], processor, template
     check_token_ids(ids, vocab_size, origin, "tokens")
     doc = masked_document(ids, carried_marks(list(plain["input_ids"]), marks, ids.tolist()), origin)
     per_token = {k: np.asarray(out[k][0]) for k in out if k in PER_TOKEN}
-    per_image = {k: np.asarray(out[k]) for k in out if k not in PER_TOKEN and k not in NOT_MODEL_INPUTS}
-    return Document(doc.input_ids, doc.labels, origin, images=ImageInputs(per_token, per_image))
+    per_image = {RENAMED.get(k, k): np.asarray(out[k]) for k in out if k not in PER_TOKEN and k not in NOT_MODEL_INPUTS}
+    return Document(doc.input_ids, doc.labels, origin, images=ImageInputs(per_token, per_image, joined or {}))
 
 
 def image_text_documents(batch: RowBatch, processor, template: ChatTemplate, vocab_size: int,
                          seq_len: int) -> list[Document]:
-    return [image_text_document(origin, row, processor, template, vocab_size, seq_len) for origin, row in batch]
+    joined = joined_axes(processor)
+    return [image_text_document(origin, row, processor, template, vocab_size, seq_len, joined) for origin, row in batch]
 
 
 class RowConverter:
@@ -133,6 +169,7 @@ class RowConverter:
     def __init__(self, processor, template: ChatTemplate, vocab_size: int, seq_len: int, policy: str):
         self.processor, self.template, self.vocab_size, self.seq_len = processor, template, vocab_size, seq_len
         self.policy = policy
+        self.joined = joined_axes(processor)
         self.local = threading.local()
 
     def __call__(self, item: tuple[Origin, Any]) -> Document:
@@ -143,7 +180,8 @@ class RowConverter:
         if processor is None:
             processor = self.local.processor = copy.deepcopy(self.processor)
         try:
-            return image_text_document(origin, row, processor, self.template, self.vocab_size, self.seq_len)
+            return image_text_document(origin, row, processor, self.template, self.vocab_size, self.seq_len,
+                                       self.joined)
         except BadRow as e:
             return apply_policy(e, self.policy)
 
@@ -163,15 +201,17 @@ def in_order_on_threads(fn: Callable, items: Iterable, threads: int = IMAGE_THRE
 class ImageInputs:
     """A document's inputs for the model's vision side, as its processor made them: `per_token`,
     one value per token (token types; padded with 0), and `per_image`, the image tensors (pixel
-    values, image grids or sizes: a micro-batch concatenates its rows' along the first axis)."""
+    values, image grids or sizes: a micro-batch concatenates its rows' along the first axis, or
+    along the axis `joined` names, where its processor packs images side by side: joined_axes)."""
 
-    def __init__(self, per_token: dict[str, np.ndarray], per_image: dict[str, np.ndarray]):
-        self.per_token, self.per_image = per_token, per_image
+    def __init__(self, per_token: dict[str, np.ndarray], per_image: dict[str, np.ndarray],
+                 joined: dict[str, int] | None = None):
+        self.per_token, self.per_image, self.joined = per_token, per_image, joined or {}
 
 
 def stack_image_inputs(rows: list, seq_len: int) -> dict[str, np.ndarray]:
     """A micro-batch's image inputs: per-token values stacked (0 where a row has none), image
-    tensors concatenated in row order."""
+    tensors concatenated in row order (along the axis their processor joins images on)."""
     found = [r.images for r in rows if r.images is not None]
     if not found:
         return {}
@@ -184,5 +224,6 @@ def stack_image_inputs(rows: list, seq_len: int) -> dict[str, np.ndarray]:
                 stacked[i, :len(values)] = values
         out[key] = stacked
     for key in sorted({k for f in found for k in f.per_image}):
-        out[key] = np.concatenate([f.per_image[key] for f in found if key in f.per_image])
+        with_key = [f for f in found if key in f.per_image]
+        out[key] = np.concatenate([f.per_image[key] for f in with_key], axis=with_key[0].joined.get(key, 0))
     return out

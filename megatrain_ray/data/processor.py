@@ -3,7 +3,8 @@ the model's directory.
 
 AutoProcessor builds it where it can. Where it cannot, for want of torchvision (a processor whose
 constructor checks the class of its video processor, Qwen2.5-VL's, fails without it:
-"VIDEO_PROCESSOR_MAPPING has no attribute '_extra_content'"), it is composed from its parts as
+"VIDEO_PROCESSOR_MAPPING has no attribute '_extra_content'"; one named as its processor,
+LLaVA-NeXT-Video's, recurses), it is composed from its parts as
 AutoProcessor would compose them: the model's processor class over its image processor on the PIL
 backend, its tokenizer and its processor_config.json, without a video processor (image-text rows
 have no video).
@@ -42,7 +43,9 @@ def load_processor(model_dir: str | Path, model_type: str | None):
 
     try:
         return AutoProcessor.from_pretrained(str(model_dir))
-    except (AttributeError, ImportError, ValueError, TypeError, OSError):  # no torchvision: compose it
+    # no torchvision: compose it (a video processor whose name ends as its processor's, LLaVA-NeXT-Video's
+    # LlavaNextVideoProcessor, is looked up as that processor again, without end)
+    except (AttributeError, ImportError, ValueError, TypeError, OSError, RecursionError):
         if model_type is None:
             raise DataError(f"cannot load the processor of {model_dir}: AutoProcessor failed and its config.json "
                             "names no model_type") from None
@@ -58,13 +61,25 @@ def composed_processor(model_dir: str, model_type: str):
     from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    base = getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
+    named = processor_class_named(model_dir)  # as AutoProcessor reads it (one of transformers'); else the type's own
+    base = getattr(transformers, named, None) if named else None
+    base = base or getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
     cls = without_video_check(base)
     processor_dict, _ = cls.get_processor_dict(model_dir)
     parts = {"image_processor": AutoImageProcessor.from_pretrained(model_dir, backend="pil"),
              "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
     args = [parts.get(name) for name in cls.get_attributes()]
     return cls.from_args_and_dict(args, processor_dict)
+
+
+def processor_class_named(model_dir: str) -> str | None:
+    """The processor class that the directory's processor_config.json names (GLM-OCR's, a type with
+    no processor of its own, names GLM-4V's), None where it names none."""
+    file = Path(model_dir) / "processor_config.json"
+    if not file.is_file():
+        return None
+    named = json.loads(file.read_text()).get("processor_class")
+    return named if isinstance(named, str) else None
 
 
 def without_video_check(base: type) -> type:

@@ -29,7 +29,7 @@ from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX, ModelFamily, Weights
 from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, ParamSlot, lay_out
-from megatrain_ray.models.image_text import PIXEL_KEYS, embed_inputs, tower_bytes, vision_kwargs
+from megatrain_ray.models.image_text import embed_inputs, is_pixels, tower_bytes, vision_kwargs
 from megatrain_ray.models.moe import stored_as, stored_in_rows, stored_per_expert
 
 # config.json keys that say nothing about the model's tensors or arithmetic
@@ -763,7 +763,7 @@ def layer_calls(arch: TransformersArch, position_ids: torch.Tensor, dtype: torch
         if width:  # stand-in per-layer inputs
             kwargs["per_layer_inputs"] = stand_in.new_zeros(()).expand(b, t, len(p.layers), width)
     else:  # an image-text model's own forward from its inputs, without images: its positions and masks
-        kwargs = {k: v for k, v in inputs.items() if k not in PIXEL_KEYS}
+        kwargs = {k: v for k, v in inputs.items() if not is_pixels(k)}
     cuda = [position_ids.device] if position_ids.device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # the stand-in's dropout draws nothing of the step's
         hm.run_until_layers(decoder, state, calls, **kwargs)

@@ -32,7 +32,8 @@ import torch
 
 # the micro-batch's keys that are not the model's inputs
 NOT_INPUTS = ("labels", "position_ids")
-# the model's inputs that only its vision tower reads (the rest make the positions and masks)
+# the model's inputs that only its vision tower reads (the rest make the positions and masks), beside
+# any other pixel values (DeepSeek-VL-Hybrid's high_res_pixel_values: is_pixels)
 PIXEL_KEYS = ("pixel_values", "pixel_attention_mask")
 
 # model_type -> the structure covered (tested against transformers, tests/models/test_image_text.py)
@@ -73,6 +74,37 @@ COVERED = {
                     "positions from the image grids, ERNIE 4.5's decoder",
     "hunyuan_vl": "a tower over each image's patch grid, 2 x 2 merged, with learned tokens closing each row and "
                   "around the image, HunYuan's decoder",
+    "llava_next_video": "LLaVA-NeXT's CLIP tower over image tiles, projector and image-newline embedding (image rows)",
+    "video_llava": "a CLIP tower and projector (image rows)",
+    "idefics2": "a SigLIP-like tower and a perceiver resampler of learned latents",
+    "granite_docling": "an Idefics3-like SigLIP tower over image tiles, a pixel-shuffle connector, deepstack "
+                       "features of inner blocks added after the first decoder layers, Granite's decoder",
+    "deepseek_vl": "a SigLIP tower and a two-layer aligner, Llama's decoder",
+    "janus": "a SigLIP-like tower and an aligner (its image-generation VQ model and heads belong to the tower), "
+             "Llama's decoder",
+    "minicpmv4_6": "a SigLIP-like tower with a window-attention merger between its layers, a merger of 2 x 2 "
+                   "patches, Qwen3.5's decoder (its processor needs torchvision)",
+    "minicpmv4_7": "MiniCPM-V 4.6's tower and mergers, Qwen3.5's decoder with 3D rotary positions over each image's "
+                   "canvas (its processor needs torchvision)",
+    "got_ocr2": "a SAM-like tower of windowed and global attention, two strided convolutions and a projector, "
+                "Qwen2's decoder",
+    "aria": "an Idefics3-like tower, a projector of learned queries cross-attending to the patches, a decoder of "
+            "experts beside shared ones",
+    "ovis2": "a SigLIP-like tower whose patches become probabilities over a visual vocabulary embedded by a table, "
+             "indicator tokens around each image, Qwen2's decoder",
+    "video_llama_3": "a SigLIP-like tower over each image's patch grid with 2D rotary positions, a projector, "
+                     "Qwen2's decoder (image rows)",
+    "glm_ocr": "a GLM-4V-like vision tower and merger, 3D rotary positions from the image grids, GLM-4's decoder "
+               "(GLM-4V's processor)",
+    "cosmos3_edge": "a SigLIP-like tower over each image's patch grid, 2 x 2 merged, and a projector, 3D rotary "
+                    "positions from the image grids, its decoder",
+    "cosmos3_omni": "Qwen3-VL's vision tower, merger, deepstack features and decoder (Qwen3-VL's processor)",
+    "glmga": "GLM-4.6V's vision tower, merger and decoder (GLM-4.6V's processor)",
+    "deepseek_vl_hybrid": "DeepSeek-VL's SigLIP tower beside a SAM tower over the image at a higher resolution, "
+                          "their features joined by an aligner, Llama's decoder",
+    "minicpm_ocr": "MiniCPM-V 4.6's tower and merger reading 4 times more image tokens (its window-attention "
+                   "merger left out), Qwen3.5's decoder (its processor needs torchvision)",
+    "pp_chart2table": "GOT-OCR 2's SAM-like tower, strided convolutions and projector, Qwen2's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
 }
@@ -107,10 +139,15 @@ def embed_inputs(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in mb.items() if k not in NOT_INPUTS}
 
 
+def is_pixels(key: str) -> bool:
+    """Whether the model's input `key` is one that only its vision towers read."""
+    return key in PIXEL_KEYS or key.endswith("pixel_values")
+
+
 def vision_kwargs(inputs: dict[str, torch.Tensor], w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's inputs with its pixel values in the weights' dtype (the compute dtype)."""
     dtype = next(iter(w.values())).dtype
-    return {k: v.to(dtype) if k in PIXEL_KEYS and v.is_floating_point() else v for k, v in inputs.items()}
+    return {k: v.to(dtype) if is_pixels(k) and v.is_floating_point() else v for k, v in inputs.items()}
 
 
 def tower_shape(config: dict[str, Any]) -> tuple[int, int, int, int, float]:

@@ -52,3 +52,35 @@ def test_an_unreadable_image_is_a_bad_row_counted_before_the_run(qwen_dir, tmp_p
     cfg = DataConfig(source=str(rows), tokenizer=str(qwen_dir), seq_len=48, max_bad_fraction=0.05)
     summary = summarize(build_dataset(cfg, TEXT["vocab_size"], 0))
     assert summary.rows_bad == {"unreadable image": 3} and summary.rows_trainable == 2
+
+
+def test_images_packed_side_by_side_are_joined_as_their_processor_joins_them(tmp_path):
+    """MiniCPM-V's image processor packs a batch's images side by side into one row of patches
+    ([1, channels, patch, patches x patch]): a micro-batch of two rows of an image each joins them
+    as the processor joins the two images at once; a processor of one entry an image (LLaVA's
+    CLIP) joins them along the first axis."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import MiniCPMV4_6ImageProcessorPil
+
+    from megatrain_ray.data.documents import Document, Origin
+    from megatrain_ray.data.image_text import ImageInputs, joined_axes, stack_image_inputs
+
+    images = [Image.open(path).convert("RGB") for path in write_images(tmp_path, 2)]
+    for image_processor, packed in ((MiniCPMV4_6ImageProcessorPil(), {"pixel_values": 3}),
+                                    (CLIPImageProcessorPil(), {})):
+        joined = joined_axes(SimpleNamespace(image_processor=image_processor))
+        assert joined == packed
+        rows = []
+        for image in images:
+            out = image_processor([image], return_tensors="np")
+            per_image = {k: np.asarray(out[k]) for k in ("pixel_values", "target_sizes") if k in out}
+            rows.append(Document(np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.int64), Origin("rows", 0),
+                                 images=ImageInputs({}, per_image, joined)))
+        both = image_processor(images, return_tensors="np")
+        stacked = stack_image_inputs(rows, 4)
+        assert set(stacked) == set(rows[0].images.per_image)
+        for key, value in stacked.items():
+            assert np.array_equal(value, np.asarray(both[key])), key

@@ -33,7 +33,11 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                               "eoa_token_index": "<end_of_audio>"},
                    "paddleocr_vl": {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "vision_start_token_id": "<|IMAGE_START|>",
                                     "vision_end_token_id": "<|IMAGE_END|>", "video_token_id": "<|VIDEO_PLACEHOLDER|>"},
-                   "hunyuan_vl": {"image_token_id": "<hy_image>"},
+                   "hunyuan_vl": {"image_token_id": "<hy_image>"}, "minicpmv4_6": {"image_token_id": "<|image_pad|>"},
+                   "minicpm_ocr": {"image_token_id": "<|image_pad|>"},
+                   "got_ocr2": {"image_token_index": "<imgpad>"}, "aria": {"image_token_index": "<|img|>"},
+                   "minicpmv4_7": {"image_token_id": "<|image_pad|>", "image_start_id": "<image>",
+                                   "image_end_id": "</image>", "slice_start_id": "<slice>", "slice_end_id": "</slice>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
                                       "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
@@ -41,6 +45,11 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is s
           "{% else %}{% for c in m.content %}{% if c.type == 'image' %}IMAGE{% else %}{{ c.text }}{% endif %}"
           "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+# Qwen3.5's tiny decoder (qwen3_5 below; MiniCPM-V's too)
+QWEN3_5_TEXT = {"layer_types": ["linear_attention", "full_attention"], "head_dim": 32,
+                "rope_parameters": {"mrope_section": [2, 1, 1]},
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4}
 # model_type -> (its tokens beside ChatML's, the placeholder its template writes for an image,
 #                its config's sizes beside TEXT and VISION, its image processor's sizes)
 TYPES = {
@@ -140,6 +149,33 @@ TYPES = {
                                 "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": TEXT["vocab_size"],
                                 "per_layer_config": {1: {"head_dim": 32}}},
                 "vision_config": {"num_key_value_heads": 2, "position_embedding_size": 64}}, None),
+    # MiniCPM-V 4.6: a SigLIP-like tower whose window-attention merger (after its first layer here) merges 2 x 2
+    # patches, a merger of 2 x 2 more into an image token, Qwen3.5's decoder
+    "minicpmv4_6": (["<image>", "</image>", "<|image_pad|>"], "<image>",
+                    {"text_config": QWEN3_5_TEXT, "insert_layer_id": 0,
+                     "vision_config": {"image_size": 56, "patch_size": 14, "num_hidden_layers": 2}}, None),
+    # MiniCPM-V 4.7: 4.6's model, its decoder's 3D rotary positions laid out over each image's canvas from its patch
+    # grid, the image tokens (mm_token_type_ids) and the markers around them
+    "minicpmv4_7": (["<image>", "</image>", "<|image_pad|>", "<slice>", "</slice>"], "<image>",
+                    {"text_config": QWEN3_5_TEXT, "insert_layer_id": 0,
+                     "vision_config": {"image_size": 56, "patch_size": 14, "num_hidden_layers": 2}}, None),
+    # GOT-OCR 2: a SAM-like tower (windowed attention, one global layer here) over 16-pixel patches of a 64-pixel
+    # image, two strided convolutions into one image token, Qwen2's decoder; its processor writes 256 image tokens
+    # a tile (the tower's for its 1024-pixel tiles), too many for the test's rows
+    "got_ocr2": (["<img>", "</img>", "<imgpad>"], "<img><imgpad></img>",
+                 {"vision_config": {"image_size": 64, "patch_size": 16, "output_channels": 16, "mlp_dim": 64,
+                                    "window_size": 2, "global_attn_indexes": [0]}}, None),
+    # Aria: an Idefics3-like tower, a projector of learned queries cross-attending to the patches (one query for an
+    # image of 2 x 2 patches here), Aria's decoder of 4 experts (2 a token) beside 2 shared ones; its processor
+    # resizes every image to 980 pixels a side (the processor's default, over its image processor's)
+    "aria": (["<|img|>"], "<|img|>",
+             {"vision_config": {"image_size": IMAGE, "patch_size": 14}, "projector_patch_to_query_dict": {4: 1},
+              "text_config": {"moe_num_experts": 4}}, None),
+    # MiniCPM-OCR: MiniCPM-V 4.6's model reading 4 times more image tokens (downsample_mode 4x: the tower's
+    # window-attention merger left out, the 2 x 2 merger alone)
+    "minicpm_ocr": (["<image>", "</image>", "<|image_pad|>"], "<image>",
+                    {"text_config": QWEN3_5_TEXT, "vision_config": {"image_size": 56, "patch_size": 14,
+                                                                    "num_hidden_layers": 2}}, None),
 }
 # type -> an image's tokens and its image tensors for a micro-batch of two rows of an image each, as
 # its processor makes them for an image of IMAGE pixels a side (Mistral 3: one merged patch; Cohere 2
@@ -160,7 +196,25 @@ HAND_MADE = {
                                                        torch.zeros(2, 9, 3 * 16 * 16)], dim=1),
                             "image_position_ids": torch.tensor(
                                 [[(x, y) for y in range(3) for x in range(3)] + [(-1, -1)] * 9] * 2)}),
+    # MiniCPM-V 4.6: an image of 56 pixels a side, 4 x 4 patches of 14 (16 merged into one image token); its
+    # processor packs a micro-batch's images side by side into one row of patches, with each one's patch grid
+    "minicpmv4_6": ("<image><|image_pad|></image>",
+                    lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 16 * 14, generator=gen),
+                                 "target_sizes": torch.tensor([[4, 4]] * 2, dtype=torch.int32)}),
+    "minicpmv4_7": ("<image><|image_pad|></image>",
+                    lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 16 * 14, generator=gen),
+                                 "target_sizes": torch.tensor([[4, 4]] * 2, dtype=torch.int32)}),
+    # MiniCPM-OCR: an image of 28 pixels a side, 2 x 2 patches of 14 merged into one image token
+    "minicpm_ocr": ("<image><|image_pad|></image>",
+                    lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 4 * 14, generator=gen),
+                                 "target_sizes": torch.tensor([[2, 2]] * 2, dtype=torch.int32)}),
+    "got_ocr2": ("<img><imgpad></img>", lambda gen: {"pixel_values": torch.randn(2, 3, 64, 64, generator=gen)}),
+    "aria": ("<|img|>", lambda gen: {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen),
+                                     "pixel_mask": torch.ones(2, IMAGE, IMAGE, dtype=torch.bool)}),
 }
+
+# a HAND_MADE type whose processor marks its image tokens (mm_token_type_ids: 1) -> its image token
+WITH_TOKEN_TYPES = {"minicpmv4_7": "<|image_pad|>"}
 
 
 def word_tokenizer(directory: Path, specials: list[str], model_type: str = ""):
@@ -213,9 +267,13 @@ def tiny_config(model_type: str, tokenizer) -> dict:
         if isinstance(config[part].get("per_layer_config"), dict):  # a layer's own sizes (Gemma 4's), of the layers kept
             config[part]["per_layer_config"] = {k: v for k, v in config[part]["per_layer_config"].items()
                                                 if int(k) < layers}
-    config.update({k: v for k, v in sizes.items() if k not in ("text_config", "vision_config")})
+    for key, value in sizes.items():  # a third part's sizes (Idefics2's perceiver_config) merged into its defaults
+        if key not in ("text_config", "vision_config"):
+            config[key] = {**config[key], **value} if isinstance(value, dict) and isinstance(config.get(key), dict) else value
     for key, value in list(config.items()):
-        if key.endswith(("token_id", "token_index")) and isinstance(value, int):
+        if isinstance(TYPE_TOKEN_KEYS.get(model_type, {}).get(key), list):  # a list of token ids (Ovis2's indicators)
+            config[key] = tokenizer.convert_tokens_to_ids(TYPE_TOKEN_KEYS[model_type][key])
+        elif (key.endswith(("token_id", "token_index")) and isinstance(value, int)) or key in TYPE_TOKEN_KEYS.get(model_type, {}):
             token = {**TOKEN_KEYS, **TYPE_TOKEN_KEYS.get(model_type, {})}.get(key)
             config[key] = tokenizer.convert_tokens_to_ids(token) if token in specials else min(value, TEXT["vocab_size"] - 1)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -238,7 +296,7 @@ def save_processor(model_type: str, tokenizer, chat_template: str, directory: Pa
     tokenizer.save_pretrained(directory)
     (directory / "chat_template.jinja").write_text(chat_template)
     (directory / "processor_config.json").write_text(json.dumps(
-        {"processor_class": PROCESSOR_MAPPING_NAMES[model_type], **extra}))
+        {"processor_class": PROCESSOR_CLASS_OF.get(model_type) or PROCESSOR_MAPPING_NAMES[model_type], **extra}))
 
 
 PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy": "default",
@@ -264,10 +322,6 @@ TYPES["qwen3_vl_moe"] = (*TYPES["qwen3_vl"][:2], {**TYPES["qwen3_vl"][2], "text_
 # delta rule: transformers' torch code for it is slow on the CPU, so one such layer, not 3 a full one)
 # layer and one of full attention, a quarter of each head rotated (its 3D rotary positions interleaved
 # over the rotated quarter's 4 frequencies); Qwen3.5-MoE with 4 experts
-QWEN3_5_TEXT = {"layer_types": ["linear_attention", "full_attention"], "head_dim": 32,
-                "rope_parameters": {"mrope_section": [2, 1, 1]},
-                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-                "linear_num_value_heads": 4}
 TYPES["qwen3_5"] = (*TYPES["qwen3_vl"][:2], {"text_config": QWEN3_5_TEXT, "vision_config": {"out_hidden_size": 64}},
                     TYPES["qwen3_vl"][3])
 TYPES["qwen3_5_moe"] = (*TYPES["qwen3_vl"][:2], {"vision_config": {"out_hidden_size": 64}, "text_config": {
@@ -300,7 +354,102 @@ TYPES["lfm3_vl"] = (*TYPES["qwen2_vl"][:2], {"text_config": {"layer_types": ["co
 # HyperCLOVA X decoder (1D positions, its multipliers, a norm after each sublayer)
 TYPES["hyperclovax_vision_v2"] = (*TYPES["qwen2_5_vl"][:2], {**TYPES["qwen2_5_vl"][2], "text_config": {}},
                                   TYPES["qwen2_5_vl"][3])
-IMAGE_PROCESSOR_OF = {"qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
+# LLaVA-NeXT-Video: LLaVA-NeXT's model, tokens and sizes (image rows only), a processor of its own
+TYPES["llava_next_video"] = (["<image>", "<video>"], *TYPES["llava_next"][1:])
+TYPE_TOKEN_KEYS["llava_next_video"] = {"video_token_index": "<video>"}
+PROCESSOR_KWARGS["llava_next_video"] = {**PROCESSOR_KWARGS["llava_next"], "image_token": "<image>", "video_token": "<video>"}
+# Video-LLaVA: a CLIP tower and projector (images and videos through the one tower); image rows only
+TYPES["video_llava"] = (["<image>", "<video>"], "<image>",
+                        {"vision_config": {"image_size": IMAGE, "patch_size": 14, "num_hidden_layers": 2,
+                                           "projection_dim": 32}},
+                        {"size": {"shortest_edge": IMAGE}, "crop_size": {"height": IMAGE, "width": IMAGE}})
+TYPE_TOKEN_KEYS["video_llava"] = {"video_token_index": "<video>"}
+PROCESSOR_KWARGS["video_llava"] = PROCESSOR_KWARGS["llava"]
+# Idefics2: a SigLIP-like tower and a perceiver resampler of a few latents (here one: one image token an image)
+TYPES["idefics2"] = (["<fake_token_around_image>", "<image>", "<end_of_utterance>"], "<image>",
+                     {"vision_config": {"image_size": IMAGE, "patch_size": 14},
+                      "perceiver_config": {"resampler_n_latents": 1, "resampler_depth": 1, "resampler_n_heads": 2,
+                                           "resampler_head_dim": 16, "num_key_value_heads": 1}},
+                     {"size": {"shortest_edge": IMAGE, "longest_edge": IMAGE}, "do_image_splitting": False})
+TYPE_TOKEN_KEYS["idefics2"] = {"image_token_id": "<image>"}
+PROCESSOR_KWARGS["idefics2"] = {"image_seq_len": 1}
+# Granite-Docling: an Idefics3-like SigLIP tower over 64-pixel tiles of 16-pixel patches, pixel-shuffled 4 x 4 into
+# one image token, deepstack features of 3 of its blocks added after the first 3 of 4 decoder layers
+TYPES["granite_docling"] = (["<fake_token_around_image>", "<image>", "<global-img>"], "<image>",
+                            {"text_config": {"num_hidden_layers": 4},
+                             "vision_config": {"image_size": 64, "patch_size": 16, "num_hidden_layers": 3,
+                                               "deepstack_visual_indexes": [0, 1, 2], "out_hidden_size": 64}},
+                            {"size": {"height": 64, "width": 64}, "crop_to_patches": False})
+TYPE_TOKEN_KEYS["granite_docling"] = {"image_token_id": "<image>"}
+PROCESSOR_KWARGS["granite_docling"] = {"image_seq_len": 1}
+# DeepSeek-VL: a SigLIP tower (with its unused pooling head) and a two-layer aligner, one image token a patch
+TYPES["deepseek_vl"] = (["<image_placeholder>"], "<image_placeholder>",
+                        {"vision_config": {"image_size": IMAGE, "patch_size": 14}},
+                        {"size": {"height": IMAGE, "width": IMAGE}})
+TYPE_TOKEN_KEYS["deepseek_vl"] = {"image_token_id": "<image_placeholder>"}
+TYPE_NAMED_TOKENS["deepseek_vl"] = {"image_token": "<image_placeholder>"}
+PROCESSOR_KWARGS["deepseek_vl"] = {"num_image_tokens": 4}
+# Janus: a SigLIP-like tower and an aligner for understanding (its image-generation VQ model and heads, untouched
+# by an image-text row, are carried as the tower is)
+TYPES["janus"] = (["<image_placeholder>", "<begin_of_image>", "<end_of_image>"], "<image_placeholder>",
+                  {"vision_config": {"image_size": 32, "patch_size": 16, "num_image_tokens": 4, "projection_dim": 64},
+                   "vq_config": {"num_embeddings": 32, "embed_dim": 8, "latent_channels": 32, "base_channels": 32,
+                                 "channel_multiplier": [1, 2], "num_res_blocks": 1, "num_patches": 2,
+                                 "projection_dim": 64, "image_token_embed_dim": 64}},
+                  {"size": {"height": 32, "width": 32}})
+TYPE_TOKEN_KEYS["janus"] = {"image_token_id": "<image_placeholder>"}
+TYPE_NAMED_TOKENS["janus"] = {"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
+                              "eoi_token": "<end_of_image>"}
+PROCESSOR_KWARGS["janus"] = {"num_image_tokens": 4}
+# Ovis2: a SigLIP-like tower whose patches become probabilities over a visual vocabulary, embedded by its table
+# (5 indicator tokens around an image's tiles), Qwen2's decoder
+OVIS2_INDICATORS = ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"]
+TYPES["ovis2"] = (["<image>", "<IMG_ATOM>", *OVIS2_INDICATORS], "<image>",
+                  {"vision_config": {"image_size": IMAGE, "patch_size": 14, "vocab_size": 32}, "vocab_size": 32,
+                   "hidden_size": TEXT["hidden_size"]},
+                  {"size": {"height": IMAGE, "width": IMAGE}})
+TYPE_TOKEN_KEYS["ovis2"] = {"image_token_id": "<IMG_ATOM>", "visual_indicator_token_ids": OVIS2_INDICATORS}
+PROCESSOR_KWARGS["ovis2"] = {"image_seq_length": 4}
+# VideoLLaMA3 (image rows): a SigLIP-like tower over each image's patch grid with 2D rotary positions and a
+# projector, Qwen2's decoder; Qwen2-VL's tokens
+TYPES["video_llama_3"] = (["<|image_pad|>", "<|video_pad|>"], "<|image_pad|>",
+                          {"vision_config": {"patch_size": 14}},
+                          {"size": {"shortest_edge": IMAGE * IMAGE, "longest_edge": 56 * 56}})
+# GLM-OCR: a GLM-4V-like tower and merger (3D rotary positions from the image grids), GLM-4's decoder, GLM-4V's
+# tokens and sizes; no processor of its own: its directory names GLM-4V's
+for by_type in (TYPES, TYPE_TOKEN_KEYS):
+    by_type["glm_ocr"] = by_type["glm4v"]
+PROCESSOR_CLASS_OF = {"glm_ocr": "Glm4vProcessor"}  # a type's processor where transformers names none for it
+# Cosmos3-Edge: a SigLIP-like tower over each image's grid of 16-pixel patches (a 32-pixel image: 2 x 2, merged
+# into one image token) and a projector, 3D rotary positions from the image grids, its decoder; Qwen2-VL's tokens
+TYPES["cosmos3_edge"] = (TYPES["qwen2_vl"][0], TYPES["qwen2_vl"][1],
+                         {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
+                          "vision_config": {"patch_size": 16, "num_patches": 16}, "projector_hidden_size": 64},
+                         {"size": {"shortest_edge": 32 * 32, "longest_edge": 32 * 32}})
+# Cosmos3-Omni: Qwen3-VL's tower, deepstack and decoder, tokens and sizes; GLM-GA (glmga): GLM-4.6V's model, GLM-4V's
+# tokens and sizes, an image processor of its own; neither has a processor of its own: their directories name Qwen3-VL's
+# and GLM-4.6V's
+TYPES["cosmos3_omni"] = TYPES["qwen3_vl"]
+for by_type in (TYPES, TYPE_TOKEN_KEYS):
+    by_type["glmga"] = by_type["glm4v"]
+PROCESSOR_CLASS_OF.update({"cosmos3_omni": "Qwen3VLProcessor", "glmga": "Glm46VProcessor"})
+# DeepSeek-VL-Hybrid: DeepSeek-VL's SigLIP tower (2 x 2 patches of a 32-pixel image) beside a SAM tower over the image
+# at a higher resolution (64 pixels here), their features joined by the aligner
+TYPES["deepseek_vl_hybrid"] = (["<image_placeholder>"], "<image_placeholder>",
+                               {"vision_config": {"image_size": 32, "patch_size": 16},
+                                "high_res_vision_config": {"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 1,
+                                                           "num_attention_heads": 2, "image_size": 64, "patch_size": 16,
+                                                           "window_size": 2, "global_attn_indexes": [0], "mlp_dim": 64}},
+                               {"size": {"height": 32, "width": 32}, "high_res_size": {"height": 64, "width": 64}})
+TYPE_TOKEN_KEYS["deepseek_vl_hybrid"] = TYPE_TOKEN_KEYS["deepseek_vl"]
+TYPE_NAMED_TOKENS["deepseek_vl_hybrid"] = TYPE_NAMED_TOKENS["deepseek_vl"]
+PROCESSOR_KWARGS["deepseek_vl_hybrid"] = PROCESSOR_KWARGS["deepseek_vl"]
+# PP-Chart2Table: GOT-OCR 2's model (its sizes and tokens), a processor of its own whose chat template writes the
+# image tokens
+TYPES["pp_chart2table"] = (TYPES["got_ocr2"][0], TYPES["got_ocr2"][1], TYPES["got_ocr2"][2],
+                           {"size": {"height": 64, "width": 64}})
+TYPE_TOKEN_KEYS["pp_chart2table"] = TYPE_TOKEN_KEYS["got_ocr2"]
+IMAGE_PROCESSOR_OF = {"glm_ocr": "glm4v", "cosmos3_omni": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "glm4v_moe": "glm4v", "exaone4_5": "qwen2_vl", "lfm3_vl": "qwen2_vl"}  # a type with no image processor of its own
 WITH_PROCESSOR = [t for t, spec in TYPES.items() if spec[3] is not None]
 
 
@@ -350,8 +499,11 @@ def hand_made_batches(model_type: str, model_dir: Path, steps: int, seed: int = 
             target = [-100] * len(prompt) + answer + [-100] * 16
             rows.append(ids)
             labels.append((target[1:] + [-100])[:16])
-        out.append([{"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
-                     "position_ids": torch.arange(16).expand(2, 16).contiguous(), **image_tensors(gen)}])
+        mb = {"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
+              "position_ids": torch.arange(16).expand(2, 16).contiguous(), **image_tensors(gen)}
+        if model_type in WITH_TOKEN_TYPES:  # the processor's marks of the image tokens
+            mb["mm_token_type_ids"] = (mb["input_ids"] == tok.convert_tokens_to_ids(WITH_TOKEN_TYPES[model_type])).long()
+        out.append([mb])
     return out
 
 

@@ -57,7 +57,8 @@ def vision_of(model) -> set[str]:
     decoder = model.get_decoder()
     inner = {n for n, _ in decoder.named_parameters()}
     prefix = next(n for n, m in model.named_modules() if m is decoder) + "."
-    return {n for n, _ in model.named_parameters() if n[len(prefix):] not in inner and not n.startswith("lm_head")}
+    return {n for n, _ in model.named_parameters()
+            if not (n.startswith(prefix) and n[len(prefix):] in inner) and not n.startswith("lm_head")}
 
 
 def exact_copy(model):
@@ -70,8 +71,9 @@ def exact_copy(model):
 
 
 def transformers_losses(model, config, data, train_vision: bool) -> list[float]:
+    vision = vision_of(model)
     for name, p in model.named_parameters():
-        p.requires_grad_(train_vision or name not in vision_of(model))
+        p.requires_grad_(train_vision or name not in vision)
 
     def loss_sum(mb):  # the pixel values in the model's dtype (float64's exact run: LFM3-VL's tower does not cast them)
         inputs = vision_kwargs(embed_inputs(mb), dict(model.named_parameters()))
