@@ -293,14 +293,14 @@ class _Stream:
 
     def _fetch(self, layer: int, version: int, piece: int, dest: list[memoryview]) -> None:
         self.sock.sendall(REQUEST.pack(layer, version, piece))
-        for piece in dest:
-            if not recv_exact(self.sock, chunk(piece, self.k, self.link.streams)):
+        for view in dest:
+            if not recv_exact(self.sock, chunk(view, self.k, self.link.streams)):
                 raise ConnectionError("the store closed the connection")
 
     def _send(self, layer: int, piece: int, src: list[memoryview]) -> None:
         self.sock.sendall(GRADIENT.pack(layer, piece))
-        for piece in src:
-            self.sock.sendall(chunk(piece, self.k, self.link.streams))
+        for view in src:
+            self.sock.sendall(chunk(view, self.k, self.link.streams))
 
 
 class LayerLink:
@@ -328,14 +328,16 @@ class LayerLink:
 
     def fetch(self, layer: int, version: int, dest: torch.Tensor, after: list[Callable[[], None]]) -> Transfer:
         """The layer's weights after `version` updates, into `dest`, once every `after` has returned."""
-        piece = self.pieces.get(layer, 0)
-        return self._queue(self.weights, (layer, version, piece, piece_views(dest, piece_bounds(dest.numel(), piece))),
-                           after)
+        return self._queue(self.weights, (layer, version, *self._in_pieces(layer, dest)), after)
 
     def send(self, layer: int, src: torch.Tensor, after: list[Callable[[], None]]) -> Transfer:
         """The layer's gradient from `src` into the store's buffer, once every `after` has returned."""
+        return self._queue(self.gradients, (layer, *self._in_pieces(layer, src)), after)
+
+    def _in_pieces(self, layer: int, t: torch.Tensor) -> tuple[int, list[memoryview]]:
+        """The layer's piece elements (0: whole) and `t`'s bytes cut into those pieces."""
         piece = self.pieces.get(layer, 0)
-        return self._queue(self.gradients, (layer, piece, piece_views(src, piece_bounds(src.numel(), piece))), after)
+        return piece, piece_views(t, piece_bounds(t.numel(), piece))
 
     def fail(self, error: BaseException) -> None:
         self.error = self.error or ConnectionError(f"lost the connection to the store on {self.name}: {error}")
