@@ -27,7 +27,8 @@ from megatrain_ray.config import DataConfig, EvalConfig
 from megatrain_ray.data.bad_rows import BadRowCount, apply_policy
 from megatrain_ray.data.chat_template import ChatTemplate, load_chat_template
 from megatrain_ray.data.documents import BadRow, DataError, DataPosition, Document, Origin, Row, RowBatch
-from megatrain_ray.data.image_text import IMAGE_READ_ROWS, RowConverter, image_text_documents, in_order_on_threads
+from megatrain_ray.data.image_text import (IMAGE_READ_ROWS, RowConverter, image_text_documents, in_order_on_threads,
+                                           joined_axes)
 from megatrain_ray.data.processor import load_image_text_processor
 from megatrain_ray.data.packing import empty_row, fit_length, packed_rows, stack_rows, unpacked_rows
 from megatrain_ray.data.readers import column_spec, detect_format, first_row_columns, read_rows, resolve_files
@@ -86,6 +87,8 @@ class Dataset:
         self.cfg, self.vocab_size, self.seed = cfg, vocab_size, seed_words(seed)
         self.files, self.format, self.encoder = files, fmt, encoder
         self.template, self.holdout, self.processor = template, holdout, processor
+        # how a micro-batch joins its rows' images (image_text.joined_axes): a probe of the processor, once
+        self.image_joins = joined_axes(processor) if processor is not None else {}
 
     def describe(self) -> str:
         if self.format == "synthetic":
@@ -126,7 +129,8 @@ class Dataset:
                 for origin, row in batch if self.holdout is None or self.holdout.admits(origin))
         if self.cfg.shuffle:
             rows = shuffled(rows, max(1, self.cfg.shuffle_buffer), np.random.default_rng([self.seed, epoch, 1]))
-        convert = RowConverter(self.processor, self.template, self.vocab_size, self.cfg.seq_len, self.cfg.bad_rows)
+        convert = RowConverter(self.processor, self.template, self.vocab_size, self.cfg.seq_len, self.cfg.bad_rows,
+                               self.image_joins)
         yield from in_order_on_threads(convert, rows)
 
     def file_documents(self, path: Path) -> Iterator[Document]:
@@ -158,7 +162,8 @@ class Dataset:
         if self.format == "tokens":
             return [token_document(row, origin, self.vocab_size) for origin, row in batch]
         if self.format == IMAGE_FORMAT:
-            return image_text_documents(batch, self.processor, self.template, self.vocab_size, self.cfg.seq_len)
+            return image_text_documents(batch, self.processor, self.template, self.vocab_size, self.cfg.seq_len,
+                                        self.image_joins)
         assert self.encoder is not None
         if self.format == "text":
             return text_documents(batch, self.cfg.text_column, self.encoder, self.vocab_size)

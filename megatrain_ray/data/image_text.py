@@ -156,8 +156,8 @@ def image_text_document(origin: Origin, row: dict[str, Any], processor, template
 
 
 def image_text_documents(batch: RowBatch, processor, template: ChatTemplate, vocab_size: int,
-                         seq_len: int) -> list[Document]:
-    joined = joined_axes(processor)
+                         seq_len: int, joined: dict[str, int] | None = None) -> list[Document]:
+    """`joined`: joined_axes of the processor, found once per dataset."""
     return [image_text_document(origin, row, processor, template, vocab_size, seq_len, joined) for origin, row in batch]
 
 
@@ -166,10 +166,11 @@ class RowConverter:
     threads (each thread converts with its own copy of the processor: a fast tokenizer refuses
     concurrent calls that set its padding)."""
 
-    def __init__(self, processor, template: ChatTemplate, vocab_size: int, seq_len: int, policy: str):
+    def __init__(self, processor, template: ChatTemplate, vocab_size: int, seq_len: int, policy: str,
+                 joined: dict[str, int] | None = None):
+        """`joined`: joined_axes of the processor, found once per dataset."""
         self.processor, self.template, self.vocab_size, self.seq_len = processor, template, vocab_size, seq_len
-        self.policy = policy
-        self.joined = joined_axes(processor)
+        self.policy, self.joined = policy, joined
         self.local = threading.local()
 
     def __call__(self, item: tuple[Origin, Any]) -> Document:
