@@ -235,14 +235,14 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     return plan
 
 
-VISION = "vision tower and projector"
-TRAINED_VISION = ", and what its backward keeps (model.train_vision)"
+# an image-text model's vision tower line (ModelFamily.vision_bytes), frozen or trained
+FROZEN_VISION = "vision tower and projector: pixels, forward (one micro-batch, every token an image token at most)"
+TRAINED_VISION = ("vision tower and projector: pixels, forward, and what its backward keeps (model.train_vision) "
+                  "(one micro-batch, every token an image token at most)")
 
 
 def vision_line(arch: ModelArch) -> str:
-    """The name of an image-text model's vision tower line (ModelFamily.vision_bytes)."""
-    kept = TRAINED_VISION if getattr(arch, "train_vision", False) else ""
-    return f"{VISION}: pixels, forward{kept} (one micro-batch, every token an image token at most)"
+    return TRAINED_VISION if getattr(arch, "train_vision", False) else FROZEN_VISION
 
 
 # The new weights stay on the device between steps (two copies at the turn: the last step's and
@@ -499,7 +499,7 @@ def check_gpu_fit(plan: GpuPlan, free_bytes: int, where: str, capped: bool = Fal
     acts = plan.by_use[BOUNDARY]
     kept = (f", fewer blocks keeping their forward graphs (executor.keep_graphs: {plan.by_use[KEPT] / GiB:.1f} GiB)"
             if plan.by_use[KEPT] else "")
-    tower = sum(b for use, b in plan.by_use.items() if use.startswith(VISION) and TRAINED_VISION in use)
+    tower = plan.by_use.get(TRAINED_VISION, 0)
     if tower:
         kept += f", the vision tower frozen (model.train_vision: false; trained, it takes {tower / GiB:.1f} GiB)"
     has = (f"may use {free_bytes / GiB:.1f} GiB of {where} (executor.gpu_memory_gib; it fits under "
