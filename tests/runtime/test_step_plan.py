@@ -89,6 +89,9 @@ def test_the_in_process_trainer_plans_and_assembles_through_the_same_functions(m
     assert len(plans) == 1 and len(assembled) == 1
     (args, _, worker) = assembled[0]
     assert args[2] is plans[0] and worker.executor is trainer.executor and len(worker.executor.kept) == plans[0].kept == 1
+    # the build's seconds by part, for the GPU worker's start-up line (no embedding step on the CPU)
+    assert list(worker.seconds) == ["the process group", "the executor"]
+    assert all(s >= 0 for s in worker.seconds.values())
 
 
 def test_plan_of_a_described_cluster_renders_the_one_plan(monkeypatch, capsys, tmp_path):
