@@ -11,7 +11,8 @@ torch's `.to(torch.bfloat16)`.
 The kernel is compiled with torch.utils.cpp_extension.load_inline, with -march=native so that it
 vectorises for the CPU it runs on, on a thread of its own that a store starts as its process starts
 (`start_native_kernel`): the build overlaps the run's start, and the first update waits for it only
-if it is still running (`native_kernel`). It is cached under
+if it is still running (`native_kernel`). One process of a node compiles it; the node's others (its
+stores, its RAM-node raylets) wait for that build and load it. It is cached under
 ~/.cache/torch_extensions/megatrain (or $TORCH_EXTENSIONS_DIR). The build's name carries a digest
 of the source, flags, torch version and the CPU's model and flags, so nodes of a cluster that
 share a home directory never load a build made for another CPU. Threads are torch's
@@ -27,6 +28,8 @@ from its element's noise. Every loop vectorises; one pass over memory still, rea
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -533,8 +536,11 @@ def build_kernel(cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = 
     """Load the cached build, or compile one and publish it into the cache (None: this node's,
     `_cache_dir`); warn and return None where no compiler or ninja can.
 
-    Each build runs in a directory of its own and is published with an atomic rename: processes
-    that start together may each compile, but none waits on a lock that a killed process left.
+    One process compiles at a time (`_build_lock`), so that the processes of a node that start
+    together (its stores, each in a process of its own) compile once between them instead of each
+    taking cores from the run's start: the others wait, then load what it published. A build runs
+    in a directory of its own and is published with an atomic rename, so that no process loads a
+    library half written.
     """
     name = _build_name()
     try:  # the cache's place too: torch.utils.cpp_extension needs setuptools, which a venv may lack
@@ -542,20 +548,39 @@ def build_kernel(cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = 
         library = cache_dir / f"{name}.so"
         if library.exists():
             torch.ops.load_library(str(library))
-        else:
-            from torch.utils.cpp_extension import load_inline
-
-            _ensure_ninja_on_path()
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(prefix="build-", dir=cache_dir) as build:
-                load_inline(name, cpp_sources=[_SOURCE], extra_cflags=[*_CFLAGS, *extra_cflags],
-                            extra_ldflags=["-fopenmp"], build_directory=build,
-                            is_python_module=False)  # a torch op: no pybind, no Python headers, the GIL released
-                shutil.copy(Path(build) / f"{name}.so", Path(build) / "publish.so")
-                os.replace(Path(build) / "publish.so", library)
+            return torch.ops.megatrain
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with _build_lock(cache_dir / f"{name}.lock"):
+            if library.exists():  # published by the process this one waited for
+                torch.ops.load_library(str(library))
+            else:
+                _compile_and_publish(name, library, extra_cflags)  # the build loads what it compiled
         return torch.ops.megatrain
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         warnings.warn(f"megatrain-ray: the one-pass host AdamW kernel could not be built ({first}); "
                       "using torch's fused AdamW in three passes (slower)", RuntimeWarning, stacklevel=2)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """Held while this process compiles (or finds a build published): an flock, which the kernel
+    drops when the file closes or its process ends, killed or not, so no lock outlives its holder."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _compile_and_publish(name: str, library: Path, extra_cflags: tuple[str, ...]) -> None:
+    """Compiles the kernel in a directory of its own beside `library`, loads it, and renames a copy
+    into place (atomic: a process that finds `library` finds it whole)."""
+    from torch.utils.cpp_extension import load_inline
+
+    _ensure_ninja_on_path()
+    with tempfile.TemporaryDirectory(prefix="build-", dir=library.parent) as build:
+        load_inline(name, cpp_sources=[_SOURCE], extra_cflags=[*_CFLAGS, *extra_cflags],
+                    extra_ldflags=["-fopenmp"], build_directory=build,
+                    is_python_module=False)  # a torch op: no pybind, no Python headers, the GIL released
+        shutil.copy(Path(build) / f"{name}.so", Path(build) / "publish.so")
+        os.replace(Path(build) / "publish.so", library)

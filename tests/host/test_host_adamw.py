@@ -4,7 +4,11 @@ torch gets the same bf16-rounded gradient upcast to fp32, torch.nn.utils.clip_gr
 it, and two parameter groups carry the weight decay (matrices) and none (norms, biases).
 """
 
+import shutil
+import subprocess
+import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -150,3 +154,57 @@ def test_unbuildable_kernel_warns_once_and_falls_back_for_every_caller(tmp_path)
             t.join()
     assert answers == [None, None, None]
     assert len(caught) == 1 and "three passes" in str(caught[0].message)
+
+
+HOLD_LOCK = """
+import fcntl, sys, time
+f = open(sys.argv[1], "a")
+fcntl.flock(f, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+BUILD = """
+import sys
+from pathlib import Path
+import megatrain_ray.host.adamw_kernel as kernel
+compile_and_publish = kernel._compile_and_publish
+kernel._compile_and_publish = lambda *args: print("compiled", flush=True) or compile_and_publish(*args)
+ops = kernel.build_kernel(Path(sys.argv[1]))
+print("loaded", hasattr(ops, "adamw_step"), flush=True)
+"""
+
+
+def waits_for_a_lock(proc: subprocess.Popen, timeout: float = 60) -> bool:
+    """Whether `proc` comes to wait on an flock (the kernel lists it in /proc/locks with "->") while it runs."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        with open("/proc/locks") as locks:
+            if any(line.split()[1:5] == ["->", "FLOCK", "ADVISORY", "WRITE"] and line.split()[5] == str(proc.pid)
+                   for line in locks):
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_process_waits_for_the_build_another_holds_and_loads_it_without_compiling(tmp_path):
+    """The node's processes compile the kernel once between them: one that finds another's build under
+    way waits for it, and then loads what it published; a holder killed mid-build holds nothing."""
+    built = host_adamw.native_kernel() and host_adamw._cache_dir() / f"{host_adamw._build_name()}.so"
+    if not built:
+        pytest.skip("no compiler here to build the kernel")
+    name = host_adamw._build_name()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path / f"{name}.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waiter = subprocess.Popen([sys.executable, "-c", BUILD, str(tmp_path)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        assert waits_for_a_lock(waiter)  # rather than compile beside the holder
+        shutil.copy(built, tmp_path / f"{name}.so")  # what the holder's build would publish
+    finally:
+        holder.kill()  # killed, not ended: the kernel drops its lock
+        holder.wait()
+    out, _ = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0, out
+    assert out.splitlines()[-1] == "loaded True" and "compiled" not in out, out
