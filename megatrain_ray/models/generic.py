@@ -285,19 +285,23 @@ def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     vision = vision_names(p)
     embed = [s for s in embed if s[0] not in vision] + [s for s in embed if s[0] in vision]  # the vision tower last
     frozen_names = frozenset() if arch.train_vision else vision
-    layouts = [frozen_slots(lay_out(0, EMBED, p.root_prefix, embed), frozen_names)]
+    embedding = lay_out(0, EMBED, p.root_prefix, embed)
+    ungraded = ungraded_tensors(arch, p)
+    layouts = [marked_slots(frozen_slots(embedding, frozen_names), ungraded[0], gets_gradient=False)]
     for i, layer in enumerate(p.layers):
         # a block that several layers share lies in the first of them (hf_modules.shared_tensors)
         shared = p.shared_names[i]
         block = lay_out(i + 1, BLOCK, f"{p.base_prefix}{p.layers_name}.{i}.",
                         _local_shapes(hm.persistent_tensors(layer), lambda n: n not in shared))
+        block = marked_slots(block, ungraded[i + 1], gets_gradient=False)
         layouts.append(block if p.shares[i] is None else dataclasses.replace(block, shares=(p.shares[i] + 1,)))
     outer = _local_shapes(hm.persistent_tensors(p.model), lambda n: not n.startswith(p.root_prefix))
     head_modules = tuple(m + "." for m in (p.final_norm, *p.after_layers))
     head = [(p.base_prefix + n, s) for n, s in _local_shapes(base_tensors, lambda n: n.startswith(head_modules))]
     if p.tied:
         outer = [(n, s) for n, s in outer if n != output_embedding_name(p)]
-    layouts.append(lay_out(len(p.layers) + 1, HEAD, "", head + outer))
+    layouts.append(marked_slots(lay_out(len(p.layers) + 1, HEAD, "", head + outer), ungraded[-1],
+                                gets_gradient=False))
     return with_stored_names(arch, p, tuple(layouts))
 
 
@@ -324,9 +328,35 @@ def frozen_slots(layout: LayerLayout, names: frozenset[str]) -> LayerLayout:
     """The layout with the named tensors marked untrained (ParamSlot.trained): the vision tower, at
     the embedding layer's end whether it trains or not (the same offsets either way), then holds no
     optimizer state (LayerLayout.trained_numel)."""
-    if not names:
+    return marked_slots(layout, names, trained=False)
+
+
+def ungraded_tensors(arch: TransformersArch, p: hm.Parts) -> list[frozenset[str]]:
+    """Per layer (the embedding, each block, the head), the local names of its tensors that no
+    gradient reaches (ParamSlot.gets_gradient): its persistent buffers, and in a decoder its
+    parameters that transformers' forward runs but never differentiates, as a small instance of the
+    same structure shows (hf_modules.ungraded_parameters; a block's are its template's, the small
+    instance's first block of its structure)."""
+    small = frozenset() if p.decoder_in_root else _ungraded_parameters(arch.hf_config, p.kinds)
+
+    def under(module_prefix: str) -> frozenset[str]:  # a name no slot of the layer has marks nothing
+        return frozenset(n[len(module_prefix):] for n in small if n.startswith(module_prefix))
+
+    blocks = [buffer_names(layer) | under(f"{p.base_prefix}{p.layers_name}.{p.kinds[i]}.")
+              for i, layer in enumerate(p.layers)]
+    return [buffer_names(p.root) | under(p.root_prefix), *blocks, buffer_names(p.model) | small]
+
+
+@functools.lru_cache(maxsize=8)
+def _ungraded_parameters(config_json: str, kinds: tuple[int, ...]) -> frozenset[str]:
+    return hm.ungraded_parameters(hm.build_small(hm.small_config(json.loads(config_json), kinds)))
+
+
+def marked_slots(layout: LayerLayout, names: frozenset[str], **fields) -> LayerLayout:
+    """The layout with the named tensors' slots given `fields` (ParamSlot's: trained, gets_gradient)."""
+    if not names & {s.name for s in layout.params}:
         return layout
-    params = tuple(dataclasses.replace(s, trained=False) if s.name in names else s for s in layout.params)
+    params = tuple(dataclasses.replace(s, **fields) if s.name in names else s for s in layout.params)
     return dataclasses.replace(layout, params=params)
 
 

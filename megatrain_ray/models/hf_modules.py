@@ -496,6 +496,30 @@ def persistent_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return dict(module.state_dict(keep_vars=True))
 
 
+def ungraded_parameters(model: nn.Module) -> frozenset[str]:
+    """Full names of the parameters that a training forward runs but never differentiates: their
+    module runs, yet the backward of the logits reaches none of them (DeepSeek-V3.2's indexer,
+    whose scores only pick the positions attention reads). torch.optim.AdamW skips them every step.
+    A module that does not run in this forward (an expert no token chose) is no such case. None
+    where the plain forward of token ids fails (the model's own check, which runs it as a run does,
+    says why): its tensors then all take AdamW's step, weight decay included."""
+    ran: set[int] = set()
+    hooks = [m.register_forward_hook(lambda m, args, out: ran.add(id(m))) for m in model.modules()]
+    try:
+        ids = torch.arange(16).remainder(model.config.get_text_config().vocab_size).view(1, 16)
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+    except Exception:  # noqa: BLE001 (any model's own error: see above)
+        return frozenset()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    found = frozenset(f"{path}.{name}".lstrip(".") for path, module in model.named_modules() if id(module) in ran
+                      for name, t in module.named_parameters(recurse=False) if t.requires_grad and t.grad is None)
+    model.zero_grad(set_to_none=True)
+    return found
+
+
 def transient_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """Non-persistent buffers (rotary frequencies): computed at construction, never stored."""
     stored = set(module.state_dict(keep_vars=True))

@@ -33,6 +33,12 @@ class ParamSlot:
     # False: frozen (an image-text model's vision tower unless model.train_vision): the step gives
     # it no gradient and AdamW no weight decay, so it stays as it is
     trained: bool = True
+    # False: no gradient ever reaches it in transformers' training forward: a persistent buffer
+    # (MiniMax's decay factors, a router's score bias), which checkpoints hold and which streams with
+    # its layer, or a parameter whose output is never differentiated (DeepSeek-V3.2's indexer
+    # weights: its scores only pick positions). No weight decay either: AdamW, given zero, leaves it
+    # as it is, as torch.optim.AdamW skips a tensor that has no gradient
+    gets_gradient: bool = True
 
     @property
     def numel(self) -> int:
@@ -44,8 +50,8 @@ class ParamSlot:
     @property
     def decays(self) -> bool:
         """Weight decay applies to matrices only, never to norms and biases (stacked per-expert
-        biases are 2-D and still biases)."""
-        return self.trained and len(self.shape) >= 2 and not self.name.endswith("bias")
+        biases are 2-D and still biases), and never to a tensor that gets no gradient."""
+        return self.trained and self.gets_gradient and len(self.shape) >= 2 and not self.name.endswith("bias")
 
     def stored(self) -> tuple["ParamSlot", ...]:
         """The tensors a checkpoint holds for this parameter."""

@@ -110,6 +110,12 @@ MODEL_TYPES = {
     "gemma4_text:shared_kv": {"num_hidden_layers": 12, "num_kv_shared_layers": 6,
                               "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2,
                               "per_layer_config": {5: {"head_dim": 512}, 11: {"head_dim": 512}}},
+    # lightning attention whose decay factors are persistent buffers ([heads, block], in its files): no
+    # parameters, so neither torch.optim.AdamW nor the stores give them weight decay
+    "minimax": {},
+    # DeepSeek sparse attention: an indexer whose scores only pick the positions attention reads, so no
+    # gradient reaches its weights and torch.optim.AdamW skips them (no weight decay): the stores too
+    "deepseek_v32": {},
     # kimi_linear trains too (examples/model_table.py), but 3 steps here take minutes on the CPU:
     # transformers' PyTorch fallback of its linear attention loops over a 64-token chunk
 }
@@ -228,7 +234,7 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
                     "gemma4_text", "nemotron_h", "gemma3n_text",
-                    "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks", "gpt2", "bloom", "opt")
+                    "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks", "gpt2", "bloom", "opt", "minimax", "deepseek_v32")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
