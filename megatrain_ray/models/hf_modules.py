@@ -123,6 +123,7 @@ SMALL = {
     "attention_chunk_size": 8,
     "num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 16, "num_heads": 8,
     "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8, "laurel_rank": 8,
+    "unpadded_vocab_size": 128,  # the rows a checkpoint holds, padded to vocab_size on load (Inkling 2)
     "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_chunk_size": 16, "chunk_size": 16, "mamba_d_ssm": 64, "mamba_num_heads": 8, "ssm_state_size": 16,
 }
 
