@@ -229,6 +229,12 @@ class LayerServer:
                 return
 
     def close(self) -> None:
+        """Ends its threads: the listener's (a shut-down socket wakes its accept, which closing alone
+        does not) and each connection's."""
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
         for conn in self.connections:
             try:

@@ -192,3 +192,21 @@ def test_pieced_layers_cross_whole_in_both_directions(streams):
     finally:
         link.close()
         server.close()
+
+
+
+def test_a_closed_server_and_link_leave_no_thread_behind():
+    """A store's server and a worker's link, closed (the run ended), end every thread they started: the
+    server's listener and its connections', the link's streams. None outlives them in the process."""
+    before = set(threading.enumerate())
+    server = LayerServer({0: torch.arange(1001, dtype=torch.float32)}, "127.0.0.1")
+    link = LayerLink(server.address, STREAMS, "test store")
+    dest = torch.empty(1001, dtype=torch.float32)
+    link.fetch(0, 0, dest, []).wait()
+    assert torch.equal(dest, torch.arange(1001, dtype=torch.float32))
+    link.close()
+    server.close()
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t.name for t in set(threading.enumerate()) - before]
