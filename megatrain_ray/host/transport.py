@@ -128,6 +128,7 @@ class LayerServer:
         self.bounds = {i: piece_bounds(t.numel(), 0) for i, t in buffers.items()}
         self.streams = 1
         self.gradients_cut = False  # a gradient connection closed: no gradient still missing will come
+        self.closed = False  # close(): a request still waiting for its version is given up
         self.cond = threading.Condition()
         self.listener = socket.create_server((host, 0))
         self.address = (host, self.listener.getsockname()[1])
@@ -182,7 +183,9 @@ class LayerServer:
             before = (version - 1) * len(bounds)  # pieces updated before this version's
             for p, view in enumerate(piece_views(self.buffers[layer], bounds)):
                 with self.cond:
-                    self.cond.wait_for(lambda: self.done[layer] > before + p)
+                    self.cond.wait_for(lambda: self.done[layer] > before + p or self.closed)
+                    if self.closed:
+                        return
                 conn.sendall(chunk(view, k, self.streams))
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
@@ -230,7 +233,10 @@ class LayerServer:
 
     def close(self) -> None:
         """Ends its threads: the listener's (a shut-down socket wakes its accept, which closing alone
-        does not) and each connection's."""
+        does not) and each connection's, one waiting for an update that will not come too."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
         try:
             self.listener.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -197,13 +197,16 @@ def test_pieced_layers_cross_whole_in_both_directions(streams):
 
 def test_a_closed_server_and_link_leave_no_thread_behind():
     """A store's server and a worker's link, closed (the run ended), end every thread they started: the
-    server's listener and its connections', the link's streams. None outlives them in the process."""
+    server's listener and its connections', one still waiting for an update that will not come among
+    them, and the link's streams. None outlives them in the process."""
     before = set(threading.enumerate())
     server = LayerServer({0: torch.arange(1001, dtype=torch.float32)}, "127.0.0.1")
     link = LayerLink(server.address, STREAMS, "test store")
     dest = torch.empty(1001, dtype=torch.float32)
     link.fetch(0, 0, dest, []).wait()
     assert torch.equal(dest, torch.arange(1001, dtype=torch.float32))
+    link.fetch(0, 1, torch.empty(1001), [])  # a version that no update makes
+    time.sleep(0.1)  # the server's threads wait for it
     link.close()
     server.close()
     deadline = time.monotonic() + 10
