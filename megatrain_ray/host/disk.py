@@ -23,7 +23,7 @@ checkpoint copies the state out (files/shard.py), so a run killed while writing 
 a resume reads. A write that fails (the disk's error) keeps its buffer, which then holds the only
 copy of that layer's state: the store keeps it resident, and a checkpoint still reads it there.
 
-The window: WINDOW buffers each the size of the store's largest layer on disk. `acquire` waits for
+The window: WINDOW (3) buffers each the size of the store's largest layer on disk. `acquire` waits for
 the layer's read (issued ahead when a buffer was free), then issues the reads of the layers that
 follow it in the store's order, into buffers whose layers were released; `release` issues the
 write. A read into a buffer waits for that buffer's write first (the pool takes jobs in order, so
@@ -48,7 +48,7 @@ from megatrain_ray.models.layout import LayerLayout
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffers (a page; also every NVMe's logical block)
 IO_PIECE = 8 * 2**20  # bytes one read or write call moves: a layer spreads over the pool's threads
-WINDOW = 4  # buffers per store: the layer updating, the one before it writing, two read ahead
+WINDOW = 3  # buffers per store: the layer updating, the one before it writing, the next read ahead
 IO_THREADS = 8  # requests in flight per store
 
 
@@ -316,3 +316,52 @@ class DiskTier:
             path.unlink(missing_ok=True)
         self.fds.clear()
         self.paths.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# What the disk under runtime.disk_dir has: room and speed (the plan's, planning/placement.py)
+# ---------------------------------------------------------------------------------------------
+
+PROBE_BYTES = 256 * 2**20  # what the probe writes and reads back: enough for a pool of requests in flight
+
+
+def free_bytes(directory: str | Path) -> int:
+    """Bytes free to this user on the file system that holds `directory` (or its nearest existing parent)."""
+    path = Path(directory).absolute()
+    while not path.exists():
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def probe_disk(directory: str | Path, nbytes: int = PROBE_BYTES, threads: int = IO_THREADS) -> tuple[float, float]:
+    """(read, write) GB/s of the disk under `directory`, as the tier moves bytes: a file of `nbytes`
+    written and read back in IO_PIECE pieces on `threads` threads, O_DIRECT where the file system
+    takes it (buffered, a read back would come from the page cache: then dropped first with
+    POSIX_FADV_DONTNEED). The file is removed."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"megatrain-probe-{os.getpid()}-{os.urandom(4).hex()}"
+    fd, _ = open_file(path)
+    memory = mmap.mmap(-1, nbytes)
+    memory.write(os.urandom(IO_PIECE) * (nbytes // IO_PIECE))
+    view = memoryview(memory)
+    pieces = [(lo, min(nbytes, lo + IO_PIECE)) for lo in range(0, nbytes, IO_PIECE)]
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            def timed(call) -> float:
+                t0 = time.perf_counter()
+                list(pool.map(lambda p: call(fd, [view[p[0]:p[1]]], p[0]), pieces))
+                if call is os.pwritev:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+                return nbytes / (time.perf_counter() - t0) / 1e9
+
+            write = timed(os.pwritev)
+            read = timed(os.preadv)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        view.release()
+        memory.close()
+    return read, write
