@@ -150,3 +150,23 @@ def test_a_failed_write_stops_the_next_update_and_keeps_the_state(tmp_path, monk
     assert on_disk.disk.slots[[s.layer for s in on_disk.disk.slots].index(1)].failed
     tensors = shard.layer_tensors(on_disk, 1, copy=True)  # still readable, from its buffer
     assert tensors["layers.1.master"].numel() == on_disk.layers[1].layout.numel
+
+
+def test_a_killed_runs_files_are_removed_by_the_next_store_and_never_read(tmp_path):
+    """A store killed mid-write leaves its files; they hold nothing a resume reads (a checkpoint is
+    its own directory, published by rename), and the next store on the machine removes them, as it
+    removes a dead run's shared-memory segments."""
+    code = textwrap.dedent(f"""
+        import os, torch
+        from megatrain_ray.host.store import ShardStore
+        from megatrain_ray.models.registry import PRESETS
+        s = ShardStore(PRESETS["tiny-llama"], list(range(4)), torch.bfloat16, disk_dir={str(tmp_path)!r},
+                       disk_layers=(1, 2, 3), run_id="dead")
+        os._exit(0)  # killed: close never runs
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 3 and all(name.startswith("megatrain-dead-") and name.endswith("-disk") for name in left)
+    store = store_of(StateFormat(), tmp_path, disk_layers=(2,))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [store.disk.paths[2].name]
+    store.close()
