@@ -361,7 +361,7 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
             f"them (ray start --resources='{{\"{rt.ram_resource}\": 1}}'), "
             + ("hold the optimizer state in fewer bytes (optim.master: bf16, optim.moments: int8: 6 bytes a "
                "parameter), " if fmt != NAMED_MODES[-1] and esize == 2 else "")
-            + "or choose a smaller model"
+            + "keep the optimizer state of some layers on a local SSD (runtime.disk_dir), or choose a smaller model"
         )
     ranges = split_by_capacity(numels, capacities)
     stores = tuple(
