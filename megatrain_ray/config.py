@@ -154,6 +154,7 @@ class RuntimeConfig:
     num_gpus: int | None = None  # GPU workers, data parallel; None: every GPU of the GPU node (1 on a node without GPUs)
     worker_threads: int | None = None  # CPU threads of each GPU worker; default: the node's cores / the workers
     store_memory_gib: float | None = None  # host memory a store may take on its node; None: the node's MemAvailable at start
+    disk_dir: str | None = None  # a directory on a local SSD for the disk tier: the optimizer state (AdamW moments; an fp32 master too) of the layers RAM cannot hold lives in files there, streamed in and out around each update; null: none
 
 
 @dataclass(frozen=True)
@@ -443,6 +444,7 @@ def check_values(config: Config) -> None:
         (rt.worker_threads is None or rt.worker_threads >= 1, "runtime.worker_threads must be >= 1 (or null)"),
         (rt.store_memory_gib is None or (_finite(rt.store_memory_gib) and rt.store_memory_gib > 0),
          "runtime.store_memory_gib must be a finite number > 0 (or null: the node's available memory)"),
+        (rt.disk_dir is None or rt.disk_dir != "", "runtime.disk_dir must be a directory (or null: no disk tier)"),
         (rt.remote_window == 0 or rt.remote_window >= (ex.num_slots or 3),
          "runtime.remote_window must be 0 (the plan chooses) or at least executor.num_slots (3 when null)"),
         (rt.transport_streams >= 1, "runtime.transport_streams must be >= 1"),

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-memory-gib", type=float, default=None,
                    help="host memory a store may take on its node (runtime.store_memory_gib), instead of what the "
                         "node reads free at start: for a machine whose memory grows as it is used")
+    p.add_argument("--disk-dir", default=None,
+                   help="a directory on a local SSD for the disk tier (runtime.disk_dir): the optimizer state of the "
+                        "layers the stores' memory cannot hold lives there")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="one GPU's bf16 matmul peak, the MFU denominator (default: the GPU's rates: the rates "
                         "table's, e.g. 799 on the H100, else probed on it)")

@@ -18,7 +18,7 @@ from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.host.memory import process_age
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_arch, num_params
-from megatrain_ray.planning.plan import PlanError, describe, predict_step
+from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, PlanError, describe, predict_step
 
 NO_GPU = ("the executor runs on the CPU (no GPU, or --device cpu): bench is timing the CPU, the same schedule; "
           "no GPU figure is quoted: no MFU (unless --peak-tflops), no step time on a GPU's rates")
@@ -83,7 +83,8 @@ def bench_config(args, shape: Shape):
                     "optimizer_threads": args.optimizer_threads[0] if args.optimizer_threads else None,
                     "store_on_gpu_node": not args.ram_nodes, "remote_window": args.remote_window,
                     "transport_streams": args.transport_streams, "transport_piece_mib": args.transport_piece_mib,
-                    "num_gpus": args.num_gpus, "store_memory_gib": args.store_memory_gib},
+                    "num_gpus": args.num_gpus, "store_memory_gib": args.store_memory_gib,
+                    "disk_dir": getattr(args, "disk_dir", None)},
         "data": {"seq_len": shape.seq_len},
     })
 
@@ -160,8 +161,11 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
     peak = one * gpus if one else None
     kept, planned = session.plan.kept, session.planned_arch
     planned_config = session.plan.planned_config(session.config)
-    predicted = predict_step(planned, planned_config, num_gpus=gpus, kept=kept, rates=rates) if rates else None
-    print(f"plan:\n{describe(planned, session.config, session.plan, rates=rates, no_prediction=None if rates else NO_GPU)}",
+    disk_s = session.placement.disk_seconds()  # the disk tier's reads and writes beside the host optimizer
+    planned_optimizer_s = max(num_params(planned) / HOST_ADAMW_PARAMS_PER_S, disk_s) if disk_s else None
+    predicted = (predict_step(planned, planned_config, optimizer_s=planned_optimizer_s, num_gpus=gpus, kept=kept, rates=rates)
+                 if rates else None)
+    print(f"plan:\n{describe(planned, session.config, session.plan, optimizer_s=planned_optimizer_s, rates=rates, no_prediction=None if rates else NO_GPU)}",
           flush=True)
     rows = []
     if timeline is None:  # a later shape: the last one's updates land and its counts go; the first has none,
@@ -221,11 +225,35 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
     if len(per_store) > 1 or bytes_in:
         print("host optimizer per store: " + "; ".join(describe_store_rate(r) for r in summary["optimizer_per_store"]),
               flush=True)
+    disk = [d for d in probe.disk_stats() if d]
+    if disk:
+        summary["disk"] = disk_summary(disk, len(rows), wall / len(timed))
+        print(disk_line(summary["disk"]), flush=True)
     if bytes_in:
         print(f"from RAM nodes: {summary['remote_gb_in_per_step']:.2f} GB of weights in and "
               f"{summary['remote_gb_out_per_step']:.2f} GB of gradients out per step, through a window of "
               f"{summary['remote_window_gib']:.2f} GiB on the GPU node", flush=True)
     return {"steps": rows, "median": summary}
+
+
+def disk_summary(stats: list[dict], steps: int, step_s: float) -> dict:
+    """The stores' disk tiers over the steps run (warm-up included: the counts are since the start):
+    bytes a step each way, the seconds a step the stores waited for reads (the most any could add
+    to a step), and the rate the tier moved bytes at over the timed steps' wall time."""
+    read = sum(d["read_bytes"] for d in stats) / steps
+    written = sum(d["written_bytes"] for d in stats) / steps
+    return {"read_gb_per_step": read / 1e9, "written_gb_per_step": written / 1e9,
+            "read_wait_s_per_step": max(d["read_wait_s"] for d in stats) / steps,
+            "file_gib": sum(d["file_bytes"] for d in stats) / 2**30,
+            "window_gib": sum(d["window_bytes"] for d in stats) / 2**30,
+            "direct_io": all(d["direct_io"] for d in stats), "gb_per_s_over_step": (read + written) / step_s / 1e9}
+
+
+def disk_line(d: dict) -> str:
+    return (f"disk tier: {d['file_gib']:.1f} GiB of files ({'O_DIRECT' if d['direct_io'] else 'buffered'}), a window "
+            f"of {d['window_gib']:.2f} GiB; {d['read_gb_per_step']:.1f} GB read and {d['written_gb_per_step']:.1f} GB "
+            f"written a step ({d['gb_per_s_over_step']:.2f} GB/s over the step's time); the stores waited "
+            f"{d['read_wait_s_per_step']:.2f} s a step for reads")
 
 
 def store_rates(session, arch: ModelArch, seconds_per_step: list[float]) -> list[dict]:

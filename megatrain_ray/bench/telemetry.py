@@ -151,6 +151,10 @@ class Probe:
         """Each store's seconds drawing or loading its first weights."""
         return self._all(self.session.stores, "filled_seconds", what="reading the stores' fill time")
 
+    def disk_stats(self) -> list[dict]:
+        """Each store's disk tier (ShardStore.disk_stats; {} where it has none)."""
+        return self._all(self.session.stores, "disk_stats", what="reading the stores' disk tiers")
+
     def host_state_bytes(self) -> int:
         return sum(self._all(self.session.stores, "host_bytes", what="reading the stores' size"))
 

@@ -22,7 +22,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -61,6 +61,40 @@ def write_shard(directory: Path, name: str, tensors: dict[str, torch.Tensor], st
         save_file(tensors, str(path), metadata={"layer_steps": json.dumps(steps)})
     except Exception as e:  # safetensors reports the OS's I/O errors (a full disk) as its own exception
         raise os_error(e, path) from None
+    fsync_path(path)
+    return {"file": name, "sha256": file_digest(path), "bytes": path.stat().st_size, "layers": sorted(steps)}
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.int64: "I64"}
+
+
+def write_shard_streamed(directory: Path, name: str, entries: list[tuple[str, torch.dtype, int]],
+                         parts: Iterable[Callable[[], dict[str, torch.Tensor]]], steps: dict[int, int]) -> dict:
+    """write_shard for a store whose state is not all in memory at once (a disk tier, host/disk.py):
+    the safetensors header from `entries` (each tensor's name, dtype and length, in file order), then
+    the tensors `parts` give, one group (a layer) at a time, in that order; fsynced. The same format
+    safetensors writes and reads (an 8-byte header length, the JSON header padded to 8 bytes, the data)."""
+    path = directory / name
+    header, offset = {"__metadata__": {"layer_steps": json.dumps(steps)}}, 0
+    for key, dtype, numel in entries:
+        end = offset + numel * dtype.itemsize
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": [numel], "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    order = [key for key, _, _ in entries]
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        written = 0
+        for get in parts:
+            for key, t in get().items():
+                if key != order[written]:
+                    raise ValueError(f"the shard's tensors came out of order: {key} where {order[written]} belongs")
+                f.write(t.contiguous().view(torch.uint8).numpy().data)
+                written += 1
+        if written != len(order):
+            raise ValueError(f"the shard got {written} of its {len(order)} tensors")
     fsync_path(path)
     return {"file": name, "sha256": file_digest(path), "bytes": path.stat().st_size, "layers": sorted(steps)}
 

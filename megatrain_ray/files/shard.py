@@ -16,57 +16,97 @@ from megatrain_ray.host.store import ShardStore
 
 
 def state_tensors(store: ShardStore) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
-    """Every layer's state as a checkpoint names it, and each layer's update count."""
+    """Every layer's state as a checkpoint names it, and each layer's update count (a layer in the
+    disk tier copied out of it: checkpoint.transport=driver holds the whole shard in memory)."""
     tensors = {}
-    for i, state in store.layers.items():
-        for key, t in state.tensors().items():
-            tensors[checkpoint.tensor_name(i, key)] = t
+    for i in store.layers:
+        tensors.update(layer_tensors(store, i, copy=store.layers[i].on_disk))
     return tensors, store.update_counts()
 
 
+def layer_tensors(store: ShardStore, index: int, copy: bool = False) -> dict[str, torch.Tensor]:
+    """One layer's state as a checkpoint names it (`copy`: copied, as a layer in the disk tier must be
+    to outlive its turn in the window)."""
+    with store.resident(index, dirty=False) as state:
+        return {checkpoint.tensor_name(index, key): t.clone() if copy else t for key, t in state.tensors().items()}
+
+
 def save_shard(store: ShardStore, directory: str, name: str) -> dict:
-    """Write the store's layers into a (shared) checkpoint directory; returns its manifest entry."""
-    tensors, steps = state_tensors(store)
-    return checkpoint.write_shard(Path(directory), name, tensors, steps)
+    """Write the store's layers into a (shared) checkpoint directory; returns its manifest entry. A
+    store with a disk tier writes a layer at a time (checkpoint.write_shard_streamed): its state never
+    all in memory at once."""
+    if store.disk is None:
+        tensors, steps = state_tensors(store)
+        return checkpoint.write_shard(Path(directory), name, tensors, steps)
+    layers = list(store.layers)
+    return checkpoint.write_shard_streamed(Path(directory), name, shard_entries(store),
+                                           (lambda i=i: layer_tensors(store, i) for i in layers), store.update_counts())
+
+
+def shard_entries(store: ShardStore) -> list[tuple[str, torch.dtype, int]]:
+    """Each tensor a store's shard holds, in order: its name, dtype and length (host/disk.py's parts
+    say those of a layer in the tier without reading it)."""
+    out = []
+    for i, state in store.layers.items():
+        shapes = {key: (t.dtype, t.numel()) for key, t in state.tensors().items()}
+        if state.on_disk:
+            shapes.update({p.name: (p.dtype, p.numel) for p in store.disk.parts[i]})
+        out += [(checkpoint.tensor_name(i, key), dtype, n) for key, (dtype, n) in shapes.items()]
+    return out
 
 
 def load_layers(store: ShardStore, files_by_layer: dict[int, str]) -> None:
     """Each layer's state as the checkpoint holds it, or converted to the store's narrower format
     (host/precision.py); a wider one is refused (checkpoint.check_state_format says why)."""
-    for i, state in store.layers.items():
+    for i in store.layers:
         if i not in files_by_layer:
             raise checkpoint.CheckpointError(f"the checkpoint has no state for layer {i}")
-        tensors, updates = checkpoint.read_layer_state(files_by_layer[i], i)
-        held = precision.held_format(tensors)
-        checkpoint.check_convertible(held, store.format, f"layer {i}")
-        if held.moments != store.format.moments:
-            tensors.update(precision.convert_moments(*precision.moments_as_fp32(tensors), store.format))
-        for key, target in state.tensors().items():
-            if key != "master" and tensors[key].shape != target.shape and tensors["master"].shape == state.master.shape:
-                raise checkpoint.CheckpointError(
-                    f"layer {i}'s optimizer state covers {tensors[key].numel()} of its {state.master.numel()} "
-                    f"parameters in the checkpoint and {target.numel()} here: it was saved with another "
-                    "model.train_vision (a frozen vision tower has none); resume with the setting it was saved with")
-            if tensors[key].shape != target.shape:
-                raise checkpoint.CheckpointError(
-                    f"layer {i} {key} has {tensors[key].numel()} elements in the checkpoint but the model "
-                    f"needs {target.numel()}: the checkpoint is from another model"
-                )
-            target.copy_(tensors[key])  # an fp32 master into a bf16 one: rounded as the compute copy was
-        store.publish(state)
-        state.updates = updates
-        if state.held is not None:
-            state.held.fill_(updates)
+        with store.resident(i) as state:
+            load_layer(store, state, files_by_layer[i])
+
+
+def load_layer(store: ShardStore, state, file: str) -> None:
+    """One layer's state from its checkpoint file (load_layers)."""
+    i = state.layout.index
+    tensors, updates = checkpoint.read_layer_state(file, i)
+    held = precision.held_format(tensors)
+    checkpoint.check_convertible(held, store.format, f"layer {i}")
+    if held.moments != store.format.moments:
+        tensors.update(precision.convert_moments(*precision.moments_as_fp32(tensors), store.format))
+    for key, target in state.tensors().items():
+        if key != "master" and tensors[key].shape != target.shape and tensors["master"].shape == state.master.shape:
+            raise checkpoint.CheckpointError(
+                f"layer {i}'s optimizer state covers {tensors[key].numel()} of its {state.master.numel()} "
+                f"parameters in the checkpoint and {target.numel()} here: it was saved with another "
+                "model.train_vision (a frozen vision tower has none); resume with the setting it was saved with")
+        if tensors[key].shape != target.shape:
+            raise checkpoint.CheckpointError(
+                f"layer {i} {key} has {tensors[key].numel()} elements in the checkpoint but the model "
+                f"needs {target.numel()}: the checkpoint is from another model"
+            )
+        target.copy_(tensors[key])  # an fp32 master into a bf16 one: rounded as the compute copy was
+    store.publish(state)
+    state.updates = updates
+    if state.held is not None:
+        state.held.fill_(updates)
 
 
 def load_hf(store: ShardStore, model_dir: str, layers: list[int] | None = None, checked: bool = False) -> None:
     """The store's layers (or those of `layers`) from a Hugging Face directory, read over the store's
     threads (every tensor checked; `checked`: the directory passed check_hf already)."""
     layers = list(store.layers) if layers is None else layers
-    load_hf_weights(model_dir, store.arch, store.master, layers=layers, threads=torch.get_num_threads(),
-                    checked=checked)
+    in_memory = [i for i in layers if not store.layers[i].on_disk or store.format.master == "bf16"]
+    if in_memory or not checked:
+        load_hf_weights(model_dir, store.arch, store.master, layers=in_memory, threads=torch.get_num_threads(),
+                        checked=checked)
     for i in layers:
-        store.publish(store.layers[i])
+        if i in in_memory:
+            store.publish(store.layers[i])
+            continue
+        with store.resident(i) as state:  # a master in the disk tier: read into its buffer, then written back
+            load_hf_weights(model_dir, store.arch, lambda _: state.master, layers=[i],
+                            threads=torch.get_num_threads(), checked=True)
+            store.publish(state)
 
 
 def check_hf(store: ShardStore, model_dir: str) -> None:

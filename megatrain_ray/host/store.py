@@ -17,12 +17,14 @@ from __future__ import annotations
 import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatrain_ray.host import precision
+from megatrain_ray.host.disk import DiskTier
 from megatrain_ray.host.memory import element_size, pinned_empty, remove_dead_segments, segment_name, shm_tensor, zeroed
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.models.arch import ModelArch
@@ -34,6 +36,7 @@ from megatrain_ray.host.adamw import AdamWStep, adamw_step, segments_within
 
 
 IN_FLUX = -1  # a held marker's value while a GPU worker writes the layer's state (ShardStore.held_marker)
+ABSENT = torch.empty(0)  # a tensor of a layer's state that is in the disk tier, not in memory (ShardStore.resident)
 
 
 def bytes_per_param(compute_dtype: torch.dtype, state: StateFormat = StateFormat()) -> float:
@@ -58,6 +61,7 @@ class LayerState:
     scales: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 moments: a scale per block of each
     updates: int = 0  # AdamW updates applied: this layer's bias correction, and what a checkpoint keeps
     held: torch.Tensor | None = None  # stepped by a GPU worker: the update count its state holds (`held_marker`)
+    on_disk: bool = False  # its cold state (host/disk.py, cold_keys) lives in the disk tier: empty here but while resident
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state a checkpoint holds, as it is held (no compute copy: it follows the master)."""
@@ -120,10 +124,13 @@ class ShardStore:
         state_format: StateFormat = StateFormat(),
         seed: int = 0,
         shared_state: tuple[int, ...] = (),
+        disk_dir: str | None = None,
+        disk_layers: tuple[int, ...] = (),
     ):
         """`seed`: train.seed, the stochastic rounding's (a bf16 master's) stream. `shared_state`: layers
         whose master and moments a GPU worker on this node steps (the step plan's embedding on the
-        device), in shared memory from the start (`share_state`, with nothing to copy)."""
+        device), in shared memory from the start (`share_state`, with nothing to copy). `disk_layers`:
+        layers whose optimizer state lives in files under `disk_dir` (the plan's: host/disk.py)."""
         start_native_kernel()  # a first build on this node (tens of seconds) beside the run's start, not in its first step
         self.arch = arch
         self.compute_dtype = compute_dtype
@@ -143,7 +150,13 @@ class ShardStore:
                 print(f"removed {files} shared-memory segment(s) ({nbytes / 2**30:.2f} GiB) of runs that died "
                       f"without cleaning up, from {self._shm_dir}", flush=True)
         layouts = model_layouts(arch)
-        self.layers: dict[int, LayerState] = {i: self._allocate(layouts[i]) for i in layers}
+        if set(disk_layers) & set(shared_state):
+            raise ValueError(f"layers {sorted(set(disk_layers) & set(shared_state))} cannot be both on disk and "
+                             "stepped by a GPU worker")
+        self.disk: DiskTier | None = None
+        if disk_layers:
+            self.disk = DiskTier(disk_dir, run_id, {i: layouts[i] for i in disk_layers}, state_format)
+        self.layers: dict[int, LayerState] = {i: self._allocate(layouts[i], i in disk_layers) for i in layers}
         for i in shared_state:
             self._share(i, copy=False)
         self.optimizer_seconds = 0.0  # summed over steps, for the benchmark's time split
@@ -156,41 +169,80 @@ class ShardStore:
         paths[index] = str(path)
         return shm_tensor(path, n, dtype, create=True)
 
-    def _allocate(self, layout: LayerLayout) -> LayerState:
+    def _allocate(self, layout: LayerLayout, on_disk: bool = False) -> LayerState:
         n, fmt = layout.numel, self.format
         compute = self._shared(layout.index, n, self.compute_dtype, None, self.shm_paths)
         if fmt.master == "bf16":
             master, grad = compute, self._shared(layout.index, n, torch.bfloat16, "grad", self.grad_shm_paths)
         else:
-            master, grad = torch.empty(n, dtype=torch.float32), compute
+            master, grad = (ABSENT if on_disk else torch.empty(n, dtype=torch.float32)), compute
         m_dtype, v_dtype = fmt.moment_dtypes()
         k = layout.trained_numel  # moments for the trained parameters only (a frozen tail holds none)
         scales = ((torch.zeros(precision.num_blocks(k)), torch.zeros(precision.num_blocks(k)))
                   if fmt.quantized else None)
+        if on_disk:
+            return LayerState(layout, master=master, exp_avg=ABSENT, exp_avg_sq=ABSENT, compute=compute, grad=grad,
+                              scales=(ABSENT, ABSENT) if fmt.quantized else None, on_disk=True)
         return LayerState(layout, master=master, exp_avg=zeroed(k, m_dtype), exp_avg_sq=zeroed(k, v_dtype),
                           compute=compute, grad=grad, scales=scales)
 
+    @contextmanager
+    def resident(self, index: int, dirty: bool = True):
+        """The layer's state, all of it in memory while the block runs: a layer in the disk tier
+        (host/disk.py) is read into a buffer of its window (ahead of time, where it came in the
+        order), and written back after unless `dirty` is False."""
+        state = self.layers[index]
+        if not state.on_disk:
+            yield state
+            return
+        views = self.disk.acquire(index, to_change=dirty)
+        for key, t in views.items():
+            if key in precision.SCALE_KEYS:
+                continue
+            setattr(state, key, t)
+        if state.scales is not None:
+            state.scales = tuple(views[key] for key in precision.SCALE_KEYS)
+        try:
+            yield state
+        finally:
+            for key in views:
+                if key not in precision.SCALE_KEYS:
+                    setattr(state, key, ABSENT)
+            if state.scales is not None:
+                state.scales = (ABSENT, ABSENT)
+            self.disk.release(index, dirty)
+
     def host_bytes(self) -> int:
-        """Bytes of every buffer this store holds (a bf16 master is counted once: it is the compute copy)."""
+        """Bytes of every buffer this store holds in RAM (a bf16 master is counted once: it is the compute
+        copy), the disk tier's window included."""
         seen = {}
         for s in self.layers.values():
             for t in (*s.tensors().values(), s.compute, s.grad):
                 seen[t.data_ptr()] = t.numel() * t.element_size()
-        return sum(seen.values())
+        return sum(seen.values()) + (self.disk.resident_bytes() if self.disk is not None else 0)
+
+    def disk_stats(self) -> dict[str, float]:
+        """The disk tier's bytes moved and the seconds the store waited for its reads (none: no tier)."""
+        if self.disk is None:
+            return {}
+        return {"read_bytes": self.disk.bytes_read, "written_bytes": self.disk.bytes_written,
+                "read_wait_s": self.disk.read_seconds, "file_bytes": self.disk.file_bytes(),
+                "window_bytes": self.disk.resident_bytes(), "direct_io": self.disk.direct}
 
     # ---- initial weights -------------------------------------------------------------------
     def init_random(self, seed: int, std: float, layers: list[int] | None = None) -> None:
         """Each layer (of `layers`, default all) drawn by as many threads as torch's (the store's
         optimizer threads), then published by torch's own."""
         with ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="init") as pool:
-            for state in (self.layers[i] for i in (self.layers if layers is None else layers)):
-                if state.master.dtype == torch.float32:
-                    init_layer_weights(family(self.arch), state.layout, state.master, seed, std, pool)
-                else:  # drawn in fp32 as an exact run draws them, then rounded as its compute copy is
-                    full = torch.empty(state.layout.numel, dtype=torch.float32)
-                    init_layer_weights(family(self.arch), state.layout, full, seed, std, pool)
-                    state.master.copy_(full)
-                self.publish(state)
+            for i in (self.layers if layers is None else layers):
+                with self.resident(i, dirty=self.format.master == "fp32") as state:
+                    if state.master.dtype == torch.float32:
+                        init_layer_weights(family(self.arch), state.layout, state.master, seed, std, pool)
+                    else:  # drawn in fp32 as an exact run draws them, then rounded as its compute copy is
+                        full = torch.empty(state.layout.numel, dtype=torch.float32)
+                        init_layer_weights(family(self.arch), state.layout, full, seed, std, pool)
+                        state.master.copy_(full)
+                    self.publish(state)
 
     def fault_in_moments(self) -> None:
         """Fresh moments (zeros the kernel hands out page by page at their first write: host/memory.py,
@@ -199,7 +251,7 @@ class ShardStore:
         for. Only on moments nothing has written yet (after init_random or a Hugging Face load). Never on
         a layer a GPU worker steps (share_state): the worker writes those moments, maybe by now."""
         for index, state in self.layers.items():
-            if index in self.state_shm_paths or state.held is not None:
+            if index in self.state_shm_paths or state.held is not None or state.on_disk:  # a file reads zeros
                 continue
             state.exp_avg.zero_()
             state.exp_avg_sq.zero_()
@@ -211,7 +263,11 @@ class ShardStore:
             state.compute.copy_(state.master)
 
     def master(self, index: int) -> torch.Tensor:
-        return self.layers[index].master
+        """The layer's master weights (a copy, of a master in the disk tier)."""
+        if not self.layers[index].on_disk or self.format.master == "bf16":
+            return self.layers[index].master
+        with self.resident(index, dirty=False) as state:
+            return state.master.clone()
 
     def gradient_paths(self) -> dict[int, str]:
         """Shared-memory gradient buffers of their own (a bf16 master's), by layer; else none."""
@@ -231,6 +287,8 @@ class ShardStore:
         if not self.format.exact:
             raise ValueError("the embedding's step on the device needs the exact (fp32) optimizer state")
         state = self.layers[index]
+        if state.on_disk:
+            raise ValueError(f"layer {index}'s state is in the disk tier: a GPU worker cannot step it")
         paths = {}
         for key in ("master", "exp_avg", "exp_avg_sq"):
             path = self._shm_dir / segment_name(self._run_id, index, key)
@@ -279,8 +337,9 @@ class ShardStore:
 
         hp None skips the update (a non-finite step) and only puts the weights back.
         """
-        self.begin_update(index, hp)
-        self.update_piece(index, hp, 0, self.layers[index].layout.numel)
+        with self.resident(index):
+            self.begin_update(index, hp)
+            self.update_piece(index, hp, 0, self.layers[index].layout.numel)
         return index
 
     def begin_update(self, index: int, hp: AdamWStep | None) -> None:
@@ -322,8 +381,11 @@ class ShardStore:
         return {i: state.updates for i, state in self.layers.items()}
 
     def close(self) -> None:
-        """Release this store's segments, and sweep again: a killed run's store that was still being
-        stopped when this one started has exited since (or its driver has)."""
+        """Release this store's segments and disk-tier files, and sweep again: a killed run's store that
+        was still being stopped when this one started has exited since (or its driver has)."""
+        if getattr(self, "disk", None) is not None:
+            self.disk.close()
+            self.disk = None
         for path in [*self.shm_paths.values(), *self.grad_shm_paths.values(), *self.extra_shm_paths]:
             Path(path).unlink(missing_ok=True)
         self.shm_paths.clear()

@@ -21,12 +21,15 @@ from megatrain_ray.models.registry import how_it_runs, model_layouts, num_params
 from megatrain_ray.host.precision import StateFormat, format_of
 from megatrain_ray.host.store import bytes_per_param, layer_bytes
 from megatrain_ray.host.window import window_bytes
+from megatrain_ray.host.disk import disk_bytes, layer_parts, window_bytes as disk_window_bytes
+from megatrain_ray.host.transport import TURN_LAYER
 from megatrain_ray.planning.plan import TRANSPORT_CORES, num_slots_setting
 
 GiB = 1024**3
 USABLE = 0.9  # of a machine's free memory, for the run's host state
 GPU_NODE_RESERVE = 2 * GiB  # each GPU worker's own host memory: CUDA context, torch, batches
 WINDOW_SHARE = 0.5  # of the GPU machine's spare memory an automatic window may take (the rest: parked activations, slack)
+DISK_GBS = 1.0  # GB/s read and write assumed for a disk tier whose speed is not known (a described node without disk_gbps)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class NodeInfo:
     gbps: float | None = None  # link speed, where known (a described cluster); else runtime.network_gbps
     adamw_params_per_s: float | None = None  # host optimizer rate, where known; else the measured one
     cpus: float = 0.0  # the CPUs Ray counts on the node (`ray start --num-cpus`, default all its cores); 0: not known
+    disk_bytes: int | None = None  # free under runtime.disk_dir there (probed, or a described cluster's disk_gib); None: not known
+    disk_read_gbs: float | None = None  # that disk's read speed, GB/s (probed, or disk_gbps); None: DISK_GBS assumed
+    disk_write_gbs: float | None = None  # its write speed, GB/s
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,15 @@ class StorePlan:
     host_bytes: int
     capacity: float = 0.0  # bytes the store may take on its node (stated, or its share of the machine's usable memory)
     threads: int | None = None  # its host optimizer's (store_threads); None: a described node whose cores are not known
+    disk_layers: tuple[int, ...] = ()  # layers whose optimizer state lives in the disk tier (host/disk.py)
+    disk_bytes: int = 0  # their files' bytes under runtime.disk_dir
+
+    def disk_seconds(self) -> float:
+        """A step's disk time: every layer on disk read once before its update and written once after."""
+        if not self.disk_bytes:
+            return 0.0
+        return (self.disk_bytes / ((self.node.disk_read_gbs or DISK_GBS) * 1e9)
+                + self.disk_bytes / ((self.node.disk_write_gbs or DISK_GBS) * 1e9))
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,13 @@ class Placement:
     def remote_layers(self) -> list[int]:
         """Layers of stores on other nodes than the GPU worker's: they stream over the network."""
         return [i for s in self.stores if s.node.node_id != self.gpu.node_id for i in s.layers]
+
+    def disk_seconds(self) -> float:
+        """The slowest store's disk time a step (stores on one machine share its disk: summed)."""
+        by_machine: dict[str, float] = {}
+        for s in self.stores:
+            by_machine[s.node.ip] = by_machine.get(s.node.ip, 0.0) + s.disk_seconds()
+        return max(by_machine.values(), default=0.0)
 
     def gpu_machine_state(self) -> int:
         """Store state on the GPU worker's machine (its own node and raylets beside it)."""
@@ -89,6 +111,8 @@ class Placement:
                 + (", streamed over TCP" if s.node.node_id != self.gpu.node_id else ", shared memory")
                 + (f", AdamW on {s.threads} thread{'s' if s.threads > 1 else ''}" if s.threads else "")
             )
+            if s.disk_layers:
+                lines.append(disk_line(arch, s, self))
         remote = self.remote_layers()
         if remote:
             lines.append(
@@ -102,6 +126,51 @@ class Placement:
     def nodes(self) -> set[str]:
         """Every node the run uses: the stores' and the executor's."""
         return {p.node.node_id for p in self.stores} | {self.gpu.node_id}
+
+
+def disk_line(arch: ModelArch, s: StorePlan, placement: Placement) -> str:
+    """A store's disk tier as the plan prints it: what lives where, and what it costs a step."""
+    layouts = model_layouts(arch)
+    params = sum(layouts[i].numel for i in s.layers)
+    on_disk = sum(layouts[i].numel for i in s.disk_layers)
+    esize = placement.compute_bytes
+    fmt = placement.state_format
+    ram_bpp = ram_bytes_per_param(layouts[s.disk_layers[-1]], fmt, esize)
+    known = s.node.disk_read_gbs is not None
+    speed = (f"{s.node.disk_read_gbs:.2f} GB/s read, {s.node.disk_write_gbs:.2f} GB/s write" if known else
+             f"{DISK_GBS:g} GB/s read and write assumed (not known)")
+    room = f" of {s.node.disk_bytes / GiB:.1f} GiB free" if s.node.disk_bytes is not None else ""
+    return (f"  disk tier (runtime.disk_dir): {len(s.disk_layers)} of its {len(s.layers)} layers ({on_disk / 1e9:.2f} of "
+            f"{params / 1e9:.2f} B params) keep their optimizer state on disk, {s.disk_bytes / GiB:.2f} GiB{room}; "
+            f"a parameter there holds {ram_bpp:.4g} bytes in RAM and {fmt.bytes_per_param(esize) - ram_bpp:.4g} on disk; "
+            f"disk {speed}: {s.disk_bytes / 1e9:.1f} GB read and written a step, {s.disk_seconds():.2f} s")
+
+
+def disk_layers_for(layers: list[int], layouts, held: list[float], capacity: float, fmt: StateFormat,
+                    keep: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The fewest layers of a store whose state, on disk, leaves the rest within `capacity` of RAM
+    (the tier's window of buffers counted), the smallest first, then from the last layer back; never those of `keep`
+    (the embedding where a GPU may step it). () when none needs to go; all the others when even that
+    is short (the caller refuses with the figure)."""
+    ram = sum(held[i] for i in layers)
+    chosen: list[int] = []
+    cold = {i: disk_bytes(layouts[i], fmt) for i in layers if i not in keep}
+    for i in sorted(cold, key=lambda i: (cold[i], -i)):  # the smallest first: the window's buffers fit the largest
+        if ram + tier_window_bytes(chosen, layouts, fmt) <= capacity:
+            break
+        chosen.append(i)
+        ram -= sum(p.nbytes for p in layer_parts(layouts[i], fmt))
+    return tuple(sorted(chosen))
+
+
+def ram_bytes_per_param(layout, fmt: StateFormat, esize: int) -> float:
+    """Host RAM a parameter of a layer in the disk tier still takes: its compute copy (and a bf16
+    master's gradient buffer)."""
+    return fmt.bytes_per_param(esize) - sum(p.nbytes for p in layer_parts(layout, fmt)) / layout.numel
+
+
+def tier_window_bytes(disk_layers, layouts, fmt: StateFormat) -> int:
+    return disk_window_bytes([layouts[i] for i in disk_layers], fmt)
 
 
 def split_by_capacity(numels: list[int], capacities: list[float]) -> list[list[int]]:
@@ -242,8 +311,23 @@ def largest_models(room: StoreRoom, config: Config) -> str:
         bpp = fmt.bytes_per_param(esize)
         chosen = " (this config)" if fmt == format_of(config.optim) else ""
         lines.append(f"  optim.master={fmt.master} optim.moments={fmt.moments}: {bpp:.4g} bytes/param -> "
-                     f"{capacity / bpp / 1e9:.1f} B params{chosen}")
+                     f"{capacity / bpp / 1e9:.1f} B params{chosen}" + with_disk_text(room, config, fmt, esize))
     return "\n".join(lines)
+
+
+def with_disk_text(room: StoreRoom, config: Config, fmt: StateFormat, esize: int) -> str:
+    """What the disk tier adds to a mode's largest model: RAM then holds the compute copies of all
+    and the rest of the state of some, the disk the rest of it (its windows left out)."""
+    if config.runtime.disk_dir is None:
+        return ""
+    bpp = fmt.bytes_per_param(esize)
+    hot = esize if fmt.master == "fp32" else 4  # the compute copy (a bf16 master's, and its gradient buffer)
+    ram = sum(room.capacities)
+    disks = {n.ip: n.disk_bytes for n in room.holders}
+    if any(d is None for d in disks.values()):
+        return f", {ram / hot / 1e9:.1f} B with the disk tier if its disk holds {(ram / hot * bpp - ram) / GiB:.0f} GiB"
+    disk = sum(disks.values())
+    return f", {min((ram + disk) / bpp, ram / hot) / 1e9:.1f} B with the disk tier ({disk / GiB:.0f} GiB free)"
 
 
 def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_node: str) -> Placement:
@@ -261,7 +345,7 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
     sharing = Counter(n.ip for n in holders)
     reserve, streams = room.reserve, room.streams
     need, have = sum(held), sum(capacities)
-    if need > have:
+    if need > have and rt.disk_dir is None:
         raise ConfigError(
             f"the model needs {need / GiB:.1f} GiB of host memory ({params_text(sum(numels))} x {bpp:.4g} bytes, "
             f"{fmt.describe()}) "
@@ -277,17 +361,56 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
             f"them (ray start --resources='{{\"{rt.ram_resource}\": 1}}'), "
             + ("hold the optimizer state in fewer bytes (optim.master: bf16, optim.moments: int8: 6 bytes a "
                "parameter), " if fmt != NAMED_MODES[-1] and esize == 2 else "")
-            + "or choose a smaller model"
+            + "keep the optimizer state of some layers on a local SSD (runtime.disk_dir), or choose a smaller model"
         )
     ranges = split_by_capacity(numels, capacities)
     stores = tuple(
         StorePlan(node, tuple(r), int(sum(held[i] for i in r)), cap, store_threads(node, gpu, workers, rt))
         for node, r, cap in zip(holders, ranges, capacities) if r
     )
+    if rt.disk_dir is not None:
+        stores = with_disk_tier(stores, arch, config, held)
     placement = Placement(gpu, use_cuda, stores, bpp, num_gpus=workers, stated_memory=stated, state_format=fmt,
                           compute_bytes=esize)
     spare = USABLE * room.machines[gpu.ip] - workers * GPU_NODE_RESERVE - placement.gpu_machine_state()
     return dataclasses.replace(placement, gpu_spare=spare)
+
+
+def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Config, held: list[float]) -> tuple[StorePlan, ...]:
+    """Each store with the layers whose optimizer state goes to the disk tier (runtime.disk_dir): the
+    fewest that bring its RAM within what it may take (`disk_layers_for`). Refuses, with the
+    figures, a store whose RAM is short even with all of them there, and a disk that cannot hold
+    its files (where its free bytes are known)."""
+    layouts = model_layouts(arch)
+    fmt = format_of(config.optim)
+    keep = (TURN_LAYER,) if fmt.exact and config.executor.embedding_step != "host" else ()  # it may step on a GPU
+    out = []
+    for s in stores:
+        chosen = disk_layers_for(list(s.layers), layouts, held, s.capacity, fmt, keep)
+        ram = int(sum(held[i] for i in s.layers) - sum(p.nbytes for i in chosen for p in layer_parts(layouts[i], fmt))
+                  + tier_window_bytes(chosen, layouts, fmt))
+        if ram > s.capacity:
+            raise ConfigError(
+                f"the store on {s.node.ip} needs {ram / GiB:.1f} GiB of RAM even with the optimizer state of every layer "
+                f"{'but the embedding ' if keep else ''}on disk (runtime.disk_dir; the compute copy, "
+                f"{ram_bytes_per_param(layouts[-1], fmt, element_size(dtype_of(config.model.compute_dtype))):.3g} bytes a "
+                f"parameter, stays in RAM) but may take {s.capacity / GiB:.1f} GiB: short by "
+                f"{(ram - s.capacity) / GiB:.1f} GiB; give the stores more memory (runtime.store_memory_gib), add RAM "
+                "nodes, or choose a smaller model")
+        out.append(dataclasses.replace(s, host_bytes=ram, disk_layers=chosen,
+                                       disk_bytes=sum(disk_bytes(layouts[i], fmt) for i in chosen)))
+    by_machine: dict[str, list[StorePlan]] = {}
+    for s in out:
+        by_machine.setdefault(s.node.ip, []).append(s)
+    for ip, plans in by_machine.items():
+        need, free = sum(s.disk_bytes for s in plans), plans[0].node.disk_bytes
+        if free is not None and need > free:
+            raise ConfigError(
+                f"the disk tier needs {need / GiB:.1f} GiB under runtime.disk_dir={config.runtime.disk_dir} on {ip} "
+                f"but {free / GiB:.1f} GiB is free there: short by {(need - free) / GiB:.1f} GiB; free that much, give "
+                "runtime.disk_dir a larger disk, give the stores more memory (runtime.store_memory_gib), hold the state "
+                "in fewer bytes (optim.master: bf16, optim.moments: int8), or choose a smaller model")
+    return tuple(out)
 
 
 def with_window(placement: Placement, arch: ModelArch, config: Config, parked_bytes: int = 0) -> Placement:

@@ -598,6 +598,15 @@ def optimizer_cores_line(arch: ModelArch, p: "StepPrediction", placement=None) -
     return "\n".join(lines)
 
 
+def disk_step_line(p: StepPrediction, disk_s: float) -> str:
+    """The disk tier's term in the predicted step: its reads and writes run beside the host optimizer,
+    behind the next step's forward, and are hidden from the tokens whose forward lasts as long."""
+    exposed = max(0.0, disk_s - p.forward_s)
+    hiding = math.ceil(p.tokens * disk_s / p.forward_s) if p.forward_s > 0 else 0
+    return (f"disk tier: {disk_s:.2f} s of reads and writes a step (in the host optimizer's term above), behind the "
+            f"forward's {p.forward_s:.2f} s of compute: {exposed:.2f} s not hidden; hidden from {hiding} tokens a step")
+
+
 def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None = None,
              optimizer_s: float | None = None, rates=None, no_prediction: str | None = None) -> str:
     """The step plan (planning/step_plan.py: StepPlan) as text, with the step's predicted time; it
@@ -645,6 +654,9 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
         + ("; the host optimizer at the exact mode's rate (the lean modes' own: `megatrain-ray bench --parts`)"
            if (config.optim.master, config.optim.moments) != ("fp32", "fp32") else "")
     )
+    disk_s = step.placement.disk_seconds() if step.placement is not None else 0.0
+    if disk_s:
+        lines.append(disk_step_line(p, disk_s))
     lines.append(
         f"tokens per step that keep {'the ' + str(num_gpus) + ' GPUs' if num_gpus > 1 else 'the GPU'} busy (the host "
         f"optimizer hidden behind the forward, the copies and transfers behind compute): {p.busy_tokens}"

@@ -42,6 +42,7 @@ class NodeTraffic:
     gbps: float
     adamw_params_per_s: float
     over_network: bool = True  # False: a store on the GPU worker's machine (loopback)
+    disk_s: float = 0.0  # its disk tier's reads and writes a step (planning/placement.py), beside its AdamW
 
     @property
     def weight_bytes(self) -> int:
@@ -91,8 +92,9 @@ class StepTraffic:
                             slowest(lambda n: n.gradient_bytes), self.turn_seconds(gbps))
 
     def optimizer_seconds(self) -> float:
-        """The slowest store machine's AdamW over its layers; machines work in parallel."""
-        return max((s.params / s.adamw_params_per_s for s in self.stores), default=0.0)
+        """The slowest store machine's AdamW over its layers, or its disk tier's reads and writes
+        where those take longer (they run beside it, layer by layer: host/disk.py); machines work in parallel."""
+        return max((max(s.params / s.adamw_params_per_s, s.disk_s) for s in self.stores), default=0.0)
 
 
 def step_traffic(arch: ModelArch, config: Config, placement: Placement, kept: int = 0) -> StepTraffic:
@@ -119,6 +121,7 @@ def step_traffic(arch: ModelArch, config: Config, placement: Placement, kept: in
             backward_bytes=sum(nbytes[i] * (fetched[i] - 1) for i in streamed),
             gradient_bytes=sum(nbytes.values()), gbps=node.gbps or default_gbps,
             adamw_params_per_s=node.adamw_params_per_s or HOST_ADAMW_PARAMS_PER_S, over_network=ip != gpu_ip,
+            disk_s=sum(s.disk_seconds() for s in plans),
         )
         stores.append(traffic)
         if traffic.over_network:

@@ -31,6 +31,8 @@ class GpuNodeSpec:
     host_memory_gib: float = 128.0  # the node's free host memory
     network_gbps: float = 100.0
     adamw_gparams_per_s: float = planner.HOST_ADAMW_PARAMS_PER_S / 1e9  # for stores it holds
+    disk_gib: float | None = None  # free disk under runtime.disk_dir (the disk tier); null: not checked
+    disk_gbps: float | None = None  # that disk's read and write speed, GB/s (bytes, as disks are rated); null: 1 assumed
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class RamNodeSpec:
     network_gbps: float = 100.0
     count: int = 1
     adamw_gparams_per_s: float = planner.HOST_ADAMW_PARAMS_PER_S / 1e9  # its AdamW rate (the H100 machine's 16 cores)
+    disk_gib: float | None = None  # as the GPU node's
+    disk_gbps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,12 +73,19 @@ def load_cluster(path: str | Path) -> ClusterSpec:
 def cluster_nodes(spec: ClusterSpec) -> list[NodeInfo]:
     g = spec.gpu_node
     nodes = [NodeInfo(GPU_NODE, GPU_NODE, 1.0, False, int(g.host_memory_gib * GiB), g.network_gbps,
-                      g.adamw_gparams_per_s * 1e9)]
+                      g.adamw_gparams_per_s * 1e9, **described_disk(g))]
     for r in spec.ram_nodes:
         for _ in range(r.count):
             name = f"ram-node-{len(nodes)}"
-            nodes.append(NodeInfo(name, name, 0.0, True, int(r.memory_gib * GiB), r.network_gbps, r.adamw_gparams_per_s * 1e9))
+            nodes.append(NodeInfo(name, name, 0.0, True, int(r.memory_gib * GiB), r.network_gbps, r.adamw_gparams_per_s * 1e9,
+                                  **described_disk(r)))
     return nodes
+
+
+def described_disk(spec: GpuNodeSpec | RamNodeSpec) -> dict:
+    """A described node's disk for the tier (NodeInfo's fields)."""
+    return {"disk_bytes": None if spec.disk_gib is None else int(spec.disk_gib * GiB),
+            "disk_read_gbs": spec.disk_gbps, "disk_write_gbs": spec.disk_gbps}
 
 
 def described_facts(spec: ClusterSpec) -> DeviceFacts:

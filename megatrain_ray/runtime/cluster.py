@@ -6,6 +6,7 @@ Ray's memory monitor acts, its GPU's free memory.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from megatrain_ray.config import Config, ConfigError, RuntimeConfig
+from megatrain_ray.host.disk import free_bytes, probe_disk
 from megatrain_ray.host.memory import available_memory, host_headroom
 from megatrain_ray.planning.placement import NodeInfo, executor_node
 
@@ -113,6 +115,19 @@ def _node_free_memory() -> int:
 
 
 @ray.remote(num_cpus=0)
+def _node_disk(directory: str) -> tuple[int, float, float]:
+    return disk_facts(directory)
+
+
+@functools.lru_cache(maxsize=8)
+def disk_facts(directory: str) -> tuple[int, float, float]:
+    """The disk under runtime.disk_dir on this node: (free bytes, read GB/s, write GB/s), probed once
+    per process (host/disk.py, probe_disk: a quarter of a GiB written and read back)."""
+    read, write = probe_disk(directory)
+    return free_bytes(directory), read, write
+
+
+@ray.remote(num_cpus=0)
 def _host_headroom() -> int:
     return host_headroom()
 
@@ -162,11 +177,22 @@ def free_memory(node_ids: list[str]) -> list[int]:
 def discover_nodes(cfg: RuntimeConfig) -> list[NodeInfo]:
     alive = [n for n in ray.nodes() if n["Alive"]]
     free = free_memory([n["NodeID"] for n in alive])
+    disks = node_disks([n["NodeID"] for n in alive], cfg.disk_dir)
     return [
         NodeInfo(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0),
-                 n["Resources"].get(cfg.ram_resource, 0.0) > 0, mem, cpus=n["Resources"].get("CPU", 0.0))
-        for n, mem in zip(alive, free)
+                 n["Resources"].get(cfg.ram_resource, 0.0) > 0, mem, cpus=n["Resources"].get("CPU", 0.0),
+                 disk_bytes=disk[0], disk_read_gbs=disk[1], disk_write_gbs=disk[2])
+        for n, mem, disk in zip(alive, free, disks)
     ]
+
+
+def node_disks(node_ids: list[str], directory: str | None) -> list[tuple]:
+    """Each node's disk under runtime.disk_dir (disk_facts), probed there; (None, None, None) each without it."""
+    if directory is None:
+        return [(None, None, None)] * len(node_ids)
+    here = driver_node_id()
+    refs = {n: _node_disk.options(scheduling_strategy=on_node(n)).remote(directory) for n in node_ids if n != here}
+    return [disk_facts(directory) if n == here else ray.get(refs[n]) for n in node_ids]
 
 
 def node_headroom(node_id: str) -> int:

@@ -152,6 +152,7 @@ class Session:
             store.allocate.remote(self.arch, list(plan.layers), dtype_of(config.model.compute_dtype),
                                   config.runtime.shm_dir, run_id, format_of(config.optim), config.train.seed,
                                   shared_state=(0,) if self.plan.embedding_on_device and 0 in plan.layers else (),
+                                  disk_dir=config.runtime.disk_dir, disk_layers=plan.disk_layers,
                                   serve=plan.node.node_id != p.gpu.node_id)
             for store, plan in zip(self.stores, p.stores)], "starting the stores")
 

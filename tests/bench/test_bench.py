@@ -210,3 +210,17 @@ def test_two_workers_and_stated_host_memory_and_a_shape_that_does_not_split(tmp_
     assert "train.grad_accum=3" in runs[1]["refused"]
     assert [s["tokens"] for s in runs[0]["steps"]] == [128, 128]
     assert runs[0]["median"]["predicted"] is None  # the CPU path: no GPU's rates to predict with
+
+
+def test_bench_with_a_disk_tier_reports_what_it_moved(tmp_path, bench):
+    """--disk-dir with a stated store memory that the model does not fit: the plan's disk line, and
+    the tier's bytes a step and the stores' wait for its reads in the report."""
+    out = tmp_path / "bench.json"
+    proc = bench("--model", "tiny-llama", "--layers", "12", "--device", "cpu", "--compute-dtype", "float32",
+                 "--embedding-step", "host", "--store-memory-gib", str(5.5e6 / 2**30), "--disk-dir", str(tmp_path / "tier"),
+                 "--seq-len", "16", "--grad-accum", "2", "--steps", "2", "--warmup", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "disk tier (runtime.disk_dir):" in proc.stdout and "GB/s read" in proc.stdout
+    disk = json.loads(out.read_text())["runs"][0]["median"]["disk"]
+    assert disk["read_gb_per_step"] > 0 and disk["written_gb_per_step"] > 0 and disk["file_gib"] > 0
+    assert "disk tier: " in proc.stdout and " a step for reads" in proc.stdout

@@ -188,3 +188,35 @@ def test_two_workers_over_shared_memory_and_ram_nodes_train_like_one(three_nodes
     # with its next call): after 3 steps a layer's owner has sent 3, the other worker knows of 2
     layers = set(versions[0])
     assert layers and all(sorted(v[i] for v in versions) == [2, 3] for i in layers), versions
+
+
+def test_ram_nodes_with_a_disk_tier_train_like_one_node(three_nodes, tmp_path):
+    """Every layer on the two RAM nodes, each store with a disk tier for the optimizer state its
+    stated memory cannot hold (runtime.disk_dir, runtime.store_memory_gib), the embedding travelling
+    in pieces at the turn: the single-node all-RAM run's losses and weights, bit for bit (fp32)."""
+    arch = PRESETS["tiny-llama"].replace(num_layers=12)
+    base = make_config("tiny-llama")
+    config = base.replace(runtime=dataclasses.replace(
+        base.runtime, store_on_gpu_node=False, transport_streams=2, transport_piece_mib=0.03,
+        disk_dir=str(tmp_path), store_memory_gib=3.0e6 / 2**30))
+    data = random_micro_batches(arch, 3, 2, batch=2, seq=12, seed=5)
+    session = probed_session(config, arch)
+    try:
+        on_disk = [plan.disk_layers for plan in session.placement.stores]
+        assert len(on_disk) == 2 and all(on_disk), session.placement.describe(arch)
+        session.init_weights()
+        session.start_executor()
+        assert ray.get(session.gpus[0].transports.remote()) == ["stream", "stream"]
+        losses = [session.train_step(step).loss for step in data]
+        weights = layer_weights(session)
+        read = [ray.get(store.disk_stats.remote())["read_bytes"] for store in session.stores]
+    finally:
+        session.close()
+    assert all(read)
+    single = LocalTrainer(base, arch)
+    expected_losses = [single.train_step(step).loss for step in data]
+    expected = single.layer_weights()
+    single.close()
+    assert losses == expected_losses
+    for a, b in zip(weights, expected):
+        assert torch.equal(a, b)

@@ -1,0 +1,367 @@
+"""The disk tier (runtime.disk_dir): the part of a layer's state that only its update reads lives in
+a file, and comes into a bounded window of RAM buffers ahead of the update, in the order updates
+come, and goes back behind it.
+
+What goes to disk, per layer the plan names (planning/placement.py, `StorePlan.disk_layers`): the
+two AdamW moments (and their int8 block scales), and with an fp32 master the master too: the
+optimizer alone reads them. The compute copy, which the GPU streams in the forward and the backward
+and the gradient lands in, stays in RAM (so does a bf16 master, which is that copy).
+
+One file per layer, named as the store's shared-memory segments are (host/memory.py, key "disk"),
+so that the next store on the machine removes a killed run's files as it removes its segments. Its
+parts lie at offsets aligned to ALIGN bytes, so that they are read and written with O_DIRECT (no
+page cache: the tier's bytes would otherwise be held twice, and the kernel's writeback would decide
+when the disk is busy) from page-aligned buffers, in pieces of IO_PIECE on a pool of threads
+(os.preadv/os.pwritev release the GIL: the pool keeps several requests in flight, which an NVMe
+disk needs to reach its speed). A file system that refuses O_DIRECT (tmpfs) is used buffered.
+Each file is allocated in full when the store starts (posix_fallocate): a disk too small for the
+tier is refused then, with the figure, and a write into allocated blocks does not run out of room
+mid-run on a file system that overwrites in place (ext4, xfs).
+
+The files are scratch: they hold the state between two updates of a run, never a checkpoint's. A
+checkpoint copies the state out (files/shard.py), so a run killed while writing leaves nothing that
+a resume reads. A write that fails (the disk's error) keeps its buffer, which then holds the only
+copy of that layer's state: the store keeps it resident, and a checkpoint still reads it there.
+
+The window: WINDOW (3) buffers each the size of the store's largest layer on disk. `acquire` waits for
+the layer's read (issued ahead when a buffer was free), then issues the reads of the layers that
+follow it in the store's order, into buffers whose layers were released; `release` issues the
+write. A read into a buffer waits for that buffer's write first (the pool takes jobs in order, so
+the write's pieces have all started by then). Every call comes from the store's one thread.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatrain_ray.host import precision
+from megatrain_ray.host.memory import remove_dead_segments, segment_name
+from megatrain_ray.host.precision import StateFormat
+from megatrain_ray.models.layout import LayerLayout
+
+ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffers (a page; also every NVMe's logical block)
+IO_PIECE = 8 * 2**20  # bytes one read or write call moves: a layer spreads over the pool's threads
+WINDOW = 3  # buffers per store: the layer updating, the one before it writing, the next read ahead
+IO_THREADS = 8  # requests in flight per store
+
+
+class DiskTierError(OSError):
+    """The disk tier's disk failed (full, or an I/O error); the message says which file and what to do."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a layer's state in its file."""
+
+    name: str  # as LayerState names it: master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale
+    dtype: torch.dtype
+    numel: int
+    offset: int  # bytes, a multiple of ALIGN
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def cold_keys(fmt: StateFormat) -> tuple[str, ...]:
+    """The state a layer keeps on disk: what its update alone reads (a bf16 master is the compute copy)."""
+    keys = ("exp_avg", "exp_avg_sq") + (precision.SCALE_KEYS if fmt.quantized else ())
+    return (("master",) if fmt.master == "fp32" else ()) + keys
+
+
+def layer_parts(layout: LayerLayout, fmt: StateFormat) -> tuple[Part, ...]:
+    """The layer's file: its cold tensors (cold_keys) one after the other, each at an aligned offset."""
+    m_dtype, v_dtype = fmt.moment_dtypes()
+    k = layout.trained_numel
+    sizes = {"master": (fmt.master_dtype(), layout.numel), "exp_avg": (m_dtype, k), "exp_avg_sq": (v_dtype, k)}
+    for key in precision.SCALE_KEYS:
+        sizes[key] = (torch.float32, precision.num_blocks(k))
+    parts, offset = [], 0
+    for key in cold_keys(fmt):
+        dtype, numel = sizes[key]
+        parts.append(Part(key, dtype, numel, offset))
+        offset += aligned(numel * dtype.itemsize)
+    return tuple(parts)
+
+
+def file_bytes(parts: tuple[Part, ...]) -> int:
+    return aligned(parts[-1].offset + parts[-1].nbytes) if parts else 0
+
+
+def disk_bytes(layout: LayerLayout, fmt: StateFormat) -> int:
+    """Bytes a layer's state takes on disk (its file), and no longer in RAM."""
+    return file_bytes(layer_parts(layout, fmt))
+
+
+def window_bytes(layouts: list[LayerLayout], fmt: StateFormat, window: int = WINDOW) -> int:
+    """RAM the tier's buffers take for these layers on disk."""
+    return window * max((disk_bytes(layout, fmt) for layout in layouts), default=0) if layouts else 0
+
+
+def open_file(path: Path) -> tuple[int, bool]:
+    """A new file for reading and writing, with O_DIRECT where the file system takes it; whether it did."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o600), True
+    except OSError:
+        Path(path).unlink(missing_ok=True)
+        return os.open(path, flags, 0o600), False
+
+
+@dataclass
+class Slot:
+    """One buffer of the window, and the layer it holds (None: none)."""
+
+    memory: mmap.mmap
+    buffer: torch.Tensor  # uint8 over `memory`
+    layer: int | None = None
+    reads: list[Future] = field(default_factory=list)
+    writes: list[Future] = field(default_factory=list)
+    in_use: bool = False  # acquired and not yet released
+    ahead: bool = False  # read ahead, not yet acquired
+    failed: bool = False  # its write failed: it holds the only copy of its layer's state
+    released_at: int = 0  # when its layer was last released (the least recent is reused first)
+
+
+class DiskTier:
+    """The files of a store's layers on disk and its window of buffers."""
+
+    def __init__(self, directory: str | Path, run_id: str, layouts: dict[int, LayerLayout], fmt: StateFormat,
+                 window: int | None = None, threads: int = IO_THREADS):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        files, nbytes = remove_dead_segments(self.directory)
+        if files:
+            print(f"removed {files} disk-tier file(s) ({nbytes / 2**30:.2f} GiB) of runs that died, from "
+                  f"{self.directory}", flush=True)
+        self.parts = {i: layer_parts(layout, fmt) for i, layout in layouts.items()}
+        self.order = sorted(layouts)
+        self.paths: dict[int, Path] = {}
+        self.fds: dict[int, int] = {}
+        self.direct = True
+        self.read_seconds = 0.0  # the store's thread waiting for reads: the tier's exposed time
+        self.bytes_read = self.bytes_written = 0
+        self._clock = 0
+        try:
+            for i in self.order:
+                self._create(i, run_id)
+        except BaseException:
+            self.close()
+            raise
+        largest = max((file_bytes(p) for p in self.parts.values()), default=0)
+        self.slots = [self._slot(largest) for _ in range(min(window or WINDOW, len(self.order)) if largest else 0)]
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="disk-tier")
+
+    def _create(self, index: int, run_id: str) -> None:
+        path = self.directory / segment_name(run_id, index, "disk")
+        fd, direct = open_file(path)
+        self.paths[index], self.fds[index] = path, fd
+        self.direct = self.direct and direct
+        size = file_bytes(self.parts[index])
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            raise self._error(e, path, "allocating", size) from None
+
+    @staticmethod
+    def _slot(nbytes: int) -> Slot:
+        memory = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT needs
+        return Slot(memory, torch.frombuffer(memory, dtype=torch.uint8))
+
+    def _error(self, e: OSError, path: Path, doing: str, nbytes: int) -> DiskTierError:
+        free = os.statvfs(self.directory)
+        room = free.f_bavail * free.f_frsize
+        return DiskTierError(
+            e.errno, f"{e.strerror} while {doing} {nbytes / 2**30:.2f} GiB of the disk tier's state in {path} "
+            f"({room / 2**30:.2f} GiB free on that file system): give runtime.disk_dir a disk with more room "
+            "(megatrain-ray plan prints what the tier needs), or more host memory (runtime.store_memory_gib) so "
+            "that less of the state goes to disk")
+
+    # ---- the window ------------------------------------------------------------------------------
+    def acquire(self, index: int, to_change: bool = True) -> dict[str, torch.Tensor]:
+        """The layer's state on disk, in a buffer of the window, by name; its reads are done. Issues
+        the reads of the layers after it. `to_change`: raises first for a write that failed (the run
+        stops); a read only (a checkpoint) goes on."""
+        if to_change:
+            self._raise_failed_writes()
+        slot = self._slot_of(index)
+        if slot is None:
+            slot = self._take_slot(index, wait_for_one=True)
+            self._read(slot, index)
+        slot.in_use, slot.ahead = True, False
+        t0 = time.perf_counter()
+        self._wait(slot.reads, index, "reading")
+        self.read_seconds += time.perf_counter() - t0
+        self._read_ahead(index)
+        return self.views(slot, index)
+
+    def release(self, index: int, dirty: bool = True) -> None:
+        """The layer's buffer goes back to the window; `dirty`: its state changed, written behind."""
+        slot = self._slot_of(index)
+        slot.in_use = False
+        self._clock += 1
+        slot.released_at = self._clock
+        if dirty:
+            slot.writes = self._pieces(os.pwritev, slot, index)
+            self.bytes_written += file_bytes(self.parts[index])
+
+    def flush(self) -> None:
+        """Every write issued is done (raises DiskTierError for one that failed)."""
+        for slot in self.slots:
+            if slot.layer is not None:
+                self._wait(slot.writes, slot.layer, "writing")
+
+    def views(self, slot: Slot, index: int) -> dict[str, torch.Tensor]:
+        return {p.name: slot.buffer[p.offset : p.offset + p.nbytes].view(p.dtype) for p in self.parts[index]}
+
+    def _slot_of(self, index: int) -> Slot | None:
+        return next((s for s in self.slots if s.layer == index), None)
+
+    def _take_slot(self, index: int, wait_for_one: bool) -> Slot | None:
+        """A buffer for a new layer: a free one, else the least recently released (its write still
+        running: the read waits for it), else (`wait_for_one`: a layer acquired out of the order) one
+        read ahead and not yet acquired, whose read is dropped."""
+        free = [s for s in self.slots if s.layer is None]
+        if not free:
+            free = sorted((s for s in self.slots if not s.in_use and not s.ahead and not s.failed),
+                          key=lambda s: s.released_at)
+        if not free and wait_for_one:
+            free = [s for s in self.slots if not s.in_use and not s.failed]
+            if free:
+                wait(free[0].reads)
+        if not free:
+            if wait_for_one:
+                raise DiskTierError(0, f"the disk tier's window of {len(self.slots)} buffers has none free for layer "
+                                       f"{index}: every buffer is in use or holds a layer whose write failed")
+            return None
+        return free[0]
+
+    def _read(self, slot: Slot, index: int) -> None:
+        before = slot.writes
+        slot.layer, slot.failed = index, False
+        slot.reads = self._pieces(os.preadv, slot, index, after=before)
+        slot.writes = []
+        self.bytes_read += file_bytes(self.parts[index])
+
+    def _read_ahead(self, index: int) -> None:
+        at = self.order.index(index)
+        for step in range(1, len(self.slots)):
+            nxt = self.order[(at + step) % len(self.order)]
+            if nxt == index or self._slot_of(nxt) is not None:
+                continue
+            slot = self._take_slot(nxt, wait_for_one=False)
+            if slot is None:
+                return
+            slot.ahead = True
+            self._read(slot, nxt)
+
+    def _pieces(self, call, slot: Slot, index: int, after: list[Future] = ()) -> list[Future]:
+        """The layer's file moved by `call` (os.preadv or os.pwritev) in pieces on the pool, each
+        after `after` (the buffer's write, for a read into it)."""
+        fd, total = self.fds[index], file_bytes(self.parts[index])
+        view = memoryview(slot.memory)
+
+        def move(lo: int, hi: int) -> None:
+            for f in after:
+                f.result()
+            done = lo
+            while done < hi:
+                n = call(fd, [view[done:hi]], done)
+                if n <= 0:
+                    raise OSError(5, "short read or write")
+                done += n
+
+        return [self.pool.submit(move, lo, min(total, lo + IO_PIECE)) for lo in range(0, total, IO_PIECE)]
+
+    def _wait(self, futures: list[Future], index: int, doing: str) -> None:
+        for f in futures:
+            e = f.exception()
+            if e is not None:
+                if doing == "writing":
+                    self._slot_of(index).failed = True
+                raise (self._error(e, self.paths[index], doing, file_bytes(self.parts[index]))
+                       if isinstance(e, OSError) else e) from None
+
+    def _raise_failed_writes(self) -> None:
+        for slot in self.slots:
+            if slot.layer is not None and any(f.done() and f.exception() is not None for f in slot.writes):
+                self._wait(slot.writes, slot.layer, "writing")
+
+    def resident_bytes(self) -> int:
+        """RAM the window takes."""
+        return sum(len(s.memory) for s in self.slots)
+
+    def file_bytes(self) -> int:
+        return sum(file_bytes(p) for p in self.parts.values())
+
+    def close(self) -> None:
+        """Waits for the writes in flight, then removes the files (scratch: a checkpoint holds the state)."""
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for fd in self.fds.values():
+            os.close(fd)
+        for path in self.paths.values():
+            path.unlink(missing_ok=True)
+        self.fds.clear()
+        self.paths.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# What the disk under runtime.disk_dir has: room and speed (the plan's, planning/placement.py)
+# ---------------------------------------------------------------------------------------------
+
+PROBE_BYTES = 256 * 2**20  # what the probe writes and reads back: enough for a pool of requests in flight
+
+
+def free_bytes(directory: str | Path) -> int:
+    """Bytes free to this user on the file system that holds `directory` (or its nearest existing parent)."""
+    path = Path(directory).absolute()
+    while not path.exists():
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def probe_disk(directory: str | Path, nbytes: int = PROBE_BYTES, threads: int = IO_THREADS) -> tuple[float, float]:
+    """(read, write) GB/s of the disk under `directory`, as the tier moves bytes: a file of `nbytes`
+    written and read back in IO_PIECE pieces on `threads` threads, O_DIRECT where the file system
+    takes it (buffered, a read back would come from the page cache: then dropped first with
+    POSIX_FADV_DONTNEED). The file is removed."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"megatrain-probe-{os.getpid()}-{os.urandom(4).hex()}"
+    fd, _ = open_file(path)
+    memory = mmap.mmap(-1, nbytes)
+    memory.write(os.urandom(IO_PIECE) * (nbytes // IO_PIECE))
+    view = memoryview(memory)
+    pieces = [(lo, min(nbytes, lo + IO_PIECE)) for lo in range(0, nbytes, IO_PIECE)]
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            def timed(call) -> float:
+                t0 = time.perf_counter()
+                list(pool.map(lambda p: call(fd, [view[p[0]:p[1]]], p[0]), pieces))
+                if call is os.pwritev:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+                return nbytes / (time.perf_counter() - t0) / 1e9
+
+            write = timed(os.pwritev)
+            read = timed(os.preadv)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        view.release()
+        memory.close()
+    return read, write

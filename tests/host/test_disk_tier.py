@@ -1,0 +1,172 @@
+"""The disk tier (host/disk.py): a store whose layers keep their optimizer state in files steps bit
+for bit as the same store in RAM, in every state mode, over steps that cycle through its layers
+through a window smaller than them; its shard is the same checkpoint; a disk too small is refused
+at the start with the figure, and a write that fails stops the next update with the disk's error
+while the layer's state stays readable for a checkpoint."""
+
+import errno
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatrain_ray.files import shard
+from megatrain_ray.host import disk as disk_module
+from megatrain_ray.host.adamw import AdamWStep
+from megatrain_ray.host.disk import ALIGN, DiskTierError, layer_parts
+from megatrain_ray.host.memory import SEGMENT
+from megatrain_ray.host.precision import StateFormat
+from megatrain_ray.host.store import ShardStore
+from megatrain_ray.models.registry import PRESETS, model_layouts
+
+MODES = [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "int8"), ("bf16", "int8"), ("bf16", "fp32"), ("bf16", "bf16")]
+ARCH = PRESETS["tiny-llama"]
+LAYERS = list(range(ARCH.num_layers + 2))  # the embedding, the blocks, the head
+BETAS, EPS = (0.9, 0.95), 1e-8
+
+
+def store_of(fmt: StateFormat, disk_dir: Path | None, disk_layers=()) -> ShardStore:
+    store = ShardStore(ARCH, LAYERS, torch.bfloat16, state_format=fmt, seed=3, disk_dir=str(disk_dir) if disk_dir else None,
+                       disk_layers=tuple(disk_layers))
+    store.init_random(seed=5, std=0.02)
+    store.fault_in_moments()
+    return store
+
+
+def train(store: ShardStore, steps: int) -> None:
+    """`steps` updates of every layer in layer order (the order a step's updates come), from
+    gradients drawn from (step, layer); the last step skipped (a non-finite one: weights put back)."""
+    for step in range(steps):
+        hp = AdamWStep(step + 1, 3e-3, 0.7, BETAS, EPS, 0.1) if step < steps - 1 else None
+        for i in LAYERS:
+            state = store.layers[i]
+            state.grad.copy_(torch.randn(state.layout.numel, generator=torch.Generator().manual_seed(100 * step + i)))
+            store.step_layer(i, hp)
+
+
+def every_tensor(store: ShardStore) -> dict[str, torch.Tensor]:
+    tensors, _ = shard.state_tensors(store)
+    tensors.update({f"compute{i}": s.compute.clone() for i, s in store.layers.items()})
+    return tensors
+
+
+@pytest.mark.parametrize("master,moments", MODES)
+def test_a_store_with_its_state_on_disk_steps_bit_for_bit_as_in_ram(master, moments, tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_module, "WINDOW", 2)
+    fmt = StateFormat(master, moments)
+    ram = store_of(fmt, None)
+    on_disk = store_of(fmt, tmp_path, disk_layers=LAYERS[1:])  # 3 layers through a window of 2 buffers
+    assert len(on_disk.disk.slots) == 2 < len(LAYERS) - 1
+    train(ram, 4)
+    train(on_disk, 4)
+    a, b = every_tensor(ram), every_tensor(on_disk)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert ram.update_counts() == on_disk.update_counts()
+    stats = on_disk.disk_stats()
+    one_cycle = sum(p for p in (disk_module.file_bytes(on_disk.disk.parts[i]) for i in LAYERS[1:]))
+    assert stats["written_bytes"] >= 4 * one_cycle and stats["read_bytes"] >= 3 * one_cycle  # it did go to disk
+    cold = sum(t.numel() * t.element_size() for i in LAYERS[1:] for t in ram.layers[i].tensors().values()
+               if not (master == "bf16" and t is ram.layers[i].compute))
+    assert ram.host_bytes() - (on_disk.host_bytes() - on_disk.disk.resident_bytes()) == cold
+    paths = list(on_disk.disk.paths.values())
+    assert all(SEGMENT.match(p.name) for p in paths)
+    on_disk.close()
+    assert not any(p.exists() for p in paths)
+
+
+@pytest.mark.parametrize("master,moments", [("fp32", "fp32"), ("bf16", "int8")])
+def test_its_shard_is_the_same_checkpoint_and_loads_back(master, moments, tmp_path):
+    fmt = StateFormat(master, moments)
+    ram, on_disk = store_of(fmt, None), store_of(fmt, tmp_path / "tier", disk_layers=LAYERS[1:])
+    train(ram, 2)
+    train(on_disk, 2)
+    shard.save_shard(ram, str(tmp_path), "ram.safetensors")
+    entry = shard.save_shard(on_disk, str(tmp_path), "disk.safetensors")
+    a, b = load_file(tmp_path / "ram.safetensors"), load_file(tmp_path / "disk.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert entry["layers"] == LAYERS
+    back = store_of(fmt, tmp_path / "tier2", disk_layers=LAYERS[2:])
+    shard.load_layers(back, {i: str(tmp_path / "disk.safetensors") for i in LAYERS})
+    train(back, 2)
+    train(ram, 2)
+    a, b = every_tensor(ram), every_tensor(back)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_parts_lie_on_aligned_offsets():
+    layout = model_layouts(ARCH)[1]
+    for fmt in (StateFormat("fp32", "fp32"), StateFormat("bf16", "int8")):
+        parts = layer_parts(layout, fmt)
+        assert all(p.offset % ALIGN == 0 for p in parts)
+        assert all(a.offset + a.nbytes <= b.offset for a, b in zip(parts, parts[1:]))
+    assert [p.name for p in layer_parts(layout, StateFormat("bf16", "int8"))] == [
+        "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"]  # a bf16 master is the compute copy, in RAM
+
+
+def test_a_disk_too_small_is_refused_at_the_start_with_the_figure(tmp_path):
+    """A file-size limit stands for a full disk: the tier allocates its files whole as the store starts."""
+    code = textwrap.dedent(f"""
+        import resource, signal, torch
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+        from megatrain_ray.host.store import ShardStore
+        from megatrain_ray.models.registry import PRESETS
+        ShardStore(PRESETS["tiny-llama"], list(range(4)), torch.bfloat16, disk_dir={str(tmp_path)!r}, disk_layers=(1, 2, 3))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    assert out.returncode != 0
+    assert "DiskTierError" in out.stderr and "while allocating" in out.stderr and "runtime.disk_dir" in out.stderr, out.stderr
+    assert not list(tmp_path.iterdir())  # the files it made are gone
+
+
+def test_a_failed_write_stops_the_next_update_and_keeps_the_state(tmp_path, monkeypatch):
+    fmt = StateFormat("fp32", "fp32")
+    on_disk = store_of(fmt, tmp_path, disk_layers=LAYERS[1:])
+    real = os.pwritev
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    hp = AdamWStep(9, 1e-3, 1.0, BETAS, EPS, 0.0)
+    train(on_disk, 2)
+    monkeypatch.setattr(os, "pwritev", full)
+    before = on_disk.layers[1].updates
+    on_disk.layers[1].grad.zero_()
+    on_disk.step_layer(1, hp)  # its write fails behind it
+    with pytest.raises(DiskTierError, match="No space left on device.*while writing"):
+        on_disk.disk.flush()
+    monkeypatch.setattr(os, "pwritev", real)
+    with pytest.raises(DiskTierError, match="No space left"):
+        on_disk.step_layer(2, hp)
+    assert on_disk.layers[1].updates == before + 1
+    assert on_disk.disk.slots[[s.layer for s in on_disk.disk.slots].index(1)].failed
+    tensors = shard.layer_tensors(on_disk, 1, copy=True)  # still readable, from its buffer
+    assert tensors["layers.1.master"].numel() == on_disk.layers[1].layout.numel
+
+
+def test_a_killed_runs_files_are_removed_by_the_next_store_and_never_read(tmp_path):
+    """A store killed mid-write leaves its files; they hold nothing a resume reads (a checkpoint is
+    its own directory, published by rename), and the next store on the machine removes them, as it
+    removes a dead run's shared-memory segments."""
+    code = textwrap.dedent(f"""
+        import os, torch
+        from megatrain_ray.host.store import ShardStore
+        from megatrain_ray.models.registry import PRESETS
+        s = ShardStore(PRESETS["tiny-llama"], list(range(4)), torch.bfloat16, disk_dir={str(tmp_path)!r},
+                       disk_layers=(1, 2, 3), run_id="dead")
+        os._exit(0)  # killed: close never runs
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 3 and all(name.startswith("megatrain-dead-") and name.endswith("-disk") for name in left)
+    store = store_of(StateFormat(), tmp_path, disk_layers=(2,))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [store.disk.paths[2].name]
+    store.close()
