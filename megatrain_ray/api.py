@@ -93,17 +93,21 @@ def plan(config: str | Path | Mapping[str, Any] | Config, *, sets: Iterable[str]
 
         config = grpo_run_config(config, model_arch(config.model))
     if cluster is not None:
-        return plan_described(config, cluster, network_gbps)
+        return plan_described(config, cluster, network_gbps, gpu)
     return plan_live(config, gpu)
 
 
-def plan_described(config: Config, cluster: str | Path, speeds: list[float] | None) -> PlanResult:
+def plan_described(config: Config, cluster: str | Path, speeds: list[float] | None, gpu: str | None = None) -> PlanResult:
     from megatrain_ray.models.registry import model_arch
     from megatrain_ray.planning.whatif import load_cluster, plan_cluster
 
     spec = load_cluster(cluster)
     speeds = speeds or sorted({r.network_gbps for r in spec.ram_nodes} | {spec.gpu_node.network_gbps})
-    text, fits = plan_cluster(model_arch(config.model), config, spec, speeds)
+    if gpu is not None:  # refused as the live plan refuses it
+        from megatrain_ray.runtime.cluster import step_rates
+
+        step_rates(config, gpu)
+    text, fits = plan_cluster(model_arch(config.model), config, spec, speeds, gpu)
     print(text)
     return PlanResult(fits, None if fits else text.splitlines()[-1], text)
 
