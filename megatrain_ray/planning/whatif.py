@@ -112,7 +112,8 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
     config = step.planned_config(config)
     rates = named_rates(gpu or spec.gpu_node.gpu)
     prediction = planner.predict_step(arch, config, traffic.times(), traffic.optimizer_seconds(), rates=rates)
-    lines.append(describe_traffic(traffic, prediction.compute_s if rates else None))
+    if step.placement.remote_layers():  # as a live plan: a node's traffic where layers stream to the GPU node
+        lines.append(describe_traffic(traffic, prediction.compute_s if rates else None))
     lines.append(planner.describe(arch, config, step, traffic.times(), traffic.optimizer_seconds(), rates=rates,
                                   no_prediction=None if rates else unknown_gpu(gpu or spec.gpu_node.gpu)))
     if step.refused is not None:
