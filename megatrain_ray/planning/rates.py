@@ -140,6 +140,17 @@ def named_rates(name: str) -> Rates | None:
     return None if key is None else rates_of(key)
 
 
+def named_spec(name: str) -> GpuSpec | None:
+    """The datasheet entry of a GPU named as `named_rates` takes it, or None."""
+    key = spec_key(name) or device_key(name)
+    return None if key is None else SPECS[key]
+
+
+# what a GPU's memory has free for a run, less than the datasheet's: the CUDA context, a desktop's
+# display. An allowance, not a measurement (an RTX 3080 10GB with a display read about 9.5 GiB free)
+FREE_ALLOWANCE_GIB = 0.5
+
+
 def table_keys() -> str:
     return ", ".join(SPECS)
 

@@ -106,3 +106,19 @@ def test_the_probes_measure_this_gpu():
     assert name == torch.cuda.get_device_name() and 10e12 < matmul < 5000e12 and 1e9 < h2d < 1000e9
     rates = rates_for_gpu(name)
     print(rates.describe())  # the GPU run's record of whose rates this machine gets
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU here the plan is for that GPU")
+def test_plan_without_a_gpu_plans_for_the_one_gpu_names(local_ray, capsys):
+    """`plan --gpu rtx3080` on a machine without a GPU: the step planned for that GPU's memory (its
+    datasheet's less the allowance) and predicted on its rates, not the CPU executor's memory."""
+    import megatrain_ray
+
+    result = megatrain_ray.plan({"model": {"preset": "tiny-qwen2"}, "data": {"seq_len": 64},
+                                 "runtime": {"store_memory_gib": 1}}, gpu="rtx3080")
+    assert result, result.text
+    assert ("no GPU here: the step is planned for the RTX 3080 that --gpu names, with 9.5 GiB free of its 10 GiB"
+            in result.text)
+    assert "1 GPU worker(s)" in result.text and "of 9.50 GiB free:" in result.text
+    assert "predicted step on the RTX 3080's rates (a datasheet-scaled estimate" in result.text
+    capsys.readouterr()
