@@ -93,17 +93,21 @@ def plan(config: str | Path | Mapping[str, Any] | Config, *, sets: Iterable[str]
 
         config = grpo_run_config(config, model_arch(config.model))
     if cluster is not None:
-        return plan_described(config, cluster, network_gbps)
+        return plan_described(config, cluster, network_gbps, gpu)
     return plan_live(config, gpu)
 
 
-def plan_described(config: Config, cluster: str | Path, speeds: list[float] | None) -> PlanResult:
+def plan_described(config: Config, cluster: str | Path, speeds: list[float] | None, gpu: str | None = None) -> PlanResult:
     from megatrain_ray.models.registry import model_arch
     from megatrain_ray.planning.whatif import load_cluster, plan_cluster
 
     spec = load_cluster(cluster)
     speeds = speeds or sorted({r.network_gbps for r in spec.ram_nodes} | {spec.gpu_node.network_gbps})
-    text, fits = plan_cluster(model_arch(config.model), config, spec, speeds)
+    if gpu is not None:  # refused as the live plan refuses it
+        from megatrain_ray.runtime.cluster import step_rates
+
+        step_rates(config, gpu)
+    text, fits = plan_cluster(model_arch(config.model), config, spec, speeds, gpu)
     print(text)
     return PlanResult(fits, None if fits else text.splitlines()[-1], text)
 
@@ -122,6 +126,26 @@ def driver_facts(arch, config: Config, placement):
         return DeviceFacts("cpu", "cpu", None, headroom)
     units = measured_working_set(torch.device("cuda"), arch, config) if torch.cuda.is_available() else 0.0
     return DeviceFacts("cuda", "GPU", gpu_free_bytes(placement.gpu.node_id), headroom, units)
+
+
+def planned_for_named_gpu(placement, facts, gpu: str, say):
+    """Where no GPU is in reach, `--gpu` names the one the plan is for: its workers on the GPU node as
+    one GPU worker, its memory the datasheet's less an allowance (planning/rates.py)."""
+    import dataclasses
+
+    from megatrain_ray.planning.plan import GiB
+    from megatrain_ray.planning.rates import FREE_ALLOWANCE_GIB, named_spec
+    from megatrain_ray.planning.step_plan import DeviceFacts
+
+    spec = named_spec(gpu)
+    if spec is None:
+        return placement, facts  # step_rates refuses it, with the names the table holds
+    free = spec.memory_gib - FREE_ALLOWANCE_GIB
+    say(f"no GPU here: the step is planned for the {spec.name} that --gpu names, with {free:g} GiB free of its "
+        f"{spec.memory_gib:g} GiB (its datasheet's, less {FREE_ALLOWANCE_GIB:g} GiB for the CUDA context and a display: "
+        f"an allowance; executor.gpu_memory_gib states what yours has)")
+    return (dataclasses.replace(placement, use_cuda=True),
+            DeviceFacts("cuda", spec.name, int(free * GiB), facts.host_headroom))
 
 
 def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
@@ -154,6 +178,8 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
             say(largest_models_here(arch, config))
             placement = place(arch, config)
             facts = driver_facts(arch, config, placement)
+            if gpu is not None and not placement.use_cuda and config.executor.device != "cpu":
+                placement, facts = planned_for_named_gpu(placement, facts, gpu, say)
             if facts.kind == "cuda":
                 say(largest_trainable(config, facts, discover_nodes(config.runtime), driver_node_id()))
             # the run's own decisions (planning/step_plan.py), from what the driver can see

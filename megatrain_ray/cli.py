@@ -108,8 +108,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     plan.add_argument("--network-gbps", type=float, nargs="+", default=None, metavar="GBIT",
                       help="with --cluster: the step time with every link at each of these speeds")
     plan.add_argument("--gpu", default=None, metavar="MODEL",
-                      help="predict the step on this GPU model's rates from the rates table (H100), e.g. on a machine "
-                           "without the GPU; default: the cluster's GPU (the table's rates, else probed there)")
+                      help="predict the step on this GPU model's rates from the rates table (the H100 SXM's "
+                           "measured; rtx3060 to rtx5090, a100-40, a100-80, l40s, h100-pcie, h200, b200, gh200 "
+                           "estimated from their datasheets); on a machine without a GPU the step is also planned for its "
+                           "memory; default: the cluster's GPU (the table's rates, else probed there)")
     plan.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="throughput benchmark, optionally beside baselines")

@@ -136,6 +136,7 @@ class ExecutorConfig:
     gpu_memory_gib: float | None = None  # GPU memory the run may use on each GPU (the plan fits the step under it and the worker's allocator is held to it; binds on CUDA only); null: what the GPU has free
     keep_graphs: int | None = None  # last blocks keeping their forward's graph (no recompute); None: as many as fit the GPU, 0 on a CPU
     embedding_step: str = "auto"  # auto | device | host: where the embedding's AdamW step runs (streaming/device_step.py); auto: the GPU, where the worker that owns its gradient reaches its store's memory and the GPU has room for it
+    host_gradients: bool | None = None  # sum the embedding's and an untied LM head's weight gradients in pinned host memory, one micro-batch's or loss chunk's share on the device at a time (one GPU worker; streaming/host_gradients.py); null: only where the step does not fit the GPU otherwise (the plan's choice)
 
 
 @dataclass(frozen=True)

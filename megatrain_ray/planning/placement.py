@@ -98,13 +98,13 @@ class Placement:
         lines = [
             f"model: {arch.model_type}{how_it_runs(arch)}, {arch.num_layers} blocks, {params_text(num_params(arch))}, "
             f"{self.bytes_per_param:.4g} host bytes/param ({self.state_format.describe()})",
-            f"executor on node {self.gpu.ip} ({self.gpu.node_id[:8]}), GPUs there: {self.gpu.gpus:g}; "
+            f"executor on node {node_name(self.gpu)}, GPUs there: {self.gpu.gpus:g}; "
             f"{self.num_gpus} {'GPU' if self.use_cuda else 'CPU'} worker(s), data parallel",
         ]
         for s in self.stores:
-            ident = [] if s.node.node_id == s.node.ip else [s.node.node_id[:8]]  # a described node has only a name
+            role = ["the GPU node"] if s.node.node_id == self.gpu.node_id else ["RAM node"] if s.node.ram_node else []
             lines.append(
-                f"store on {s.node.ip} ({', '.join(ident + (['RAM node'] if s.node.ram_node else []))}): "
+                f"store on {node_name(s.node, role)}: "
                 f"layers {s.layers[0]}-{s.layers[-1]} ({len(s.layers)}), {s.host_bytes / GiB:.2f} GiB "
                 + (f"of {s.capacity / GiB:.1f} GiB stated (runtime.store_memory_gib)" if self.stated_memory
                    else f"of {s.node.free_bytes / GiB:.1f} GiB free")
@@ -171,6 +171,13 @@ def ram_bytes_per_param(layout, fmt: StateFormat, esize: int) -> float:
 
 def tier_window_bytes(disk_layers, layouts, fmt: StateFormat) -> int:
     return disk_window_bytes([layouts[i] for i in disk_layers], fmt)
+
+
+def node_name(node: NodeInfo, notes: list[str] = ()) -> str:
+    """A node as the plan names it: its address, with its id's start where it has one apart from
+    its name (a described node has only a name) and `notes`, in parentheses when there are any."""
+    ident = [] if node.node_id == node.ip else [node.node_id[:8]]
+    return f"{node.ip} ({', '.join(ident + list(notes))})" if ident or notes else node.ip
 
 
 def split_by_capacity(numels: list[int], capacities: list[float]) -> list[list[int]]:

@@ -152,15 +152,19 @@ def parked_bytes(arch: ModelArch, config: Config) -> int:
     return (len(model_layouts(arch)) - 1) * config.train.grad_accum * (1 << (one - 1).bit_length())
 
 
-def check_parked_fit(arch: ModelArch, config: Config, headroom_bytes: int, where: str) -> None:
-    """Parked activations come on top of the stores' state: refuse before the node runs out.
+def check_parked_fit(arch: ModelArch, config: Config, headroom_bytes: int, where: str, offload: bool = True,
+                     summed_bytes: int = 0) -> None:
+    """Parked activations (where `offload`) and gradients summed in host memory (`summed_bytes`:
+    host_gradient_bytes) come on top of the stores' state: refuse before the node runs out.
 
     `headroom_bytes`: what the node can still give before Ray's memory monitor kills workers.
     """
-    need = parked_bytes(arch, config) + HOST_PARK_RESERVE
+    need = (parked_bytes(arch, config) if offload else 0) + summed_bytes + HOST_PARK_RESERVE
+    what = " and " .join(w for w, on in (("parking the boundary activations", offload),
+                                         ("summing the vocabulary layers' gradients", summed_bytes)) if on)
     if need > headroom_bytes:
         raise PlanError(
-            f"parking the boundary activations in host memory needs {need / GiB:.1f} GiB on {where}, which can "
+            f"{what} in host memory needs {need / GiB:.1f} GiB on {where}, which can "
             f"give {headroom_bytes / GiB:.1f} GiB beside the stores before Ray's memory monitor steps in. Fewer "
             f"micro-batches per step (train.grad_accum) or tokens per micro-batch (train.micro_batch_size, "
             f"data.seq_len), or RAM nodes to hold the model (runtime.store_on_gpu_node: false)"
@@ -205,8 +209,12 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     for layout in layouts:
         counts[layout.numel] = counts.get(layout.numel, 0) + 1
     plan.by_use["weight slots"] = sum(min(num_slots_setting(config), c) * n * d for n, c in counts.items())
-    largest = max(layout.numel for layout in layouts)
-    plan.by_use["gradient (fp32 accumulator, its bf16 copy out, autograd's)"] = largest * (4 + 2 * d)
+    host = host_gradient_layers(arch, config, num_gpus, embedding_on_device)
+    largest = max(layout.numel for i, layout in enumerate(layouts) if i not in host)
+    if host:  # one layer's gradient at a time: a block's accumulator, or one share of a vocabulary layer's
+        plan.by_use[HOST_SUMMED_GRADIENT] = max(largest * (4 + 2 * d), max(layouts[i].numel for i in host) * d)
+    else:
+        plan.by_use["gradient (fp32 accumulator, its bf16 copy out, autograd's)"] = largest * (4 + 2 * d)
     if num_gpus > 1:
         plan.by_use["gradient being summed across the GPUs (fp32, one layer)"] = largest * 4
         plan.by_use["NCCL buffers (an allowance)"] = NCCL_BUFFER_BYTES
@@ -233,6 +241,51 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
         gone = plan.by_use[KEPT] + plan.by_use["loss chunk"] + plan.by_use["one layer's working set"]
         plan.by_use[EMBEDDING_STEP] = 2 * n * d + max(0, 12 * n - gone)
     return plan
+
+
+HOST_SUMMED_GRADIENT = ("gradient (a block's fp32 accumulator, its bf16 copy out, autograd's; the vocabulary layers' "
+                        "summed in host memory, one micro-batch's or loss chunk's share here at a time)")
+
+
+def host_gradient_layers(arch: ModelArch, config: Config, num_gpus: int = 1, embedding_on_device: bool = False
+                         ) -> tuple[int, ...]:
+    """The layers whose weight gradient the step sums in pinned host memory where executor.host_gradients
+    is on (as set, or as the plan chose: choose_host_gradients): the embedding (unless its AdamW step
+    runs on the device, which takes its gradient there) and the LM head, vocabulary-sized both, of a
+    model whose head is untied (a tied embedding's gradient starts in the head and is held through the
+    backward); none with several GPUs (their gradients are summed across them on the devices)."""
+    if not config.executor.host_gradients or num_gpus > 1 or arch.tie_word_embeddings:
+        return ()
+    last = len(model_layouts(arch)) - 1
+    return (last,) if embedding_on_device else (0, last)
+
+
+def host_gradient_bytes(arch: ModelArch, config: Config, num_gpus: int = 1, embedding_on_device: bool = False) -> int:
+    """Pinned host memory of the gradients summed there: an fp32 sum and two staging buffers of the
+    largest such layer (streaming/host_gradients.py)."""
+    host = host_gradient_layers(arch, config, num_gpus, embedding_on_device)
+    numel = max((model_layouts(arch)[i].numel for i in host), default=0)
+    return numel * (4 + 2 * dtype_bytes(config))
+
+
+def choose_host_gradients(arch: ModelArch, config: Config, budget: int, num_gpus: int = 1,
+                          embedding_on_device: bool = False) -> Config:
+    """`config` with executor.host_gradients decided: as set, or (null) on only where the step does not
+    fit the GPU's `budget` even with the smallest chunks and slots (fit_auto_settings) and summing the
+    vocabulary layers' gradients in host memory spares the device their fp32 accumulator (its cost:
+    each micro-batch's and loss chunk's share crosses to the host, where the CPU adds it). A setting of
+    true that no layer can follow (a tied head, several GPUs) is refused."""
+    setting = config.executor.host_gradients
+    on = config.replace(executor=dataclasses.replace(config.executor, host_gradients=True))
+    if setting and not host_gradient_layers(arch, on, num_gpus, embedding_on_device):
+        raise PlanError("executor.host_gradients is true but no layer's gradient can be summed in host memory here: "
+                        "that takes one GPU worker (runtime.num_gpus: 1) and an untied LM head; set it to null or false")
+    if setting is None:
+        off = config.replace(executor=dataclasses.replace(config.executor, host_gradients=False))
+        setting = bool(host_gradient_layers(arch, on, num_gpus, embedding_on_device)) and not fits_leanest(
+            arch, fit_auto_settings(arch, off, budget, num_gpus, embedding_on_device), budget, num_gpus,
+            embedding_on_device)
+    return config.replace(executor=dataclasses.replace(config.executor, host_gradients=setting))
 
 
 # an image-text model's vision tower line (ModelFamily.vision_bytes), frozen or trained
@@ -283,6 +336,14 @@ def embedding_step_line(arch: ModelArch, workers: int = 1) -> str:
             f"next forward, so the next step starts without waiting for the host's update of the step's last gradient")
 
 
+def host_gradients_line(arch: ModelArch, config: Config, layers: tuple[int, ...]) -> str:
+    names = {0: "the embedding's", len(model_layouts(arch)) - 1: "the LM head's"}
+    return (f"{' and '.join(names[i] for i in layers)} weight gradient summed in pinned host memory "
+            f"(executor.host_gradients; {size(host_gradient_bytes(arch, config))} there): the device holds one "
+            "micro-batch's or loss chunk's share at a time instead of an fp32 accumulator of the whole vocabulary; "
+            "each share crosses to the host and the CPU adds it")
+
+
 @dataclass(frozen=True)
 class NetworkTimes:
     """Seconds a step's network transfers take (planning/traffic.py): weights in ahead of the forward and
@@ -312,6 +373,7 @@ class StepPrediction:
     reduce_s: float = 0.0  # gradients summed across the GPUs, overlapping backward
     busy_tokens: int = 0  # tokens per step (all GPUs) from which no GPU waits for the host, the network or the links
     forward_s: float = 0.0  # each GPU's forward share of compute_s
+    host_summed_s: float = 0.0  # the vocabulary layers' gradient shares copied out and added on the host (not hidden)
 
 
 def shared_network(net: NetworkTimes, num_gpus: int) -> NetworkTimes:
@@ -364,8 +426,9 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     net = shared_network(network or NetworkTimes(), num_gpus)
     fwd_compute = compute * forward_share
     bwd_compute = compute - fwd_compute
+    summed = host_summed_seconds(arch, config, rates.h2d_bytes_per_s if rates else H2D_BYTES_PER_S)
     forward = max(fwd_compute, optimizer, net.forward_in_s)
-    backward = max(bwd_compute, net.backward_in_s, net.out_s)
+    backward = max(bwd_compute, net.backward_in_s, net.out_s) + summed
     exposed = max(0.0, optimizer - max(fwd_compute, net.forward_in_s))
     network_exposed = (max(fwd_compute, net.forward_in_s) - fwd_compute) + (backward - bwd_compute) + net.boundary_s
     link_exposed = max(0.0, reduce - backward)
@@ -383,7 +446,27 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     busy_per_gpu = max(max(optimizer, net.forward_in_s) / forward_share,
                        max(net.backward_in_s, net.out_s, reduce) / (1 - forward_share), copies) / per_token
     return StepPrediction(compute, h2d, optimizer, exposed, step, bound, network_exposed, num_gpus, tokens,
-                          host_read, host_memory, reduce, math.ceil(num_gpus * busy_per_gpu), fwd_compute)
+                          host_read, host_memory, reduce, math.ceil(num_gpus * busy_per_gpu), fwd_compute, summed)
+
+
+# per parameter of a share summed in host memory: its bf16 read, the fp32 sum read and written
+HOST_ADD_BYTES = 10
+
+
+def host_summed_seconds(arch: ModelArch, config: Config, link_bytes_per_s: float) -> float:
+    """The time the gradients summed in host memory (host_gradient_layers; the embedding counted, as
+    where its step runs on the device the plan sums none) add to a step, none of it hidden: each
+    share (the embedding's per micro-batch, the head's per loss chunk) crosses the GPU's link and
+    waits there, and the CPU's add of it, at the host memory's rate, overlaps the next share's compute
+    but is counted whole (the safe side)."""
+    layers = host_gradient_layers(arch, config)
+    if not layers:
+        return 0.0
+    layouts = model_layouts(arch)
+    mb_tokens = config.train.micro_batch_size * config.data.seq_len
+    per_param = dtype_bytes(config) / link_bytes_per_s + HOST_ADD_BYTES / HOST_MEMORY_BYTES_PER_S
+    shares = {0: 1, len(layouts) - 1: math.ceil(mb_tokens / min(loss_chunk_setting(config), mb_tokens))}
+    return config.train.grad_accum * sum(shares[i] * layouts[i].numel for i in layers) * per_param
 
 
 def kept_reads_saved(arch: ModelArch, config: Config, kept: int) -> int:
@@ -394,10 +477,13 @@ def kept_reads_saved(arch: ModelArch, config: Config, kept: int) -> int:
     return sum(blocks[len(blocks) - k : len(blocks) - min(k, num_slots_setting(config) - 1)])
 
 
-def host_parking(arch: ModelArch, config: Config, offload: bool, num_gpus: int = 1) -> int:
+def host_parking(arch: ModelArch, config: Config, offload: bool, num_gpus: int = 1,
+                 embedding_on_device: bool = False) -> int:
     """Host bytes the GPU node parks activations in (0 when they stay on the device); its GPUs'
-    shares together, each parking its own micro-batches."""
-    return parked_bytes(arch, config) + num_gpus * HOST_PARK_RESERVE if offload else 0
+    shares together, each parking its own micro-batches; and the pinned sums of gradients summed
+    there (host_gradient_bytes)."""
+    parked = parked_bytes(arch, config) + num_gpus * HOST_PARK_RESERVE if offload else 0
+    return parked + host_gradient_bytes(arch, config, num_gpus, embedding_on_device)
 
 
 def choose_offload(arch: ModelArch, config: Config, free_bytes: int, num_gpus: int = 1,
@@ -628,6 +714,8 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
     ]
     if step.embedding_on_device:
         lines.append(embedding_step_line(arch, step.workers))
+    if step.host_gradients:
+        lines.append(host_gradients_line(arch, config, step.host_gradients))
     if num_gpus > 1:
         lines.append(
             f"{num_gpus} GPUs, data parallel: {micro_batches_per_gpu(config, num_gpus)} micro-batches each; every GPU "
@@ -649,7 +737,8 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
     lines.append(
         f"predicted step on {whose} ({p.tokens} tokens{f', {p.tokens // num_gpus} per GPU' if num_gpus > 1 else ''}): "
         f"compute {p.compute_s:.2f} s, host->GPU {p.h2d_s:.2f} s{' per GPU' if num_gpus > 1 else ''} (overlapped), "
-        f"host optimizer {p.optimizer_s:.2f} s of which {p.optimizer_exposed_s:.2f} s not hidden -> "
+        + (f"gradients summed in host memory {p.host_summed_s:.2f} s (not hidden), " if p.host_summed_s else "")
+        + f"host optimizer {p.optimizer_s:.2f} s of which {p.optimizer_exposed_s:.2f} s not hidden -> "
         f"{p.step_s:.2f} s/step, {p.tokens / p.step_s:.0f} tokens/s, bound by {p.bound}"
         + ("; the host optimizer at the exact mode's rate (the lean modes' own: `megatrain-ray bench --parts`)"
            if (config.optim.master, config.optim.moments) != ("fp32", "fp32") else "")

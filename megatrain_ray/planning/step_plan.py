@@ -25,9 +25,10 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.placement import Placement, with_window
 from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, GiB, GpuPlan, PlanError,
-                                         check_gpu_fit, check_host_fit, check_parked_fit, device_budget,
-                                         embedding_step_on_device, fit_auto_settings, fits_leanest, gpu_memory,
-                                         host_memory, host_parking, micro_batches_per_gpu, with_auto_settings)
+                                         check_gpu_fit, check_host_fit, check_parked_fit, choose_host_gradients,
+                                         device_budget, embedding_step_on_device, fit_auto_settings, fits_leanest,
+                                         gpu_memory, host_gradient_bytes, host_gradient_layers, host_memory,
+                                         host_parking, micro_batches_per_gpu, with_auto_settings)
 from megatrain_ray.planning.probe import measure_working_set
 from megatrain_ray.rl.loss import PolicyLoss
 
@@ -93,6 +94,10 @@ class StepPlan:
     placement: Placement | None = dataclasses.field(default=None, compare=False)  # with its window (None: in process)
     refused: str | None = dataclasses.field(default=None, compare=False)  # why it cannot run (plan_step refuse=False)
     policy: PolicyLoss | None = None  # the head's loss: None, next-token cross-entropy; else the policy loss (rl/loss.py)
+    # layers whose weight gradient is summed in pinned host memory, one micro-batch's or loss chunk's share
+    # on the device at a time (streaming/host_gradients.py): the vocabulary-sized ones, where their fp32
+    # accumulator on the device does not fit (planning/plan.py, host_gradient_layers)
+    host_gradients: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """The decisions as the run's start line tells them."""
@@ -106,6 +111,8 @@ class StepPlan:
         if self.embedding_on_device:
             parts.append("the embedding's AdamW step runs here" if self.workers == 1 else
                          "the embedding's AdamW step runs on one of them, which sends the others its new weights")
+        if self.host_gradients:
+            parts.append("the vocabulary layers' gradients are summed in host memory")
         return "".join(f"; {p}" for p in parts)
 
     def planned_arch(self, arch: ModelArch) -> ModelArch:
@@ -116,7 +123,8 @@ class StepPlan:
         """`config` as the plan ran it: with the chunk sizes and the weight slots it chose."""
         return config.replace(executor=dataclasses.replace(config.executor, loss_chunk_tokens=self.loss_chunk_tokens,
                                                            mlp_chunk_tokens=self.mlp_chunk_tokens,
-                                                           num_slots=self.num_slots))
+                                                           num_slots=self.num_slots,
+                                                           host_gradients=bool(self.host_gradients)))
 
 
 def head_loss(config: Config) -> PolicyLoss | None:
@@ -152,12 +160,14 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
         # auto: the embedding steps here only where that takes nothing else the step would give up for it
         on_device = on_device and (config.executor.embedding_step == "device"
                                    or fits_leanest(planned, with_auto_settings(config), budget, workers, True))
+        config = choose_host_gradients(planned, config, budget, workers, on_device)
         config = fit_auto_settings(planned, config, budget, workers, on_device)
         memory = gpu_memory(planned, config, budget, workers, on_device)
     else:  # the executor's tensors live beside the stores' state; nothing is parked
-        config = with_auto_settings(config)
+        config = with_auto_settings(choose_host_gradients(planned, config, 0, workers, on_device)
+                                    if config.executor.host_gradients else config)
         memory = host_memory(planned, config, workers)
-    parked = host_parking(planned, config, memory.offload, workers)
+    parked = host_parking(planned, config, memory.offload, workers, on_device)
     placed = with_window(placement, arch, config, parked) if placement is not None else None
     headroom = gpu_node_headroom(tightest.host_headroom, placed, stores_allocated)
     cap = config.executor.gpu_memory_gib
@@ -165,7 +175,8 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
                     on_device, placed.window_slots if placed is not None else 0, measured,
                     config.executor.loss_chunk_tokens, config.executor.mlp_chunk_tokens, config.executor.num_slots,
                     int(cap * GiB) if cap is not None and tightest.kind == "cuda" else None, memory,
-                    budget, headroom, placed, policy=head_loss(config))
+                    budget, headroom, placed, policy=head_loss(config),
+                    host_gradients=host_gradient_layers(planned, config, workers, on_device))
     try:
         check_step_fits(planned, config, plan, where)
     except PlanError as e:
@@ -189,7 +200,8 @@ def check_step_fits(arch: ModelArch, config: Config, plan: StepPlan, where: str)
     if plan.device == "cuda":
         check_gpu_fit(plan.memory, plan.free_bytes, where, capped=plan.memory_cap is not None
                       and plan.memory_cap <= plan.free_bytes)
-        if plan.offload:  # every worker parks on the GPU node
-            check_parked_fit(arch, config, plan.headroom, "the GPU node")
+        summed = host_gradient_bytes(arch, config, plan.workers, plan.embedding_on_device)
+        if plan.offload or summed:  # every worker parks on the GPU node
+            check_parked_fit(arch, config, plan.headroom, "the GPU node", plan.offload, summed)
     else:
         check_host_fit(plan.memory, plan.headroom, "the executor's node", plan.workers)

@@ -146,15 +146,28 @@ def describe_traffic(traffic: StepTraffic, compute_s: float | None) -> str:
     """Per node: state, pinned bytes, bytes each way per step, and the link speed that hides them
     (`compute_s`: the step's compute on the GPU's rates; None without a GPU's rates: not said)."""
     lines = ["per node and step (weights in two phases, gradients once; links full duplex):"]
-    for n in (traffic.gpu, *traffic.stores):
+    # the GPU machine's own store moves nothing over any link: the GPU node's line says it
+    own = [n for n in traffic.stores if not n.over_network and not n.weight_bytes and not n.gradient_bytes]
+    for n in (traffic.gpu, *(n for n in traffic.stores if n not in own)):
         role = "receives weights" if n is traffic.gpu else "sends weights"
         grads = "sends gradients" if n is traffic.gpu else "receives gradients"
-        where = "" if n.over_network else " (on the GPU machine: loopback, no network)"
+        name = n.name + ("" if n.over_network else " (on the GPU machine: loopback, no network)")
+        if n is traffic.gpu and own:  # "ip (GPU node)"
+            name = n.name.removesuffix(")") + "; its own store's layers through shared memory)"
         lines.append(
-            f"  {n.name}{where}: state {n.state_bytes / GiB:.1f} GiB, pinned {n.pinned_bytes / GiB:.2f} GiB; {role} "
+            f"  {name}: state {n.state_bytes / GiB:.1f} GiB, pinned {n.pinned_bytes / GiB:.2f} GiB; {role} "
             f"{n.forward_bytes / 1e9:.1f} GB before the forward + {n.backward_bytes / 1e9:.1f} GB before the backward, "
             f"{grads} {n.gradient_bytes / 1e9:.1f} GB"
-            + (f"; hidden behind {compute_s:.1f} s of compute from {n.hiding_gbps(compute_s):.1f} Gbit/s "
-               f"(link {n.gbps:g} Gbit/s)" if n.over_network and n.weight_bytes and compute_s is not None else "")
+            + (hiding(n, compute_s) if n.over_network and n.weight_bytes and compute_s is not None else "")
         )
     return "\n".join(lines)
+
+
+def hiding(node: NodeTraffic, compute_s: float) -> str:
+    """Whether the node's link hides its transfers behind the step's compute, with the speed that would."""
+    need = node.hiding_gbps(compute_s)
+    if need <= node.gbps:
+        return (f"; hidden behind the step's {compute_s:.1f} s of compute: that takes {need:.1f} Gbit/s of its "
+                f"{node.gbps:g} Gbit/s link")
+    return (f"; not hidden: within the step's {compute_s:.1f} s of compute (the weights before the forward within "
+            f"its quarter) they need {need:.1f} Gbit/s, its link has {node.gbps:g} Gbit/s")

@@ -17,6 +17,7 @@ from megatrain_ray.config import Config, ConfigError, from_mapping, load_yaml
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.largest import largest_trainable
 from megatrain_ray.planning.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, largest_models, plan_placement, store_room
+from megatrain_ray.planning.rates import Rates, named_rates, table_keys
 from megatrain_ray.planning.traffic import StepTraffic, describe_traffic, step_traffic
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 
@@ -26,7 +27,7 @@ GPU_NODE = "gpu-node"
 
 @dataclass(frozen=True)
 class GpuNodeSpec:
-    gpu: str = "H100 80GB"  # a name for the report; the rates are the H100 machine's (planning/plan.py)
+    gpu: str = "H100 80GB"  # its model: the rates table's (planning/rates.py) predict the step; no step time for another
     gpu_memory_gib: float = 80.0  # GPU memory a run may use
     host_memory_gib: float = 128.0  # the node's free host memory
     network_gbps: float = 100.0
@@ -95,8 +96,15 @@ def described_facts(spec: ClusterSpec) -> DeviceFacts:
     return DeviceFacts("cuda", g.gpu, int(g.gpu_memory_gib * GiB), int(USABLE * g.host_memory_gib * GiB - GPU_NODE_RESERVE))
 
 
-def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: list[float]) -> tuple[str, bool]:
-    """The plan as text, and whether the run fits; refusals are part of the text."""
+def unknown_gpu(name: str) -> str:
+    return (f"no step time: the rates table (planning/rates.py) has no GPU named {name!r}; name one of its models "
+            f"({table_keys()}) as gpu_node.gpu, or pass --gpu, for a datasheet-scaled estimate")
+
+
+def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: list[float],
+                 gpu: str | None = None) -> tuple[str, bool]:
+    """The plan as text, and whether the run fits; refusals are part of the text. Step times on the
+    rates of `gpu` (a model of the rates table), else of the described GPU where the table knows it."""
     lines = [f"what-if: {spec.gpu_node.gpu} ({spec.gpu_node.gpu_memory_gib:g} GiB) on a node with "
              f"{spec.gpu_node.host_memory_gib:g} GiB free"
              + "".join(f", {r.count} x {r.memory_gib:g} GiB RAM node at {r.network_gbps:g} Gbit/s" for r in spec.ram_nodes)]
@@ -113,25 +121,29 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
     lines.append(step.placement.describe(arch))
     traffic = step_traffic(arch, config, step.placement, step.kept)
     config = step.planned_config(config)
-    prediction = planner.predict_step(arch, config, traffic.times(), traffic.optimizer_seconds())
-    lines.append(describe_traffic(traffic, prediction.compute_s))
-    lines.append(planner.describe(arch, config, step, traffic.times(), traffic.optimizer_seconds()))
+    rates = named_rates(gpu or spec.gpu_node.gpu)
+    prediction = planner.predict_step(arch, config, traffic.times(), traffic.optimizer_seconds(), rates=rates)
+    if step.placement.remote_layers():  # as a live plan: a node's traffic where layers stream to the GPU node
+        lines.append(describe_traffic(traffic, prediction.compute_s if rates else None))
+    lines.append(planner.describe(arch, config, step, traffic.times(), traffic.optimizer_seconds(), rates=rates,
+                                  no_prediction=None if rates else unknown_gpu(gpu or spec.gpu_node.gpu)))
     if step.refused is not None:
         return "\n".join(lines + [f"does not fit: {step.refused}"]), False
-    lines.append(speed_table(arch, config, traffic, speeds))
+    if rates is not None:
+        lines.append(speed_table(arch, config, traffic, speeds, rates))
     lines.append("fits")
     return "\n".join(lines), True
 
 
-def speed_table(arch: ModelArch, config: Config, traffic: StepTraffic, speeds: list[float]) -> str:
-    """Predicted step time with every link at each speed."""
+def speed_table(arch: ModelArch, config: Config, traffic: StepTraffic, speeds: list[float], rates: Rates) -> str:
+    """Predicted step time with every link at each speed, on the GPU's `rates`."""
     t = config.train
     tokens = t.micro_batch_size * t.grad_accum * config.data.seq_len
     rows = ["| link Gbit/s | weights in, fwd + bwd s | gradients out s | compute s | host optimizer s | step s | "
             "tokens/s | bound by |", "|---|---|---|---|---|---|---|---|"]
     for gbps in speeds:
         net = traffic.times(gbps)
-        p = planner.predict_step(arch, config, net, traffic.optimizer_seconds())
+        p = planner.predict_step(arch, config, net, traffic.optimizer_seconds(), rates=rates)
         rows.append(f"| {gbps:g} | {net.forward_in_s:.1f} + {net.backward_in_s:.1f} | {net.out_s:.1f} | "
                     f"{p.compute_s:.1f} | {p.optimizer_s:.1f} | {p.step_s:.1f} | {tokens / p.step_s:,.0f} | {p.bound} |")
     return "\n".join(rows)

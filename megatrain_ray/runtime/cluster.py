@@ -203,12 +203,14 @@ def node_headroom(node_id: str) -> int:
 def step_rates(config: Config, gpu: str | None = None):
     """The rates that predict a step's time (planning/rates.py): the rates table's model `gpu` where
     named, else those of the GPU the workers will run on; None where they run on the CPU."""
-    from megatrain_ray.planning.rates import TABLE
+    from megatrain_ray.planning.rates import named_rates, table_keys
 
     if gpu is not None:
-        if gpu not in TABLE:
-            raise ConfigError(f"--gpu {gpu}: the rates table holds {', '.join(TABLE)}")
-        return TABLE[gpu]
+        rates = named_rates(gpu)
+        if rates is None:
+            raise ConfigError(f"--gpu {gpu}: the rates table holds {table_keys()} (any case; spaces and dashes "
+                              f"ignored); leave --gpu out to use the cluster's own GPU")
+        return rates
     nodes = discover_nodes(config.runtime)
     if config.executor.device == "cpu" or not any(n.gpus >= 1 for n in nodes):
         return None

@@ -86,7 +86,7 @@ def build_executor(arch: ModelArch, config: Config, plan: StepPlan, source: Laye
     return StreamingExecutor(
         arch, source, device, dtype_of(config.model.compute_dtype), plan.num_slots, plan.loss_chunk_tokens,
         compile_blocks=ex.compile, mlp_chunk_tokens=plan.mlp_chunk_tokens, offload_activations=plan.offload,
-        group=group, keep_graphs=plan.kept, hooks=hooks, policy=plan.policy,
+        group=group, keep_graphs=plan.kept, hooks=hooks, policy=plan.policy, host_gradients=plan.host_gradients,
     )
 
 

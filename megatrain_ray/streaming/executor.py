@@ -131,6 +131,7 @@ class StreamingExecutor:
         keep_graphs: int = 0,
         hooks: StepHooks = NO_HOOKS,
         policy: PolicyLoss | None = None,
+        host_gradients: tuple[int, ...] = (),
     ):
         self.arch = arch
         self.policy = policy  # None: the token cross-entropy; else the policy loss (rl/loss.py)
@@ -157,7 +158,9 @@ class StreamingExecutor:
             self.compiled_block, self.compiled_kept_block = compiled_blocks(self.family, arch)
             self.compiled_head_loss = compile_head_loss(self.family.head_loss)
         self.group = group or Group.solo(len(self.layouts))
-        self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, self.group, hooks)
+        # `host_gradients`: the layers whose gradient the step plan sums in host memory (streaming/host_gradients.py)
+        self.grads = GradientSink(self.layouts, source, self.streams, compute_dtype, self.stats, self.group, hooks,
+                                  host_gradients)
 
     # -- layer order ----------------------------------------------------------------------------
     def _order(self) -> tuple[list[Unit], list[int]]:
@@ -426,6 +429,7 @@ class StreamingExecutor:
                 per_param = iter(grads)
                 for layer, w in zip(unit.layers, bound):
                     self.grads.add(layer, {name: next(per_param) for name in w})
+                del grads, per_param  # one chunk's weight gradient alive at a time
             dxs.append(dx.view(x.shape))
         return loss_sum, dxs
 
@@ -454,6 +458,7 @@ class StreamingExecutor:
                     y = self.family.embed(self.arch, w, x)
                     grads = torch.autograd.grad(y, list(w.values()), dy, allow_unused=True, materialize_grads=True)
                     self.grads.add(layer, dict(zip(w, grads)))
+                    del grads  # one micro-batch's weight gradient alive at a time
                     dxs.append(None)
                 else:
                     w = self._unit_weights(unit, [slot.buffer for slot in slots], _leaf)

@@ -4,6 +4,9 @@ With several data-parallel workers (streaming/data_parallel.py) a finished gradi
 them on the devices, into the copy of the layer's owner; only the owner folds it into the norm and
 copies it out. The sum runs while the next layer's backward computes: a layer's reduction is waited
 for (and, on the other ranks, its buffer freed) only when the next layer's gradient is complete.
+The layers the step plan names (`host_layers`: a vocabulary-sized embedding or head whose fp32
+accumulator does not fit the GPU, one worker only) are summed in pinned host memory instead
+(streaming/host_gradients.py).
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import torch
 from megatrain_ray.streaming.data_parallel import Group
 from megatrain_ray.host.sources import LayerSource
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
+from megatrain_ray.streaming.host_gradients import HostGradients
 from megatrain_ray.streaming.streams import Streams
 
 
 class GradientSink:
     def __init__(self, layouts, source: LayerSource, streams: Streams, dtype, stats, group: Group | None = None,
-                 hooks: StepHooks = NO_HOOKS):
+                 hooks: StepHooks = NO_HOOKS, host_layers: tuple[int, ...] = ()):
         self.layouts = layouts
         self.source = source
         self.streams = streams
@@ -32,6 +36,20 @@ class GradientSink:
         self.landed: dict[int, object] = {}
         self.reducing: tuple[int, torch.Tensor, object] | None = None  # (layer, buffer, handle) in flight
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=streams.device)
+        if host_layers and self.group.world > 1:
+            raise ValueError("gradients summed in host memory are planned for one worker only")
+        self.host_layers = frozenset(host_layers)
+        self.host = HostGradients(streams, dtype, stats) if host_layers else None
+
+    @property
+    def stats(self):
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats) -> None:  # the executor hands each step a fresh record
+        self._stats = stats
+        if getattr(self, "host", None) is not None:
+            self.host.stats = stats
 
     def begin_step(self) -> None:
         self.acc.clear()
@@ -42,7 +60,11 @@ class GradientSink:
     def add(self, layer: int, grads: dict[str, torch.Tensor]) -> None:
         """Accumulate one micro-batch's per-parameter gradients into the layer's flat fp32 buffer
         (the first gradient of a layer may cover part of it: a shared block's, from a later layer
-        that runs it, the rest then starts from zero)."""
+        that runs it, the rest then starts from zero). A layer the plan sums in host memory leaves
+        the device now (streaming/host_gradients.py)."""
+        if layer in self.host_layers:
+            self.host.add(self.layouts[layer], grads)
+            return
         fresh = layer not in self.acc
         if fresh:
             whole = len(grads) == len(self.layouts[layer].params)
@@ -55,6 +77,9 @@ class GradientSink:
     def send(self, layer: int) -> None:
         """This worker's share of the layer's gradient is complete: sum it across the workers (alone:
         nothing to sum) and, on the layer's owner, fold it into the norm and copy it out, once."""
+        if layer in self.host_layers:
+            self._copy_out_summed(layer)
+            return
         acc = self.acc.pop(layer)
         handle = self.group.reduce(acc, layer)
         if handle is None:
@@ -95,6 +120,17 @@ class GradientSink:
         else:
             self.stats.d2h_seconds += time.perf_counter() - t0
         self.stats.d2h_bytes += host.numel() * host.element_size()
+        self.landed[layer] = done
+        self.source.gradient_ready(layer, done)
+        self.hooks.gradient(layer)
+
+    def _copy_out_summed(self, layer: int) -> None:
+        """A layer summed in host memory: its norm folded in, rounded into the store's buffer by the
+        CPU (as the device rounds its fp32 sum), ready at once."""
+        total, norm_sq = self.host.finish(self.layouts[layer])
+        self.norm_sq += norm_sq.to(self.norm_sq.device)
+        self.source.grad_buffer(layer).copy_(total)
+        done = self.streams.record(self.streams.d2h)
         self.landed[layer] = done
         self.source.gradient_ready(layer, done)
         self.hooks.gradient(layer)

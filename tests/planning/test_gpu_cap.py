@@ -63,17 +63,26 @@ def chunks(config, loss: int, mlp: int, slots: int = NUM_SLOTS):
 def test_a_tighter_cap_gives_up_the_step_s_comforts_in_order():
     """Qwen2.5-7B from 40 GiB down to 9 GiB: the embedding's step leaves the GPU, the kept graphs go
     and the activations are parked, then the loss chunk shrinks, only once it is at its smallest
-    the MLP chunk, and only then a weight slot goes; every plan's peak stays under its cap."""
+    the MLP chunk, and only then a weight slot goes; only where nothing of that fits are the
+    vocabulary layers' gradients summed in host memory, which gives the chunks and slots back to
+    shrink again in the same order; every plan's peak stays under its cap."""
     arch, config = qwen()
-    caps = [gib / 2 for gib in range(80, 24, -1)] + [gib / 20 for gib in range(240, 179, -1)]  # 40 GiB .. 9 GiB
+    caps = [gib / 2 for gib in range(80, 24, -1)] + [gib / 20 for gib in range(240, 139, -1)]  # 40 GiB .. 7 GiB
     plans = [plan_step(arch, capped(config, cap), H100) for cap in caps]
+    summing = [bool(p.host_gradients) for p in plans]
+    assert summing == sorted(summing) and summing[0] is False and summing[-1] is True  # once on, on below
     stages = []
     for before, after in zip(plans, plans[1:]):  # (parking activations may make room for a kept graph again)
         assert after.embedding_on_device <= before.embedding_on_device
+        if bool(after.host_gradients) != bool(before.host_gradients):
+            off = chunks(config, SMALLEST_LOSS_CHUNK, SMALLEST_MLP_CHUNK, FEWEST_SLOTS)
+            assert not fits_leanest(arch, off, after.memory_cap)  # nothing else was left to give
+            continue
         assert after.loss_chunk_tokens <= before.loss_chunk_tokens
         assert after.mlp_chunk_tokens <= before.mlp_chunk_tokens and after.num_slots <= before.num_slots
     for p in plans:
         assert p.memory.total <= p.memory_cap
+        config = config.replace(executor=dataclasses.replace(config.executor, host_gradients=bool(p.host_gradients)))
         if p.loss_chunk_tokens < LOSS_CHUNK_TOKENS:  # a smaller loss chunk only with nothing else left to give:
             assert p.offload and not p.embedding_on_device  # at twice the chunk, parked and no graph kept, no fit
             assert not fits_leanest(arch, chunks(config, p.loss_chunk_tokens * 2, MLP_CHUNK_TOKENS), p.memory_cap)
@@ -85,13 +94,15 @@ def test_a_tighter_cap_gives_up_the_step_s_comforts_in_order():
             assert not fits_leanest(arch, chunks(config, SMALLEST_LOSS_CHUNK, SMALLEST_MLP_CHUNK, p.num_slots + 1),
                                     p.memory_cap)
         stages.append((p.embedding_on_device, p.kept > 0, p.offload, p.loss_chunk_tokens < LOSS_CHUNK_TOKENS,
-                       p.mlp_chunk_tokens < config.data.seq_len, p.num_slots < NUM_SLOTS))
+                       p.mlp_chunk_tokens < config.data.seq_len, p.num_slots < NUM_SLOTS, bool(p.host_gradients)))
     # the sweep passes through every stage, so that the order above was tested, not assumed
-    assert (True, True, False, False, False, False) in stages  # everything kept
-    assert (False, False, True, False, False, False) in stages  # parked, nothing kept, the default chunks
-    assert (False, False, True, True, False, False) in stages  # a smaller loss chunk
-    assert (False, False, True, True, True, False) in stages  # then a smaller MLP chunk
-    assert (False, False, True, True, True, True) in stages  # then a weight slot fewer
+    assert (True, True, False, False, False, False, False) in stages  # everything kept
+    assert (False, False, True, False, False, False, False) in stages  # parked, nothing kept, the default chunks
+    assert (False, False, True, True, False, False, False) in stages  # a smaller loss chunk
+    assert (False, False, True, True, True, False, False) in stages  # then a smaller MLP chunk
+    assert (False, False, True, True, True, True, False) in stages  # then a weight slot fewer
+    assert (False, False, True, True, False, False, True) in stages  # then the gradients in host memory
+    assert (False, False, True, True, True, True, True) in stages  # and again down to the least
     assert plans[-1].num_slots >= FEWEST_SLOTS
 
 
@@ -122,9 +133,9 @@ def test_knobs_the_user_set_are_obeyed_or_refused_with_the_figure():
 def test_a_cap_too_small_is_refused_with_the_cap_that_would_do():
     arch, config = qwen()
     with pytest.raises(PlanError) as refused:
-        plan_step(arch, capped(config, 6), H100)
+        plan_step(arch, capped(config, 4), H100)
     needed = float(re.search(r"it fits under (\d+\.\d) GiB", str(refused.value)).group(1))
-    assert needed > 6
+    assert needed > 4
     fits = plan_step(arch, capped(config, needed), H100)
     assert fits.memory.total <= needed * GiB
     with pytest.raises(PlanError):
