@@ -9,11 +9,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatrain_ray"
 # bottom to top: a part may import the parts before it, never one after it
-ORDER = ("config", "config_reference", "models", "data", "rl", "host", "files", "streaming", "planning", "runtime", "api",
-         "bench", "cli", "megatrain_ray")
+ORDER = ("config", "config_reference", "models", "data", "rl", "host", "files", "streaming", "objective", "planning",
+         "runtime", "api", "bench", "cli", "megatrain_ray")
 HARNESS = {"megatrain_ray.runtime.local"}  # the in-process trainer, for tests
 TOP = {"megatrain_ray.cli", "megatrain_ray.api", "megatrain_ray"}  # entry points may reach everything
-TOP_FILES = {"__init__.py", "cli.py", "api.py", "config.py", "config_reference.py"}  # entry points, the config and its reference
+TOP_FILES = {"__init__.py", "cli.py", "api.py", "config.py", "config_reference.py",
+             "objective.py"}  # entry points, the config, its reference and what a run trains for
 TEST_CODE = {"pytest", "tests", "conftest", "helpers", "reference_training", "hf_parity"}
 
 

@@ -132,7 +132,8 @@ def assert_resumed_bit_for_bit(runs: Path, prompts: int = 8) -> None:
                 for m in (ma, mb)]
     assert timeless[0] == timeless[1] and ma["data_position"]["prompts"] == mb["data_position"]["prompts"] == prompts
     assert ma["data_position"]["sampler"] == mb["data_position"]["sampler"]
-    assert ma["updates_done"] == 8 and ma["config"]["optim"]["schedule_steps"] == 8  # two updates a step
+    assert ma["updates_done"] == 8 and ma["schedule_steps"] == 8  # two updates a step: the plan's LR schedule
+    assert ma["config"]["optim"]["schedule_steps"] is None and ma["config"]["train"]["grad_accum"] == 1  # as written
     keys = ("loss", "grad_norm", "reward_mean", "entropy")
     assert [[r[k] for k in keys] for r in records(runs, "whole")] == [[r[k] for k in keys] for r in records(runs, "split")]
 

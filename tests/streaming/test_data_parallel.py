@@ -173,17 +173,22 @@ def test_layer_owners_split_the_bytes_and_alternate():
     assert shares == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-def test_micro_batches_that_do_not_split_evenly_are_refused():
+def test_micro_batches_that_do_not_split_evenly_are_refused_or_split_over_fewer_gpus():
+    """runtime.num_gpus that does not divide the step's micro-batches is refused with the nearest
+    multiples; by default the workers are as many of the node's GPUs as split them evenly, and the
+    placement says which GPUs stay idle and why."""
+    from megatrain_ray.objective import objective_of
     from megatrain_ray.planning.placement import NodeInfo, plan_placement
 
     raw = {"model": {"preset": "tiny-llama"}, "train": {"grad_accum": 6}}
     with pytest.raises(ConfigError, match=r"train.grad_accum=6 .* 4 GPU workers .* multiple of 4 \(4, 8\)"):
-        config_from_dict({**raw, "runtime": {"num_gpus": 4}})
-    # by default every GPU of the node: 4 here, found only when the cluster is read
+        objective_of(config_from_dict({**raw, "runtime": {"num_gpus": 4}})).check()
+    # by default the node's GPUs, found only when the cluster is read: 3 of its 4 split 6
     config = config_from_dict(raw)
     node = NodeInfo("n0", "10.0.0.1", gpus=4.0, ram_node=False, free_bytes=64 * 1024**3)
-    with pytest.raises(ConfigError, match=r"train.grad_accum=6 .* 4 GPU workers"):
-        plan_placement(PRESETS["tiny-llama"], config, [node], "n0")
+    three = plan_placement(PRESETS["tiny-llama"], config, [node], "n0")
+    assert three.num_gpus == 3 and three.idle_gpus == 1
+    assert "3 GPU worker(s), data parallel (1 GPU(s) left idle" in three.describe(PRESETS["tiny-llama"])
     assert plan_placement(PRESETS["tiny-llama"], config_from_dict({**raw, "runtime": {"num_gpus": 2}}),
                           [node], "n0").num_gpus == 2
     assert plan_placement(PRESETS["tiny-llama"], config_from_dict({**raw, "train": {"grad_accum": 8}}),
