@@ -243,7 +243,7 @@ TRAINED_VISION = ("vision tower and projector: pixels, forward, and what its bac
 
 
 def vision_line(arch: ModelArch) -> str:
-    return TRAINED_VISION if getattr(arch, "train_vision", False) else FROZEN_VISION
+    return TRAINED_VISION if family(arch).trains_vision(arch) else FROZEN_VISION
 
 
 # The new weights stay on the device between steps (two copies at the turn: the last step's and

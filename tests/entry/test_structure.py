@@ -263,6 +263,42 @@ def test_no_module_but_the_objective_s_reads_train_objective():
         assert not reads, f"{module_name(path)} reads train.objective at lines {reads}"
 
 
+def family_class_tests(path: Path, arch_classes: set[str]) -> list[int]:
+    """The lines of `path` that tell a family by its class (isinstance of a model's shape class) or
+    probe a family for a hook it may not have (getattr of a ModelFamily member by name)."""
+    from megatrain_ray.models.family import ModelFamily
+
+    hooks = {name for name in dir(ModelFamily) if not name.startswith("_")} | {"train_vision"}
+    lines = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "isinstance" and len(n.args) == 2:
+            classes = n.args[1].elts if isinstance(n.args[1], ast.Tuple) else [n.args[1]]
+            if {getattr(c, "id", getattr(c, "attr", None)) for c in classes} & arch_classes:
+                lines.append(n.lineno)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("getattr", "hasattr") and len(n.args) >= 2 \
+                and isinstance(n.args[1], ast.Constant) and n.args[1].value in hooks:
+            lines.append(n.lineno)
+    return lines
+
+
+def test_no_caller_outside_models_tells_a_family_by_its_class():
+    """The family interface (models/family.py, ModelFamily) declares every hook its callers use
+    (template_kinds, template_of, what does not train, what it measures): no module outside models/
+    tests a model's shape class or probes a family with getattr."""
+    from megatrain_ray.models.arch import ModelArch
+
+    arch_classes = set()
+    for path in (PACKAGE / "models").glob("*.py"):
+        module = __import__(module_name(path), fromlist=["_"])
+        arch_classes |= {name for name, value in vars(module).items()
+                         if isinstance(value, type) and issubclass(value, ModelArch) and value is not ModelArch}
+    assert {"TransformersArch", "MoeArch"} <= arch_classes
+    for path in PACKAGE.rglob("*.py"):
+        if part_of(module_name(path)) != "models":
+            found = family_class_tests(path, arch_classes)
+            assert not found, f"{module_name(path)} tells a family by its class at lines {found}"
+
+
 def test_every_step_decision_is_made_in_the_step_plan():
     """The deciding functions are called by planning/step_plan.py's plan_step alone (and by one
     another inside the planner): the run, the in-process trainer, `plan`, `plan --cluster`, the
