@@ -71,7 +71,7 @@ class Sampled:
 class GrpoStep:
     settings: GrpoConfig
     rows_per_micro_batch: int
-    rollout: Rollout  # or what gives its methods (runtime/grpo.py: the rollout's actor)
+    rollout: Rollout  # or what gives its methods (RemoteRollout: the rollout's actor)
     rewards: Rewards
     tokens: Tokens
 
