@@ -150,6 +150,25 @@ def assert_resumed_bit_for_bit(runs: Path, prompts: int = 8) -> None:
     assert [[r[k] for k in keys] for r in records(runs, "whole")] == [[r[k] for k in keys] for r in records(runs, "split")]
 
 
+def test_a_grpo_step_on_two_workers_beside_its_own_rollout_trains_like_one(ahead):
+    """The split of grpo.rollout_gpu=own on a node of several GPUs, on the CPU: two data-parallel
+    workers take a step's two micro-batches beside the rollout's own process; its first step (whose
+    completions the starting weights sample, as in the one-worker run) has that run's loss, gradient
+    norm and rewards."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ahead))
+        raw = grpo_raw(ahead, "two-workers")
+        raw["train"]["steps"] = 1
+        raw["grpo"]["rollout_gpu"] = "own"
+        raw["runtime"]["num_gpus"] = 2
+        run_training(config_from_dict(raw))
+    two, one = records(ahead, "two-workers")[0], records(ahead, "whole")[0]
+    assert two["num_gpus"] == 2 and one["num_gpus"] == 1
+    for key in ("loss", "grad_norm"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    assert two["reward_mean"] == one["reward_mean"]
+
+
 def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path, capsys):
     """The command's own entry, in this process (a Python started for it would import torch again)."""
     from megatrain_ray import cli
