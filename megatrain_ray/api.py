@@ -86,12 +86,9 @@ def plan(config: str | Path | Mapping[str, Any] | Config, *, sets: Iterable[str]
     each link speed of `network_gbps`. Step times use the rates of the cluster's GPU
     (planning/rates.py), or of `gpu`, a model of the rates table."""
     config = prepare(to_config(config, sets, **sections))
-    if config.train.objective == "grpo":  # the micro-batches a GRPO step trains on (runtime/grpo.py)
-        from megatrain_ray.runtime.grpo import grpo_run_config
+    from megatrain_ray.objective import objective_of
 
-        from megatrain_ray.models.registry import model_arch
-
-        config = grpo_run_config(config, model_arch(config.model))
+    objective_of(config).check()  # before Ray (the step plan asks it the rest)
     if cluster is not None:
         return plan_described(config, cluster, network_gbps, gpu)
     return plan_live(config, gpu)

@@ -9,7 +9,7 @@ import time
 
 from megatrain_ray.bench.workload import Shape
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.moe import MoeArch, active_layer_params
+from megatrain_ray.models.moe import active_layer_params
 from megatrain_ray.models.registry import family, model_layouts
 
 
@@ -39,8 +39,9 @@ def bench_parts(arch: ModelArch, args, shape: Shape) -> dict:
             raise ValueError(f"--parts-layers: {index} is not a decoder layer (1..{arch.num_layers})")
     layers = {i: time_layer(arch, i, shape, device, dtype, not args.no_compile) for i in indices}
     out = {"device": str(device), **layers[indices[0]], "layers": layers}  # the first layer's keys at the top
-    if isinstance(arch, MoeArch):
-        dense = time_layer(arch.dense_equivalent(), 1, shape, device, dtype, not args.no_compile)
+    equivalent = family(arch).dense_equivalent(arch)
+    if equivalent is not None:
+        dense = time_layer(equivalent, 1, shape, device, dtype, not args.no_compile)
         out["dense_equivalent"] = dense
         for mode in ("eager", "compiled"):
             key = f"layer_fwd_bwd_{mode}_tflops"

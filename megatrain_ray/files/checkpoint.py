@@ -285,10 +285,13 @@ def checkpoint_root(config: Config) -> Path:
     return Path(config.checkpoint.dir or Path(config.train.output_dir) / "checkpoints")
 
 
-def checkpoint_meta(config: Config, arch: ModelArch, step: int, updates_done: int, data_position: dict | None) -> dict:
-    """Everything besides the tensors that a resume needs to continue exactly where this left off."""
+def checkpoint_meta(config: Config, arch: ModelArch, step: int, updates_done: int, data_position: dict | None,
+                    schedule_steps: int | None = None) -> dict:
+    """Everything besides the tensors that a resume needs to continue exactly where this left off
+    (`schedule_steps`: the LR schedule's length the run followed, as its step plan had it)."""
     return {
         "step": step,
+        "schedule_steps": schedule_steps,
         "updates_done": updates_done,
         "data_position": data_position,
         "arch": arch.to_dict(),
@@ -297,29 +300,31 @@ def checkpoint_meta(config: Config, arch: ModelArch, step: int, updates_done: in
     }
 
 
-def schedule_on_resume(config: Config, meta: dict) -> tuple[Config, str | None]:
-    """The config a resume from `meta` trains with, and a line saying which LR schedule it follows
-    where train.steps or optim.schedule_steps differ from the checkpoint's run: that run's schedule
-    length (its optim.schedule_steps, else its train.steps), unless optim.schedule_steps asks for
-    another. Extending a run then goes on at the LR it ended with, instead of a cosine over the new
-    length that jumps back up."""
+def schedule_on_resume(config: Config, meta: dict, steps: int | None = None) -> tuple[int | None, str | None]:
+    """The LR schedule's length a resume from `meta` trains with (None: the one a new run would,
+    `steps`, default train.steps), and a line saying which schedule it follows where they differ:
+    the checkpoint's run's length (as its step plan had it, else its optim.schedule_steps, else its
+    train.steps), unless optim.schedule_steps asks for another. Extending a run then goes on at the
+    LR it ended with, instead of a cosine over the new length that jumps back up. The step plan
+    carries the length (planning/step_plan.py); the config stays as written."""
     saved = meta.get("config") or {}
-    trained = (saved.get("optim") or {}).get("schedule_steps") or (saved.get("train") or {}).get("steps")
-    asked, steps, first = config.optim.schedule_steps, config.train.steps, meta["step"] + 1
+    trained = (meta.get("schedule_steps") or (saved.get("optim") or {}).get("schedule_steps")
+               or (saved.get("train") or {}).get("steps"))
+    asked, first = config.optim.schedule_steps, meta["step"] + 1
+    steps = config.train.steps if steps is None else steps
     if trained is None:  # a checkpoint that did not record its config: nothing to keep
-        return config, None
+        return None, None
     if asked is not None:
         if asked == trained:
-            return config, None
-        return config, (f"LR schedule: a new horizon of {asked} steps (optim.schedule_steps) from step {first}; the "
-                        f"checkpoint's run followed one of {trained} steps")
-    config = config.replace(optim=dataclasses.replace(config.optim, schedule_steps=trained))
+            return None, None
+        return None, (f"LR schedule: a new horizon of {asked} steps (optim.schedule_steps) from step {first}; the "
+                      f"checkpoint's run followed one of {trained} steps")
     if steps == trained:
-        return config, None
+        return trained, None
     after = (f"train.steps={steps} goes on past its end: from step {trained + 1} the LR stays at its floor, "
              f"optim.lr x optim.min_lr_ratio" if steps > trained else f"train.steps={steps} stops before its end")
-    return config, (f"LR schedule: kept from the checkpoint's run (warmup + cosine over {trained} steps); {after}. "
-                    f"For a schedule over the new length: --set optim.schedule_steps={steps}")
+    return trained, (f"LR schedule: kept from the checkpoint's run (warmup + cosine over {trained} steps); {after}. "
+                     f"For a schedule over the new length: --set optim.schedule_steps={steps}")
 
 
 def check_compatible(meta: dict, arch: ModelArch, path: Path, manifest: dict | None = None) -> None:

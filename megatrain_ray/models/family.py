@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -46,6 +46,10 @@ class ModelFamily(abc.ABC):
     # The activation budget its kept graphs compile within (streaming/compiled.py); None:
     # torch.compile's default partition, for a family whose blocks the budgeted partition does not run.
     kept_activation_budget: float | None = KEPT_ACTIVATION_BUDGET
+    # Which template a block call runs, (arch, ctx) -> a key, for a family whose layers run several
+    # (models/generic.py): its compiled block falls back to eager per template where compiling one
+    # fails (streaming/compiled.py). None: one template, compiled or not.
+    template_of: Callable[[ModelArch, Any], Any] | None = None
 
     # -- shapes and names ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -59,6 +63,31 @@ class ModelFamily(abc.ABC):
     @abc.abstractmethod
     def layouts(self, arch: ModelArch) -> tuple[LayerLayout, ...]:
         """The streamed layers in order: an EMBED layer, BLOCK layers, a HEAD layer."""
+
+    # -- what callers outside models/ ask of any family (none of them tests a family's class) --------
+    def template_kinds(self, arch: ModelArch) -> tuple | None:
+        """Per decoder layer, the template it runs (layers of one template are probed once:
+        planning/probe.py); None: the layers' tensor names and shapes tell them apart."""
+        return None
+
+    def measures_working_set(self, arch: ModelArch) -> bool:
+        """Whether the plan measures its layers' working set on the worker's device (planning/probe.py)
+        rather than take the family's fit (working_set_bytes)."""
+        return False
+
+    def layer_inactive_params(self, arch: ModelArch, layout: LayerLayout) -> int:
+        """A layer's parameters a token does not use (experts it is not routed to), where the family
+        counts them per layer for the probe's FLOPs."""
+        return 0
+
+    def trains_vision(self, arch: ModelArch) -> bool:
+        """Whether an image-text model's vision tower trains (model.train_vision), for the plan's line."""
+        return False
+
+    def dense_equivalent(self, arch: ModelArch) -> ModelArch | None:
+        """A dense model with as many active parameters as a mixture of experts (the benchmark's
+        comparison: bench/parts.py); None for a dense model."""
+        return None
 
     def draws_random(self, arch: ModelArch) -> bool:
         """Whether a training forward draws random numbers (dropout, a router's jitter): the

@@ -1198,6 +1198,15 @@ class TransformersFamily(ModelFamily):
         """Per decoder layer, its template (the first layer of its structure): planning/probe.py's kinds."""
         return parts(arch).kinds
 
+    def measures_working_set(self, arch: TransformersArch) -> bool:
+        return True
+
+    def layer_inactive_params(self, arch: TransformersArch, layout: LayerLayout) -> int:
+        return inactive_in(arch, layout)
+
+    def trains_vision(self, arch: TransformersArch) -> bool:
+        return arch.train_vision
+
     def working_set_bytes(self, arch: TransformersArch, tokens: int, mlp_tokens: int, dtype_bytes: int) -> int:
         if arch.measured_working_set > 0:
             return int(tokens * arch.measured_working_set * dtype_bytes)

@@ -121,6 +121,9 @@ class MixtralFamily(ModelFamily):
             return moe.stored_per_expert(slot, lambda e: [f"block_sparse_moe.experts.{e}.w2.weight"])
         return slot
 
+    def dense_equivalent(self, arch: MoeArch) -> ModelArch:
+        return arch.dense_equivalent()
+
     def layouts(self, arch: MoeArch) -> tuple[LayerLayout, ...]:
         return decoder_layouts(arch, lambda i: self.block_shapes(arch, i), lambda s: self.stored(arch, s))
 

@@ -11,6 +11,7 @@ import dataclasses
 from megatrain_ray.config import Config, ConfigError
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import PRESETS, num_params
+from megatrain_ray.objective import objective_of
 from megatrain_ray.planning.placement import NAMED_MODES, NodeInfo, plan_placement
 from megatrain_ray.planning.plan import GiB, PlanError, device_budget, mlp_chunk_tokens, size
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
@@ -23,7 +24,8 @@ def largest_trainable(config: Config, facts: DeviceFacts, nodes: list[NodeInfo],
     t = config.train
     gpu = device_budget(facts.free_bytes, config) / GiB
     lines = [f"the largest model preset it trains per optimizer state mode, host and {gpu:.1f} GiB of GPU memory both "
-             f"(micro-batch {t.micro_batch_size} x seq {config.data.seq_len}, {t.grad_accum} micro-batches a step):"]
+             f"(micro-batch {t.micro_batch_size} x seq {config.data.seq_len}, {objective_of(config).micro_batches} "
+             f"micro-batches a step):"]
     presets = sorted(((name, arch) for name, arch in PRESETS.items() if not name.startswith("tiny-")),
                      key=lambda item: num_params(item[1]), reverse=True)
     for fmt in NAMED_MODES:

@@ -18,6 +18,7 @@ from megatrain_ray.config import Config, ConfigError, RuntimeConfig, check_divis
 from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import how_it_runs, model_layouts, num_params, params_text
+from megatrain_ray.objective import objective_of
 from megatrain_ray.host.precision import StateFormat, format_of
 from megatrain_ray.host.store import bytes_per_param, layer_bytes
 from megatrain_ray.host.window import window_bytes
@@ -78,6 +79,7 @@ class Placement:
     stated_memory: bool = False  # store capacities come from runtime.store_memory_gib
     state_format: StateFormat = StateFormat()  # optim.master, optim.moments
     compute_bytes: int = 2  # a weight of the compute copy
+    idle_gpus: int = 0  # the node's GPUs no worker takes: a step's micro-batches split evenly over fewer
 
     def remote_layers(self) -> list[int]:
         """Layers of stores on other nodes than the GPU worker's: they stream over the network."""
@@ -99,7 +101,10 @@ class Placement:
             f"model: {arch.model_type}{how_it_runs(arch)}, {arch.num_layers} blocks, {params_text(num_params(arch))}, "
             f"{self.bytes_per_param:.4g} host bytes/param ({self.state_format.describe()})",
             f"executor on node {node_name(self.gpu)}, GPUs there: {self.gpu.gpus:g}; "
-            f"{self.num_gpus} {'GPU' if self.use_cuda else 'CPU'} worker(s), data parallel",
+            f"{self.num_gpus} {'GPU' if self.use_cuda else 'CPU'} worker(s), data parallel" + (
+                f" ({self.idle_gpus} GPU(s) left idle: a step's micro-batches split evenly over {self.num_gpus} "
+                f"workers; a multiple of {self.num_gpus + self.idle_gpus} micro-batches would use them all)"
+                if self.idle_gpus else ""),
         ]
         for s in self.stores:
             role = ["the GPU node"] if s.node.node_id == self.gpu.node_id else ["RAM node"] if s.node.ram_node else []
@@ -231,17 +236,15 @@ def executor_node(nodes: list[NodeInfo], want_cuda: bool, driver_node: str, num_
     return next(n for n in nodes if n.node_id == driver_node)
 
 
-def worker_count(rt: RuntimeConfig, gpu: NodeInfo, use_cuda: bool, rollout_gpus: int = 0) -> int:
-    """runtime.num_gpus, else every GPU of the node but the rollout's; without CUDA, that many CPU
-    workers (default 1)."""
+def worker_count(rt: RuntimeConfig, gpu: NodeInfo, use_cuda: bool, rollout_gpus: int = 0,
+                 micro_batches: int = 1) -> int:
+    """runtime.num_gpus, else as many of the node's GPUs but the rollout's as split a step's
+    `micro_batches` evenly (every worker takes an equal share: streaming/data_parallel.py); without
+    CUDA, that many CPU workers (default 1)."""
     if rt.num_gpus is not None:
         return rt.num_gpus
-    return max(1, int(gpu.gpus) - rollout_gpus) if use_cuda else 1
-
-
-def rollout_gpus(config: Config, use_cuda: bool) -> int:
-    """The GPUs a GRPO run's rollout holds of its own (grpo.rollout_gpu=own): 1, else 0."""
-    return int(use_cuda and config.train.objective == "grpo" and config.grpo.rollout_gpu == "own")
+    free = max(1, int(gpu.gpus) - rollout_gpus) if use_cuda else 1
+    return max(n for n in range(1, free + 1) if micro_batches % n == 0)
 
 
 def machine_memory(nodes: list[NodeInfo]) -> dict[str, int]:
@@ -272,6 +275,7 @@ class StoreRoom:
     machines: dict[str, float]  # each machine's memory (free, or as stated)
     reserve: float  # held back on the GPU machine: its workers and their least windows
     streams: bool  # some store is on another node than the GPU workers
+    idle_gpus: int = 0  # the node's GPUs that neither a worker nor the rollout takes
 
 
 def store_room(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_node: str) -> StoreRoom:
@@ -281,10 +285,11 @@ def store_room(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_no
         raise ConfigError("executor.device is 'cuda' but no node of the Ray cluster offers a GPU; "
                           "set executor.device=auto (or cpu) to run the CPU path")
     use_cuda = cluster_has_gpu and config.executor.device != "cpu"
-    rollout = rollout_gpus(config, use_cuda)
+    objective = objective_of(config)
+    rollout = objective.rollout_gpus(use_cuda)
     gpu = executor_node(nodes, use_cuda, driver_node, rt.num_gpus, rollout)
-    workers = worker_count(rt, gpu, use_cuda, rollout)
-    check_divisible(config.train.grad_accum, workers)
+    workers = worker_count(rt, gpu, use_cuda, rollout, objective.micro_batches)
+    check_divisible(objective.micro_batches, workers)
     holders = [n for n in nodes if n.ram_node and n.node_id != gpu.node_id]
     if rt.store_on_gpu_node or not holders:
         holders = [gpu] + holders
@@ -299,7 +304,8 @@ def store_room(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_no
     usable[gpu.ip] -= reserve
     capacities = ([rt.store_memory_gib * GiB] * len(holders) if rt.store_memory_gib is not None else
                   [max(0.0, usable[n.ip]) / sharing[n.ip] for n in holders])
-    return StoreRoom(gpu, use_cuda, workers, holders, capacities, machines, reserve, streams)
+    idle = int(gpu.gpus) - rollout - workers if use_cuda and rt.num_gpus is None else 0
+    return StoreRoom(gpu, use_cuda, workers, holders, capacities, machines, reserve, streams, max(0, idle))
 
 
 NAMED_MODES = (StateFormat("fp32", "fp32"), StateFormat("fp32", "bf16"), StateFormat("fp32", "int8"),
@@ -378,7 +384,7 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
     if rt.disk_dir is not None:
         stores = with_disk_tier(stores, arch, config, held)
     placement = Placement(gpu, use_cuda, stores, bpp, num_gpus=workers, stated_memory=stated, state_format=fmt,
-                          compute_bytes=esize)
+                          compute_bytes=esize, idle_gpus=room.idle_gpus)
     spare = USABLE * room.machines[gpu.ip] - workers * GPU_NODE_RESERVE - placement.gpu_machine_state()
     return dataclasses.replace(placement, gpu_spare=spare)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_layouts, num_params
+from megatrain_ray.objective import objective_of
 
 GiB = 1024**3
 
@@ -49,7 +50,7 @@ NCCL_BUFFER_BYTES = GiB // 2
 # sequence. A block's working set is its family's to say (ModelFamily.working_set_bytes), fitted to
 # the same peaks.
 LOSS_BYTES_PER_LOGIT = 9
-# The policy loss of reinforcement learning (train.objective: grpo, rl/loss.py) runs uncompiled:
+# The policy loss of reinforcement learning (GRPO's head loss, rl/loss.py) runs uncompiled:
 # bf16 logits, their fp32 copy, the log-softmax, the entropy's two fp32 temporaries, then the
 # log-softmax's and the cast's gradients. An estimate from those tensors, not yet measured.
 POLICY_LOSS_BYTES_PER_LOGIT = 20
@@ -229,7 +230,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
     plan.by_use["one layer's working set"] = family(arch).working_set_bytes(arch, mb_tokens, mlp_tokens, d)
     chunk = min(loss_chunk_setting(config), mb_tokens)
-    per_logit = POLICY_LOSS_BYTES_PER_LOGIT if config.train.objective == "grpo" else LOSS_BYTES_PER_LOGIT
+    per_logit = POLICY_LOSS_BYTES_PER_LOGIT if objective_of(config).head_loss.policy else LOSS_BYTES_PER_LOGIT
     plan.by_use["loss chunk"] = chunk * arch.vocab_size * per_logit
     plan.by_use["RoPE tables"] = 2 * micro_batches_per_gpu(config, num_gpus) * mb_tokens * arch.head_dim * d
     vision = family(arch).vision_bytes(arch, mb_tokens, d)
@@ -295,7 +296,7 @@ TRAINED_VISION = ("vision tower and projector: pixels, forward, and what its bac
 
 
 def vision_line(arch: ModelArch) -> str:
-    return TRAINED_VISION if getattr(arch, "train_vision", False) else FROZEN_VISION
+    return TRAINED_VISION if family(arch).trains_vision(arch) else FROZEN_VISION
 
 
 # The new weights stay on the device between steps (two copies at the turn: the last step's and

@@ -40,10 +40,10 @@ def layer_kinds(arch: ModelArch) -> dict[int, list[int]]:
     names them (models/generic.py), else the layers' tensor names and shapes."""
     fam = family(arch)
     blocks = [layout for layout in model_layouts(arch) if layout.kind == BLOCK]
-    template_of = getattr(fam, "template_kinds", None)
+    templates = fam.template_kinds(arch)
     kinds: dict[object, list[int]] = {}
     for layout in blocks:
-        key = template_of(arch)[layout.index - 1] if template_of else tuple((p.name, p.shape) for p in layout.params)
+        key = templates[layout.index - 1] if templates else tuple((p.name, p.shape) for p in layout.params)
         kinds.setdefault(key, []).append(layout.index)
     return {members[0]: members for members in kinds.values()}
 
@@ -104,16 +104,9 @@ def probe_one(arch: ModelArch, layout: LayerLayout, count: int, ctx, micro_batch
         returned = sum(g.numel() * g.element_size() for g in grads)
         working = max(0, torch.cuda.max_memory_allocated(device) - before - returned)
     tokens = micro_batch * seq_len
-    active = sum(t.numel() for t in w.values()) - _inactive(arch, layout)  # a shared block's too
+    active = sum(t.numel() for t in w.values()) - fam.layer_inactive_params(arch, layout)  # a shared block's too
     flops = 6 * active * tokens + tokens * fam.attention_flops_per_token(arch, seq_len) / arch.num_layers
     return LayerProbe(layout.index, count, tokens, working, seconds, flops)
-
-
-def _inactive(arch: ModelArch, layout: LayerLayout) -> int:
-    """A layer's parameters a token does not use (experts it is not routed to)."""
-    from megatrain_ray.models.generic import TransformersArch, inactive_in
-
-    return inactive_in(arch, layout) if isinstance(arch, TransformersArch) else 0
 
 
 def describe_probe(probes: list[LayerProbe], device: torch.device) -> str:
@@ -135,9 +128,7 @@ def measure_working_set(arch: ModelArch, micro_batch: int, seq_len: int, dtype: 
     """A transformers-family model's largest layer kind's working set a token, in `dtype` elements
     (0: not measured: a family written by hand has its own fit, the CPU does not count its memory),
     and the lines that say which figure the plan uses."""
-    from megatrain_ray.models.generic import TransformersArch
-
-    if not isinstance(arch, TransformersArch):
+    if not family(arch).measures_working_set(arch):
         return 0.0, "working set: the family's estimate (fitted on the H100)"
     probes = probe_layers(arch, micro_batch, seq_len, dtype, device)
     text = describe_probe(probes, device)

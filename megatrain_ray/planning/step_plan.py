@@ -3,8 +3,11 @@
 `plan_step` decides, from the facts the workers report of their devices and from the placement,
 everything the step is: the working set a token it plans with, where the embedding's AdamW step
 runs, whether the boundary activations are parked in host memory, how many of the last blocks keep
-their forward graphs, each worker's window of pinned slots for the layers on other nodes, and the
-GPU node's headroom beside the stores and the windows; it refuses a step that cannot fit. Every
+their forward graphs, whether the blocks compile, each worker's window of pinned slots for the
+layers on other nodes, the GPU node's headroom beside the stores and the windows, a step's
+micro-batches and the LR schedule's length (the objective's: objective.py), and a GRPO rollout's
+share of the GPU (planning/gpu_share.py); it refuses a step that cannot fit. The config stays as
+the user wrote it: what the plan decides is in the plan, which the workers and the loop obey. Every
 caller plans through it once: the session of a run (runtime/session.py) and the in-process trainer
 (runtime/local.py) before their workers assemble (runtime/worker.py), `megatrain-ray plan` and
 `plan --cluster` (api.py, planning/whatif.py), and the benchmark's sweep. What they print of it,
@@ -22,7 +25,9 @@ from megatrain_ray.config import Config
 from megatrain_ray.host.memory import dtype_of, host_headroom
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
-from megatrain_ray.models.registry import model_layouts
+from megatrain_ray.models.registry import family, model_layouts
+from megatrain_ray.objective import objective_of
+from megatrain_ray.planning.gpu_share import GpuShare, gpu_share
 from megatrain_ray.planning.placement import Placement, with_window
 from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, GiB, GpuPlan, PlanError,
                                          check_gpu_fit, check_host_fit, check_parked_fit, choose_host_gradients,
@@ -30,7 +35,7 @@ from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NU
                                          gpu_memory, host_gradient_bytes, host_gradient_layers, host_memory,
                                          host_parking, micro_batches_per_gpu, with_auto_settings)
 from megatrain_ray.planning.probe import measure_working_set
-from megatrain_ray.rl.loss import PolicyLoss
+from megatrain_ray.rl.loss import PolicyLoss, TokenLoss
 
 
 @dataclass(frozen=True)
@@ -44,14 +49,15 @@ class DeviceFacts:
     # the largest layer kind's working set a token, in compute-dtype elements, measured on this
     # device at the run's micro-batch shape (planning/probe.py); 0: the family's estimate
     measured_working_set: float = 0.0
+    total_bytes: int | None = None  # the device's memory (None: not read; its free memory stands for it)
 
 
 def device_facts(device: torch.device, measured_working_set: float = 0.0) -> DeviceFacts:
     """This process's device as the plan needs it; on a GPU, CUDA has started by now."""
     if device.type != "cuda":
         return DeviceFacts("cpu", "cpu", None, host_headroom())
-    return DeviceFacts("cuda", torch.cuda.get_device_name(device), torch.cuda.mem_get_info(device)[0], host_headroom(),
-                       measured_working_set)
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceFacts("cuda", torch.cuda.get_device_name(device), free, host_headroom(), measured_working_set, total)
 
 
 def measured_working_set(device: torch.device, arch: ModelArch, config: Config, say=print) -> float:
@@ -93,7 +99,11 @@ class StepPlan:
     headroom: int = dataclasses.field(default=0, compare=False)  # the workers' node's, beside stores and windows
     placement: Placement | None = dataclasses.field(default=None, compare=False)  # with its window (None: in process)
     refused: str | None = dataclasses.field(default=None, compare=False)  # why it cannot run (plan_step refuse=False)
-    policy: PolicyLoss | None = None  # the head's loss: None, next-token cross-entropy; else the policy loss (rl/loss.py)
+    head_loss: TokenLoss | PolicyLoss = TokenLoss()  # the objective's: the token cross-entropy or the policy loss
+    micro_batches: int = 1  # a step's, over every worker (train.grad_accum, or a GRPO step's completions' rows)
+    schedule_steps: int = 0  # the LR schedule's length (the objective's, or a resumed run's: files/checkpoint.py)
+    compile: bool = False  # the blocks and the head's loss run torch.compile'd (streaming/compiled.py)
+    rollout: GpuShare = GpuShare()  # a GRPO rollout's share of the GPU (planning/gpu_share.py)
     # layers whose weight gradient is summed in pinned host memory, one micro-batch's or loss chunk's share
     # on the device at a time (streaming/host_gradients.py): the vocabulary-sized ones, where their fp32
     # accumulator on the device does not fit (planning/plan.py, host_gradient_layers)
@@ -101,8 +111,8 @@ class StepPlan:
 
     def describe(self) -> str:
         """The decisions as the run's start line tells them."""
-        parts = []
-        if self.memory_cap is not None:
+        parts = [self.rollout.describe()] if self.rollout.rollout_bytes else []
+        if self.memory_cap is not None and self.rollout.trainer_cap is None:
             parts.append(f"GPU memory capped at {self.memory_cap / GiB:.1f} GiB (executor.gpu_memory_gib)")
         if self.offload:
             parts.append("the boundary activations are parked in host memory")
@@ -120,33 +130,56 @@ class StepPlan:
         return arch.replace(measured_working_set=self.measured_working_set) if self.measured_working_set else arch
 
     def planned_config(self, config: Config) -> Config:
-        """`config` as the plan ran it: with the chunk sizes and the weight slots it chose."""
-        return config.replace(executor=dataclasses.replace(config.executor, loss_chunk_tokens=self.loss_chunk_tokens,
-                                                           mlp_chunk_tokens=self.mlp_chunk_tokens,
-                                                           num_slots=self.num_slots,
-                                                           host_gradients=bool(self.host_gradients)))
+        """The settings as the planner's models read them (`planner_view`) with the chunk sizes and
+        weight slots it chose: for its predictions and reports (planning/plan.py), never a run's."""
+        view = planner_view(config, self.micro_batches, self.compile, self.rollout.trainer_cap)
+        return view.replace(executor=dataclasses.replace(view.executor, loss_chunk_tokens=self.loss_chunk_tokens,
+                                                         mlp_chunk_tokens=self.mlp_chunk_tokens,
+                                                         num_slots=self.num_slots,
+                                                         host_gradients=bool(self.host_gradients)))
 
 
-def head_loss(config: Config) -> PolicyLoss | None:
-    """The loss the head computes (train.objective): the token cross-entropy (None), or GRPO's
-    clipped policy-ratio loss with its clipping and KL weight."""
-    if config.train.objective != "grpo":
-        return None
-    g = config.grpo
-    return PolicyLoss(g.clip_low, g.clip_high, g.kl_coef)
+def planner_view(config: Config, micro_batches: int, compile_blocks: bool, cap: int | None) -> Config:
+    """The planner's own copy of the settings, with what the step plan decided in them (a step's
+    micro-batches, whether the blocks compile, the cap a rollout's share leaves the step), which its
+    memory and time models (planning/plan.py) read: it never leaves the planner as a run's config."""
+    ex = config.executor
+    gib = cap / GiB if cap is not None else ex.gpu_memory_gib
+    return config.replace(train=dataclasses.replace(config.train, grad_accum=micro_batches),
+                          executor=dataclasses.replace(ex, compile=compile_blocks, gpu_memory_gib=gib))
+
+
+def compiles(arch: ModelArch, config: Config, kind: str) -> bool:
+    """Whether the blocks run torch.compile'd: executor.compile on a GPU, unless the model's forward
+    draws random numbers (dropout: its recompute replays the forward's draws, streaming/rng.py, and
+    a compiled forward and recompute need not draw alike)."""
+    return kind == "cuda" and config.executor.compile and not family(arch).draws_random(arch)
 
 
 def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceFacts],
-              placement: Placement | None = None, stores_allocated: bool = True, refuse: bool = True) -> StepPlan:
+              placement: Placement | None = None, stores_allocated: bool = True, refuse: bool = True,
+              schedule_steps: int | None = None) -> StepPlan:
     """The step's plan for every worker, from the tightest device's facts (and the largest working
     set the workers measured); a PlanError saying what to change where it cannot fit (`refuse`
     False: the plan, with why in `refused`, for a command that reports it).
 
     `placement`: the run's (None: in one process, every store in reach and no window);
     `stores_allocated`: whether the stores on the GPU machine hold their memory already (else the
-    headroom leaves room for them)."""
+    headroom leaves room for them); `schedule_steps`: a resumed run's LR schedule length
+    (files/checkpoint.py, schedule_on_resume; None: the objective's)."""
     facts = [facts] if isinstance(facts, DeviceFacts) else list(facts)
     tightest = min(facts, key=lambda f: f.free_bytes or 0)
+    objective = objective_of(config)
+    compile_blocks = compiles(arch, config, tightest.kind)
+    config = planner_view(config, objective.micro_batches, compile_blocks, None)
+    share, refused = GpuShare(), None
+    try:
+        share = gpu_share(arch, config, objective, tightest.kind, tightest.total_bytes or tightest.free_bytes)
+    except PlanError as e:
+        if refuse:
+            raise
+        refused = str(e)
+    config = planner_view(config, objective.micro_batches, compile_blocks, share.trainer_cap)
     measured = max(f.measured_working_set for f in facts)
     planned = arch.replace(measured_working_set=measured) if measured else arch
     workers = placement.num_gpus if placement is not None else 1
@@ -170,13 +203,17 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
     parked = host_parking(planned, config, memory.offload, workers, on_device)
     placed = with_window(placement, arch, config, parked) if placement is not None else None
     headroom = gpu_node_headroom(tightest.host_headroom, placed, stores_allocated)
-    cap = config.executor.gpu_memory_gib
+    gib = config.executor.gpu_memory_gib
+    cap = share.trainer_cap or (int(gib * GiB) if gib is not None else None)
     plan = StepPlan(tightest.kind, workers, micro_batches_per_gpu(config, workers), memory.offload, memory.kept,
                     on_device, placed.window_slots if placed is not None else 0, measured,
                     config.executor.loss_chunk_tokens, config.executor.mlp_chunk_tokens, config.executor.num_slots,
-                    int(cap * GiB) if cap is not None and tightest.kind == "cuda" else None, memory,
-                    budget, headroom, placed, policy=head_loss(config),
+                    cap if tightest.kind == "cuda" else None, memory, budget, headroom, placed,
+                    head_loss=objective.head_loss, micro_batches=objective.micro_batches,
+                    schedule_steps=schedule_steps or objective.schedule_steps, compile=compile_blocks, rollout=share,
                     host_gradients=host_gradient_layers(planned, config, workers, on_device))
+    if refused is not None:
+        return dataclasses.replace(plan, refused=refused)
     try:
         check_step_fits(planned, config, plan, where)
     except PlanError as e:

@@ -24,6 +24,7 @@ sums add up to the step's loss whatever the split.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -31,8 +32,19 @@ NORMALIZERS = ("sequence", "token", "constant")
 
 
 @dataclass(frozen=True)
+class TokenLoss:
+    """The head's loss of language modelling: the token cross-entropy of the family's `head_loss`,
+    compiled with the blocks where they compile. The executor receives the objective's head loss
+    through the step plan (this, or `PolicyLoss`) and asks it what to compute."""
+
+    policy: ClassVar[bool] = False  # the chunk's loss is the policy loss (with its metrics), not the family's
+
+
+@dataclass(frozen=True)
 class PolicyLoss:
     """The clipped policy-ratio loss's settings, as the step plan hands them to the executor."""
+
+    policy: ClassVar[bool] = True
 
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
     clip_high: float = 0.2  # ... and above at 1 + clip_high (DAPO's clip-higher: 0.28)

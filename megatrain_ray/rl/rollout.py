@@ -9,7 +9,7 @@ whose state the checkpoints keep (`sampler_state`). It reads nothing of the run 
 is handed and keeps no state but the generator: a Ray actor on a GPU of its own holds it
 unchanged and samples while the first GPU trains, one policy version behind (grpo.rollout_gpu:
 own; rl/step.py, GrpoStep.ahead). On a GPU its weights stay there, as the run plans the training step within what the copy
-leaves (runtime/grpo.py, share_gpu, from `rollout_bytes`); where they do not all fit, the decoder
+leaves (planning/gpu_share.py, from `rollout_bytes`); where they do not all fit, the decoder
 layers the run did not keep resident stream through two slots at every forward
 (rl/layer_stream.py). The decoding's memory (the KV cache, the sampler's tensors) goes back after
 each sampling (`free_cache`): moving 15 GB of weights each way each step would cost seconds and
@@ -225,7 +225,7 @@ class Rollout:
 
     def start_sampling(self, prompts: list[np.ndarray], group_size: int, s: Sampling):
         """`sample_scored` for a step that waits for it later: in process there is nothing to overlap,
-        so it samples now (the rollout's actor samples while the caller goes on: runtime/grpo.py)."""
+        so it samples now (the rollout's actor samples while the caller goes on: rl/step.py, RemoteRollout)."""
         result = self.sample_scored(prompts, group_size, s)
         return lambda: result
 

@@ -4,7 +4,13 @@ updates per rollout) the old policy's log-probabilities, then update the policy 
 streamed layer-major step, whose head computes the policy loss (streaming/executor.py).
 
 The policy is whatever trains: the run's Session (runtime/session.py) or the in-process trainer
-(runtime/local.py); both give the three methods of `Policy`."""
+(runtime/local.py); both give the three methods of `Policy`.
+
+A run's training loop (runtime/training.py) takes `GrpoSteps` where it took a batch of tokens
+(objective.py, Grpo.steps): the rollout's actor (runtime/actors.py, RolloutActor) on the GPU node,
+reached through the session, samples; the rewards are computed on the driver; the updates run on
+the run's GPU workers and stores like any step. A step's position in the data is the prompts taken
+so far and the sampler's generator, so a resumed run samples what the uninterrupted one would have."""
 
 from __future__ import annotations
 
@@ -15,10 +21,10 @@ from typing import Any, Iterable, Protocol
 import numpy as np
 import torch
 
-from megatrain_ray.config import GrpoConfig
+from megatrain_ray.config import Config, GrpoConfig
 from megatrain_ray.rl.batch import placed_logprobs, policy_micro_batches, with_logprobs
 from megatrain_ray.rl.loss import group_advantages
-from megatrain_ray.rl.prompts import Prompt, Tokens
+from megatrain_ray.rl.prompts import Prompt, PromptOrder, Tokens
 from megatrain_ray.rl.rewards import RewardBatch, Rewards
 from megatrain_ray.rl.rollout import Rollout, Sampling
 
@@ -65,7 +71,7 @@ class Sampled:
 class GrpoStep:
     settings: GrpoConfig
     rows_per_micro_batch: int
-    rollout: Rollout  # or what gives its methods (runtime/grpo.py: the rollout's actor)
+    rollout: Rollout  # or what gives its methods (RemoteRollout: the rollout's actor)
     rewards: Rewards
     tokens: Tokens
 
@@ -154,3 +160,81 @@ def step_metrics(totals: list[float], each: dict[str, list[float]], completions:
         "rollout_seconds": rollout_s, "train_seconds": train_s, "step_seconds": step_s,
         "updates": len(results),
     }
+
+
+@dataclass(frozen=True)
+class GrpoPosition:
+    """Where a GRPO run is after a step: prompts taken, the sampler's generator state and, with a
+    rollout one version behind, the next step's completions, already sampled (rl/step.py, Sampled)."""
+
+    prompts: int
+    sampler: str
+    pending: dict | None = None
+
+    def to_dict(self) -> dict:
+        out = {"prompts": self.prompts, "sampler": self.sampler}
+        return {**out, "pending": self.pending} if self.pending is not None else out
+
+
+class RemoteRollout:
+    """The rollout's actor as the step's rollout (rl/step.py): each call waits through the session
+    (its watchdog turns a lost node into a ClusterFault)."""
+
+    def __init__(self, session):
+        self.session = session
+        self.actor = session.rollout
+        print(f"rollout device: {session.wait(self.actor.describe.remote(), 'starting the rollout')}", flush=True)
+
+    def refresh(self, policy) -> None:
+        self.session.refresh_rollout(self.actor)
+
+    def sample(self, prompts: list, group_size: int, sampling: Sampling):
+        return self.session.wait(self.actor.sample.remote(prompts, group_size, sampling), "sampling the completions")
+
+    def sample_scored(self, prompts: list, group_size: int, sampling: Sampling):
+        return self.session.wait(self.actor.sample_scored.remote(prompts, group_size, sampling),
+                                 "sampling the completions")
+
+    def start_sampling(self, prompts: list, group_size: int, sampling: Sampling):
+        """The actor samples while the step trains; the call returned waits for it."""
+        ref = self.actor.sample_scored.remote(prompts, group_size, sampling)
+        return lambda: self.session.wait(ref, "sampling the next step's completions")
+
+    def sampler_state(self) -> str:
+        return self.session.wait(self.actor.sampler_state.remote(), "the sampler's state")
+
+    def set_sampler_state(self, state: str) -> None:
+        self.session.wait(self.actor.set_sampler_state.remote(state), "the sampler's state")
+
+
+class GrpoSteps:
+    """The training loop's steps of a GRPO run: each call samples, rewards and updates (rl/step.py)
+    and returns the last update's result, the position after the step and the step's metrics.
+    With grpo.rollout_gpu=own the rollout samples the next step's prompts while a step trains
+    (`GrpoStep.ahead`), and the position keeps those completions: a resumed run trains on them."""
+
+    def __init__(self, session, config: Config, data, position: dict | None):
+        """`data`: the prompts, the rewards and the tokenizer (objective.py, GrpoData)."""
+        g = config.grpo
+        self.session = session
+        rollout = RemoteRollout(session)
+        if position:
+            rollout.set_sampler_state(position["sampler"])
+        taken = (position or {}).get("prompts", 0)
+        self.order = PromptOrder(data.prompts, config.train.seed, config.data.shuffle, taken)
+        self.step = GrpoStep(g, config.train.micro_batch_size, rollout, data.rewards, data.tokens)
+        self.pending: Sampled | None = None
+        if position and position.get("pending"):  # its prompts: the last ones taken
+            prompts = PromptOrder(data.prompts, config.train.seed, config.data.shuffle,
+                                  taken - g.prompts_per_step).take(g.prompts_per_step)
+            self.pending = Sampled.from_dict(prompts, position["pending"])
+
+    def __call__(self, step: int) -> tuple[Any, GrpoPosition, dict]:
+        n = self.step.settings.prompts_per_step
+        if self.step.settings.rollout_gpu == "own":
+            prompts = None if self.pending is not None else self.order.take(n)
+            results, metrics, self.pending = self.step.ahead(self.session, self.pending, prompts, self.order.take(n))
+        else:
+            results, metrics = self.step(self.session, self.order.take(n))
+        pending = self.pending.to_dict() if self.pending is not None else None
+        return results[-1], GrpoPosition(self.order.position, self.step.rollout.sampler_state(), pending), metrics

@@ -1,7 +1,7 @@
 """The Ray actors of a run: a ShardStore on each store node, and the GPU workers (one per GPU, data
 parallel) that host the streaming executor and reach each store through shared memory (same node)
 or its TCP link (other nodes, through one bounded window of pinned slots per worker); with
-train.objective: grpo, the rollout (rl/rollout.py) on the GPU node."""
+a GRPO run, the rollout (rl/rollout.py) on the GPU node."""
 
 from __future__ import annotations
 
@@ -308,10 +308,11 @@ class RolloutActor(Rollout):
     0's, which it shares with the trainer: the step is planned within what its copy leaves), or
     holding one of its own (grpo.rollout_gpu=own: the GPU Ray gave it), and
     reading the stores' weights from there itself: none of them passes through the driver. The
-    layers it streams (grpo.rollout_resident_layers, as the run planned it) are read in place
+    layers it streams (those the step plan does not keep resident: planning/gpu_share.py) are read in place
     from the stores' compute copies, mapped once and page-locked in this process."""
 
-    def __init__(self, arch: ModelArch, config: Config, visible_gpus: list[str] = ()):
+    def __init__(self, arch: ModelArch, config: Config, visible_gpus: list[str] = (), resident_layers: int | None = None):
+        """`resident_layers`: the decoder layers the step plan keeps on its GPU (planning/gpu_share.py; None: all)."""
         if visible_gpus:  # an actor that asked Ray for no GPU sees none, unless told
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
         if config.runtime.worker_threads:  # as a GPU worker's (it runs while they wait)
@@ -319,7 +320,7 @@ class RolloutActor(Rollout):
         g = config.grpo
         self.compute_dtype = dtype_of(config.model.compute_dtype)
         super().__init__(arch, dtype_of(g.rollout_dtype), rollout_device(g.rollout_device), config.train.seed,
-                         g.rollout_resident_layers)
+                         resident_layers)
         self.mapped: dict[str, torch.Tensor] = {}  # the stores' compute copies, by path
         self.registered: set[int] = set()  # the addresses of those page-locked here
 

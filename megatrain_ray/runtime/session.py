@@ -22,6 +22,7 @@ from megatrain_ray.runtime.actors import GpuWorker, RolloutActor, ShardStoreActo
 from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, on_node
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
 from megatrain_ray.config import Config
+from megatrain_ray.objective import objective_of
 from megatrain_ray.streaming.data_parallel import split_micro_batches, split_unevenly
 from megatrain_ray.streaming.executor import target_tokens
 from megatrain_ray.streaming.step_result import EvalResult, StepResult, combine_results
@@ -63,10 +64,13 @@ class Session:
     `start_executor` comes."""
 
     def __init__(self, config: Config, arch: ModelArch, updates_done: int = 0, placement: Placement | None = None,
-                 wait: Wait = plain_wait, worker_class: type | None = None, store_class: type | None = None):
+                 wait: Wait = plain_wait, worker_class: type | None = None, store_class: type | None = None,
+                 schedule_steps: int | None = None):
         """`worker_class`, `store_class`: the actors' classes (GpuWorker, ShardStoreActor, or the
-        benchmark's extensions of them: bench/telemetry.py)."""
+        benchmark's extensions of them: bench/telemetry.py); `schedule_steps`: a resumed run's LR
+        schedule length (files/checkpoint.py, schedule_on_resume; None: the objective's)."""
         self.config = config
+        self.schedule_steps = schedule_steps
         self.worker_class = worker_class or GpuWorker
         self.store_class = store_class or ShardStoreActor
         self.arch = arch
@@ -88,9 +92,9 @@ class Session:
             self.stores = self._launch_stores()  # their processes start beside the workers'
             self.facts = facts = self._device_facts()  # each worker's device, as the plan saw it
             self._mark("workers' devices")
-            if config.train.objective == "grpo":  # its process starts while the stores fill
-                self.rollouts.append(self._launch_rollout())
             self.plan: StepPlan = self._plan(config, facts, stores_allocated=False)
+            if objective_of(config).samples:  # its process starts while the stores fill, its share planned
+                self.rollouts.append(self._launch_rollout())
             self._allocate_stores()
             self._mark("stores' memory")
         except BaseException:
@@ -126,7 +130,7 @@ class Session:
     def _plan(self, config: Config, facts: list[DeviceFacts], stores_allocated: bool) -> StepPlan:
         """The step's plan for every worker (planning/step_plan.py); the placement from here on is
         the plan's, with its window of remote layers."""
-        plan = plan_step(self.arch, config, facts, self.placement, stores_allocated)
+        plan = plan_step(self.arch, config, facts, self.placement, stores_allocated, schedule_steps=self.schedule_steps)
         self.placement = plan.placement
         return plan
 
@@ -305,12 +309,14 @@ class Session:
     def _launch_rollout(self):
         """A GRPO run's rollout actor (runtime/actors.py, RolloutActor) on the GPU node, shown rank
         0's GPU, which it shares, or holding one of its own (grpo.rollout_gpu=own, where the
-        placement left it one); it ends with the session."""
+        placement left it one), with the decoder layers the plan keeps resident there; it ends with
+        the session."""
         options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": on_node(self.placement.gpu.node_id)}
+        resident = self.plan.rollout.resident_layers
         if self.config.grpo.rollout_gpu == "own":
             options["num_gpus"] = int(self.placement.use_cuda)
-            return ray.remote(RolloutActor).options(**options).remote(self.arch, self.config)
-        return ray.remote(RolloutActor).options(**options).remote(self.arch, self.config, self.gpu_ids[0])
+            return ray.remote(RolloutActor).options(**options).remote(self.arch, self.config, resident_layers=resident)
+        return ray.remote(RolloutActor).options(**options).remote(self.arch, self.config, self.gpu_ids[0], resident)
 
     @property
     def rollout(self):
@@ -377,7 +383,7 @@ class Session:
         """The staged shards published as step `step`'s checkpoint, with the tensors carried unchanged
         beside the model (files/carried.py)."""
         carry_into(staging, self.carried_from, self.arch)
-        meta = ckpt.checkpoint_meta(self.config, self.arch, step, updates_done, data_position)
+        meta = ckpt.checkpoint_meta(self.config, self.arch, step, updates_done, data_position, self.plan.schedule_steps)
         final = ckpt.commit(staging, root, step, shards, meta, self.config.checkpoint.keep)
         self.carried_from = str(final)  # the one it came from may be pruned
         return final

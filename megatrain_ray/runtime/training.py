@@ -39,6 +39,7 @@ from megatrain_ray.runtime.progress import StartupPhases
 from megatrain_ray.runtime.signals import RunInterrupted, StopRequest
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_arch, num_params
+from megatrain_ray.objective import objective_of
 from megatrain_ray.planning.placement import Placement
 from megatrain_ray.runtime.session import Session, place
 from megatrain_ray.runtime.trackers import check_trackers, open_trackers
@@ -111,6 +112,7 @@ class Progress:
     checkpoint: Path | None
     placement: Placement | None = None
     data_summary: dict | None = None  # data/summary.py's counts, for metrics.jsonl
+    schedule_steps: int | None = None  # a resumed run's LR schedule length (None: the objective's)
     phase: StartupPhases = field(default_factory=StartupPhases)  # says what the start-up is doing
 
 
@@ -141,21 +143,14 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
     the output directory: runtime/output_dir.py) is checked first, so a mistake costs seconds, not
     a cluster start. SIGINT and SIGTERM stop it at a step boundary (runtime/signals.py).
     """
-    from megatrain_ray.data.summary import summarize_data
-
     in_job = under_ray_job() or in_job_copy(Path.cwd())  # outputs outside Ray's copy of the working dir
     config, resume = for_this_run(config, in_job), resume_moved(resume, in_job)
     arch = model_arch(config.model)
-    if config.train.objective == "grpo":  # prompts and rewards, checked before Ray (runtime/grpo.py)
-        from megatrain_ray.runtime.grpo import grpo_data, grpo_run_config
-
-        config = grpo_run_config(config, arch)
-        counted, data = None, (grpo_data(config, arch), None)
-    else:
-        counted = summarize_data(config.data, config.eval, arch.vocab_size, config.train.seed)  # DataError before Ray
-        data = datasets(config, arch.vocab_size)  # the validation batches too
+    objective = objective_of(config).check()
+    counted, data = objective.read_data(arch)  # a DataError before Ray; the validation batches too
     check_trackers(config.metrics)
     resume_path = ckpt.resolve(resume, ckpt.checkpoint_root(config)) if resume else None
+    horizon = None  # the LR schedule's length, where a resume keeps its checkpoint's
     if resume_path is not None:  # the one verification of its files (hashes) in this run
         manifest, meta = ckpt.read_manifest(resume_path)
         ckpt.check_compatible(meta, arch, resume_path, manifest)
@@ -163,13 +158,13 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
         last_step = config.train.steps if until_step is None else min(config.train.steps, until_step)
         if meta["step"] >= last_step:
             return finished_already(config, resume_path, meta["step"], last_step)
-        config, schedule = ckpt.schedule_on_resume(config, meta)
+        horizon, schedule = ckpt.schedule_on_resume(config, meta, objective.schedule_steps)
         if schedule:
             print(schedule, flush=True)
     out = claim(config, resume, overwrite, arch)
     print(f"output directory: {where(out)}", flush=True)
     seed_driver(config.train.seed)
-    progress = Progress(resume_path, data_summary=counted)
+    progress = Progress(resume_path, data_summary=counted, schedule_steps=horizon)
     with StopRequest() as stop:
         connect(config.runtime, progress.phase)
         stop.install()  # ray.init sets its own SIGTERM handler
@@ -229,7 +224,7 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
         " (they build the host AdamW kernel meanwhile: once per machine, 1-2 minutes on a small one, "
         "which the first step waits for if the rest of the start is shorter)"))
     try:
-        session = Session(config, arch, placement=placement, wait=watch.get)
+        session = Session(config, arch, placement=placement, wait=watch.get, schedule_steps=progress.schedule_steps)
     except FAULTS as e:  # a node left between the plan and the actors' start
         raise ClusterFault(f"placing the run's actors failed: {str(e).strip().splitlines()[0]}") from None
     print(session.placement.describe(arch), flush=True)  # with the window the step plan sized
@@ -250,7 +245,7 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
             session.init_weights(wait=False)  # the stores fill their layers while the workers build
         say("starting the executor")
         print(f"executor device: {session.start_executor()}", flush=True)
-        if placement.use_cuda and config.executor.compile:
+        if session.plan.compile:
             say("the first step compiles the decoder blocks (torch.compile): it takes longer than the others")
         return _loop(session, config, data, meta, progress, out, until_step, stop)
     finally:
@@ -276,16 +271,6 @@ def checkpoint_gb(path: Path) -> float:
     return sum(s["bytes"] for s in manifest["shards"]) / 1e9
 
 
-def datasets(config: Config, vocab_size: int):
-    """The training data and the fixed validation micro-batches (None without `eval`)."""
-    from megatrain_ray.data import build_datasets
-
-    train, held_out = build_datasets(config.data, config.eval, vocab_size, config.train.seed)
-    if held_out is None:
-        return train, None
-    return train, held_out.fixed_batches(config.train.micro_batch_size, config.eval.batches)
-
-
 def validate(session: Session, batches: list[dict], group: int, step: int) -> EvalResult:
     """The mean loss over the validation batches, streamed `group` micro-batches at a time (the
     training step's shape, which is known to fit)."""
@@ -295,38 +280,17 @@ def validate(session: Session, batches: list[dict], group: int, step: int) -> Ev
                       sum(p.tokens for p in parts), sum(p.seconds for p in parts))
 
 
-def lm_steps(session: Session, batches):
-    """The next-token steps: each call takes a step's micro-batches and trains on them; returns its
-    result, the data position after it and no further metrics."""
-    def step_on(step: int):
-        micro_batches, upcoming = next(batches)
-        return session.train_step(micro_batches, f"step {step}"), upcoming, None
-    return step_on
-
-
-def grpo_steps(session: Session, config: Config, data, meta: dict | None):
-    """The GRPO steps (runtime/grpo.py), from the position a resumed checkpoint holds."""
-    from megatrain_ray.runtime.grpo import GrpoSteps
-
-    return GrpoSteps(session, config, data, meta.get("data_position") if meta else None)
-
-
 def _loop(session: Session, config: Config, data: tuple, meta: dict | None, progress: Progress, out: Path,
           until_step: int | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
-    from megatrain_ray.data import DataPosition
-
     t = config.train
-    dataset, eval_batches = data  # datasets(): a pure function of the config, reread from any position
+    dataset, eval_batches = data  # Objective.read_data: a pure function of the config, reread from any position
     start_step = meta["step"] if meta else 0
-    lm = t.objective != "grpo"
-    start_pos = DataPosition.from_dict(meta["data_position"]) if lm and meta and meta.get("data_position") else None
     log = MetricsLog(out / "metrics.jsonl", t.steps, open_trackers(config.metrics, out, config.to_dict()), start_step,
                      progress.data_summary)
-    bad_in_a_row, last, position, step, evaluation = 0, None, start_pos, start_step, None
+    bad_in_a_row, last, position, step, evaluation = 0, None, None, start_step, None
     counted_whole = (progress.data_summary or {}).get("train", {}).get("complete", False)
     bad_rows = BadRowCount(None if counted_whole else config.data.max_bad_fraction)  # the summary judged a whole source
-    steps = (lm_steps(session, dataset.batches(t.micro_batch_size, t.grad_accum, start_pos, bad_rows)) if lm
-             else grpo_steps(session, config, dataset, meta))
+    steps = objective_of(config).steps(session, dataset, meta, bad_rows)
     finished = start_step  # the last step whose update the stores hold, and the data position after it
     saved = start_step if progress.checkpoint is not None else None
     try:

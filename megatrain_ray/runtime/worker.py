@@ -69,7 +69,7 @@ def assemble_worker(arch: ModelArch, config: Config, plan: StepPlan, layers: Lay
             source = with_embedding_step(layers, arch, config, device, group)
     with timed(seconds, "the executor"):
         executor = build_executor(arch, config, plan, source, device, group, hooks)
-    return Worker(layers, source, executor, LrSchedule(config.optim, config.train.steps, updates_done), group, seconds)
+    return Worker(layers, source, executor, LrSchedule(config.optim, plan.schedule_steps, updates_done), group, seconds)
 
 
 @contextlib.contextmanager
@@ -82,11 +82,10 @@ def timed(seconds: dict[str, float], what: str):
 
 def build_executor(arch: ModelArch, config: Config, plan: StepPlan, source: LayerSource, device: torch.device,
                    group: Group, hooks: StepHooks = NO_HOOKS) -> StreamingExecutor:
-    ex = config.executor
     return StreamingExecutor(
         arch, source, device, dtype_of(config.model.compute_dtype), plan.num_slots, plan.loss_chunk_tokens,
-        compile_blocks=ex.compile, mlp_chunk_tokens=plan.mlp_chunk_tokens, offload_activations=plan.offload,
-        group=group, keep_graphs=plan.kept, hooks=hooks, policy=plan.policy, host_gradients=plan.host_gradients,
+        compile_blocks=plan.compile, mlp_chunk_tokens=plan.mlp_chunk_tokens, offload_activations=plan.offload,
+        group=group, keep_graphs=plan.kept, hooks=hooks, head_loss=plan.head_loss, host_gradients=plan.host_gradients,
     )
 
 

@@ -120,5 +120,5 @@ class EagerWhereItFails:
 
 def per_template(compiled: Callable, family) -> Callable:
     """`compiled`, falling back per template for a family that names its layers' templates."""
-    template_of = getattr(family, "template_of", None)
+    template_of = family.template_of  # ModelFamily.template_of: None for a family of one template
     return compiled if template_of is None else EagerWhereItFails(compiled, family.block, template_of)

@@ -16,7 +16,7 @@ micro-batches; the loss is scaled by the step's global target count, each gradie
 the workers before it leaves and leaves from its owner only, and the loss and norm are summed once.
 
 The head's loss is the step plan's choice: the next-token cross-entropy, or the clipped
-policy-ratio loss of reinforcement learning (`policy`, rl/loss.py), whose token log-probabilities
+policy-ratio loss of reinforcement learning (`head_loss`, rl/loss.py), whose token log-probabilities
 come chunk by chunk from the same head and whose per-token advantages, old and reference
 log-probabilities and normalising weights ride in the micro-batches beside the labels.
 """
@@ -43,7 +43,7 @@ from megatrain_ray.models.family import IGNORE_INDEX
 from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout, shared_part
 from megatrain_ray.models.ops import packs_documents
 from megatrain_ray.models.registry import family, model_layouts
-from megatrain_ray.rl.loss import PolicyLoss, PolicyMetrics, label_logprobs, token_losses
+from megatrain_ray.rl.loss import PolicyLoss, PolicyMetrics, TokenLoss, label_logprobs, token_losses
 from megatrain_ray.streaming.prefetcher import Prefetcher, Slot
 from megatrain_ray.streaming.layer_order import Unit, kept_blocks, model_units, step_order
 from megatrain_ray.streaming import rng
@@ -130,11 +130,11 @@ class StreamingExecutor:
         group: Group | None = None,
         keep_graphs: int = 0,
         hooks: StepHooks = NO_HOOKS,
-        policy: PolicyLoss | None = None,
+        head_loss: TokenLoss | PolicyLoss = TokenLoss(),
         host_gradients: tuple[int, ...] = (),
     ):
         self.arch = arch
-        self.policy = policy  # None: the token cross-entropy; else the policy loss (rl/loss.py)
+        self.head_loss = head_loss  # the objective's (objective.py): the token cross-entropy or the policy loss
         self.source = source
         self.device = device
         self.dtype = compute_dtype
@@ -149,12 +149,13 @@ class StreamingExecutor:
         self.offload_activations = offload_activations
         self.kept = kept_blocks(self.units, keep_graphs)
         self.aux = self.family.aux_loss_on(arch)  # the block returns (y, stats) for an auxiliary loss
-        # dropout: each recompute replays its forward's draws (streaming/rng.py); such blocks run
-        # eagerly, as torch.compile's forward and recompute graphs need not draw alike
+        # dropout: each recompute replays its forward's draws (streaming/rng.py); the step plan runs
+        # such blocks eagerly (`compile_blocks` False), as torch.compile's forward and recompute
+        # graphs need not draw alike
         self.replay = self.family.draws_random(arch)
         self.compiled_block = self.compiled_kept_block = self.compiled_head_loss = None
         self.metrics: PolicyMetrics | None = None
-        if compile_blocks and self.streams.cuda and not self.replay:
+        if compile_blocks and self.streams.cuda:
             self.compiled_block, self.compiled_kept_block = compiled_blocks(self.family, arch)
             self.compiled_head_loss = compile_head_loss(self.family.head_loss)
         self.group = group or Group.solo(len(self.layouts))
@@ -218,7 +219,7 @@ class StreamingExecutor:
         scale = 1.0 / max(1, target if step_target_tokens is None else step_target_tokens)
         mbs = [_to_device(mb, self.device) for mb in micro_batches]
         ctxs = self._contexts(micro_batches, mbs)
-        self.metrics = PolicyMetrics(self.device) if self.policy is not None else None
+        self.metrics = PolicyMetrics(self.device) if self.head_loss.policy else None
 
         cursor = itertools.count()
         saved = ActivationStash(self.streams, self.offload_activations)
@@ -417,7 +418,7 @@ class StreamingExecutor:
             for start in range(0, flat_x.shape[0], self.loss_chunk_tokens):
                 chunk = slice(start, start + self.loss_chunk_tokens)
                 x_chunk = _leaf(flat_x[chunk])
-                if self.policy is not None:
+                if self.head_loss.policy:
                     loss = self._policy_loss(head_w, embed_w, x_chunk, mb, chunk)
                 else:
                     loss = head_loss(self.arch, head_w, embed_w, x_chunk, flat_labels[chunk], self.loss_chunk_tokens,
@@ -442,7 +443,7 @@ class StreamingExecutor:
         logp, entropy = label_logprobs(self.family.logits(self.arch, head_w, embed_w, x_chunk), labels)
         old = take("old_logprobs") if "old_logprobs" in mb else logp.detach()
         ref = take("ref_logprobs") if "ref_logprobs" in mb else None
-        losses = token_losses(logp, old, take("advantages"), ref, self.policy)
+        losses = token_losses(logp, old, take("advantages"), ref, self.head_loss)
         self.metrics.add(labels != IGNORE_INDEX, losses, entropy)
         return (losses.loss * take("loss_weights")).sum()
 

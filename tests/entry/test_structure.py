@@ -9,11 +9,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatrain_ray"
 # bottom to top: a part may import the parts before it, never one after it
-ORDER = ("config", "config_reference", "models", "data", "rl", "host", "files", "streaming", "planning", "runtime", "api",
-         "bench", "cli", "megatrain_ray")
+ORDER = ("config", "config_reference", "models", "data", "rl", "host", "files", "streaming", "objective", "planning",
+         "runtime", "api", "bench", "cli", "megatrain_ray")
 HARNESS = {"megatrain_ray.runtime.local"}  # the in-process trainer, for tests
 TOP = {"megatrain_ray.cli", "megatrain_ray.api", "megatrain_ray"}  # entry points may reach everything
-TOP_FILES = {"__init__.py", "cli.py", "api.py", "config.py", "config_reference.py"}  # entry points, the config and its reference
+TOP_FILES = {"__init__.py", "cli.py", "api.py", "config.py", "config_reference.py",
+             "objective.py"}  # entry points, the config, its reference and what a run trains for
 TEST_CODE = {"pytest", "tests", "conftest", "helpers", "reference_training", "hf_parity"}
 
 
@@ -194,6 +195,108 @@ def test_the_run_s_actors_inherit_nothing_from_the_benchmark():
 
     for cls in (GpuWorker, ShardStoreActor):
         assert not [c for c in cls.__mro__ if c.__module__.startswith("megatrain_ray.bench")], cls.__mro__
+
+
+SECTIONS = {"model", "data", "optim", "train", "executor", "runtime", "checkpoint", "eval", "metrics", "grpo"}
+
+
+def config_writes(path: Path) -> list[int]:
+    """The lines of `path` that write a config: Config.replace(<section>=...), or dataclasses.replace
+    of a config's section (`x.train`, or a section taken from it into a name of its own)."""
+    lines = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(n, ast.Call):
+            continue
+        name = getattr(n.func, "attr", getattr(n.func, "id", None))
+        if name != "replace":
+            continue
+        first = n.args[0] if n.args else None
+        section = (isinstance(first, ast.Attribute) and first.attr in SECTIONS) or \
+                  (isinstance(first, ast.Name) and first.id in SECTIONS)
+        if {k.arg for k in n.keywords} & SECTIONS or (section and not isinstance(n.func, ast.Attribute)) or \
+                (section and getattr(n.func.value, "id", None) == "dataclasses"):
+            lines.append(n.lineno)
+    return lines
+
+
+# Where a config may be written: the config itself and the CLI's --set; the planner's own copy of the
+# settings, with its decisions in them, which its memory and time models read and which never
+# becomes a run's config (planning/); the names settled as the config is read, before a run starts
+# from it: Hub names as local paths (files/hub.py, api.prepare), a job's outputs under its home
+# (runtime/job_paths.py); the benchmark, which makes a config for each shape it measures.
+CONFIG_WRITERS = {"megatrain_ray.config", "megatrain_ray.cli", "megatrain_ray.files.hub", "megatrain_ray.runtime.job_paths"}
+
+
+def test_nothing_writes_the_config_after_it_is_read():
+    """The plan decides and the run obeys the plan: no module outside those above writes a config
+    (a run's config is compared with the one read in tests/runtime/test_step_plan.py and
+    tests/rl/test_grpo_run.py)."""
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        if name in CONFIG_WRITERS or part_of(name) in ("planning", "bench"):
+            continue
+        assert not config_writes(path), f"{name} writes a config at lines {config_writes(path)}"
+
+
+def test_the_config_write_finder_finds_them():
+    probe = PACKAGE.parent / "tests" / "entry" / "_config_writes_probe.py"
+    probe.write_text("import dataclasses\nfrom dataclasses import replace\n"
+                     "a = config.replace(train=t)\n"
+                     "b = dataclasses.replace(config.executor, compile=False)\n"
+                     "c = replace(train, steps=3)\n"
+                     "d = arch.replace(num_layers=2)\n"
+                     "e = dataclasses.replace(result, config={})\n")
+    try:
+        assert config_writes(probe) == [3, 4, 5]
+    finally:
+        probe.unlink()
+
+
+def test_no_module_but_the_objective_s_reads_train_objective():
+    """objective.py resolves train.objective into an Objective; config.py checks its allowed values.
+    No other module tests the string: they ask the Objective (or the step plan it informs)."""
+    for path in PACKAGE.rglob("*.py"):
+        if module_name(path) in ("megatrain_ray.objective", "megatrain_ray.config"):
+            continue
+        reads = [n.lineno for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Attribute) and n.attr == "objective"]
+        assert not reads, f"{module_name(path)} reads train.objective at lines {reads}"
+
+
+def family_class_tests(path: Path, arch_classes: set[str]) -> list[int]:
+    """The lines of `path` that tell a family by its class (isinstance of a model's shape class) or
+    probe a family for a hook it may not have (getattr of a ModelFamily member by name)."""
+    from megatrain_ray.models.family import ModelFamily
+
+    hooks = {name for name in dir(ModelFamily) if not name.startswith("_")} | {"train_vision"}
+    lines = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "isinstance" and len(n.args) == 2:
+            classes = n.args[1].elts if isinstance(n.args[1], ast.Tuple) else [n.args[1]]
+            if {getattr(c, "id", getattr(c, "attr", None)) for c in classes} & arch_classes:
+                lines.append(n.lineno)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("getattr", "hasattr") and len(n.args) >= 2 \
+                and isinstance(n.args[1], ast.Constant) and n.args[1].value in hooks:
+            lines.append(n.lineno)
+    return lines
+
+
+def test_no_caller_outside_models_tells_a_family_by_its_class():
+    """The family interface (models/family.py, ModelFamily) declares every hook its callers use
+    (template_kinds, template_of, what does not train, what it measures): no module outside models/
+    tests a model's shape class or probes a family with getattr."""
+    from megatrain_ray.models.arch import ModelArch
+
+    arch_classes = set()
+    for path in (PACKAGE / "models").glob("*.py"):
+        module = __import__(module_name(path), fromlist=["_"])
+        arch_classes |= {name for name, value in vars(module).items()
+                         if isinstance(value, type) and issubclass(value, ModelArch) and value is not ModelArch}
+    assert {"TransformersArch", "MoeArch"} <= arch_classes
+    for path in PACKAGE.rglob("*.py"):
+        if part_of(module_name(path)) != "models":
+            found = family_class_tests(path, arch_classes)
+            assert not found, f"{module_name(path)} tells a family by its class at lines {found}"
 
 
 def test_every_step_decision_is_made_in_the_step_plan():

@@ -114,23 +114,24 @@ def test_a_resume_with_more_steps_keeps_the_lr_schedule_unless_asked():
     meta = {"step": 10, "config": first.to_dict()}
     longer = config_from_dict(tiny_raw(Path("out"), steps=12))
     kept, line = ckpt.schedule_on_resume(longer, meta)
-    assert kept.optim.schedule_steps == 10 and kept.train.steps == 12
+    assert kept == 10 and longer.optim.schedule_steps is None  # the step plan's length; the config as written
     assert line == ("LR schedule: kept from the checkpoint's run (warmup + cosine over 10 steps); train.steps=12 goes "
                     "on past its end: from step 11 the LR stays at its floor, optim.lr x optim.min_lr_ratio. For a "
                     "schedule over the new length: --set optim.schedule_steps=12")
     floor = first.optim.lr * first.optim.min_lr_ratio
-    schedule = LrSchedule(kept.optim, kept.train.steps, updates_done=10)
+    schedule = LrSchedule(longer.optim, kept, updates_done=10)
     assert [schedule.next(0.0).lr for _ in range(2)] == pytest.approx([floor, floor])
     assert learning_rate(first.optim, 10, 12) > 1.1 * floor  # what a cosine over the new length would give
 
     asked = config_from_dict(tiny_raw(Path("out"), steps=16, optim={"schedule_steps": 16}))
     wider, line = ckpt.schedule_on_resume(asked, meta)
-    assert wider == asked and line == ("LR schedule: a new horizon of 16 steps (optim.schedule_steps) from step 11; "
+    assert wider is None and line == ("LR schedule: a new horizon of 16 steps (optim.schedule_steps) from step 11; "
                                        "the checkpoint's run followed one of 10 steps")
-    assert LrSchedule(wider.optim, 16, updates_done=10).next(0.0).lr == pytest.approx(learning_rate(first.optim, 10, 16))
-    # the same length again (an interrupted run resumed as it was) is no news; nor a resume of a checkpoint that recorded it
-    assert ckpt.schedule_on_resume(first, meta) == (first.replace(optim=kept.optim), None)
-    assert ckpt.schedule_on_resume(longer, {"step": 10, "config": kept.to_dict()})[1].startswith("LR schedule: kept")
+    assert LrSchedule(asked.optim, 16, updates_done=10).next(0.0).lr == pytest.approx(learning_rate(first.optim, 10, 16))
+    # the same length again (an interrupted run resumed as it was) is no news; a resumed run's checkpoint
+    # records the length its plan followed (a third run keeps 10, not the resumed run's train.steps)
+    assert ckpt.schedule_on_resume(first, meta) == (10, None)
+    assert ckpt.schedule_on_resume(longer, {"step": 12, "config": longer.to_dict(), "schedule_steps": 10})[0] == 10
 
 
 def test_rng_state_round_trips_through_json():

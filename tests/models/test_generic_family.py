@@ -654,7 +654,7 @@ def test_the_compiled_block_compiles_once_per_layer_template_and_grad_mode(tmp_p
 
 def test_validation_adds_one_graph_per_layer_template_whatever_its_rows(tmp_path, monkeypatch):
     """A step, then two validation sets whose last micro-batch runs out of rows (1 and 2 of 3), as
-    a run builds them (runtime/training.py, `datasets`), through the compiled blocks: validation
+    a run builds them (objective.py, `Objective.read_data`), through the compiled blocks: validation
     adds one graph per layer template (its forward in eval mode), none for its short micro-batches
     (filled with padding rows to the step's shape), and every block call runs a compiled graph, none
     eagerly past the recompile limit (its limit counts that graph: here the step's own fill it, a
@@ -662,7 +662,7 @@ def test_validation_adds_one_graph_per_layer_template_whatever_its_rows(tmp_path
     without padding. OLMo with 2 layers of its one template, the last keeping its graph."""
     from megatrain_ray.config import EvalConfig
     from megatrain_ray.models.family import IGNORE_INDEX
-    from megatrain_ray.runtime.training import datasets
+    from megatrain_ray.objective import objective_of
     from megatrain_ray.streaming import compiled
     from helpers.files import write_jsonl
 
@@ -681,7 +681,7 @@ def test_validation_adds_one_graph_per_layer_template_whatever_its_rows(tmp_path
         docs = write_jsonl(tmp_path / f"val{count}.jsonl",
                            [{"input_ids": torch.randint(0, arch.vocab_size, (seq,), generator=gen).tolist()}
                             for _ in range(count)])
-        _train, batches = datasets(dataclasses.replace(config, eval=EvalConfig(source=str(docs))), arch.vocab_size)
+        _counts, (_train, batches) = objective_of(dataclasses.replace(config, eval=EvalConfig(source=str(docs)))).read_data(arch)
         assert [int((b["labels"] != IGNORE_INDEX).any(1).sum()) for b in batches] == [3, count - 3]
         validations.append(batches)
 

@@ -107,6 +107,18 @@ def test_four_steps_equal_two_then_resume_two(runs):
     assert_resumed_bit_for_bit(runs)
 
 
+def test_the_config_a_grpo_run_carries_is_the_one_read(runs):
+    """Nothing writes the config after it is read: a step's micro-batches, the LR schedule's length
+    and the rollout's resident layers are the step plan's, so the config each checkpoint records (the
+    session's, which its workers and the rollout got) is the user's."""
+    raw = grpo_raw(runs, "whole")
+    raw["checkpoint"]["every"] = 2
+    raw["grpo"]["rollout_resident_layers"] = 1
+    read = json.loads(json.dumps(config_from_dict(raw).to_dict()))
+    for checkpoint in ckpt.list_checkpoints(runs / "whole" / "checkpoints"):
+        assert json.loads((checkpoint / ckpt.META).read_text())["config"] == read
+
+
 def test_a_rollout_one_version_behind_resumes_bit_for_bit(ahead):
     """With the rollout sampling the next step's completions while a step trains, the checkpoint
     keeps those completions and their log-probabilities (the resumed run trains on them: it
@@ -132,9 +144,29 @@ def assert_resumed_bit_for_bit(runs: Path, prompts: int = 8) -> None:
                 for m in (ma, mb)]
     assert timeless[0] == timeless[1] and ma["data_position"]["prompts"] == mb["data_position"]["prompts"] == prompts
     assert ma["data_position"]["sampler"] == mb["data_position"]["sampler"]
-    assert ma["updates_done"] == 8 and ma["config"]["optim"]["schedule_steps"] == 8  # two updates a step
+    assert ma["updates_done"] == 8 and ma["schedule_steps"] == 8  # two updates a step: the plan's LR schedule
+    assert ma["config"]["optim"]["schedule_steps"] is None and ma["config"]["train"]["grad_accum"] == 1  # as written
     keys = ("loss", "grad_norm", "reward_mean", "entropy")
     assert [[r[k] for k in keys] for r in records(runs, "whole")] == [[r[k] for k in keys] for r in records(runs, "split")]
+
+
+def test_a_grpo_step_on_two_workers_beside_its_own_rollout_trains_like_one(ahead):
+    """The split of grpo.rollout_gpu=own on a node of several GPUs, on the CPU: two data-parallel
+    workers take a step's two micro-batches beside the rollout's own process; its first step (whose
+    completions the starting weights sample, as in the one-worker run) has that run's loss, gradient
+    norm and rewards."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ahead))
+        raw = grpo_raw(ahead, "two-workers")
+        raw["train"]["steps"] = 1
+        raw["grpo"]["rollout_gpu"] = "own"
+        raw["runtime"]["num_gpus"] = 2
+        run_training(config_from_dict(raw))
+    two, one = records(ahead, "two-workers")[0], records(ahead, "whole")[0]
+    assert two["num_gpus"] == 2 and one["num_gpus"] == 1
+    for key in ("loss", "grad_norm"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    assert two["reward_mean"] == one["reward_mean"]
 
 
 def test_a_wrong_reward_path_stops_before_ray_with_exit_2(tmp_path, capsys):
@@ -213,8 +245,10 @@ def test_a_grpo_run_rolls_out_on_the_gpu_it_trains_on(local_ray, tmp_path, capsy
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_a_grpo_run_rolls_out_on_a_gpu_of_its_own_one_version_behind(local_ray, tmp_path, capsys):
-    """On a machine of two GPUs, grpo.rollout_gpu=own: one GPU worker trains while the rollout's
-    actor, holding the other GPU, samples the next step's completions; the checkpoint keeps them."""
+    """On every visible GPU (2, 3, 4 or more), grpo.rollout_gpu=own: the GPU workers train while the
+    rollout's actor, holding a GPU of its own, samples the next step's completions; the checkpoint
+    keeps them. The workers are as many of the other GPUs as split a step's 2 micro-batches evenly
+    (1 of 1, 2 of 2 or more: planning/placement.py, worker_count)."""
     (tmp_path / "grpo_test_rewards.py").write_text(REWARD)
     tiny_model(tmp_path)
     raw = grpo_raw(tmp_path, "gpu-ahead")
@@ -226,7 +260,8 @@ def test_a_grpo_run_rolls_out_on_a_gpu_of_its_own_one_version_behind(local_ray, 
         patch.syspath_prepend(str(tmp_path))
         run_training(config_from_dict(raw))
     out = capsys.readouterr().out
-    assert "the rollout samples on a GPU of its own" in out and "1 GPU worker(s)" in out
+    workers = 1 if torch.cuda.device_count() == 2 else 2
+    assert "the rollout samples on a GPU of its own" in out and f"{workers} GPU worker(s)" in out
     assert "rollout device: cuda" in out
     rows = records(tmp_path, "gpu-ahead")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["rollout_tokens_per_s"] > 0 for r in rows)

@@ -76,10 +76,11 @@ def test_a_missing_answer_column_and_a_wrong_count_are_refused(tmp_path, monkeyp
 ])
 def test_a_grpo_config_that_cannot_work_is_refused(grpo, says):
     from megatrain_ray.config import ConfigError, config_from_dict
+    from megatrain_ray.objective import objective_of
 
     raw = {"model": {"preset": "tiny-llama"}, "data": {"seq_len": 64}, "grpo": {"max_new_tokens": 16}}
     for section, values in grpo.items():
         raw[section] = {**raw.get(section, {}), **values}
     raw["train"] = {"objective": "grpo", **raw.get("train", {})}
-    with pytest.raises(ConfigError, match=says):
-        config_from_dict(raw)
+    with pytest.raises(ConfigError, match=says):  # the objective's checks, before anything starts
+        objective_of(config_from_dict(raw)).check()

@@ -44,15 +44,17 @@ def counting(monkeypatch, module, name: str) -> list:
 def test_a_run_plans_its_step_once_and_its_workers_build_that_plan(local_ray, monkeypatch, tmp_path, device, workers):
     """`megatrain-ray train`'s own loop (two CPU workers, or one GPU): plan_step runs once in the
     driver, and each worker's executor keeps the blocks and parks what that one plan says; on a GPU
-    the embedding's AdamW step runs there, from the same plan."""
+    the embedding's AdamW step runs there, from the same plan. The config the run started with is
+    the one read: the plan's decisions are the plan's."""
     plans = counting(monkeypatch, session_module, "plan_step")
     monkeypatch.setattr(session_module, "GpuWorker", ProbedWorker)  # the run's workers, reporting what they built
-    built = []
+    built, started = [], []
     start = Session.start_executor
 
     def start_and_look(self):
         described = start(self)
         built.extend(Probe(self).built())
+        started.append(self.config)
         return described
 
     monkeypatch.setattr(Session, "start_executor", start_and_look)
@@ -65,6 +67,7 @@ def test_a_run_plans_its_step_once_and_its_workers_build_that_plan(local_ray, mo
     assert (plan.device, plan.workers, plan.micro_batches_per_worker) == (device, workers, 2 // workers)
     assert plan.kept == 1 and not plan.offload and plan.embedding_on_device == (device == "cuda")
     assert built == [(plan, 1, False)] * workers
+    assert started == [config_from_dict(raw)]
 
 
 def every_plan(monkeypatch) -> list:

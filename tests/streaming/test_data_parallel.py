@@ -134,30 +134,33 @@ def test_two_workers_keeping_forward_graphs_train_like_one_recomputing(local_ray
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_two_gpus_over_nccl_train_like_one(local_ray):
-    """The same comparison on two GPUs (NCCL; fp32 compute, no compile): run it on the GPU machine
-    before timing anything there. Both step the embedding on a GPU (executor.embedding_step auto,
-    streaming/device_step.py): one GPU its own, two GPUs on the one that owns its summed gradient,
-    which broadcasts the new weights to the other. So in both the embedding's gradient (the tiny
-    table's 64 KiB) never leaves a device, and from the second step on no GPU reads it from the host."""
+def test_every_visible_gpu_over_nccl_trains_like_one(local_ray):
+    """The same comparison on every visible GPU, 2, 3, 4 or more (NCCL; fp32 compute, no compile):
+    run it on the GPU machine before timing anything there. Both step the embedding on a GPU
+    (executor.embedding_step auto, streaming/device_step.py): one GPU its own, N GPUs on the one that
+    owns its summed gradient, which broadcasts the new weights to the others. So in both the
+    embedding's gradient (the tiny table's 64 KiB) never leaves a device, and from the second step
+    on no GPU reads it from the host."""
     arch = PRESETS["tiny-qwen3"]
     layouts = model_layouts(arch)
-    data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=1)
+    gpus = torch.cuda.device_count()
+    data = random_micro_batches(arch, STEPS, 2 * gpus, batch=2, seq=12, seed=1)  # two micro-batches a GPU
 
     def on_cuda(num_gpus):
         config = workers_config("tiny-qwen3", num_gpus)
-        return config.replace(executor=dataclasses.replace(config.executor, device="cuda", compile=False))
+        return config.replace(train=dataclasses.replace(config.train, grad_accum=2 * gpus),
+                              executor=dataclasses.replace(config.executor, device="cuda", compile=False))
 
     one, one_eval, one_weights, _ = train(on_cuda(1), arch, data)
-    two, two_eval, two_weights, counts = train(on_cuda(2), arch, data)
+    every, every_eval, every_weights, counts = train(on_cuda(gpus), arch, data)
     fp32 = 4  # bytes: the compute dtype of these runs
-    for a, b in zip(two, one):
+    for a, b in zip(every, one):
         assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
         assert a.d2h_bytes == b.d2h_bytes == sum(layout.numel for layout in layouts[1:]) * fp32
-        assert a.h2d_bytes == 2 * b.h2d_bytes and a.num_gpus == 2
+        assert a.h2d_bytes == gpus * b.h2d_bytes and a.num_gpus == gpus
     assert one[0].h2d_bytes > one[1].h2d_bytes == one[2].h2d_bytes  # the embedding read from the host once
-    assert two_eval.loss == pytest.approx(one_eval.loss, rel=1e-5)
-    for i, (a, b) in enumerate(zip(two_weights, one_weights)):
+    assert every_eval.loss == pytest.approx(one_eval.loss, rel=1e-5)
+    for i, (a, b) in enumerate(zip(every_weights, one_weights)):
         assert relative_error(a, b) < 1e-5, f"layer {i}: {relative_error(a, b)}"
     assert counts == {i: STEPS for i in range(len(layouts))}
 
@@ -173,17 +176,22 @@ def test_layer_owners_split_the_bytes_and_alternate():
     assert shares == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-def test_micro_batches_that_do_not_split_evenly_are_refused():
+def test_micro_batches_that_do_not_split_evenly_are_refused_or_split_over_fewer_gpus():
+    """runtime.num_gpus that does not divide the step's micro-batches is refused with the nearest
+    multiples; by default the workers are as many of the node's GPUs as split them evenly, and the
+    placement says which GPUs stay idle and why."""
+    from megatrain_ray.objective import objective_of
     from megatrain_ray.planning.placement import NodeInfo, plan_placement
 
     raw = {"model": {"preset": "tiny-llama"}, "train": {"grad_accum": 6}}
     with pytest.raises(ConfigError, match=r"train.grad_accum=6 .* 4 GPU workers .* multiple of 4 \(4, 8\)"):
-        config_from_dict({**raw, "runtime": {"num_gpus": 4}})
-    # by default every GPU of the node: 4 here, found only when the cluster is read
+        objective_of(config_from_dict({**raw, "runtime": {"num_gpus": 4}})).check()
+    # by default the node's GPUs, found only when the cluster is read: 3 of its 4 split 6
     config = config_from_dict(raw)
     node = NodeInfo("n0", "10.0.0.1", gpus=4.0, ram_node=False, free_bytes=64 * 1024**3)
-    with pytest.raises(ConfigError, match=r"train.grad_accum=6 .* 4 GPU workers"):
-        plan_placement(PRESETS["tiny-llama"], config, [node], "n0")
+    three = plan_placement(PRESETS["tiny-llama"], config, [node], "n0")
+    assert three.num_gpus == 3 and three.idle_gpus == 1
+    assert "3 GPU worker(s), data parallel (1 GPU(s) left idle" in three.describe(PRESETS["tiny-llama"])
     assert plan_placement(PRESETS["tiny-llama"], config_from_dict({**raw, "runtime": {"num_gpus": 2}}),
                           [node], "n0").num_gpus == 2
     assert plan_placement(PRESETS["tiny-llama"], config_from_dict({**raw, "train": {"grad_accum": 8}}),
