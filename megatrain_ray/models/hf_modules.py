@@ -135,7 +135,7 @@ OTHER_PROPORTIONS = dict(
     qk_nope_head_dim=12, v_head_dim=20, linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=12,
     num_experts=6, n_routed_experts=6, num_local_experts=6, moe_num_experts=6, num_experts_per_tok=3, moe_k=3,
     num_experts_per_token=3, sliding_window=6, attention_chunk_size=6, linear_num_heads=3, linear_head_dim=20,
-    num_heads=6, vocab_size_per_layer_input=160, hidden_size_per_layer_input=12, laurel_rank=4,
+    num_heads=6, vocab_size_per_layer_input=160, hidden_size_per_layer_input=16, laurel_rank=4,
     unpadded_vocab_size=160, mamba_d_state=8, mamba_n_heads=12, mamba_chunk_size=8, chunk_size=8, mamba_d_ssm=96,
     mamba_num_heads=16, ssm_state_size=8)
 

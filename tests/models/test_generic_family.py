@@ -132,6 +132,9 @@ MODEL_TYPES = {
     "deepseek_v3:other": {},  # latent attention and experts
     # Mamba-2 heads that divide its inner width (96), but not SMALL's cut of it (64)
     "falcon_h1:other": {"mamba_n_heads": 6, "mamba_d_head": 256, "hidden_size": 3072, "mamba_d_ssm": 1536},
+    # per-layer inputs 16 wide (twice SMALL's), from a table of the whole vocabulary (vocab_size_per_layer_input)
+    "gemma4_text:other": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                          "per_layer_config": {5: {"head_dim": 512}}},
 }
 
 # model_type -> its run's settings other than the parity runs' (helpers/hf_parity.py; every run
@@ -143,6 +146,7 @@ MODEL_TYPES = {
 # 1e-6 its export differs by 8e-5 after 3 steps, with 1e-3 by 3e-6 (1.3e-5 after 5). Gemma 3n the
 # same: 5e-5 after 3 steps at 1e-6.
 RUN = {"gemma4_text": {"optim": {"eps": 1e-3}},
+       "gemma4_text:other": {"optim": {"eps": 1e-3}},
        "gemma4_text:shared_kv": {"optim": {"eps": 1e-3}},
        "gemma3n_text": {"optim": {"eps": 1e-3}},
        # the last 2 blocks keep their graphs: the last runs the shared block from a copy of its holder's weights
@@ -250,7 +254,8 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
                     "gemma4_text", "nemotron_h", "gemma3n_text",
                     "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks", "gpt2", "bloom", "opt", "minimax", "deepseek_v32",
-                    "kimi_linear:other", "olmo_hybrid:other", "qwen3_next:other", "deepseek_v3:other", "falcon_h1:other")
+                    "kimi_linear:other", "olmo_hybrid:other", "qwen3_next:other", "deepseek_v3:other", "falcon_h1:other",
+                    "gemma4_text:other")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])
