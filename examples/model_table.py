@@ -11,6 +11,7 @@ tensor by tensor. Each type runs in a process of its own, with a time limit.
 
     python examples/model_table.py                 # every type: the README's table
     python examples/model_table.py llama gpt_neox  # some types, printed only
+    python examples/model_table.py --sizes other   # every type in other proportions, printed only
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from pathlib import Path
 README = Path(__file__).resolve().parent.parent / "megatrain_ray" / "models" / "README.md"
 BEGIN, END = "<!-- model table: begin -->", "<!-- model table: end -->"
 STEPS, RTOL = 3, 1e-4
+SIZES = {"small": "SMALL", "other": "OTHER_PROPORTIONS"}  # names in megatrain_ray.models.hf_modules
 OPTIM = {"lr": 3e-3, "warmup_steps": 1, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1, "eps": 1e-6}
 
 
-def one_type(model_type: str) -> dict:
-    """{"result": "trains" | "refused" | "differs" | "failed", "why": ...} for one model type."""
+def one_type(model_type: str, sizes: str = "small") -> dict:
+    """{"result": "trains" | "refused" | "differs" | "failed", "why": ...} for one model type, its
+    sizes cut to hf_modules.SMALL's (`sizes` "small") or to OTHER_PROPORTIONS' ("other")."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -52,7 +55,8 @@ def one_type(model_type: str) -> dict:
         except ConfigError as e:
             return {"result": "refused", "why": str(e)}
         torch.manual_seed(0)
-        small = hm.small_config(config, hm.decoder_parts(hm.build_empty(config)).kinds)
+        small = hm.small_config(config, hm.decoder_parts(hm.build_empty(config)).kinds,
+                                 getattr(hm, SIZES[sizes]))
         model = hm.build_small(small)
         model_dir = Path(tmp) / "hf"
         model.save_pretrained(model_dir)
@@ -159,9 +163,9 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def in_subprocess(model_type: str, timeout_s: float) -> dict:
+def in_subprocess(model_type: str, timeout_s: float, sizes: str = "small") -> dict:
     code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import model_table; " \
-           f"print('RESULT ' + json.dumps(model_table.one_type({model_type!r})))"
+           f"print('RESULT ' + json.dumps(model_table.one_type({model_type!r}, {sizes!r})))"
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -199,6 +203,9 @@ def main() -> None:
     parser.add_argument("types", nargs="*", help="model types (default: all, and the README's table is rewritten)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model type")
     parser.add_argument("--results", type=Path, help="a JSON file of results: read, extended, written")
+    parser.add_argument("--sizes", choices=("small", "other"), default="small",
+                        help="the small sizes (hf_modules.SMALL, the README's table), or the same keys in other "
+                             "proportions (hf_modules.OTHER_PROPORTIONS: printed only)")
     args = parser.parse_args()
     types = args.types or causal_lm_types()
     results = json.loads(args.results.read_text()) if args.results and args.results.exists() else {}
@@ -206,12 +213,12 @@ def main() -> None:
         if model_type in results:
             continue
         start = time.perf_counter()
-        results[model_type] = in_subprocess(model_type, args.timeout)
+        results[model_type] = in_subprocess(model_type, args.timeout, args.sizes)
         print(f"{model_type}: {results[model_type]['result']} ({time.perf_counter() - start:.0f} s) "
               f"{results[model_type]['why'][:200]}", flush=True)
         if args.results:
             args.results.write_text(json.dumps(results, indent=1, sort_keys=True))
-    if not args.types:
+    if not args.types and args.sizes == "small":
         write_readme(table({t: results[t] for t in types}))
         print(f"{README}: {sum(r['result'] == 'trains' for r in results.values())} of {len(types)} train")
 

@@ -32,7 +32,8 @@ import numpy as np
 
 from megatrain_ray.data.bad_rows import apply_policy
 from megatrain_ray.data.chat_template import ChatTemplate, trained_tokens
-from megatrain_ray.data.documents import BadRow, Document, Origin, RowBatch, check_token_ids, masked_document
+from megatrain_ray.data.documents import (IGNORE_INDEX, BadRow, Document, Origin, RowBatch, check_token_ids,
+                                          masked_document)
 from megatrain_ray.data.sft import sharegpt_messages, skip_reason
 
 PLACEHOLDER = "<image>"
@@ -43,7 +44,7 @@ IMAGE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 IMAGE_READ_ROWS = 16  # rows read from a file at a time (their documents hold pixel tensors: few at once)
 # the processor's outputs that are not image tensors: one value per token, or not the model's
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
-NOT_MODEL_INPUTS = ("input_ids", "attention_mask", "offset_mapping")
+NOT_MODEL_INPUTS = ("input_ids", "attention_mask", "offset_mapping", "labels")  # labels: PaliGemma's, of a suffix
 # an image processor's old names of the model's inputs -> the names its forward now takes (Video-LLaVA's
 # image processor still returns pixel_values_images by default; its forward maps it to pixel_values)
 RENAMED = {"pixel_values_images": "pixel_values"}
@@ -130,6 +131,26 @@ def token_types_asked(processor) -> dict[str, bool]:
     return {"return_mm_token_type_ids": True} if "mm_token_type_ids" in getattr(processor, "model_input_names", ()) else {}
 
 
+def marks_a_suffix(processor) -> bool:
+    """Whether the processor marks a row's answer apart from its prefix (PaliGemma's: `suffix`, its
+    tokens' token_type_ids 1, the image and the prompt's 0), which its model attends to causally after
+    a prefix it attends to bidirectionally."""
+    import inspect
+
+    return "suffix" in inspect.signature(type(processor).__call__).parameters
+
+
+def suffix_types(labels: np.ndarray) -> np.ndarray:
+    """token_type_ids of a row whose answer is its suffix: 1 from the first trained token on (the
+    assistant's first turn; the tokens before it are the prefix, 0), as the processor marks a
+    `suffix` it is given apart. `labels` are the document's: labels[t] is the target of token t."""
+    trained = np.flatnonzero(labels != IGNORE_INDEX)
+    types = np.zeros(len(labels), dtype=np.int64)
+    if len(trained):
+        types[trained[0] + 1:] = 1  # labels[t] trains token t + 1
+    return types
+
+
 def image_text_document(origin: Origin, row: dict[str, Any], processor, template: ChatTemplate,
                         vocab_size: int, seq_len: int, joined: dict[str, int] | None = None) -> Document:
     chat, count = with_image_items(sharegpt_messages(row, origin, strict=False))
@@ -151,8 +172,11 @@ def image_text_document(origin: Origin, row: dict[str, Any], processor, template
     check_token_ids(ids, vocab_size, origin, "tokens")
     doc = masked_document(ids, carried_marks(list(plain["input_ids"]), marks, ids.tolist()), origin)
     per_token = {k: np.asarray(out[k][0]) for k in out if k in PER_TOKEN}
+    fill = {}
+    if marks_a_suffix(processor):  # the padding after the answer attended causally too
+        per_token["token_type_ids"], fill["token_type_ids"] = suffix_types(doc.labels), 1
     per_image = {RENAMED.get(k, k): np.asarray(out[k]) for k in out if k not in PER_TOKEN and k not in NOT_MODEL_INPUTS}
-    return Document(doc.input_ids, doc.labels, origin, images=ImageInputs(per_token, per_image, joined or {}))
+    return Document(doc.input_ids, doc.labels, origin, images=ImageInputs(per_token, per_image, joined or {}, fill))
 
 
 def image_text_documents(batch: RowBatch, processor, template: ChatTemplate, vocab_size: int,
@@ -201,13 +225,15 @@ def in_order_on_threads(fn: Callable, items: Iterable, threads: int = IMAGE_THRE
 
 class ImageInputs:
     """A document's inputs for the model's vision side, as its processor made them: `per_token`,
-    one value per token (token types; padded with 0), and `per_image`, the image tensors (pixel
-    values, image grids or sizes: a micro-batch concatenates its rows' along the first axis, or
-    along the axis `joined` names, where its processor packs images side by side: joined_axes)."""
+    one value per token (token types; padded with 0, or with `fill`'s value for the key), and
+    `per_image`, the image tensors (pixel values, image grids or sizes: a micro-batch concatenates its
+    rows' along the first axis, or along the axis `joined` names, where its processor packs images
+    side by side: joined_axes)."""
 
     def __init__(self, per_token: dict[str, np.ndarray], per_image: dict[str, np.ndarray],
-                 joined: dict[str, int] | None = None):
+                 joined: dict[str, int] | None = None, fill: dict[str, int] | None = None):
         self.per_token, self.per_image, self.joined = per_token, per_image, joined or {}
+        self.fill = fill or {}
 
 
 def stack_image_inputs(rows: list, seq_len: int) -> dict[str, np.ndarray]:
@@ -218,7 +244,7 @@ def stack_image_inputs(rows: list, seq_len: int) -> dict[str, np.ndarray]:
         return {}
     out: dict[str, np.ndarray] = {}
     for key in sorted({k for f in found for k in f.per_token}):
-        stacked = np.zeros((len(rows), seq_len), dtype=np.int64)
+        stacked = np.full((len(rows), seq_len), next((f.fill[key] for f in found if key in f.fill), 0), dtype=np.int64)
         for i, r in enumerate(rows):
             if r.images is not None and key in r.images.per_token:
                 values = r.images.per_token[key]

@@ -391,7 +391,8 @@ def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerL
         for s in layout.params:
             templates = pieces.get(small_prefix + s.name)
             if templates and isinstance(templates[0], tuple):  # cut along its rows, in order
-                s = stored_in_rows(s, [(_local(small_stored, name), shape) for name, shape in templates])
+                s = stored_in_rows(s, [(_local(small_stored, name), shape)
+                                       for name, shape in row_pieces(p, small_prefix + s.name, templates, s.shape)])
             elif templates:
                 local = tuple(_local(small_stored, t) for t in templates)
                 if "{}" in local[0]:
@@ -405,6 +406,20 @@ def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerL
         out.append(dataclasses.replace(layout, params=tuple(params),
                                        stored_prefix=None if stored_prefix == layout.prefix else stored_prefix))
     return tuple(out)
+
+
+def row_pieces(p: hm.Parts, name: str, small: tuple[tuple[str, tuple], ...],
+               shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The pieces, (stored name, shape) in order along its rows, that transformers stores the
+    model's tensor `name` as: the small instance's names and order (`small`, found from its values),
+    the sizes this model's own reverse conversion gives its tensor (hf_modules.stored_shapes)."""
+    shapes = hm.stored_shapes(p.model, [name])
+    pieces = [(stored, shapes.get(stored)) for stored, _small_shape in small]
+    if set(shapes) != {stored for stored, _ in pieces} or sum(s[0] for _, s in pieces) != shape[0] or \
+            any(tuple(s[1:]) != tuple(shape[1:]) for _, s in pieces):
+        raise hm.Unsupported(f"transformers stores {name} {tuple(shape)} as {shapes}, not its rows cut in the pieces "
+                             f"a small instance shows ({', '.join(stored for stored, _ in small)})")
+    return pieces
 
 
 def decoder_stored_prefixes(p: hm.Parts, pieces: dict[str, tuple], layouts) -> tuple[str, str]:

@@ -126,24 +126,40 @@ SMALL = {
     "unpadded_vocab_size": 128,  # the rows a checkpoint holds, padded to vocab_size on load (Inkling 2)
     "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_chunk_size": 16, "chunk_size": 16, "mamba_d_ssm": 64, "mamba_num_heads": 8, "ssm_state_size": 16,
 }
+# The same keys in other proportions, for the tests and the model table (a size that only fits
+# SMALL's proportions shows there): heads x head width unlike the hidden size, linear attention's
+# key and value widths unlike each other and unlike the attention's, 6 experts with 3 per token.
+OTHER_PROPORTIONS = dict(
+    SMALL, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+    ffn_hidden_size=80, vocab_size=160, num_attention_heads=6, kv_lora_rank=24, q_lora_rank=40, qk_rope_head_dim=4,
+    qk_nope_head_dim=12, v_head_dim=20, linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=12,
+    num_experts=6, n_routed_experts=6, num_local_experts=6, moe_num_experts=6, num_experts_per_tok=3, moe_k=3,
+    num_experts_per_token=3, sliding_window=6, attention_chunk_size=6, linear_num_heads=3, linear_head_dim=20,
+    num_heads=6, vocab_size_per_layer_input=160, hidden_size_per_layer_input=16, laurel_rank=4,
+    unpadded_vocab_size=160, mamba_d_state=8, mamba_n_heads=12, mamba_chunk_size=8, chunk_size=8, mamba_d_ssm=96,
+    mamba_num_heads=16, ssm_state_size=8)
 
 
-def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, Any]:
-    """The config with small widths and only the layers up to the last first-of-its-kind (counted
-    as the config counts them: counted_per_layer), the layer counts that must add up to them cut in
-    proportion (layer_parts)."""
-    small = small_sizes(config)
+def small_config(config: dict[str, Any], kinds: tuple[int, ...], sizes: dict[str, int] = SMALL) -> dict[str, Any]:
+    """The config with small widths (none larger than `sizes`) and only the layers up to the last
+    first-of-its-kind (counted as the config counts them: counted_per_layer), the layer counts that
+    must add up to them cut in proportion (layer_parts)."""
+    small = small_sizes(config, sizes=sizes)
     counted = counted_per_layer(config, kinds)
     parts = layer_parts(config)
     layers = max(max(kinds.index(k) for k in set(kinds)) + 1, len(parts))
     if config.get("head_dim") is not None and config.get("head_dim") == config.get("qk_rope_head_dim"):
         small["head_dim"] = small["qk_rope_head_dim"]  # MLA: the rotary part's width
-    small.update(rederived(config, small))
-    small.update(small_kv_heads(config))
+    small.update(rederived(config, small, list(sizes)))
+    small.update(small_kv_heads(config, sizes=sizes))
     if all(isinstance(small.get(k), int) for k in ("mamba_expand", "mamba_n_heads", "mamba_d_head", "hidden_size")):
-        # a Mamba layer's heads x head width is its inner width: mamba_d_ssm where set, else expand x hidden
+        # a Mamba layer's heads x head width is its inner width: mamba_d_ssm where set (cut to a multiple of
+        # the heads, which may have been small already), else expand x hidden
+        heads = small["mamba_n_heads"]
+        if small.get("mamba_d_ssm"):
+            small["mamba_d_ssm"] = max(heads, small["mamba_d_ssm"] - small["mamba_d_ssm"] % heads)
         inner = small.get("mamba_d_ssm") or small["mamba_expand"] * small["hidden_size"]
-        small["mamba_d_head"] = inner // small["mamba_n_heads"]
+        small["mamba_d_head"] = inner // heads
     vocab = small.get("vocab_size")
     for key, value in config.items():
         if key.endswith("token_id") and isinstance(value, int) and isinstance(vocab, int) and value >= vocab:
@@ -160,7 +176,7 @@ def small_config(config: dict[str, Any], kinds: tuple[int, ...]) -> dict[str, An
     small.update(rederived(config, small, ["num_hidden_layers", *per_layer]))  # Zamba2's hybrid_layer_ids
     if isinstance(config.get("per_layer_config"), dict):  # a layer's own sizes (Gemma 4's global head_dim), cut
         # last: the class derives it again from the layer count with its full sizes (Dots3's sliding layers)
-        small["per_layer_config"] = {k: small_sizes(v, config) if isinstance(v, dict) else v
+        small["per_layer_config"] = {k: small_sizes(v, config, sizes) if isinstance(v, dict) else v
                                      for k, v in config["per_layer_config"].items() if int(k) < layers}
     return small
 
@@ -208,28 +224,30 @@ def cut_in_proportion(counts: dict[str, int], total: int) -> dict[str, int]:
     return out
 
 
-def small_sizes(config: dict[str, Any], outer: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config with each size of SMALL no larger than there (a size per layer too: Gemma 3n's
+def small_sizes(config: dict[str, Any], outer: dict[str, Any] | None = None,
+                sizes: dict[str, int] = SMALL) -> dict[str, Any]:
+    """The config with each size of `sizes` no larger than there (a size per layer too: Gemma 3n's
     intermediate_size); a layer's own config (`outer` the model's) with its key-value heads as
     small_kv_heads makes them, its heads read from the model's where it leaves them unset."""
     small = dict(config)
-    for key, value in SMALL.items():
+    for key, value in sizes.items():
         if isinstance(small.get(key), int) and not isinstance(small[key], bool) and small[key] > value:
             small[key] = value
         elif isinstance(small.get(key), list) and small[key] and all(type(v) is int for v in small[key]):
             small[key] = [min(v, value) for v in small[key]]
     if outer is not None:
-        small.update(small_kv_heads(config, outer))
+        small.update(small_kv_heads(config, outer, sizes))
     return small
 
 
-def small_kv_heads(config: dict[str, Any], outer: dict[str, Any] | None = None) -> dict[str, Any]:
+def small_kv_heads(config: dict[str, Any], outer: dict[str, Any] | None = None,
+                   sizes: dict[str, int] = SMALL) -> dict[str, Any]:
     """The small config's key-value heads: one, all its heads or two, as they were."""
     heads = config.get("num_attention_heads", (outer or {}).get("num_attention_heads"))
     kv = config.get("num_key_value_heads")
     if not (isinstance(kv, int) and isinstance(heads, int)):
         return {}
-    return {"num_key_value_heads": 1 if kv == 1 else (min(heads, SMALL["num_attention_heads"]) if kv == heads else 2)}
+    return {"num_key_value_heads": 1 if kv == 1 else (min(heads, sizes["num_attention_heads"]) if kv == heads else 2)}
 
 
 def rederived(config: dict[str, Any], small: dict[str, Any], keys: list[str] | None = None) -> dict[str, Any]:
@@ -568,6 +586,18 @@ def expert_pieces(small_model: nn.Module) -> dict[str, tuple[str, ...]]:
         else:
             out[owner] = per_expert_names(owner, tuple(state[owner].shape), sorted(pieces, key=lambda p: p[0]))
     return out
+
+
+def stored_shapes(model: nn.Module, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """The stored name and shape of each piece that save_pretrained makes of the named in-memory
+    tensors of `model` (built on meta: no memory), by transformers' own reverse conversion of them,
+    so that the pieces' sizes are the model's whatever its config (Kimi-Linear's and OLMo-Hybrid's
+    short convolution, saved as three equal chunks of the fused one, whatever its query, key and
+    value widths)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict()
+    return {name: tuple(t.shape) for name, t in revert_weight_conversion(model, {n: state[n] for n in names}).items()}
 
 
 def split_along_rows(whole: torch.Tensor, pieces: list) -> bool:

@@ -107,6 +107,8 @@ COVERED = {
     "pp_chart2table": "GOT-OCR 2's SAM-like tower, strided convolutions and projector, Qwen2's decoder",
     "lfm3_vl": "a vision tower of short-convolution and attention layers and a merger, LFM3's decoder of "
                "short-convolution and attention layers",
+    "paligemma": "a SigLIP tower and a projector, Gemma's or (PaliGemma 2) Gemma 2's decoder, attending "
+                 "bidirectionally over a row's image and prompt and causally over its answer (token_type_ids)",
 }
 
 

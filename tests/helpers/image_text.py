@@ -162,6 +162,18 @@ TYPES = {
     # GOT-OCR 2: a SAM-like tower (windowed attention, one global layer here) over 16-pixel patches of a 64-pixel
     # image, two strided convolutions into one image token, Qwen2's decoder; its processor writes 256 image tokens
     # a tile (the tower's for its 1024-pixel tiles), too many for the test's rows
+    # PaliGemma: a SigLIP tower (28 pixels: 4 image tokens) and a projector to the text width, Gemma's decoder;
+    # PaliGemma 2's, Gemma 2's (sliding-window and global layers, soft-capping)
+    "paligemma": (["<image>"], "<image>", {"vision_config": {"image_size": IMAGE, "patch_size": 14, "projection_dim": 64},
+                                           "projection_dim": 64, "hidden_size": 64}, None),
+    "paligemma:2": (["<image>"], "<image>",
+                    {"text_config": {"model_type": "gemma2", "sliding_window": 8, "query_pre_attn_scalar": 16},
+                     "vision_config": {"image_size": IMAGE, "patch_size": 14, "projection_dim": 64},
+                     "projection_dim": 64, "hidden_size": 64}, None),
+    # PaliGemma from chat rows through its own processor (its SigLIP image processor: 4 image tokens an image)
+    "paligemma:rows": (["<image>", "<bos>"], "<image>", {"vision_config": {"image_size": IMAGE, "patch_size": 14, "projection_dim": 64},
+                                                "projection_dim": 64, "hidden_size": 64},
+                       {"size": {"height": IMAGE, "width": IMAGE}, "image_seq_length": 4}),
     "got_ocr2": (["<img>", "</img>", "<imgpad>"], "<img><imgpad></img>",
                  {"vision_config": {"image_size": 64, "patch_size": 16, "output_channels": 16, "mlp_dim": 64,
                                     "window_size": 2, "global_attn_indexes": [0]}}, None),
@@ -209,10 +221,17 @@ HAND_MADE = {
                     lambda gen: {"pixel_values": torch.randn(1, 3, 14, 2 * 4 * 14, generator=gen),
                                  "target_sizes": torch.tensor([[2, 2]] * 2, dtype=torch.int32)}),
     "got_ocr2": ("<img><imgpad></img>", lambda gen: {"pixel_values": torch.randn(2, 3, 64, 64, generator=gen)}),
+    # PaliGemma: its processor writes an image's 4 tokens, and token_type_ids (PREFIX_TYPES)
+    "paligemma": ("<image> <image> <image> <image>", lambda gen: {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen)}),
+    "paligemma:2": ("<image> <image> <image> <image>",
+                    lambda gen: {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen)}),
     "aria": ("<|img|>", lambda gen: {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=gen),
                                      "pixel_mask": torch.ones(2, IMAGE, IMAGE, dtype=torch.bool)}),
 }
 
+# HAND_MADE types whose forward attends bidirectionally over a row's prefix (the image and the prompt) and
+# causally over its answer, told apart by token_type_ids (0 and 1), as its processor marks a suffix
+PREFIX_TYPES = ("paligemma",)
 # a HAND_MADE type whose processor marks its image tokens (mm_token_type_ids: 1) -> its image token
 WITH_TOKEN_TYPES = {"minicpmv4_7": "<|image_pad|>"}
 
@@ -231,6 +250,7 @@ def word_tokenizer(directory: Path, specials: list[str], model_type: str = ""):
              **TYPE_NAMED_TOKENS.get(model_type, {})}
     # the tokens a processor reads by name (Gemma 3's tokenizer.boi_token) as extra_special_tokens
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="[UNK]", eos_token="<|im_end|>",
+                                   bos_token="<bos>" if "<bos>" in specials else None,  # PaliGemma's processor writes it
                                    extra_special_tokens=named)
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *specials]})
     return fast
@@ -253,11 +273,11 @@ def tiny_config(model_type: str, tokenizer) -> dict:
     the tokenizer's ids."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type).to_dict()
+    config = AutoConfig.for_model(model_type.split(":")[0]).to_dict()  # `type:variant`: the type's
     specials, _, sizes, _ = TYPES[model_type]
     for part, small in (("text_config", TEXT), ("vision_config", VISION)):
         if config[part] is None:  # an optional part (Gemma 4's tower): its config class's defaults
-            config[part] = type(AutoConfig.for_model(model_type)).sub_configs[part]().to_dict()
+            config[part] = type(AutoConfig.for_model(model_type.split(":")[0])).sub_configs[part]().to_dict()
         config[part].update({k: v for k, v in small.items() if k in config[part]})
         for key, value in sizes.get(part, {}).items():
             config[part][key] = {**config[part][key], **value} if isinstance(value, dict) else value
@@ -290,13 +310,14 @@ def save_processor(model_type: str, tokenizer, chat_template: str, directory: Pa
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     image_sizes, extra = TYPES[model_type][3], PROCESSOR_KWARGS.get(model_type, {})
-    names = IMAGE_PROCESSOR_MAPPING_NAMES[IMAGE_PROCESSOR_OF.get(model_type, model_type)]
+    names = IMAGE_PROCESSOR_MAPPING_NAMES[IMAGE_PROCESSOR_OF.get(model_type, model_type.split(":")[0])]
     image_processor = get_image_processor_class_from_name(names["pil"])(**image_sizes)
     image_processor.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     (directory / "chat_template.jinja").write_text(chat_template)
     (directory / "processor_config.json").write_text(json.dumps(
-        {"processor_class": PROCESSOR_CLASS_OF.get(model_type) or PROCESSOR_MAPPING_NAMES[model_type], **extra}))
+        {"processor_class": PROCESSOR_CLASS_OF.get(model_type) or PROCESSOR_MAPPING_NAMES[model_type.split(":")[0]],
+         **extra}))
 
 
 PROCESSOR_KWARGS = {"llava": {"patch_size": 14, "vision_feature_select_strategy": "default",
@@ -490,7 +511,7 @@ def hand_made_batches(model_type: str, model_dir: Path, steps: int, seed: int = 
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
-        rows, labels = [], []
+        rows, labels, starts = [], [], []
         for _ in range(2):
             prompt = tok(f"<|im_start|>user {image} " + " ".join(rng.choice(WORDS, 3)) + "<|im_end|> "
                          "<|im_start|>assistant")["input_ids"]
@@ -498,9 +519,12 @@ def hand_made_batches(model_type: str, model_dir: Path, steps: int, seed: int = 
             ids = (prompt + answer + [0] * 16)[:16]
             target = [-100] * len(prompt) + answer + [-100] * 16
             rows.append(ids)
+            starts.append(len(prompt))
             labels.append((target[1:] + [-100])[:16])
         mb = {"input_ids": torch.tensor(rows), "labels": torch.tensor(labels),
               "position_ids": torch.arange(16).expand(2, 16).contiguous(), **image_tensors(gen)}
+        if model_type.split(":")[0] in PREFIX_TYPES:  # the answer (and the padding after it) attended causally
+            mb["token_type_ids"] = (torch.arange(16) >= torch.tensor(starts)[:, None]).long()
         if model_type in WITH_TOKEN_TYPES:  # the processor's marks of the image tokens
             mb["mm_token_type_ids"] = (mb["input_ids"] == tok.convert_tokens_to_ids(WITH_TOKEN_TYPES[model_type])).long()
         out.append([mb])

@@ -118,6 +118,23 @@ MODEL_TYPES = {
     "deepseek_v32": {},
     # kimi_linear trains too (examples/model_table.py), but 3 steps here take minutes on the CPU:
     # transformers' PyTorch fallback of its linear attention loops over a 64-token chunk
+    # `:other`: the sizes cut to hf_modules.OTHER_PROPORTIONS, not SMALL (heads x head width unlike the
+    # hidden size, linear attention's key and value widths unlike each other and the attention's, 6
+    # experts with 3 a token), while the small instance the run checks first, and the pieces it finds
+    # a tensor stored in, are cut to SMALL's: every size must be read from the model itself.
+    # Kimi-Linear: its short convolutions, stored as three pieces of the fused one, 3 x 20 wide
+    "kimi_linear:other": {},
+    # OLMo-Hybrid with the linear attention's sizes its class derives from the hidden size and heads;
+    # its fused convolution is stored in three equal chunks, though its keys and values differ in width
+    "olmo_hybrid:other": {"linear_num_key_heads": None, "linear_num_value_heads": None,
+                          "linear_key_head_dim": None, "linear_value_head_dim": None},
+    "qwen3_next:other": {},
+    "deepseek_v3:other": {},  # latent attention and experts
+    # Mamba-2 heads that divide its inner width (96), but not SMALL's cut of it (64)
+    "falcon_h1:other": {"mamba_n_heads": 6, "mamba_d_head": 256, "hidden_size": 3072, "mamba_d_ssm": 1536},
+    # per-layer inputs 16 wide (twice SMALL's), from a table of the whole vocabulary (vocab_size_per_layer_input)
+    "gemma4_text:other": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                          "per_layer_config": {5: {"head_dim": 512}}},
 }
 
 # model_type -> its run's settings other than the parity runs' (helpers/hf_parity.py; every run
@@ -129,6 +146,7 @@ MODEL_TYPES = {
 # 1e-6 its export differs by 8e-5 after 3 steps, with 1e-3 by 3e-6 (1.3e-5 after 5). Gemma 3n the
 # same: 5e-5 after 3 steps at 1e-6.
 RUN = {"gemma4_text": {"optim": {"eps": 1e-3}},
+       "gemma4_text:other": {"optim": {"eps": 1e-3}},
        "gemma4_text:shared_kv": {"optim": {"eps": 1e-3}},
        "gemma3n_text": {"optim": {"eps": 1e-3}},
        # the last 2 blocks keep their graphs: the last runs the shared block from a copy of its holder's weights
@@ -136,11 +154,12 @@ RUN = {"gemma4_text": {"optim": {"eps": 1e-3}},
 
 
 def small_model_config(model_type: str) -> dict:
-    """transformers' defaults for the model_type (`type:variant`: the type's), small (hf_modules.small_config)."""
+    """transformers' defaults for the model_type (`type:variant`: the type's), small (hf_modules.small_config;
+    `type:other`: in OTHER_PROPORTIONS)."""
     full = {**AutoConfig.for_model(model_type.split(":")[0]).to_dict(), **MODEL_TYPES[model_type]}
     full = {k: v for k, v in full.items() if k not in ("transformers_version", "architectures")}
     kinds = hm.decoder_parts(hm.build_empty(full)).kinds
-    return hm.small_config(full, kinds)
+    return hm.small_config(full, kinds, hm.OTHER_PROPORTIONS if model_type.endswith(":other") else hm.SMALL)
 
 
 def small_model(model_type: str, seed: int = 0):
@@ -234,7 +253,9 @@ IN_PROCESS_TYPES = ("olmo", "glm", "gemma", "granite", "ernie4_5", "hunyuan_v1_d
                     "glm4_moe", "olmo2", "olmoe", "qwen2_moe", "granitemoe", "ernie4_5_moe", "hunyuan_v1_moe",
                     "cohere2", "glm4", "deepseek_v2", "gemma2", "apertus", "dots1", "nemotron", "lfm2_moe", "seed_oss",
                     "gemma4_text", "nemotron_h", "gemma3n_text",
-                    "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks", "gpt2", "bloom", "opt", "minimax", "deepseek_v32")
+                    "gemma4_text:shared_kv", "zamba2", "zamba2:mem_blocks", "gpt2", "bloom", "opt", "minimax", "deepseek_v32",
+                    "kimi_linear:other", "olmo_hybrid:other", "qwen3_next:other", "deepseek_v3:other", "falcon_h1:other",
+                    "gemma4_text:other")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in IN_PROCESS_TYPES])

@@ -78,7 +78,7 @@ def test_a_transformers_arch_survives_a_checkpoint_and_a_measurement(tmp_path):
 
 
 @pytest.mark.parametrize("config, named", [
-    ({"model_type": "paligemma"}, "an image-text model of a type megatrain-ray has not been checked on"),
+    ({"model_type": "shieldgemma2"}, "an image-text model of a type megatrain-ray has not been checked on"),
 ])
 def test_an_image_text_model_it_cannot_run_is_refused_before_ray_starts(tmp_path, capsys, config, named):
     """Image-text models of other types: refused by the command before Ray starts, exit 2, one paragraph."""

@@ -366,3 +366,25 @@ def test_the_plan_counts_the_vision_tower_by_its_patches_and_whether_it_trains(t
     assert cli.main(["plan", str(config_file), "--cluster", "examples/cluster-h100-128g.yaml"]) == 0
     out = capsys.readouterr().out
     assert f"{vision_line(arch)}: " in out, out
+
+
+def test_a_paligemma_row_attends_causally_from_its_answer_on(tmp_path):
+    """PaliGemma's processor marks a `suffix` it is given apart (token_type_ids 1: attended causally,
+    the image and the prompt before it bidirectionally); a chat row's answer is that suffix: its
+    tokens and the padding after them are 1, the image tokens and the prompt 0, and the loss is on
+    the answer only. (The steps against transformers above run these micro-batches.)"""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    model, config = prepared("paligemma:rows", tmp_path)
+    image_token = model.config.image_token_id
+    processor = AutoProcessor.from_pretrained(config.model.path)
+    theirs = processor(text=["<image>what is this"], images=[[Image.new("RGB", (28, 28))]], suffix=["a cat"])
+    assert set(np.asarray(theirs["token_type_ids"][0]).tolist()) == {0, 1}, "the processor marks a suffix"
+    data = the_runs_batches(config, model.config.text_config.vocab_size)
+    for mb in (mb for step in data for mb in step):
+        for ids, labels, types in zip(mb["input_ids"], mb["labels"], mb["token_type_ids"], strict=True):
+            first_answer = int(torch.nonzero(labels != -100)[0]) + 1  # labels[t]: the target of token t
+            assert not types[:first_answer].any() and types[first_answer:].all()
+            assert not types[ids == image_token].any()
