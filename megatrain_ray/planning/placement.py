@@ -24,7 +24,7 @@ from megatrain_ray.host.store import bytes_per_param, layer_bytes
 from megatrain_ray.host.window import window_bytes
 from megatrain_ray.host.disk import disk_bytes, layer_parts, window_bytes as disk_window_bytes
 from megatrain_ray.host.transport import TURN_LAYER
-from megatrain_ray.planning.plan import TRANSPORT_CORES, num_slots_setting
+from megatrain_ray.planning.plan import TRANSPORT_CORES, host_parking, num_slots_setting
 
 GiB = 1024**3
 USABLE = 0.9  # of a machine's free memory, for the run's host state
@@ -382,16 +382,19 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
         for node, r, cap in zip(holders, ranges, capacities) if r
     )
     if rt.disk_dir is not None:
-        stores = with_disk_tier(stores, arch, config, held)
+        stores = with_disk_tier(stores, arch, config, held, gpu.ip, workers)
     placement = Placement(gpu, use_cuda, stores, bpp, num_gpus=workers, stated_memory=stated, state_format=fmt,
                           compute_bytes=esize, idle_gpus=room.idle_gpus)
     spare = USABLE * room.machines[gpu.ip] - workers * GPU_NODE_RESERVE - placement.gpu_machine_state()
     return dataclasses.replace(placement, gpu_spare=spare)
 
 
-def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Config, held: list[float]) -> tuple[StorePlan, ...]:
+def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Config, held: list[float],
+                   gpu_ip: str, workers: int) -> tuple[StorePlan, ...]:
     """Each store with the layers whose optimizer state goes to the disk tier (runtime.disk_dir): the
-    fewest that bring its RAM within what it may take (`disk_layers_for`). Refuses, with the
+    fewest that bring its RAM within what it may take (`disk_layers_for`), a store on the GPU machine
+    leaving room for the boundary activations the step may park there (the step plan decides that
+    later; without the tier a model either fits with room to spare or is refused). Refuses, with the
     figures, a store whose RAM is short even with all of them there, and a disk that cannot hold
     its files (where its free bytes are known)."""
     layouts = model_layouts(arch)
@@ -399,7 +402,10 @@ def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Confi
     keep = (TURN_LAYER,) if fmt.exact and config.executor.embedding_step != "host" else ()  # it may step on a GPU
     out = []
     for s in stores:
-        chosen = disk_layers_for(list(s.layers), layouts, held, s.capacity, fmt, keep)
+        room = s.capacity
+        if s.node.ip == gpu_ip and not config.runtime.store_memory_gib:
+            room = max(0.0, room - host_parking(arch, config, offload=True, num_gpus=workers))
+        chosen = disk_layers_for(list(s.layers), layouts, held, room, fmt, keep)
         ram = int(sum(held[i] for i in s.layers) - sum(p.nbytes for i in chosen for p in layer_parts(layouts[i], fmt))
                   + tier_window_bytes(chosen, layouts, fmt))
         if ram > s.capacity:

@@ -119,3 +119,19 @@ def test_plan_cluster_reads_a_nodes_disk(tmp_path):
                           str(tmp_path / "home.yaml")], capture_output=True, text=True)
     assert "with the disk tier (10 GiB free)" in out.stdout, out.stdout + out.stderr
     assert "the disk tier needs" in out.stdout and "but 10.0 GiB is free there" in out.stdout, out.stdout
+
+
+def test_a_store_on_the_gpu_machine_leaves_room_for_parked_activations():
+    """The 10 GB / 64 GiB desktop (examples/cluster-10g-64g.yaml) with the tier: the 7B in the 8-byte
+    mode parks its activations in host memory, and the tier takes enough layers to leave it that room."""
+    from pathlib import Path
+
+    from megatrain_ray.config import load_config
+    from megatrain_ray.planning.whatif import load_cluster, plan_cluster
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    cfg = load_config(examples / "qwen2.5-7b-10g.yaml", ["runtime.disk_dir=/nvme/megatrain", "optim.master=fp32",
+                                                          "optim.moments=int8"])
+    text, fits = plan_cluster(PRESETS["qwen2.5-7b"], cfg, load_cluster(examples / "cluster-10g-64g.yaml"), [10.0])
+    assert fits, text[-1500:]
+    assert "boundary activations offloaded to host memory" in text and "disk tier (runtime.disk_dir):" in text
