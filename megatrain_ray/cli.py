@@ -7,6 +7,7 @@ import os
 import shlex
 import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from megatrain_ray.config import ConfigError
@@ -152,7 +153,7 @@ def input_errors() -> tuple[type[Exception], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success, 2 for bad input or a file-system error, 3 for a run that stopped (a lost
-    node, a diverging loss), 130 / 143 for a run stopped by SIGINT / SIGTERM: each with one
+    node, a diverging loss), 130 / 143 / 129 for a run stopped by SIGINT / SIGTERM / SIGHUP: each with one
     paragraph on stderr, never a traceback. `--version` and `--help` answer before torch or Ray is
     imported (seconds). As the program (no `argv`), a signal once the command is done ends the
     process at once."""
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_at_once_on_signals() -> None:
-    """For the rest of the process: Ctrl-C or SIGTERM ends it at once (exit 128 + the signal), where
+    """For the rest of the process: Ctrl-C, SIGTERM or SIGHUP ends it at once (exit 128 + the signal), where
     Python would print a traceback for a KeyboardInterrupt in an atexit callback, such as Ray's
     shutdown of an embedded cluster, which takes seconds after a run's end."""
     def stop(signum: int, frame) -> None:
@@ -176,13 +177,23 @@ def exit_at_once_on_signals() -> None:
             pass
         os._exit(128 + signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stop)
 
 
 def run_command(argv: list[str]) -> int:
-    """main's work: the command of `argv`, its failures as exit statuses."""
+    """main's work: the command of `argv`, its failures as exit statuses. What `train` prints, to its
+    last words, goes to the run's train.log too, and a reader of its output that is gone does not
+    stop it (runtime/run_log.py)."""
     args = build_parser(argv).parse_args(argv)
+    from megatrain_ray.runtime.run_log import run_output
+
+    with run_output() if args.command == "train" else nullcontext():
+        return outcome(args)
+
+
+def outcome(args) -> int:
+    """The command's exit status, its failures in one paragraph on stderr."""
     from megatrain_ray.runtime.output_dir import FileSystemError, describe_os_error
     from megatrain_ray.runtime.signals import StoppedAtOnce
     from megatrain_ray.runtime.watchdog import RunStopped

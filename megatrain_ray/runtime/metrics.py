@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Sequence
@@ -19,7 +20,7 @@ from megatrain_ray.runtime.trackers import Tracker, scalars_of
 class MetricsLog:
     """One JSON line per step to metrics.jsonl (the step's result, its learning rate, tokens/s, the
     validation loss on the steps that validate, and the bad rows skipped so far, by reason, once any
-    are); a live line on a terminal, plain lines otherwise."""
+    are), and one where a signal stopped the run; a live line on a terminal, plain lines otherwise."""
 
     def __init__(self, path: Path, total_steps: int, trackers: Sequence[Tracker] = (), start_step: int = 0,
                  data_summary: dict | None = None):
@@ -56,6 +57,15 @@ class MetricsLog:
             tracker.log(step, scalars_of(record))
         self.progress.show(step, r, evaluation, extra)
         return record
+
+    def stopped(self, signum: int, step: int, checkpoint: Path | None) -> None:
+        """The row of a run stopped by a signal after `step` (runtime/signals.py): no "step" key, it
+        is no step's."""
+        self.progress.close()
+        record = {"stopped": signal.Signals(signum).name, "after_step": step, "time": time.time(),
+                  "checkpoint": None if checkpoint is None else str(checkpoint)}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
 
     def close(self) -> None:
         self.progress.close()

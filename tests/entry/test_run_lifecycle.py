@@ -234,7 +234,7 @@ def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float =
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         except (FileNotFoundError, ValueError):  # not yet written, or a row half written
             rows = []
-        if any(row["step"] >= step and row["time"] > started for row in rows):
+        if any(row.get("step", 0) >= step and row["time"] > started for row in rows):
             return
         time.sleep(0.05)
     raise AssertionError(f"the run did not reach step {step}: {proc.poll()=}")
@@ -344,6 +344,90 @@ def test_a_second_signal_stops_at_once(head, tmp_path, shm_dir):
     assert proc.returncode == 143, stdout + stderr
     assert "stopped at once" in stderr and "Traceback" not in stdout + stderr
     assert not list((out / "checkpoints").glob("step-*"))  # the step under way was not finished
+    assert list(shm_dir.iterdir()) == []
+
+
+def piped_on_a_terminal(args: list[str], env: dict, cwd: Path, out: Path, stop) -> str:
+    """`megatrain-ray train *args 2>&1 | tee` as a shell on a terminal runs it: a pseudo-terminal of
+    its own whose session's leader is the shell, the pipeline its foreground process group. The
+    shell survives Ctrl-C as an interactive one does (a trap, which its children do not inherit);
+    the pipeline's group records the run's exit status. `stop(terminal)` once the run has written a
+    step of its own: Ctrl-C typed into the terminal, or the terminal closed. Returns the exit status
+    the group recorded ("" if none)."""
+    status = cwd / f"{out.name}.status"
+    command = (f"trap : INT; {{ trap : INT HUP; {shlex.join([str(BIN / 'megatrain-ray'), 'train', *args])}; "
+               f"echo $? > {shlex.quote(str(status))}; }} 2>&1 | tee {shlex.quote(str(cwd / f'{out.name}.tee'))}")
+    pid, terminal = pty.fork()
+    if pid == 0:
+        os.chdir(cwd)
+        os.execve("/bin/bash", ["bash", "-c", command], env)
+    drained = threading.Event()
+
+    def drain():  # what the terminal shows, read so that a full terminal never blocks the run
+        while not drained.is_set():
+            try:
+                if select.select([terminal], [], [], 0.2)[0] and not os.read(terminal, 65536):
+                    return
+            except OSError:  # EIO: the run's side closed it, or EBADF: this side did
+                return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert time.monotonic() < deadline, "the run wrote no step"
+            time.sleep(0.1)
+        stop(terminal)
+        deadline = time.monotonic() + 300
+        while not status.is_file() or not status.read_text().strip():
+            assert time.monotonic() < deadline, (out / "train.log").read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        drained.set()
+        reader.join(timeout=5)
+        try:
+            os.close(terminal)
+        except OSError:
+            pass
+        os.waitpid(pid, 0)
+    return status.read_text().strip()
+
+
+def hang_up(terminal: int) -> None:
+    """The terminal closes (a tmux window, an ssh session): the shell, its session's leader, is hung
+    up and ends, and the kernel hangs up the foreground process group: the run, its reader and the
+    processes of an embedded Ray."""
+    os.close(terminal)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_a_run_piped_on_a_terminal_keeps_its_steps_when_the_terminal_stops_it(head, tmp_path, shm_dir, signum):
+    """Ctrl-C reaches the reader of `| tee` too, which dies first, and the run's next writes meet a
+    broken pipe; a closed terminal hangs up the run, its reader and an embedded Ray's processes
+    (this run starts its own Ray: a joined cluster's processes are not the terminal's). Either way
+    the run saves its last finished step, exits 128 + the signal, and says so in metrics.jsonl and in
+    its train.log, which holds plain lines."""
+    out = tmp_path / "run"
+    args = [str(write_config(tmp_path, out, shm_dir)), "--set", "train.steps=1000"]
+    env = head
+    if signum == signal.SIGHUP:
+        args += ["--set", "runtime.address=local"]
+        env = {k: v for k, v in head.items() if k != "RAY_ADDRESS"}
+    ctrl_c = lambda terminal: os.write(terminal, b"\x03")
+    status = piped_on_a_terminal(args, env, tmp_path, out, ctrl_c if signum == signal.SIGINT else hang_up)
+    assert status == str(128 + signum), (out / "train.log").read_text()[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    k = rows[-2]["step"]
+    checkpoint = out / "checkpoints" / f"step-{k:08d}"
+    assert rows[-1] == {"stopped": signal.Signals(signum).name, "after_step": k, "checkpoint": str(checkpoint),
+                        "time": rows[-1]["time"]}
+    assert checkpoint.is_dir() and [r["step"] for r in rows[:-1]] == list(range(1, k + 1))
+    log = (out / "train.log").read_text()
+    assert f"stopped by {signal.Signals(signum).name} after step {k}; checkpoint {checkpoint}" in log
+    assert f"continue with: " in log and "Traceback" not in log
+    assert re.search(rf"^step {k}/1000 \(\d+%\) \| loss", log, re.M), log[-3000:]
+    assert "\x1b" not in log and "\r" not in log
     assert list(shm_dir.iterdir()) == []
 
 
