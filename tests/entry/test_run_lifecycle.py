@@ -10,6 +10,7 @@ of the line it overwrote; the others write to pipes: plain lines.
 The runs join the test session's Ray head, so each costs a driver's connection instead of a Ray
 start."""
 
+import argparse
 import errno
 import fcntl
 import hashlib
@@ -161,7 +162,7 @@ def test_the_progress_line_on_a_terminal(whole):
         assert int(match[1]) == step and int(match[2]) == round(100 * step / STEPS)
         if step >= 4:  # validated every 4 steps: the last validation loss stays on the line, with its step
             assert "val_loss" in line and (step % 4 == 0) == (f"(step {step - step % 4})" not in line), line
-        if step >= 3:
+        if step > 3:
             assert "ETA ?" not in line
     # the start-up's phases, each as it began, before the first step
     before = shown[:shown.index("step 1/")]
@@ -411,12 +412,20 @@ def test_a_run_piped_on_a_terminal_keeps_its_steps_when_the_terminal_stops_it(he
     out = tmp_path / "run"
     args = [str(write_config(tmp_path, out, shm_dir)), "--set", "train.steps=1000"]
     env = head
+    ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths live under it
     if signum == signal.SIGHUP:
         args += ["--set", "runtime.address=local"]
-        env = {k: v for k, v in head.items() if k != "RAY_ADDRESS"}
+        env = {**{k: v for k, v in head.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": str(ray_tmp)}
     ctrl_c = lambda terminal: os.write(terminal, b"\x03")
-    status = piped_on_a_terminal(args, env, tmp_path, out, ctrl_c if signum == signal.SIGINT else hang_up)
+    try:
+        status = piped_on_a_terminal(args, env, tmp_path, out, ctrl_c if signum == signal.SIGINT else hang_up)
+        # the embedded Ray's session directory went with it (its temp dir here: others' runs are elsewhere)
+        assert not list(ray_tmp.glob("ray/session_2*")), list(ray_tmp.glob("ray/*"))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert status == str(128 + signum), (out / "train.log").read_text()[-3000:]
+    teed = (tmp_path / f"{out.name}.tee").read_text()  # what tee wrote to its file before it died
+    assert "(GpuWorker pid=" in teed and "\x1b" not in teed, teed[-3000:]  # a worker's line, without colour
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     k = rows[-2]["step"]
     checkpoint = out / "checkpoints" / f"step-{k:08d}"
@@ -535,3 +544,17 @@ def test_the_version_and_help_answer_without_importing_torch_or_ray(argv):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]", done.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "export", "config"])
+def test_every_command_and_argument_has_a_description(command, capsys):
+    """`megatrain-ray COMMAND --help` opens with what the command does and says what each of its
+    arguments is."""
+    parser = cli.build_parser([command])
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert commands[command].description, command
+    for action in commands[command]._actions:
+        assert action.help, f"{command}: {action.dest} has no description"
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    assert commands[command].description.split()[0] in capsys.readouterr().out
