@@ -391,4 +391,4 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
         copied = copy_tokenizer_files(config.data.tokenizer, final / "hf")
         print(f"Hugging Face export: {final / 'hf'}" + (" (with the tokenizer)" if copied else ""), flush=True)
     return {"final_loss": last.loss if last else None, "eval_loss": evaluation.loss if evaluation else None,
-            "checkpoint": str(final), "metrics": str(out / "metrics.jsonl")}
+            "checkpoint": str(final), "metrics": str(out / "metrics.jsonl"), "rewards": log.reward_trend()}
