@@ -6,12 +6,12 @@ of the prompt rows comes as a keyword (here `answer` and `messages`), one value 
 
 
 def word_credit(prompts, completions, completion_ids, **columns):
-    """Partial credit on the way to the exact answer: half for the share of the sampled tokens
-    that are words at all (the tiny model's vocabulary is larger than its tokenizer's), half for
-    the share that are words of the list the prompt gives."""
+    """Partial credit on the way to the exact answer, for an answer of one word: half for a word at
+    all (the tiny model's vocabulary is larger than its tokenizer's), the other half for one of the
+    words the prompt lists (the right one or not); `exact_answer` then tells the right one."""
     scores = []
-    for prompt, completion, ids in zip(prompts, completions, completion_ids):
+    for prompt, completion in zip(prompts, completions):
         listed = set(prompt.split("<|im_start|>user")[-1].split("<|im_end|>")[0].split()[1:])
         words = completion.split()
-        scores.append((0.5 * len(words) + 0.5 * sum(w in listed for w in words)) / max(1, len(ids)))
+        scores.append(0.5 * (len(words) == 1) + 0.5 * (len(words) == 1 and words[0] in listed))
     return scores

@@ -9,7 +9,7 @@ writes
                             a ChatML chat template (<|im_start|>role ... <|im_end|>), as Qwen's
     runs/tiny-hf/sft.jsonl  alpaca rows {"instruction", "input", "output"}
     runs/tiny-hf/prompts.jsonl  prompts for reinforcement learning (examples/grpo.yaml): chat
-                            {"messages"} asking for the first or last of a list of words, and
+                            {"messages"} asking for the first or last of a list of three words, and
                             the "answer" the rewards compare with
 
 The tokenizer is a word-level one (the `tokenizers` library) over the few words the data uses,
@@ -96,7 +96,7 @@ def prompt_rows(count: int, seed: int) -> list[dict]:
     rng = random.Random(seed + 1)
     rows = []
     for i in range(count):
-        task, words = ("first", "last")[i % 2], rng.sample(WORDS, rng.randint(2, 4))
+        task, words = ("first", "last")[i % 2], rng.sample(WORDS, 3)  # one length: the answer's place is fixed
         rows.append({"messages": [{"role": "user", "content": f"{task} {' '.join(words)}"}],
                      "answer": answer(task, words)[0]})
     return rows

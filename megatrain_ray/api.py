@@ -57,7 +57,8 @@ def train(config: str | Path | Mapping[str, Any] | Config, *, resume: str | None
           auto_resume: bool | None = None, overwrite: bool = False, sets: Iterable[str] = (),
           **sections: Mapping[str, Any]) -> dict[str, Any]:
     """Train as `megatrain-ray train` does; returns the run's summary (final loss, last validation
-    loss, checkpoint, metrics file). `resume`: a checkpoint path or "latest"; `overwrite`: delete
+    loss, checkpoint, metrics file; a GRPO run's `rewards`, from its first steps to its last).
+    `resume`: a checkpoint path or "latest"; `overwrite`: delete
     an earlier run in the output directory first (else such a directory is refused)."""
     from megatrain_ray.runtime.training import run_training
 

@@ -7,6 +7,7 @@ import os
 import shlex
 import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from megatrain_ray.config import ConfigError
@@ -28,9 +29,17 @@ def _train(args) -> int:
     if summary.get("finished_already"):
         return 0
     val = f", validation loss {summary['eval_loss']}" if summary.get("eval_loss") is not None else ""
-    print(f"done: final loss {summary['final_loss']}{val}, checkpoint {summary['checkpoint']}, "
-          f"metrics {summary['metrics']}")
+    done = rewards_text(summary["rewards"]) if summary.get("rewards") else f"final loss {summary['final_loss']}{val}"
+    print(f"done: {done}, checkpoint {summary['checkpoint']}, metrics {summary['metrics']}")
     return 0
+
+
+def rewards_text(trend: dict) -> str:
+    """A GRPO run's rewards, first steps to last (runtime/metrics.py, reward_trend): its loss says nothing."""
+    steps = trend["steps"]
+    over = "at the first step and the last" if steps == 1 else f"mean of the first {steps} steps and of the last {steps}"
+    rewards = [f"{name} {means[0]:.3f} -> {means[1]:.3f}" for name, means in trend.items() if name != "steps"]
+    return f"{rewards[0]} ({over}; {', '.join(rewards[1:])})" if len(rewards) > 1 else f"{rewards[0]} ({over})"
 
 
 def resume_command(args, checkpoint: Path) -> str:
@@ -90,7 +99,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        help="override a setting (repeatable), e.g. --set train.steps=100")
         return p
 
-    train = with_config(sub.add_parser("train", help="train a model"))
+    train = with_config(sub.add_parser(
+        "train", help="train a model",
+        description="Train the model the config names, on its data, writing metrics.jsonl, train.log and checkpoints "
+                    "into train.output_dir; Ctrl-C, SIGTERM or SIGHUP stop after the step under way with a "
+                    "checkpoint and print the command that continues."))
     train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH|latest",
                        help="continue from a checkpoint (default: the latest under the run's checkpoint dir)")
     train.add_argument("--overwrite", action="store_true",
@@ -101,7 +114,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                             "checkpoint (default: train.auto_resume, else on under `ray job submit`)")
     train.set_defaults(func=_train)
 
-    plan = with_config(sub.add_parser("plan", help="print where memory goes and whether the run fits"))
+    plan = with_config(sub.add_parser(
+        "plan", help="print where memory goes and whether the run fits",
+        description="Print where the run's host and GPU memory go, the predicted step time and whether the run "
+                    "fits, on the running cluster or a described one, before anything is allocated (exit 1 where "
+                    "it does not fit)."))
     plan.add_argument("--cluster", default=None, metavar="CLUSTER.yaml",
                       help="plan for a described cluster instead of the running one (no Ray needed); "
                            "see examples/cluster-4x512.yaml")
@@ -121,13 +138,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         add_arguments(bench)
     bench.set_defaults(func=_bench)
 
-    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
-    export.add_argument("checkpoint")
-    export.add_argument("out_dir")
-    export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    export = sub.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model directory",
+        description="Write a checkpoint's weights as a Hugging Face model directory (config.json and safetensors) "
+                    "that transformers loads with from_pretrained.")
+    export.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/tiny/checkpoints/step-00000040")
+    export.add_argument("out_dir", help="the directory to write (made if missing)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the weights' dtype in the export (default: float32, the master weights as trained)")
     export.set_defaults(func=_export)
 
-    reference = sub.add_parser("config", help="print every config key, its default and what it does (Markdown)")
+    reference = sub.add_parser(
+        "config", help="print every config key, its default and what it does (Markdown)",
+        description="Print every config key, its default and what it does, as a Markdown table (the README's "
+                    "configuration reference).")
     reference.set_defaults(func=_config)
     return parser
 
@@ -154,7 +178,7 @@ def input_errors() -> tuple[type[Exception], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success, 2 for bad input or a file-system error, 3 for a run that stopped (a lost
-    node, a diverging loss), 130 / 143 for a run stopped by SIGINT / SIGTERM: each with one
+    node, a diverging loss), 130 / 143 / 129 for a run stopped by SIGINT / SIGTERM / SIGHUP: each with one
     paragraph on stderr, never a traceback. `--version` and `--help` answer before torch or Ray is
     imported (seconds). As the program (no `argv`), a signal once the command is done ends the
     process at once."""
@@ -167,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_at_once_on_signals() -> None:
-    """For the rest of the process: Ctrl-C or SIGTERM ends it at once (exit 128 + the signal), where
+    """For the rest of the process: Ctrl-C, SIGTERM or SIGHUP ends it at once (exit 128 + the signal), where
     Python would print a traceback for a KeyboardInterrupt in an atexit callback, such as Ray's
     shutdown of an embedded cluster, which takes seconds after a run's end."""
     def stop(signum: int, frame) -> None:
@@ -178,13 +202,23 @@ def exit_at_once_on_signals() -> None:
             pass
         os._exit(128 + signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stop)
 
 
 def run_command(argv: list[str]) -> int:
-    """main's work: the command of `argv`, its failures as exit statuses."""
+    """main's work: the command of `argv`, its failures as exit statuses. What `train` prints, to its
+    last words, goes to the run's train.log too, and a reader of its output that is gone does not
+    stop it (runtime/run_log.py)."""
     args = build_parser(argv).parse_args(argv)
+    from megatrain_ray.runtime.run_log import run_output
+
+    with run_output() if args.command == "train" else nullcontext():
+        return outcome(args)
+
+
+def outcome(args) -> int:
+    """The command's exit status, its failures in one paragraph on stderr."""
     from megatrain_ray.runtime.output_dir import FileSystemError, describe_os_error
     from megatrain_ray.runtime.signals import StoppedAtOnce
     from megatrain_ray.runtime.watchdog import RunStopped

@@ -94,7 +94,7 @@ class TrainConfig:
     micro_batch_size: int = 1  # rows per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step, all streamed layer-major
     seed: int = 0  # data order and random initialisation
-    output_dir: str = "runs/default"  # metrics.jsonl, checkpoints/ and tensorboard/ go here
+    output_dir: str = "runs/default"  # metrics.jsonl, train.log, checkpoints/ and tensorboard/ go here
     max_bad_steps: int = 3  # non-finite loss or gradients in a row before the run stops
     auto_resume: bool | None = None  # after a lost node: wait for room, restore the last checkpoint; None = on under `ray job submit`
     resume_wait_s: float = 600.0  # how long auto-resume waits for the cluster to have room again
@@ -332,6 +332,9 @@ def _finite(x: float) -> bool:
     return math.isfinite(x)
 
 
+DATA_FORMATS = ("auto", "tokens", "text", "alpaca", "sharegpt", "sharegpt_images")  # data.format's values
+
+
 def check_values(config: Config) -> None:
     """Every value of the right type that cannot work, refused here, before anything starts: all
     the problems of a config in one message, not one per run."""
@@ -345,8 +348,7 @@ def check_values(config: Config) -> None:
         (_finite(m.init_std) and m.init_std >= 0, "model.init_std must be a finite number >= 0"),
         (m.router_aux_loss_coef is None or (_finite(m.router_aux_loss_coef) and m.router_aux_loss_coef >= 0),
          "model.router_aux_loss_coef must be a finite number >= 0 (0: off)"),
-        (d.format in ("auto", "tokens", "text", "alpaca", "sharegpt"),
-         "data.format must be auto, tokens, text, alpaca or sharegpt"),
+        (d.format in DATA_FORMATS, f"data.format must be {', '.join(DATA_FORMATS[:-1])} or {DATA_FORMATS[-1]}"),
         (d.source != "", "data.source must be 'synthetic' or a file, directory or glob"),
         (d.text_column != "", "data.text_column must name a column"),
         (d.chat_template != "", "data.chat_template must be auto, model, fallback or a .jinja file"),

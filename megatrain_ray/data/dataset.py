@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from megatrain_ray.config import DataConfig, EvalConfig
+from megatrain_ray.config import DATA_FORMATS, DataConfig, EvalConfig
 from megatrain_ray.data.bad_rows import BadRowCount, apply_policy
 from megatrain_ray.data.chat_template import ChatTemplate, load_chat_template
 from megatrain_ray.data.documents import BadRow, DataError, DataPosition, Document, Origin, Row, RowBatch
@@ -36,7 +36,7 @@ from megatrain_ray.data.sft import sft_documents
 from megatrain_ray.data.synthetic import synthetic_documents
 from megatrain_ray.data.tokenization import TextEncoder, text_documents, token_document, tokenizer_file
 
-FORMATS = ("auto", "tokens", "text", "alpaca", "sharegpt", "sharegpt_images")
+FORMATS = DATA_FORMATS
 IMAGE_FORMAT = "sharegpt_images"  # image-text SFT rows, through the model's processor (image_text.py)
 SFT_FORMATS = ("alpaca", "sharegpt")
 SPLITTABLE_FORMATS = ("tokens", "text", "synthetic")
@@ -97,11 +97,19 @@ class Dataset:
         if self.format == IMAGE_FORMAT:
             tok = f", the processor {type(self.processor).__name__} of {self.cfg.tokenizer}"
         if self.format in SFT_FORMATS:
-            tok += f", chat template {self.template.source}" if self.template else ", the fallback chat template"
+            tok += f", {self.chat_template_text()}"
         if self.holdout is not None:
             side = "held out" if self.holdout.keep == "heldout" else "kept"
             tok += f", the {side} rows ({self.holdout.fraction:g} held out)"
         return f"{len(self.files)} {self.format} file(s) from {self.cfg.source}{tok}"
+
+    def chat_template_text(self) -> str | None:
+        """The chat template the rows are rendered with, in words (None: rows without one)."""
+        if self.format == IMAGE_FORMAT:
+            return f"the processor's chat template ({self.template.source})"
+        if self.format in SFT_FORMATS:
+            return f"chat template {self.template.source}" if self.template else "the fallback chat template"
+        return None
 
     def documents(self, epoch: int, count: BadRowCount | None = None) -> Iterator[Document]:
         """This epoch's documents, in this epoch's order; `count` counts the rows read and the bad ones."""

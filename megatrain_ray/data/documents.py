@@ -153,7 +153,7 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, origin: Origin, column: st
 def missing_column(origin: Origin, column: str, row: dict[str, Any], fmt: str) -> BadRow:
     """A row without a column its format needs; the format its columns suggest, if another."""
     has = ", ".join(sorted(row)) or "nothing"
-    hint = format_hint(list(row), fmt, column if fmt == "text" else "text")
+    hint = format_hint(list(row), fmt, column if fmt == "text" else "text", one_row=True)
     return BadRow(origin, f"missing column '{column}'", f"missing column '{column}' (has: {has}){hint}")
 
 

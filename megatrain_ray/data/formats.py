@@ -23,10 +23,14 @@ def guess_format(names: Iterable[str], text_column: str = "text") -> str | None:
     return None
 
 
-def format_hint(names: Iterable[str], fmt: str, text_column: str = "text") -> str:
-    """'; these columns are format sharegpt: ...' when the columns name another format than `fmt`."""
+def format_hint(names: Iterable[str], fmt: str, text_column: str = "text", one_row: bool = False) -> str:
+    """'; these columns are format sharegpt: ...' when the columns name another format than `fmt`;
+    `one_row`: the columns of one row, in a source read as `fmt` (rows of mixed formats, maybe)."""
     guessed = guess_format(names, text_column)
     if guessed is None or guessed == fmt:
         return ""
+    if one_row:
+        return (f"; these columns are format {guessed}, and the source is read as {fmt} (data.format, or under "
+                f"auto its first row's format): one source holds rows of one format")
     return (f"; these columns are format {guessed}: set it with --set data.format={guessed} "
             f"(or data.format=auto, which tells it from the columns)")

@@ -1,6 +1,7 @@
 """What a data source holds for training, counted before the run starts: files, rows read, rows
 held out for validation, rows skipped by reason, bad rows by reason, rows truncated, tokens and the
-tokens that carry loss. Printed at start and written into the first row of metrics.jsonl that a
+tokens that carry loss, the rows' format and the chat template they are rendered with, and where the
+first few bad rows are (file, row and line, what is wrong with them). Printed at start and written into the first row of metrics.jsonl that a
 run writes.
 
 The count reads the source once in file order through the same steps as the training stream
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from megatrain_ray.data.bad_rows import BadRowCount
+from megatrain_ray.data.bad_rows import FIRST_FEW, BadRowCount
 from megatrain_ray.data.dataset import IMAGE_FORMAT, SPLITTABLE_FORMATS, Dataset
 from megatrain_ray.data.image_text import IMAGE_READ_ROWS
 from megatrain_ray.data.documents import IGNORE_INDEX, DataError, Document
@@ -45,6 +46,10 @@ class DataSummary:
     loss_tokens: int = 0  # positions whose next token is a target
     complete: bool = True  # False: the first SCAN_ROWS rows were counted
     source_bytes: int = 0  # the files' size on disk
+    format: str = ""  # the rows' format (data/formats.py)
+    format_detected: bool = False  # told from the first row's columns (data.format: auto)
+    chat_template: str | None = None  # the template the rows are rendered with, in words
+    bad_examples: list[str] = field(default_factory=list)  # the first few bad rows: file, row, line, what
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,6 +60,8 @@ class DataSummary:
     def count(self, doc: Document, seq_len: int, truncate: bool, splittable: bool) -> None:
         if doc.bad is not None:
             self.rows_bad[doc.skip] = self.rows_bad.get(doc.skip, 0) + 1
+            if len(self.bad_examples) < FIRST_FEW:
+                self.bad_examples.append(str(doc.bad))
             return
         if doc.skip is not None:
             self.skip(doc.skip)
@@ -71,12 +78,21 @@ class DataSummary:
         self.loss_tokens += loss
 
     def skipped_text(self) -> str:
-        skipped = "none skipped"
+        """'none skipped', or the rows skipped and the bad rows skipped, each by reason."""
+        parts = []
         if self.rows_skipped:
-            skipped = f"{sum(self.rows_skipped.values()):,} skipped ({by_reason(self.rows_skipped)})"
+            parts.append(f"{sum(self.rows_skipped.values()):,} skipped ({by_reason(self.rows_skipped)})")
         if self.rows_bad:
-            skipped += f", {sum(self.rows_bad.values()):,} bad rows skipped ({by_reason(self.rows_bad)})"
-        return skipped
+            bad = sum(self.rows_bad.values())
+            parts.append(f"{bad:,} bad row{'' if bad == 1 else 's'} skipped ({by_reason(self.rows_bad)})")
+        return ", ".join(parts) or "none skipped"
+
+    def format_text(self) -> str:
+        """'; format alpaca (told from the first row's columns), the fallback chat template'."""
+        if self.format in ("", "synthetic"):
+            return ""
+        how = "told from the first row's columns" if self.format_detected else "data.format"
+        return f"; format {self.format} ({how})" + (f", {self.chat_template}" if self.chat_template else "")
 
     def scanned(self) -> str:
         """How much of the source was counted."""
@@ -90,9 +106,12 @@ class DataSummary:
         side = "held out for validation" if what == "training data" else "left to training"
         held = f", {self.rows_split_off:,} {side}" if self.rows_split_off else ""
         source = f"{self.files} file(s)" if self.files else "synthetic"
+        located = "".join(f"\n  bad row: {example}" for example in self.bad_examples)
+        more = sum(self.rows_bad.values()) - len(self.bad_examples)
+        located += f"\n  ... and {more:,} more bad row{'' if more == 1 else 's'}" if more > 0 and located else ""
         return (f"{what}: {source}, {self.rows_read:,} rows read{part}{held}, {self.skipped_text()}, "
                 f"{self.rows_truncated:,} truncated at data.seq_len; {self.rows_trainable:,} trainable rows, "
-                f"{self.tokens:,} tokens, {self.loss_tokens:,} carrying loss")
+                f"{self.tokens:,} tokens, {self.loss_tokens:,} carrying loss{self.format_text()}{located}")
 
 
 def by_reason(counts: dict[str, int]) -> str:
@@ -108,7 +127,9 @@ def summarize(dataset: Dataset, what: str = "training data", max_rows: int | Non
     max_rows, max_bytes = max_rows or SCAN_ROWS, SCAN_BYTES if max_bytes is None else max_bytes
     if dataset.format == IMAGE_FORMAT:  # each row's images are read and processed: its first rows only
         max_rows, max_bytes = min(max_rows, SCAN_IMAGE_ROWS), 0
-    summary = DataSummary(files=len(dataset.files), source_bytes=sum(p.stat().st_size for p in dataset.files))
+    summary = DataSummary(files=len(dataset.files), source_bytes=sum(p.stat().st_size for p in dataset.files),
+                          format=dataset.format, format_detected=cfg.format == "auto",
+                          chat_template=dataset.chat_template_text())
     whole = summary.source_bytes <= max_bytes
     bad = BadRowCount(None)
     batches = source_batches(dataset)

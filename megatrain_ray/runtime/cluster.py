@@ -6,9 +6,12 @@ Ray's memory monitor acts, its GPU's free memory.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import socket
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -65,11 +68,14 @@ def started_cluster() -> str | None:
 
 def connect(cfg: RuntimeConfig, say: Callable[[str], None] = lambda text: None) -> None:
     """Join cfg.address, RAY_ADDRESS or the cluster `ray start` made here; else start an embedded
-    one (also when the address is `local`: never join whatever runs on the machine). Token
-    authentication is used whenever a token is there (README: Three ways to run). `say` hears
-    which of them it does."""
+    one (also when the address is `local`: never join whatever runs on the machine), whose session
+    directory goes with the process (end_embedded_ray). Token authentication is used whenever a
+    token is there (README: Three ways to run). `say` hears which of them it does. The workers'
+    lines come without colour codes where the driver's output is not a terminal."""
     if ray.is_initialized():
         return
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # read by the driver as it prints a worker's line
     try:
         _connect(cfg, {"env_vars": {"PYTHONUNBUFFERED": "1"}}, say)
     finally:
@@ -95,6 +101,18 @@ def _connect(cfg: RuntimeConfig, env: dict, say: Callable[[str], None]) -> None:
         include_dashboard=False,
         runtime_env=env,
     )
+    atexit.register(end_embedded_ray, Path(ray._private.worker._global_node.get_session_dir_path()))
+
+
+def end_embedded_ray(session: Path) -> None:
+    """At the driver's exit (before Ray's own hook, which then has nothing to do): the embedded
+    Ray's processes ended, then its session directory (/tmp/ray/session_*: its logs and sockets)
+    removed, and Ray's session_latest link where it named it; a run's output is its train.log."""
+    ray.shutdown(wait_for_processes=True)
+    shutil.rmtree(session, ignore_errors=True)
+    latest = session.parent / "session_latest"
+    if latest.is_symlink() and Path(os.readlink(latest)) in (session, Path(session.name)):
+        latest.unlink(missing_ok=True)
 
 
 def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:

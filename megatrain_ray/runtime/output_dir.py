@@ -21,6 +21,7 @@ from pathlib import Path
 from megatrain_ray.config import Config
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.runtime.run_log import LOG_NAME
 
 METRICS = "metrics.jsonl"
 TRACKER_DIRS = ("tensorboard",)  # runtime/trackers.py writes these under the output dir
@@ -115,8 +116,10 @@ def check_room(root: Path, config: Config, arch: ModelArch) -> None:
 
 
 def clear(out: Path, root: Path) -> None:
-    """Delete what a run writes (metrics.jsonl, its checkpoints, its TensorBoard events); other files stay."""
+    """Delete what a run writes (metrics.jsonl, its log, its checkpoints, its TensorBoard events); other
+    files stay."""
     (out / METRICS).unlink(missing_ok=True)
+    (out / LOG_NAME).unlink(missing_ok=True)
     for checkpoint in ckpt.list_checkpoints(root):
         shutil.rmtree(checkpoint)
     for stale in root.glob(".step-*.tmp-*"):

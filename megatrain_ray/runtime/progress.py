@@ -5,13 +5,15 @@ end of the line", so a shorter line leaves nothing of the longer one before it) 
 terminal's width; elsewhere (a file, a pipe, `ray job logs`) every step is a plain line. The line
 holds step/total, percent, loss, the last validation loss (with "(step N)" when an earlier step
 measured it), grad norm, learning rate, tokens/s over the last steps (one step's own rate jumps
-with the host's load), elapsed time and the time left at the mean step time so far (the first
-step, which compiles, left out).
+with the host's load), elapsed time and the time left: the median time between the last steps'
+ends (the first step, which compiles, left out; so is one that waited for the host AdamW kernel's
+build, or a validation or a checkpoint), "?" until STEADY_AFTER of them are known.
 """
 
 from __future__ import annotations
 
 import shutil
+import statistics
 import sys
 import time
 from collections import deque
@@ -20,7 +22,8 @@ from typing import TextIO
 from megatrain_ray.streaming.step_result import EvalResult, StepResult
 
 ERASE_TO_END = "\x1b[K"
-RATE_WINDOW = 10  # steps that tokens/s is taken over
+RATE_WINDOW = 10  # steps that tokens/s and the time left are taken over
+STEADY_AFTER = 3  # times between steps' ends before the time left is said
 
 
 def clock(seconds: float) -> str:
@@ -56,16 +59,17 @@ class ProgressLine:
         self.live = self.stream.isatty() if live is None else live
         self.total, self.start_step = total_steps, start_step
         self.t0 = time.monotonic()
-        self.after_first: float | None = None  # when this session's first step ended
+        self.last_end: float | None = None  # when this session's last step ended
+        self.between: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds between the last steps' ends
         self.recent: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (tokens, seconds)
         self.last_eval: tuple[int, float] | None = None
         self.drawn = False
 
     def text(self, step: int, r: StepResult, evaluation: EvalResult | None = None, rl: dict | None = None) -> str:
         now = time.monotonic()
-        done = step - self.start_step
-        if done == 1:
-            self.after_first = now
+        if self.last_end is not None:
+            self.between.append(now - self.last_end)
+        self.last_end = now
         self.recent.append((r.tokens, r.seconds))
         if evaluation is not None:
             self.last_eval = (step, evaluation.loss)
@@ -82,17 +86,16 @@ class ProgressLine:
         if rl is None:  # a GRPO step tells its rollout's and its updates' rates apart
             parts.append(f"{tokens / seconds if seconds else 0:,.0f} tok/s")
         parts.append(f"elapsed {clock(now - self.t0)}")
-        parts.append(f"ETA {self.eta(step, now)}")
+        parts.append(f"ETA {self.eta(step)}")
         line = " | ".join(parts)
         if not r.finite:
             line += " (non-finite: update skipped)"
         return line
 
-    def eta(self, step: int, now: float) -> str:
-        later = step - self.start_step - 1  # steps after the first (which compiles)
-        if self.after_first is None or later < 1:
+    def eta(self, step: int) -> str:
+        if len(self.between) < STEADY_AFTER:
             return "?"
-        return clock((now - self.after_first) / later * (self.total - step))
+        return clock(statistics.median(self.between) * (self.total - step))
 
     def show(self, step: int, r: StepResult, evaluation: EvalResult | None = None, rl: dict | None = None) -> str:
         line = self.text(step, r, evaluation, rl)

@@ -1,8 +1,9 @@
-"""Stopping a run on SIGINT (Ctrl-C) or SIGTERM (`ray job stop`, a spot preemption, `kill`).
+"""Stopping a run on SIGINT (Ctrl-C), SIGTERM (`ray job stop`, a spot preemption, `kill`) or SIGHUP
+(the terminal, tmux window or ssh session the run was started in closing).
 
 The first signal asks the training loop to stop at the next step boundary: it writes a checkpoint
 of that step (unless it has just written one) and raises RunInterrupted, which the CLI turns into
-the resume command and exit status 128 + the signal's number (130, 143), without a traceback. A
+the resume command and exit status 128 + the signal's number (130, 143, 129), without a traceback. A
 second signal stops at once: the handler raises a KeyboardInterrupt where the driver is (Ray's
 waits turn any other exception from a handler into nothing, and a KeyboardInterrupt into a fresh
 one), which `stopping_at_once` names as StoppedAtOnce; the session's actors are still closed on the
@@ -13,6 +14,14 @@ Python runs a handler once for all the deliveries of a signal that came before i
 which in the driver's waits on Ray is up to half a second: two presses of Ctrl-C there would be
 one. So the handler counts deliveries from the wakeup pipe (`signal.set_wakeup_fd`), where the
 interpreter writes a byte for each one as it arrives.
+
+A terminal's signals reach its whole foreground process group: a reader of the run's output (`| tee
+log`) dies of the same Ctrl-C, and a closing terminal hangs up every process of the group, the
+processes of an embedded Ray among them. So what the handler says goes through a write that a dead
+reader cannot make fail (`tell`; runtime/run_log.py keeps the rest of the run's output), SIGPIPE
+stays ignored (a write to a pipe without a reader is an error, never the end of the process), and
+the embedded Ray's processes start with SIGHUP blocked (`hangup_kept_from_children`), as Ray starts
+them with SIGINT blocked: the stores outlive the hang-up and write the checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +33,30 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def tell(text: str) -> None:
+    """`text` on stderr, where a write that fails (its reader gone, a closed terminal) is let go."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+@contextmanager
+def hangup_kept_from_children():
+    """Processes started within (an embedded Ray's GCS, raylet and agents, and the workers they start)
+    inherit SIGHUP blocked, and never see a hang-up; this thread takes one that comes meanwhile once
+    the block ends. Only in the main thread, where the handlers are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 class RunInterrupted(Exception):
@@ -82,6 +114,8 @@ class StopRequest:
         for signum in SIGNALS:
             previous = signal.signal(signum, self._handle)
             self._previous.setdefault(signum, previous)
+        # as Python starts: a write to a pipe without a reader fails, and does not end the process
+        self._previous.setdefault(signal.SIGPIPE, signal.signal(signal.SIGPIPE, signal.SIG_IGN))
 
     def restore(self) -> None:
         for signum, previous in self._previous.items():
@@ -122,14 +156,12 @@ class StopRequest:
         if self.signum is not None:
             self.second = signum
             if self._holding:
-                print(f"\n{signal.Signals(signum).name}: stopping as soon as the run's actors have released their "
-                      f"memory", file=sys.stderr, flush=True)
+                tell(f"\n{signal.Signals(signum).name}: stopping as soon as the run's actors have released their memory")
                 return
             raise KeyboardInterrupt
         self.signum = signum
         name = signal.Signals(signum).name
-        print(f"\n{name}: stopping after the step under way, with a checkpoint; {name} again stops at once",
-              file=sys.stderr, flush=True)
+        tell(f"\n{name}: stopping after the step under way, with a checkpoint; {name} again stops at once")
 
     def __enter__(self) -> "StopRequest":
         self.install()

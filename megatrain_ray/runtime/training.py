@@ -36,7 +36,8 @@ from megatrain_ray.runtime.metrics import MetricsLog
 from megatrain_ray.runtime.job_paths import for_this_run, in_job_copy, resume_moved, where
 from megatrain_ray.runtime.output_dir import claim
 from megatrain_ray.runtime.progress import StartupPhases
-from megatrain_ray.runtime.signals import RunInterrupted, StopRequest
+from megatrain_ray.runtime.run_log import LOG_NAME, RunLog, run_output
+from megatrain_ray.runtime.signals import RunInterrupted, StopRequest, hangup_kept_from_children
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_arch, num_params
 from megatrain_ray.objective import objective_of
@@ -135,6 +136,14 @@ def wait_for_room(arch: ModelArch, config: Config, lost: tuple[str, ...]) -> Pla
 def run_training(config: Config, resume: str | None = None, auto_resume: bool | None = None,
                  until_step: int | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Train as the config says; returns a summary (final loss, checkpoint path, metrics path).
+    What it prints goes to its output directory's train.log too (runtime/run_log.py)."""
+    with run_output() as log:
+        return train_logged(config, resume, auto_resume, until_step, overwrite, log)
+
+
+def train_logged(config: Config, resume: str | None, auto_resume: bool | None, until_step: int | None,
+                 overwrite: bool, log: RunLog) -> dict[str, Any]:
+    """run_training's work, printing into `log`, which it attaches to the output directory's train.log.
 
     `until_step` stops (with a checkpoint) before train.steps, without changing the LR schedule:
     the run continues later with --resume exactly as if it had not stopped.
@@ -162,11 +171,13 @@ def run_training(config: Config, resume: str | None = None, auto_resume: bool | 
         if schedule:
             print(schedule, flush=True)
     out = claim(config, resume, overwrite, arch)
+    log.attach(out / LOG_NAME)
     print(f"output directory: {where(out)}", flush=True)
     seed_driver(config.train.seed)
     progress = Progress(resume_path, data_summary=counted, schedule_steps=horizon)
     with StopRequest() as stop:
-        connect(config.runtime, progress.phase)
+        with hangup_kept_from_children():  # an embedded Ray's processes outlive a closing terminal
+            connect(config.runtime, progress.phase)
         stop.install()  # ray.init sets its own SIGTERM handler
         summary = train_with_restarts(config, arch, data, progress, out, auto_resume, until_step, stop)
     print(f"outputs in {where(out)}", flush=True)
@@ -325,6 +336,9 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
         else:
             final = session.save_checkpoint(step, position.to_dict() if position else None)
             progress.checkpoint = final
+    except RunInterrupted as stopped:
+        log.stopped(stopped.signum, stopped.step, stopped.checkpoint)
+        raise
     except STOPS_THAT_KEEP_THE_STEPS as error:
         keep_finished_steps(error, session, finished, position, progress, saved)
         raise
@@ -341,4 +355,4 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
         copied = copy_tokenizer_files(config.data.tokenizer, final / "hf")
         print(f"Hugging Face export: {final / 'hf'}" + (" (with the tokenizer)" if copied else ""), flush=True)
     return {"final_loss": last.loss if last else None, "eval_loss": evaluation.loss if evaluation else None,
-            "checkpoint": str(final), "metrics": str(out / "metrics.jsonl")}
+            "checkpoint": str(final), "metrics": str(out / "metrics.jsonl"), "rewards": log.reward_trend()}

@@ -96,13 +96,16 @@ def test_more_bad_rows_than_the_cap_stop_the_stream_and_are_refused_by_the_summa
     dirty = write_lines(tmp_path / "dirty.jsonl", with_bad_lines(rows, bad))
     cfg = DataConfig(source=str(dirty), seq_len=8, shuffle=False, max_bad_fraction=0.01)
     with pytest.raises(DataError, match=r"306 rows read, 6 of them bad \(6 missing column .input_ids.\): more than "
-                                        r"data\.max_bad_fraction=0\.01 .* The first: .*row 1 \(line 1"):
+                                        r"data\.max_bad_fraction=0\.01 allows here, 3 bad rows \(0\.01 of the 306 rows "
+                                        r"read\)\. The first 3 bad rows: .*row 1 \(line 1.*; .*row 52 \(line 52.*; .*row 103 "
+                                        r"\(line 103"):
         summarize(build_dataset(cfg, VOCAB, seed=0))
     with pytest.raises(DataError, match=r"data\.max_bad_fraction=0\.01"):  # its second bad row, within 100 rows
         stream(cfg, 200, count=BadRowCount(0.01))
     # 2% passes a cap of 5%, and one bad row in a small file passes the default cap (1% of at least 100 rows)
     counted = summarize(build_dataset(dataclasses.replace(cfg, max_bad_fraction=0.05), VOCAB, seed=0))
     assert counted.rows_bad == {"missing column 'input_ids'": 6} and "6 bad rows skipped" in counted.describe()
+    assert "\n  ... and 3 more bad rows" in counted.describe()
     small = write_lines(tmp_path / "small.jsonl", with_bad_lines(token_rows(20), {5: "{}"}))
     summarize(build_dataset(dataclasses.replace(cfg, source=str(small), max_bad_fraction=0.01), VOCAB, seed=0))
 
@@ -139,10 +142,50 @@ def test_the_format_is_guessed_from_the_columns_and_column_errors_name_it(tmp_pa
     # ShareGPT rows with an alpaca format pinned: every row is bad, and the message names the format
     pinned = dataclasses.replace(cfg, format="alpaca")
     with pytest.raises(DataError, match=r"missing column 'instruction' \(has: conversations\); these columns are "
-                                        r"format sharegpt: set it with --set data\.format=sharegpt"):
+                                        r"format sharegpt, and the source is read as alpaca \(data\.format"):
         summarize(build_dataset(pinned, 20, seed=0))
     table = pa.table({"text": ["hello yes"]})
     pq.write_table(table, tmp_path / "t.parquet")
     with pytest.raises(DataError, match=r"t\.parquet: missing column 'input_ids' \(has: text\); these columns are "
                                         r"format text: set it with --set data\.format=text"):
         summarize(build_dataset(DataConfig(source=str(tmp_path / "t.parquet"), format="tokens"), 20, seed=0))
+
+
+def test_a_small_file_of_mixed_formats_is_refused_saying_where_and_why(tmp_path, tokenizer_path):
+    """Six rows, two of them in another format than the first row's: the cap's message counts what
+    a small file is allowed (not "of at least 100 rows"), names both rows and says that a source
+    holds one format; with the cap raised, the summary names the format it told from the columns,
+    the chat template, and where the bad rows are."""
+    alpaca = {"instruction": "hello", "output": "yes"}
+    chat = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]}
+    source = write_lines(tmp_path / "mixed.jsonl", [json.dumps(r) for r in [alpaca] * 3 + [chat] * 2 + [alpaca]])
+    cfg = DataConfig(source=str(source), tokenizer=tokenizer_path, seq_len=12, chat_template="fallback")
+    with pytest.raises(DataError) as refused:
+        summarize(build_dataset(cfg, 20, seed=0))
+    message = str(refused.value)
+    assert ("6 rows read, 2 of them bad (2 missing column 'instruction'): more than data.max_bad_fraction=0.01 allows "
+            "here, 1 bad row (0.01 of 100 rows: fewer rows read count as 100)") in message
+    assert "of at least 100 rows" not in message
+    for row in (4, 5):
+        assert (f"{source} row {row} (line {row}, counting from 1): missing column 'instruction' (has: messages); "
+                f"these columns are format sharegpt, and the source is read as alpaca") in message
+    assert "one source holds rows of one format" in message
+
+    summary = summarize(build_dataset(dataclasses.replace(cfg, max_bad_fraction=0.5), 20, seed=0)).describe()
+    first, *located = summary.splitlines()
+    assert ("6 rows read (all of it), 2 bad rows skipped (2 missing column 'instruction'), 0 truncated at "
+            "data.seq_len; 4 trainable rows") in first and "none skipped" not in first
+    assert first.endswith("; format alpaca (told from the first row's columns), the fallback chat template")
+    assert [line.split(": missing column")[0] for line in located] == [
+        f"  bad row: {source} row {row} (line {row}, counting from 1)" for row in (4, 5)]
+    pinned = summarize(build_dataset(dataclasses.replace(cfg, source=str(write_lines(
+        tmp_path / "one.jsonl", [json.dumps(alpaca)] * 3)), format="alpaca"), 20, seed=0)).describe()
+    assert "none skipped" in pinned and pinned.endswith("; format alpaca (data.format), the fallback chat template")
+
+
+def test_one_bad_row_is_not_said_to_be_none_skipped(tmp_path):
+    source = write_lines(tmp_path / "rows.jsonl", with_bad_lines(token_rows(20), {5: "{}"}))
+    summary = summarize(build_dataset(DataConfig(source=str(source), seq_len=8), VOCAB, seed=0)).describe()
+    assert "20 rows read" not in summary and "21 rows read (all of it), 1 bad row skipped (1 missing column" in summary
+    assert "none skipped" not in summary and "format tokens (told from the first row's columns)" in summary
+    assert f"\n  bad row: {source} row 6 (line 6, counting from 1): missing column 'input_ids'" in summary

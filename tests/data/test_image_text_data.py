@@ -52,6 +52,12 @@ def test_an_unreadable_image_is_a_bad_row_counted_before_the_run(qwen_dir, tmp_p
     cfg = DataConfig(source=str(rows), tokenizer=str(qwen_dir), seq_len=48, max_bad_fraction=0.05)
     summary = summarize(build_dataset(cfg, TEXT["vocab_size"], 0))
     assert summary.rows_bad == {"unreadable image": 3} and summary.rows_trainable == 2
+    # where they are, the missing image's path among them, and the processor's chat template
+    assert [line.split(": cannot read image ")[0] for line in summary.describe().splitlines()[1:]] == [
+        f"  bad row: {rows} row {row} (line {row}, counting from 1)" for row in (2, 4, 5)]
+    assert f"cannot read image {tmp_path / 'missing.png'}: FileNotFoundError" in summary.describe()
+    assert summary.describe().splitlines()[0].endswith(
+        f"; format sharegpt_images (told from the first row's columns), the processor's chat template ({qwen_dir})")
 
 
 def test_images_packed_side_by_side_are_joined_as_their_processor_joins_them(tmp_path):
@@ -84,3 +90,23 @@ def test_images_packed_side_by_side_are_joined_as_their_processor_joins_them(tmp
         assert set(stacked) == set(rows[0].images.per_image)
         for key, value in stacked.items():
             assert np.array_equal(value, np.asarray(both[key])), key
+
+
+def test_the_format_named_in_the_config_reads_image_rows_as_auto_does(qwen_dir, tmp_path):
+    """`data.format: sharegpt_images`, as the README and `megatrain-ray config` list it: the config
+    takes it and the rows read as the detected format's do."""
+    from dataclasses import replace
+
+    from megatrain_ray.config import config_from_dict
+
+    rows = write_rows(tmp_path / "rows.jsonl", write_images(tmp_path / "images", 2), 4)
+    config = config_from_dict({"model": {"path": str(qwen_dir)},
+                               "data": {"format": "sharegpt_images", "source": str(rows), "tokenizer": str(qwen_dir),
+                                        "seq_len": 48}})
+    named = build_dataset(config.data, TEXT["vocab_size"], 0)
+    detected = build_dataset(replace(config.data, format="auto"), TEXT["vocab_size"], 0)
+    assert named.format == detected.format == "sharegpt_images"
+    for a, b in zip(named.fixed_batches(1, 4), detected.fixed_batches(1, 4), strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)

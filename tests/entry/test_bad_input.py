@@ -94,7 +94,7 @@ IMPOSSIBLE = [
     ("data.read_batch_rows=0", "data.read_batch_rows must be >= 1"),
     ("data.synthetic_docs=0", "data.synthetic_docs must be >= 1"),
     ("data.eos_token_id=-2", "data.eos_token_id must be >= 0"),
-    ("data.format=csv", "data.format must be auto, tokens, text, alpaca or sharegpt"),
+    ("data.format=csv", "data.format must be auto, tokens, text, alpaca, sharegpt or sharegpt_images"),
     ("runtime.optimizer_threads=0", "runtime.optimizer_threads must be >= 1"),
     ("runtime.num_cpus=0", "runtime.num_cpus must be >= 1"),
     ("runtime.object_store_memory=-1", "runtime.object_store_memory must be >= 78643200 bytes"),

@@ -111,3 +111,18 @@ def test_the_readme_install_and_quick_start_run_in_order_in_a_fresh_shell(tmp_pa
     assert [r["step"] for r in rows] == list(range(1, MORE + 1))
     floor = 3e-3 * 0.1  # examples/tiny.yaml's optim.lr x the default optim.min_lr_ratio
     assert rows[STEPS - 1]["lr"] > floor and all(r["lr"] == pytest.approx(floor) for r in rows[STEPS:])
+
+
+def test_what_the_quick_start_writes_is_ignored_by_git():
+    """The run's directory and the export's are not the project's files: a later `ray job submit
+    --working-dir .` or `git add .` leaves them out."""
+    import subprocess
+
+    lines = shell_lines((REPO / "README.md").read_text(), "Quick start")
+    export = next(line.split()[3] for line in lines if line.startswith("megatrain-ray export"))
+    written = ["runs/tiny", export]
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "-C", str(REPO), "check-ignore", "--no-index", *written], capture_output=True,
+                          text=True)
+    assert done.stdout.split() == written, done.stdout + done.stderr

@@ -10,6 +10,7 @@ of the line it overwrote; the others write to pipes: plain lines.
 The runs join the test session's Ray head, so each costs a driver's connection instead of a Ray
 start."""
 
+import argparse
 import errno
 import fcntl
 import hashlib
@@ -161,7 +162,7 @@ def test_the_progress_line_on_a_terminal(whole):
         assert int(match[1]) == step and int(match[2]) == round(100 * step / STEPS)
         if step >= 4:  # validated every 4 steps: the last validation loss stays on the line, with its step
             assert "val_loss" in line and (step % 4 == 0) == (f"(step {step - step % 4})" not in line), line
-        if step >= 3:
+        if step > 3:
             assert "ETA ?" not in line
     # the start-up's phases, each as it began, before the first step
     before = shown[:shown.index("step 1/")]
@@ -234,7 +235,7 @@ def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float =
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         except (FileNotFoundError, ValueError):  # not yet written, or a row half written
             rows = []
-        if any(row["step"] >= step and row["time"] > started for row in rows):
+        if any(row.get("step", 0) >= step and row["time"] > started for row in rows):
             return
         time.sleep(0.05)
     raise AssertionError(f"the run did not reach step {step}: {proc.poll()=}")
@@ -347,6 +348,98 @@ def test_a_second_signal_stops_at_once(head, tmp_path, shm_dir):
     assert list(shm_dir.iterdir()) == []
 
 
+def piped_on_a_terminal(args: list[str], env: dict, cwd: Path, out: Path, stop) -> str:
+    """`megatrain-ray train *args 2>&1 | tee` as a shell on a terminal runs it: a pseudo-terminal of
+    its own whose session's leader is the shell, the pipeline its foreground process group. The
+    shell survives Ctrl-C as an interactive one does (a trap, which its children do not inherit);
+    the pipeline's group records the run's exit status. `stop(terminal)` once the run has written a
+    step of its own: Ctrl-C typed into the terminal, or the terminal closed. Returns the exit status
+    the group recorded ("" if none)."""
+    status = cwd / f"{out.name}.status"
+    command = (f"trap : INT; {{ trap : INT HUP; {shlex.join([str(BIN / 'megatrain-ray'), 'train', *args])}; "
+               f"echo $? > {shlex.quote(str(status))}; }} 2>&1 | tee {shlex.quote(str(cwd / f'{out.name}.tee'))}")
+    pid, terminal = pty.fork()
+    if pid == 0:
+        os.chdir(cwd)
+        os.execve("/bin/bash", ["bash", "-c", command], env)
+    drained = threading.Event()
+
+    def drain():  # what the terminal shows, read so that a full terminal never blocks the run
+        while not drained.is_set():
+            try:
+                if select.select([terminal], [], [], 0.2)[0] and not os.read(terminal, 65536):
+                    return
+            except OSError:  # EIO: the run's side closed it, or EBADF: this side did
+                return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert time.monotonic() < deadline, "the run wrote no step"
+            time.sleep(0.1)
+        stop(terminal)
+        deadline = time.monotonic() + 300
+        while not status.is_file() or not status.read_text().strip():
+            assert time.monotonic() < deadline, (out / "train.log").read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        drained.set()
+        reader.join(timeout=5)
+        try:
+            os.close(terminal)
+        except OSError:
+            pass
+        os.waitpid(pid, 0)
+    return status.read_text().strip()
+
+
+def hang_up(terminal: int) -> None:
+    """The terminal closes (a tmux window, an ssh session): the shell, its session's leader, is hung
+    up and ends, and the kernel hangs up the foreground process group: the run, its reader and the
+    processes of an embedded Ray."""
+    os.close(terminal)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_a_run_piped_on_a_terminal_keeps_its_steps_when_the_terminal_stops_it(head, tmp_path, shm_dir, signum):
+    """Ctrl-C reaches the reader of `| tee` too, which dies first, and the run's next writes meet a
+    broken pipe; a closed terminal hangs up the run, its reader and an embedded Ray's processes
+    (this run starts its own Ray: a joined cluster's processes are not the terminal's). Either way
+    the run saves its last finished step, exits 128 + the signal, and says so in metrics.jsonl and in
+    its train.log, which holds plain lines."""
+    out = tmp_path / "run"
+    args = [str(write_config(tmp_path, out, shm_dir)), "--set", "train.steps=1000"]
+    env = head
+    ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths live under it
+    if signum == signal.SIGHUP:
+        args += ["--set", "runtime.address=local"]
+        env = {**{k: v for k, v in head.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": str(ray_tmp)}
+    ctrl_c = lambda terminal: os.write(terminal, b"\x03")
+    try:
+        status = piped_on_a_terminal(args, env, tmp_path, out, ctrl_c if signum == signal.SIGINT else hang_up)
+        # the embedded Ray's session directory went with it (its temp dir here: others' runs are elsewhere)
+        assert not list(ray_tmp.glob("ray/session_2*")), list(ray_tmp.glob("ray/*"))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert status == str(128 + signum), (out / "train.log").read_text()[-3000:]
+    teed = (tmp_path / f"{out.name}.tee").read_text()  # what tee wrote to its file before it died
+    assert "(GpuWorker pid=" in teed and "\x1b" not in teed, teed[-3000:]  # a worker's line, without colour
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    k = rows[-2]["step"]
+    checkpoint = out / "checkpoints" / f"step-{k:08d}"
+    assert rows[-1] == {"stopped": signal.Signals(signum).name, "after_step": k, "checkpoint": str(checkpoint),
+                        "time": rows[-1]["time"]}
+    assert checkpoint.is_dir() and [r["step"] for r in rows[:-1]] == list(range(1, k + 1))
+    log = (out / "train.log").read_text()
+    assert f"stopped by {signal.Signals(signum).name} after step {k}; checkpoint {checkpoint}" in log
+    assert f"continue with: " in log and "Traceback" not in log
+    assert re.search(rf"^step {k}/1000 \(\d+%\) \| loss", log, re.M), log[-3000:]
+    assert "\x1b" not in log and "\r" not in log
+    assert list(shm_dir.iterdir()) == []
+
+
 def test_a_signal_while_the_program_exits_ends_it_at_once_without_a_traceback():
     """After the command, Python's exit runs the atexit callbacks (Ray's shutdown of an embedded
     cluster takes seconds there): a Ctrl-C then ends the process, with no KeyboardInterrupt traceback."""
@@ -451,3 +544,17 @@ def test_the_version_and_help_answer_without_importing_torch_or_ray(argv):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]", done.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "export", "config"])
+def test_every_command_and_argument_has_a_description(command, capsys):
+    """`megatrain-ray COMMAND --help` opens with what the command does and says what each of its
+    arguments is."""
+    parser = cli.build_parser([command])
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert commands[command].description, command
+    for action in commands[command]._actions:
+        assert action.help, f"{command}: {action.dest} has no description"
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    assert commands[command].description.split()[0] in capsys.readouterr().out

@@ -46,4 +46,5 @@ def word_tokenizer(directory: Path, vocab: dict[str, int]) -> str:
 
 def steps_of(out_dir: Path) -> list[int]:
     """The steps a run's metrics.jsonl records, in order."""
-    return [json.loads(line)["step"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())
+    return [row["step"] for row in rows if "step" in row]  # not the row of a stop

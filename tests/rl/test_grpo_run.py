@@ -73,8 +73,9 @@ def whole_then_split(root: Path, whole_grpo: dict, split_grpo: dict) -> Path:
         whole["checkpoint"]["every"] = 2
         whole["grpo"].update(whole_grpo)
         with contextlib.redirect_stdout(io.StringIO()) as out:
-            run_training(config_from_dict(whole))
+            summary = run_training(config_from_dict(whole))
         (root / "whole.out").write_text(out.getvalue())
+        (root / "whole.summary.json").write_text(json.dumps(summary))
         as_stood_at(root / "whole", root / "split", 2)  # two runs, not three
         split = grpo_raw(root, "split")
         split["grpo"].update(split_grpo)
@@ -97,6 +98,20 @@ def test_each_step_logs_its_rewards_and_rates(runs):
     # the second update's ratio moves off 1 after the first (lr 1e-2): the old log-probabilities
     # came back from the workers' forward, and some tokens leave the clip range
     assert any(r["clip_fraction"] > 0 for r in rows)
+
+
+def test_a_grpo_run_ends_with_its_rewards_first_and_last(runs):
+    """Its summary, and the CLI's last line, say how the rewards went (the mean of the first steps
+    and of the last: one step of 4 here), not a loss that means nothing for GRPO."""
+    from megatrain_ray.cli import rewards_text
+
+    rows, summary = records(runs, "whole"), json.loads((runs / "whole.summary.json").read_text())
+    name = "grpo_test_rewards:low_tokens"
+    assert summary["rewards"] == {"steps": 1, "reward": [rows[0]["reward_mean"], rows[-1]["reward_mean"]],
+                                  name: [rows[0]["rewards"][name], rows[-1]["rewards"][name]]}
+    first, last = rows[0]["reward_mean"], rows[-1]["reward_mean"]
+    assert rewards_text(summary["rewards"]) == (f"reward {first:.3f} -> {last:.3f} (at the first step and the last; "
+                                                f"{name} {first:.3f} -> {last:.3f})")
 
 
 def test_four_steps_equal_two_then_resume_two(runs):

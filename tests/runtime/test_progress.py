@@ -29,3 +29,20 @@ def test_a_grpo_step_shows_its_rewards_and_both_rates():
     assert ("| reward 0.438±0.250 | len 32 | clip 0.012 | kl 0.0031 | entropy 2.35 | rollout 1,234 tok/s | "
             "train 5,679 tok/s | grad_norm") in text
     assert text.count("tok/s") == 2  # the update's rate once, as train
+
+
+def test_the_time_left_waits_for_steady_steps_and_ignores_a_slow_one(monkeypatch):
+    """Steps 1 s apart but for a step that waited 100 s (the host AdamW kernel's build) and a 20 s
+    checkpoint: no ETA until three gaps between steps are known, then the median gap times the steps
+    left, untouched by the slow ones."""
+    from megatrain_ray.runtime import progress
+
+    ends = iter([0.0, 100.0, 101.0, 102.0, 103.0, 123.0, 124.0])  # steps 1..7 end
+    line = ProgressLine(100, stream=io.StringIO(), live=False)
+    etas = []
+    for step in range(1, 8):
+        now = next(ends)
+        monkeypatch.setattr(progress.time, "monotonic", lambda: now)
+        etas.append(line.text(step, step_result(1.0)).rsplit("ETA ", 1)[1])
+    left = [progress.clock(1.0 * (100 - step)) for step in range(1, 8)]
+    assert etas[:3] == ["?", "?", "?"] and etas[3:] == left[3:], etas
