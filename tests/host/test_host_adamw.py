@@ -208,3 +208,35 @@ def test_a_process_waits_for_the_build_another_holds_and_loads_it_without_compil
     out, _ = waiter.communicate(timeout=60)
     assert waiter.returncode == 0, out
     assert out.splitlines()[-1] == "loaded True" and "compiled" not in out, out
+
+
+@pytest.mark.parametrize("warmup, total, min_ratio", [(0, 7, 0.1), (2, 9, 0.0), (3, 12, 0.25), (1, 1, 0.5)])
+def test_the_lr_schedule_is_warmup_then_transformers_cosine(warmup, total, min_ratio):
+    """The LR of every update, the stores' messages (LrSchedule) and the metrics' learning_rate,
+    against the schedule written in the test helper, and that one, after the warm-up, against
+    transformers' get_cosine_with_min_lr_schedule_with_warmup run through torch's LambdaLR (its
+    warm-up starts from 0, the project's reaches the full LR at the warm-up's last update)."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from helpers.reference_training import reference_lr
+    from megatrain_ray.config import OptimConfig
+    from megatrain_ray.host.adamw import LrSchedule, learning_rate
+
+    cfg = OptimConfig(lr=1e-3, warmup_steps=warmup, min_lr_ratio=min_ratio)
+    updates = range(total + 4)  # past the end too: the floor
+    want = [reference_lr(cfg, k, total) for k in updates]
+    schedule = LrSchedule(cfg, total)
+    assert [schedule.next(0.0).lr for _ in updates] == pytest.approx(want, rel=1e-12)
+    assert [learning_rate(cfg, k, total) for k in updates] == pytest.approx(want, rel=1e-12)
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, total, min_lr_rate=min_ratio)
+    transformers_lr = []
+    for _ in updates:
+        transformers_lr.append(opt.param_groups[0]["lr"])
+        opt.step()
+        theirs.step()
+    assert want[warmup:total + 1] == pytest.approx(transformers_lr[warmup:total + 1], rel=1e-12)
+    assert want[:warmup] == pytest.approx([cfg.lr * (k + 1) / warmup for k in range(warmup)], rel=1e-12)
+    floor_from = warmup + max(1, total - warmup)  # a decay of at least one update
+    assert want[floor_from:] == pytest.approx([cfg.lr * min_ratio] * len(want[floor_from:]), rel=1e-12)
