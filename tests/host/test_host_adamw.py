@@ -16,6 +16,7 @@ import torch
 
 from megatrain_ray.host import adamw_kernel as host_adamw
 from megatrain_ray.host.adamw import AdamWStep, adamw_step, clip_coefficient
+from helpers.kernel import path_of
 from helpers.threads import three_threads  # noqa: F401 (a fixture)
 
 # Odd sizes (no multiple of a vector width or of the kernel's 64 Ki-element tiles), 205,254
@@ -80,12 +81,13 @@ def test_step_matches_torch_adamw(one_pass, dtype, weight_decay, max_norm):
     if max_norm > 0:
         assert all(s < 1.0 for s in scales), "clipping must be active"
 
+    path = path_of(one_pass)
     master, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
     compute = init.to(dtype, copy=True)
-    for step, (g, scale) in enumerate(zip(grads, scales), start=1):
+    for step, (g, scale) in enumerate(zip(grads, scales, strict=True), start=1):
         compute.copy_(g)  # the executor writes the gradient over the weights
         hp = AdamWStep(step, LR, scale, BETAS, EPS, weight_decay)
-        adamw_step(master, m, v, compute, flat_segments(), hp, step, one_pass=one_pass)
+        assert adamw_step(master, m, v, compute, flat_segments(), hp, step, one_pass=one_pass) == path
 
     assert_relative(master, ref_master, "master")
     assert_relative(m, ref_m, "exp_avg")
@@ -111,10 +113,11 @@ def test_a_late_step_matches_torchs_fused_adamw(dtype):
     hp = AdamWStep(step, LR, 0.7, BETAS, EPS, 0.1)
     out = []
     for one_pass in (True, False):
+        path = path_of(one_pass)  # the kernel against the fallback, each really run
         master, m, v, compute = init.clone(), m0.clone(), v0.clone(), g.clone()
-        adamw_step(master, m, v, compute, flat_segments(), hp, step, one_pass=one_pass)
+        assert adamw_step(master, m, v, compute, flat_segments(), hp, step, one_pass=one_pass) == path
         out.append((master, m, v))
-    for ours, ref, what in zip(out[0], out[1], ("master", "exp_avg", "exp_avg_sq")):
+    for ours, ref, what in zip(out[0], out[1], ("master", "exp_avg", "exp_avg_sq"), strict=True):
         assert_relative(ours, ref, what)
 
 
@@ -126,7 +129,7 @@ def test_bf16_rounding_is_torchs():
     n = values.numel()
     master, m, v = values.clone(), torch.zeros(n), torch.zeros(n)
     compute = torch.zeros(n, dtype=torch.bfloat16)  # a zero gradient and lr 0: the step only publishes
-    adamw_step(master, m, v, compute, [(0, n, False)], AdamWStep(1, 0.0, 1.0, BETAS, EPS, 0.0), 1)
+    assert adamw_step(master, m, v, compute, [(0, n, False)], AdamWStep(1, 0.0, 1.0, BETAS, EPS, 0.0), 1) == path_of(True)
     expected = values.to(torch.bfloat16)
     nan = values.isnan()
     assert torch.equal(compute[~nan].view(torch.int16), expected[~nan].view(torch.int16))
@@ -240,3 +243,20 @@ def test_the_lr_schedule_is_warmup_then_transformers_cosine(warmup, total, min_r
     assert want[:warmup] == pytest.approx([cfg.lr * (k + 1) / warmup for k in range(warmup)], rel=1e-12)
     floor_from = warmup + max(1, total - warmup)  # a decay of at least one update
     assert want[floor_from:] == pytest.approx([cfg.lr * min_ratio] * len(want[floor_from:]), rel=1e-12)
+
+
+def test_ci_fails_where_the_kernel_does_not_build(tmp_path):
+    """.ci/run's check (.ci/check_kernel.py) with no compiler and an empty cache exits 1, saying so;
+    where this machine has the kernel built, it passes."""
+    import os
+    from pathlib import Path
+
+    check = Path(__file__).resolve().parents[2] / ".ci" / "check_kernel.py"
+    env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    failed = subprocess.run([sys.executable, str(check)], env=env, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "FAILED: the host AdamW kernel did not build" in failed.stderr
+    assert "could not be built (Command '['/bin/false'" in failed.stderr  # the build's own reason, above it
+    if host_adamw.native_kernel() is not None:  # built in this machine's cache: loaded, not compiled
+        built = subprocess.run([sys.executable, str(check)], capture_output=True, text=True, timeout=120)
+        assert built.returncode == 0 and built.stdout.startswith("host AdamW kernel: "), built.stdout + built.stderr

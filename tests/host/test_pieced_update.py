@@ -15,6 +15,7 @@ from megatrain_ray.host.store import ShardStore
 from megatrain_ray.host.transport import piece_bounds
 from megatrain_ray.models.generic import frozen_slots
 from megatrain_ray.models.registry import PRESETS
+from helpers.kernel import path_of
 from helpers.threads import three_threads  # noqa: F401 (a fixture)
 from test_host_adamw import BETAS, EPS, LR, SEGMENTS, STEPS, assert_relative, flat_segments, torch_reference
 
@@ -49,6 +50,7 @@ def test_a_layer_updated_in_pieces_equals_one_update_bit_for_bit(master, moments
                                                                    monkeypatch):
     if not one_pass:
         monkeypatch.setattr(adamw_module, "native_kernel", lambda: None)
+    path_of(one_pass)  # the kernel, where it says so, is built: the store's updates run it
     fmt = StateFormat(master, moments)
     whole, pieced = store_of(fmt, frozen_tail), store_of(fmt, frozen_tail)
     bounds = piece_bounds(whole.layers[1].layout.numel, PIECE)
