@@ -91,7 +91,7 @@ def test_ten_steps_equal_five_then_resume_five(resumed):
     dataset = build_dataset(config.data, 256, config.train.seed)
     next_a, _ = next(dataset.batches(2, 2, DataPosition.from_dict(ma["data_position"])))
     next_b, _ = next(dataset.batches(2, 2, DataPosition.from_dict(mb["data_position"])))
-    for x, y in zip(next_a, next_b):
+    for x, y in zip(next_a, next_b, strict=True):
         assert all((x[k] == y[k]).all() for k in x)
 
 

@@ -1,4 +1,6 @@
-"""Plain PyTorch training beside the streaming trainer: same weights, data, AdamW, clipping, schedule."""
+"""Whole-model training beside the streaming trainer: same weights and data, one autograd graph over
+the model of helpers/reference_model.py (the project's layer code, see there), torch.optim.AdamW,
+torch's clipping and a LambdaLR over the schedule written here."""
 
 from __future__ import annotations
 
@@ -147,9 +149,9 @@ class Both:
     exact_weights: list[torch.Tensor]
 
     def assert_trains_like_plain_pytorch(self):
-        for step, (r, plain, exact) in enumerate(zip(self.results, self.plain_losses, self.exact_losses)):
+        for step, (r, plain, exact) in enumerate(zip(self.results, self.plain_losses, self.exact_losses, strict=True)):
             assert_within_fp32_noise(r.loss, plain, exact, f"loss of step {step}")
-        for i, (a, plain, exact) in enumerate(zip(self.ours, self.plain_weights, self.exact_weights)):
+        for i, (a, plain, exact) in enumerate(zip(self.ours, self.plain_weights, self.exact_weights, strict=True)):
             assert_within_fp32_noise(a, plain, exact, f"layer {i}")
             assert not torch.equal(a, self.init[i]), f"layer {i} did not train"
 

@@ -38,13 +38,13 @@ def torch_reference(init: torch.Tensor, grads: list[torch.Tensor], weight_decay:
     """torch.optim.AdamW over one tensor per segment; returns master, moments and clip scales per step."""
     params = [torch.nn.Parameter(init[a:b].clone()) for a, b, _ in flat_segments()]
     groups = [
-        {"params": [p for p, (_, _, d) in zip(params, flat_segments()) if d], "weight_decay": weight_decay},
-        {"params": [p for p, (_, _, d) in zip(params, flat_segments()) if not d], "weight_decay": 0.0},
+        {"params": [p for p, (_, _, d) in zip(params, flat_segments(), strict=True) if d], "weight_decay": weight_decay},
+        {"params": [p for p, (_, _, d) in zip(params, flat_segments(), strict=True) if not d], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=False, fused=False)
     scales = []
     for g in grads:
-        for p, (a, b, _) in zip(params, flat_segments()):
+        for p, (a, b, _) in zip(params, flat_segments(), strict=True):
             p.grad = g[a:b].to(torch.float32, copy=True)  # the bf16 gradient, upcast (clipping scales it)
         if max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -90,7 +90,7 @@ def test_pieces_match_torch_adamw(dtype):
     for bounds in ([(0, n)], piece_bounds(n, 4096)):
         master, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
         compute = init.to(dtype, copy=True)
-        for step, (g, scale) in enumerate(zip(grads, scales), start=1):
+        for step, (g, scale) in enumerate(zip(grads, scales, strict=True), start=1):
             compute.copy_(g)
             hp = AdamWStep(step, LR, scale, BETAS, EPS, 0.1)
             for lo, hi in bounds:
@@ -101,5 +101,5 @@ def test_pieces_match_torch_adamw(dtype):
     assert_relative(master, ref_master, "master")
     assert_relative(m, ref_m, "exp_avg")
     assert_relative(v, ref_v, "exp_avg_sq")
-    for ours, one_call in zip(runs[1], runs[0]):
+    for ours, one_call in zip(runs[1], runs[0], strict=True):
         assert torch.equal(ours, one_call)
