@@ -53,15 +53,14 @@ QWEN2_SPLIT = (  # Qwen2's pre-tokenizer: what transformers' Qwen2Tokenizer spli
 )
 
 
-def training_text() -> list[str]:
-    """Every word the rows, prompts and templates use, at a line's start and after a space."""
-    words = TEMPLATE_WORDS + TASKS + WORDS + FILLER
+def training_text(words: list[str]) -> list[str]:
+    """Each word at a line's start and after a space, and the separators the templates use."""
     return [piece for word in words for piece in (word, " " + word, "\n" + word)] + ["\n", "\n\n", ": ", ", "]
 
 
-def build_tokenizer():
+def build_tokenizer(words: list[str], special: list[str], vocab_size: int):
     """A byte-level BPE tokenizer as Qwen2's (normalizer, pre-tokenizer, decoder), trained on
-    training_text(): the special tokens take ids 0-4, each word one token."""
+    `words` (training_text): the special tokens take the first ids, each word one token."""
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
     from tokenizers.trainers import BpeTrainer
@@ -74,14 +73,14 @@ def build_tokenizer():
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = BpeTrainer(vocab_size=MODEL["vocab_size"], special_tokens=SPECIAL, show_progress=False)
-    tokenizer.train_from_iterator(training_text(), trainer)
+    trainer = BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False)
+    tokenizer.train_from_iterator(training_text(words), trainer)
     return tokenizer
 
 
 def write_tokenizer(directory: Path) -> dict[str, int]:
     """tokenizer.json and tokenizer_config.json (the chat template, the special tokens); returns the vocabulary."""
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(TEMPLATE_WORDS + TASKS + WORDS + FILLER, SPECIAL, MODEL["vocab_size"])
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "unk_token": "<unk>", "pad_token": "<pad>",
