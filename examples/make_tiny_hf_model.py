@@ -12,12 +12,14 @@ writes
                             {"messages"} asking for the first or last of a list of three words, and
                             the "answer" the rewards compare with
 
-The tokenizer is a word-level one (the `tokenizers` library) over the few words the data uses,
-with "<|im_end|>" as EOS (the end of an assistant turn); its vocabulary is smaller than the
-model's. The tasks (reverse, repeat, sort, copy a list of colour/animal/number words) are ones a
-tiny model starts to learn within a few dozen steps. Needs `transformers` (pip install -e ".[test]"). transformers 5's
-AutoTokenizer picks the tokenizer class from config.json's model type and rebuilds this word-level
-tokenizer as Qwen2's BPE one; load it with `PreTrainedTokenizerFast.from_pretrained(DIR)`.
+The tokenizer is a Qwen2 one, as small as the data allows: byte-level BPE (the `tokenizers`
+library) with Qwen2's pre-tokenizer, trained on the few words the data uses so that each is one
+token, with "<|im_end|>" as EOS (the end of an assistant turn); its vocabulary is smaller than the
+model's. tokenizer_config.json names it `Qwen2Tokenizer`, the class transformers' AutoTokenizer
+picks for a qwen2 model whatever the file says, and that class rebuilds exactly this tokenizer from
+tokenizer.json: AutoTokenizer reads the directory (and its export) as the run reads tokenizer.json.
+The tasks (reverse, repeat, sort, copy a list of colour/animal/number words) are ones a tiny model
+starts to learn within a few dozen steps. Needs `transformers` (pip install -e ".[test]").
 """
 
 from __future__ import annotations
@@ -46,28 +48,46 @@ MODEL = dict(
 )
 
 
-def vocabulary() -> dict[str, int]:
-    tokens = SPECIAL + TEMPLATE_WORDS + TASKS + WORDS + FILLER
-    assert len(tokens) == len(set(tokens))
-    return {token: i for i, token in enumerate(tokens)}
+QWEN2_SPLIT = (  # Qwen2's pre-tokenizer: what transformers' Qwen2Tokenizer splits text with before BPE
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def training_text(words: list[str]) -> list[str]:
+    """Each word at a line's start and after a space, and the separators the templates use."""
+    return [piece for word in words for piece in (word, " " + word, "\n" + word)] + ["\n", "\n\n", ": ", ", "]
+
+
+def build_tokenizer(words: list[str], special: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer as Qwen2's (normalizer, pre-tokenizer, decoder), trained on
+    `words` (training_text): the special tokens take the first ids, each word one token."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+
+    tokenizer = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
+                              fuse_unk=False, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False)
+    tokenizer.train_from_iterator(training_text(words), trainer)
+    return tokenizer
 
 
 def write_tokenizer(directory: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    vocab = vocabulary()
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.add_special_tokens(SPECIAL)
+    """tokenizer.json and tokenizer_config.json (the chat template, the special tokens); returns the vocabulary."""
+    tokenizer = build_tokenizer(TEMPLATE_WORDS + TASKS + WORDS + FILLER, SPECIAL, MODEL["vocab_size"])
     tokenizer.save(str(directory / "tokenizer.json"))
-    # So that transformers' AutoTokenizer loads it too (PreTrainedTokenizerFast over tokenizer.json).
     (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "<unk>",
-        "pad_token": "<pad>", "model_max_length": MODEL["max_position_embeddings"], "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "unk_token": "<unk>", "pad_token": "<pad>",
+        "bos_token": None, "add_prefix_space": False, "model_max_length": MODEL["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
     }, indent=2) + "\n")
-    return vocab
+    return tokenizer.get_vocab()
 
 
 def answer(task: str, words: list[str]) -> list[str]:
@@ -107,8 +127,8 @@ def write_model(directory: Path, seed: int, vocab_size: int) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
-    vocab = vocabulary()
-    config = Qwen2Config(**MODEL, eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<pad>"], bos_token_id=None)
+    config = Qwen2Config(**MODEL, eos_token_id=SPECIAL.index("<|im_end|>"), pad_token_id=SPECIAL.index("<pad>"),
+                         bos_token_id=None)
     assert vocab_size <= config.vocab_size, "the tokenizer's ids must fit the model's vocabulary"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory, safe_serialization=True)

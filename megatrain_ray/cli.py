@@ -74,8 +74,10 @@ def _bench(args) -> int:
 def _export(args) -> int:
     from megatrain_ray.files.export import export_checkpoint
 
-    out = export_checkpoint(Path(args.checkpoint), Path(args.out_dir), args.dtype)
-    print(f"exported {args.checkpoint} to {out}")
+    out, copied, mismatch = export_checkpoint(Path(args.checkpoint), Path(args.out_dir), args.dtype)
+    print(f"exported {args.checkpoint} to {out}" + (f" with the tokenizer's {', '.join(copied)}" if copied else ""))
+    if mismatch:
+        print(f"warning: {mismatch}")
     return 0
 
 

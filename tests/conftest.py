@@ -1,6 +1,6 @@
 """Fixtures every test folder shares, and the `gpu` marker's skip on machines without CUDA.
 
-Shared helpers (plain PyTorch training, small configs, the transformers checks) live in
+Shared helpers (whole-model autograd training, small configs, the transformers checks) live in
 tests/helpers/, importable as `helpers.*`: pyproject's pytest `pythonpath` puts tests/ on the path."""
 
 import os

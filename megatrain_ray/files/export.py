@@ -17,13 +17,18 @@ def checkpoint_layers(path: Path, manifest: dict):
         yield layer, state["master"]
 
 
-def export_checkpoint(path: Path, out_dir: Path, dtype: str = "float32") -> Path:
+def export_checkpoint(path: Path, out_dir: Path, dtype: str = "float32") -> tuple[Path, list[str], str | None]:
+    """The export, the tokenizer's files copied beside it from the run's data.tokenizer where that
+    is still there, and a warning where AutoTokenizer reads them otherwise (files/hf.py, export_tokenizer)."""
     from megatrain_ray.files.carried import carried_tensors
-    from megatrain_ray.files.hf import export_hf
+    from megatrain_ray.files.hf import export_hf, export_tokenizer
 
     ckpt.check_is_checkpoint(path, lambda found: shlex.join(["megatrain-ray", "export", str(found), str(out_dir)]))
     manifest, meta = ckpt.read_manifest(path)
     arch = arch_from_dict(meta["arch"])
     export_hf(out_dir, arch, checkpoint_layers(path, manifest), dtype=dtype_of(dtype),
               carried=carried_tensors(path, arch))
-    return out_dir
+    tokenizer = ((meta.get("config") or {}).get("data") or {}).get("tokenizer")
+    if not tokenizer or not Path(tokenizer).expanduser().exists():
+        return out_dir, [], None
+    return (out_dir, *export_tokenizer(tokenizer, out_dir))

@@ -454,3 +454,45 @@ def copy_tokenizer_files(tokenizer: str | None, out_dir: Path) -> list[str]:
             shutil.copyfile(source / name, out_dir / name)
             copied.append(name)
     return copied
+
+
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog.\nIt said: \"Hello, world!\" 12345 times."
+
+
+def auto_tokenizer_mismatch(out_dir: Path, tokenizer: str | None) -> str | None:
+    """None where transformers' AutoTokenizer reads `out_dir` as the run read `tokenizer` (its
+    tokenizer.json through the `tokenizers` library): the same ids for a probe of plain text and of
+    the tokenizer's own vocabulary; else a line saying how it differs and how to load it right.
+    transformers picks the class from config.json's model_type for some types (qwen2 among them)
+    whatever tokenizer_config.json names, and that class rebuilds the tokenizer from its vocabulary:
+    a tokenizer of another kind (word-level, say) then reads as something else."""
+    from tokenizers import Tokenizer
+
+    from megatrain_ray.data.tokenization import tokenizer_file
+
+    if not tokenizer or not (out_dir / "tokenizer.json").is_file():
+        return None
+    run = Tokenizer.from_file(str(tokenizer_file(tokenizer)))
+    own_words = run.decode(list(range(min(run.get_vocab_size(), 512))), skip_special_tokens=True)
+    try:
+        from transformers import AutoTokenizer
+
+        auto = AutoTokenizer.from_pretrained(out_dir)
+    except Exception as e:  # any reason it does not load is worth the same line
+        return f"transformers' AutoTokenizer cannot load {out_dir}: {type(e).__name__}: {e}"
+    for text in (PROBE_TEXT, own_words):
+        want = run.encode(text, add_special_tokens=False).ids
+        got = auto(text, add_special_tokens=False)["input_ids"]
+        if got != want:
+            return (f"transformers' AutoTokenizer loads {out_dir} as {type(auto).__name__}, which reads "
+                    f"{text[:40]!r}... as {got[:8]}... where the run's tokenizer read {want[:8]}...; load it with "
+                    f"PreTrainedTokenizerFast.from_pretrained({str(out_dir)!r}) (a tokenizer_config.json naming the "
+                    f"tokenizer's real class fixes it only where transformers honours it for this model type)")
+    return None
+
+
+def export_tokenizer(tokenizer: str | None, out_dir: Path) -> tuple[list[str], str | None]:
+    """The tokenizer's files copied beside an export (copy_tokenizer_files), and a warning where
+    transformers' AutoTokenizer would read them otherwise than the run did (auto_tokenizer_mismatch)."""
+    copied = copy_tokenizer_files(tokenizer, out_dir)
+    return copied, (auto_tokenizer_mismatch(out_dir, tokenizer) if copied else None)

@@ -72,10 +72,11 @@ def adamw_step(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     rounding_key: int = 0,
     offset: int = 0,
-) -> None:
+) -> str:
     """Update `master` and the moments from the gradient in `grad_weights`, then write the new
     compute-dtype weights over it: one pass in the native kernel, or torch's fused AdamW in three
-    where the kernel could not be built (or `one_pass` is False, for comparisons).
+    where the kernel could not be built (or `one_pass` is False, for comparisons). Returns the path
+    that ran: "native" or "torch".
 
     `segments` are (start, end, decays) ranges of the flat buffer, one per parameter, in order;
     `step` is the layer's 1-based update count, for Adam's bias correction.
@@ -110,16 +111,17 @@ def adamw_step(
         else:
             lean_update(master, exp_avg, exp_avg_sq, scales, grad if bf16_master else grad_weights,
                         None if bf16_master else grad_weights, segments, hp, step, rounding_key, offset=offset)
-        return
+        return "torch"
     decays = [1.0 - hp.lr * hp.weight_decay if decays_here else 1.0 for _, _, decays_here in segments]
     beta1, beta2 = hp.betas
     scalars = (hp.grad_scale, beta1, beta2, (1 - beta2**step) ** 0.5, hp.eps, hp.lr / (1 - beta1**step))
     if exact:
         kernel.adamw_step(master, exp_avg, exp_avg_sq, grad_weights, ends, decays, *scalars)
-        return
+        return "native"
     m_scale, v_scale = scales if scales is not None else (None, None)
     kernel.adamw_step_lean(master, exp_avg, exp_avg_sq, m_scale, v_scale, grad if bf16_master else grad_weights,
                            None if bf16_master else grad_weights, ends, decays, *scalars, rounding_key, offset)
+    return "native"
 
 
 def lean_update(

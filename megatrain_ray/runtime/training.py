@@ -349,10 +349,12 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
         log.close()
     print(f"checkpoint: {final}", flush=True)
     if config.checkpoint.export_hf:
-        from megatrain_ray.files.hf import copy_tokenizer_files
+        from megatrain_ray.files.hf import export_tokenizer
 
         session.export(final / "hf")
-        copied = copy_tokenizer_files(config.data.tokenizer, final / "hf")
+        copied, mismatch = export_tokenizer(config.data.tokenizer, final / "hf")
         print(f"Hugging Face export: {final / 'hf'}" + (" (with the tokenizer)" if copied else ""), flush=True)
+        if mismatch:
+            print(f"warning: {mismatch}", flush=True)
     return {"final_loss": last.loss if last else None, "eval_loss": evaluation.loss if evaluation else None,
             "checkpoint": str(final), "metrics": str(out / "metrics.jsonl"), "rewards": log.reward_trend()}

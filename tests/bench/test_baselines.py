@@ -24,7 +24,7 @@ def test_synthetic_data_is_the_streaming_bench_data():
     ours = synthetic_micro_batches(TINY, 16, 2, 3, seed=5)
     theirs = random_micro_batches(TINY, 16, 2, 3, seed=5)
     assert len(ours) == 3
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         for k in ("input_ids", "labels", "position_ids"):
             assert a[k].dtype == torch.int64 and a[k].device.type == "cpu"
             np.testing.assert_array_equal(a[k].numpy(), b[k])
@@ -39,7 +39,7 @@ def test_baseline_model_is_the_reference_model(preset):
     ref = ReferenceModel(arch)
     ours = dict(model.named_parameters())
     with torch.no_grad():
-        for layout, module in zip(ref.layouts, ref.layers):
+        for layout, module in zip(ref.layouts, ref.layers, strict=True):
             prefix = f"blocks.{layout.index - 1}." if layout.kind == "block" else ""
             for p in layout.params:
                 getattr(module, module_key(p.name)).copy_(ours[prefix + module_key(p.name)])

@@ -78,7 +78,7 @@ def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path, bench):
                                           {"seq_len": 64, "micro_batch": 1, "grad_accum": 3, "keep_graphs": None}]
     assert "kept forward graphs: the last 1 of 2 blocks" in proc.stdout, "the first shape's plan"
     assert proc.stdout.count("every layer recomputes its forward") == 1, "auto keeps none on the CPU"
-    for run, tokens in zip(runs, (128, 192)):
+    for run, tokens in zip(runs, (128, 192), strict=True):
         timed = [s for s in run["steps"] if not s["warmup"]]
         assert len(timed) == 2 and all(s["tokens"] == tokens and s["finite"] for s in timed)
         assert run["median"]["tokens_per_s"] <= steps_rate(timed), "the rate's window holds every timed step"

@@ -60,7 +60,11 @@ def stream(cfg: DataConfig, steps: int, start: DataPosition | None = None, count
 
 
 def same(a, b) -> bool:
-    return all(np.array_equal(x[k], y[k]) for (mx, _), (my, _) in zip(a, b) for x, y in zip(mx, my) for k in x)
+    """The same steps: as many, each with as many micro-batches, each with the same arrays."""
+    if len(a) != len(b) or any(len(mx) != len(my) for (mx, _), (my, _) in zip(a, b, strict=True)):
+        return False
+    return all(x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+               for (mx, _), (my, _) in zip(a, b, strict=True) for x, y in zip(mx, my, strict=True))
 
 
 def test_bad_rows_are_skipped_counted_and_the_stream_is_that_of_the_clean_data(tmp_path):

@@ -222,7 +222,7 @@ def test_messages_match_transformers_token_for_token(tmp_path, name, marked):
     model_dir = make_model_dir(tmp_path / "model", family, shipped)
     conversations = [c for c in CONVERSATIONS if name != "mistral" or c[0]["role"] != "system"]
     got = ours(model_dir, [{"messages": c} for c in conversations], tmp_path)
-    for conversation, (ids, trained) in zip(conversations, got):
+    for conversation, (ids, trained) in zip(conversations, got, strict=True):
         want_ids, want_trained = reference(model_dir, conversation, family["template"])
         assert ids[:len(want_ids)] == want_ids
         assert all(t == 0 for t in ids[len(want_ids):])  # then padding
@@ -253,7 +253,7 @@ def test_alpaca_and_sharegpt_rows_render_as_messages(tmp_path, name):
                                     "value": m["content"]} for m in c]} for c in conversations]
     for source_rows in (rows, sharegpt):
         (tmp_path / "rows.jsonl").unlink(missing_ok=True)
-        for (ids, trained), conversation in zip(ours(model_dir, source_rows, tmp_path), conversations):
+        for (ids, trained), conversation in zip(ours(model_dir, source_rows, tmp_path), conversations, strict=True):
             want_ids, want_trained = reference(model_dir, conversation, family["template"])
             assert ids[:len(want_ids)] == want_ids and trained == want_trained
 

@@ -43,7 +43,10 @@ def flat_rows(steps) -> list[dict]:
 
 
 def same(a, b) -> bool:
-    return all(np.array_equal(x[k], y[k]) for x, y in zip(flat_rows(a), flat_rows(b)) for k in x) and len(a) == len(b)
+    """As many steps, as many rows, each row's arrays the same."""
+    rows_a, rows_b = flat_rows(a), flat_rows(b)
+    return len(a) == len(b) and len(rows_a) == len(rows_b) and all(
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(rows_a, rows_b, strict=True))
 
 
 # ------------------------------------------------------------------ synthetic
@@ -106,7 +109,7 @@ def test_tokens_parquet_unpacked_rows_are_shifted_and_padded(tmp_path):
     write_parquet(tmp_path / "d.parquet", {"input_ids": docs})
     cfg = DataConfig(source=str(tmp_path / "d.parquet"), seq_len=6, pack=False, shuffle=False)
     rows = flat_rows(take(build_dataset(cfg, 10, seed=0), 3))
-    for doc, row in zip(docs, rows):
+    for doc, row in zip(docs, rows, strict=True):
         n = len(doc)
         assert row["input_ids"].tolist() == doc + [0] * (6 - n)
         assert row["labels"].tolist() == doc[1:] + [IGNORE_INDEX] * (7 - n)
@@ -324,7 +327,7 @@ def test_validation_batches_are_fixed_and_bounded(tmp_path):
     # the last filled with a row of padding to the step's shape: no target, positions as an unpacked row's
     assert [b["input_ids"].tolist() for b in first] == [[[7, 8, 9, 0], [1, 2, 0, 0]], [[3, 4, 5, 0], [0, 0, 0, 0]]]
     assert first[1]["labels"][1].tolist() == [IGNORE_INDEX] * 4 and first[1]["position_ids"][1].tolist() == [0, 1, 2, 3]
-    assert all(np.array_equal(a[k], b[k]) for a, b in zip(first, again) for k in a)
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(first, again, strict=True) for k in a)
     assert len(held.fixed_batches(1, 2)) == 2
     assert train.files != held.files
     with pytest.raises(DataError, match="eval.holdout_fraction needs data files"):

@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import load_config  # noqa: E402
 from megatrain_ray.data import build_dataset  # noqa: E402
+from megatrain_ray.data.tokenization import TextEncoder  # noqa: E402
+from megatrain_ray.files.hf import auto_tokenizer_mismatch  # noqa: E402
 from megatrain_ray.files.hub import resolve_names  # noqa: E402
 from helpers.examples import example_module  # noqa: E402
 
@@ -42,6 +44,39 @@ def mean_loss(model, batches) -> float:
                                            reduction="sum"))
             count += int((labels != -100).sum())
     return total / count
+
+
+SENTENCE = "reverse these words, please:\n\nred green blue <|im_end|> ### User: sort the list"
+
+
+def reads_as_the_run(directory: Path, run_tokenizer: Path) -> None:
+    """transformers' AutoTokenizer on `directory` gives the ids the run's tokenizer (data.tokenizer,
+    read as the run reads it) gives for a full sentence, and decodes them back to it."""
+    run = TextEncoder.load(str(run_tokenizer), load_config(CONFIG).data)
+    want = run.encode([SENTENCE])[0].tolist()
+    auto = AutoTokenizer.from_pretrained(directory)
+    assert len(want) > 10 and auto(SENTENCE, add_special_tokens=False)["input_ids"] == want, type(auto).__name__
+    assert auto.decode(want) == SENTENCE
+    assert auto_tokenizer_mismatch(Path(directory), str(run_tokenizer)) is None
+
+
+def test_the_examples_tokenizer_reads_with_auto_tokenizer_as_the_run_does(tmp_path):
+    """The example's Qwen2 tokenizer: AutoTokenizer (which takes Qwen2Tokenizer for a qwen2 model,
+    whatever tokenizer_config.json says) reads it as the run does."""
+    example_module("make_tiny_hf_model").main([str(tmp_path)])
+    reads_as_the_run(tmp_path / "model", tmp_path / "model")
+
+
+def test_a_tokenizer_auto_tokenizer_reads_otherwise_is_told(tmp_path):
+    """A word-level tokenizer beside a qwen2 config: AutoTokenizer rebuilds it as Qwen2's BPE, and
+    the export's check says so and how to load it."""
+    from helpers.files import word_tokenizer
+
+    maker = example_module("make_tiny_hf_model")
+    maker.write_model(tmp_path, seed=0, vocab_size=16)
+    word_tokenizer(tmp_path, {w: i for i, w in enumerate(["[UNK]", "red", "green", "blue", "the", "fox"])})
+    said = auto_tokenizer_mismatch(tmp_path, str(tmp_path))
+    assert said is not None and "Qwen2Tokenizer" in said and "PreTrainedTokenizerFast.from_pretrained" in said, said
 
 
 def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, ray_head, monkeypatch, capsys):
@@ -76,7 +111,7 @@ def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, ray_
 
     # The rows it trained on are the model's chat template, token for token as transformers renders it,
     # the loss on exactly the assistant's answer and its <|im_end|>.
-    tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     unpacked = dataclasses.replace(config.data, pack=False, shuffle=False)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     steps = build_dataset(unpacked, 256, seed=0).batches(1, 1)
@@ -94,6 +129,11 @@ def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, ray_
 
     exports = sorted((out / "checkpoints").glob("step-*/hf"))
     assert [e.parent.name for e in exports] == [f"step-{config.train.steps:08d}"]
+    assert "warning" not in run.out
+    reads_as_the_run(exports[0], model_dir)  # the export's tokenizer loads with the Auto classes as the run read it
+    assert cli.main(["export", str(exports[0].parent), str(tmp_path / "exported")]) == 0
+    assert "with the tokenizer's tokenizer.json, tokenizer_config.json" in capsys.readouterr().out
+    reads_as_the_run(tmp_path / "exported", model_dir)  # and so does `megatrain-ray export`'s
     tuned = AutoModelForCausalLM.from_pretrained(exports[0], dtype=torch.float32).eval()
     initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tuned_sd, initial_sd = tuned.state_dict(), initial.state_dict()

@@ -91,7 +91,7 @@ def test_ten_steps_equal_five_then_resume_five(resumed):
     dataset = build_dataset(config.data, 256, config.train.seed)
     next_a, _ = next(dataset.batches(2, 2, DataPosition.from_dict(ma["data_position"])))
     next_b, _ = next(dataset.batches(2, 2, DataPosition.from_dict(mb["data_position"])))
-    for x, y in zip(next_a, next_b):
+    for x, y in zip(next_a, next_b, strict=True):
         assert all((x[k] == y[k]).all() for k in x)
 
 
@@ -108,7 +108,8 @@ def test_a_resume_with_more_steps_keeps_the_lr_schedule_unless_asked():
     """A checkpoint of a 10-step run resumed with train.steps=12 keeps its 10-step cosine (steps 11
     and 12 at its floor, not a cosine over 12 steps that jumps back up) and says so; optim.schedule_steps
     asks for a new horizon. Through the CLI and the actors: tests/entry/test_quick_start.py."""
-    from megatrain_ray.host.adamw import LrSchedule, learning_rate
+    from helpers.reference_training import reference_lr
+    from megatrain_ray.host.adamw import LrSchedule
 
     first = config_from_dict(tiny_raw(Path("out"), steps=10))
     meta = {"step": 10, "config": first.to_dict()}
@@ -121,13 +122,13 @@ def test_a_resume_with_more_steps_keeps_the_lr_schedule_unless_asked():
     floor = first.optim.lr * first.optim.min_lr_ratio
     schedule = LrSchedule(longer.optim, kept, updates_done=10)
     assert [schedule.next(0.0).lr for _ in range(2)] == pytest.approx([floor, floor])
-    assert learning_rate(first.optim, 10, 12) > 1.1 * floor  # what a cosine over the new length would give
+    assert reference_lr(first.optim, 10, 12) > 1.1 * floor  # what a cosine over the new length would give
 
     asked = config_from_dict(tiny_raw(Path("out"), steps=16, optim={"schedule_steps": 16}))
     wider, line = ckpt.schedule_on_resume(asked, meta)
     assert wider is None and line == ("LR schedule: a new horizon of 16 steps (optim.schedule_steps) from step 11; "
                                        "the checkpoint's run followed one of 10 steps")
-    assert LrSchedule(asked.optim, 16, updates_done=10).next(0.0).lr == pytest.approx(learning_rate(first.optim, 10, 16))
+    assert LrSchedule(asked.optim, 16, updates_done=10).next(0.0).lr == pytest.approx(reference_lr(first.optim, 10, 16))
     # the same length again (an interrupted run resumed as it was) is no news; a resumed run's checkpoint
     # records the length its plan followed (a third run keeps 10, not the resumed run's train.steps)
     assert ckpt.schedule_on_resume(first, meta) == (10, None)

@@ -52,7 +52,7 @@ def hf_flats(model_dir: Path, arch) -> list[torch.Tensor]:
 def grads_by_hf_name(ref: ReferenceModel) -> dict[str, torch.Tensor]:
     """The reference model's gradients under transformers' in-memory names (the layouts' names)."""
     return {layout.hf_name(p.name): getattr(module, module_key(p.name)).grad
-            for layout, module in zip(ref.layouts, ref.layers) for p in layout.params}
+            for layout, module in zip(ref.layouts, ref.layers, strict=True) for p in layout.params}
 
 
 def assert_gradients_match(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
@@ -114,7 +114,7 @@ def assert_bf16_tracks(name: str, ours: list[float], theirs: list[float]) -> Non
     """bf16 runs cannot match to the bit: the losses track each other within 2% and go down."""
     print(f"{name} ours", ours, "\ntransformers", theirs)
     assert ours[-1] < ours[0], "the loss must go down"
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert a == pytest.approx(b, rel=0.02)
 
 

@@ -39,7 +39,7 @@ TYPE_TOKEN_KEYS = {"gemma3": {"image_token_index": "<image_soft_token>"}, "mistr
                    "minicpmv4_7": {"image_token_id": "<|image_pad|>", "image_start_id": "<image>",
                                    "image_end_id": "</image>", "slice_start_id": "<slice>", "slice_end_id": "</slice>"},
                    "glm4v": dict(zip(["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
-                                      "video_token_id", "video_end_token_id"], GLM4V_TOKENS))}
+                                      "video_token_id", "video_end_token_id"], GLM4V_TOKENS, strict=True))}
 IMAGE = 28  # pixels a side: 2 x 2 patches of 14
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
           "{% else %}{% for c in m.content %}{% if c.type == 'image' %}IMAGE{% else %}{{ c.text }}{% endif %}"

@@ -1,6 +1,12 @@
-"""The plain PyTorch reference: the whole model as one nn.Module with ordinary autograd.
+"""The whole model as one nn.Module with ordinary autograd, built from the project's own layer code.
 
-Tests train it with torch.optim.AdamW beside the streaming trainer, on the same weights and data.
+Its forward runs the family's `embed`, `block` and `logits` (megatrain_ray/models), the same
+functions the streaming executor runs: it is not an independent model. What it checks is the
+streaming around that code: layers streamed through weight slots, recomputed in backward, each
+layer's gradient accumulated over micro-batches and copied out once, clipping, and the host AdamW
+(tests train it with torch.optim.AdamW beside the streaming trainer, on the same weights and data).
+The layer code itself is compared with transformers' own models in tests/models/
+(test_transformers_parity.py, test_families_parity.py, test_moe_parity.py, helpers/hf_parity.py).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ class ReferenceModel(nn.Module):
 
     def load_layer_weights(self, flats: list[torch.Tensor]) -> None:
         with torch.no_grad():
-            for layout, module, flat in zip(self.layouts, self.layers, flats):
+            for layout, module, flat in zip(self.layouts, self.layers, flats, strict=True):
                 for name, view in layout.views(flat).items():
                     getattr(module, module_key(name)).copy_(view)
 
@@ -39,7 +45,7 @@ class ReferenceModel(nn.Module):
         """Each layer's parameters flattened in layout order (fp32), to compare with the stores."""
         return [
             torch.cat([getattr(m, module_key(p.name)).detach().float().reshape(-1) for p in layout.params])
-            for layout, m in zip(self.layouts, self.layers)
+            for layout, m in zip(self.layouts, self.layers, strict=True)
         ]
 
     def bound(self, index: int) -> dict[str, torch.Tensor]:
@@ -47,7 +53,7 @@ class ReferenceModel(nn.Module):
 
     def decay_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         decay, no_decay = [], []
-        for layout, module in zip(self.layouts, self.layers):
+        for layout, module in zip(self.layouts, self.layers, strict=True):
             for p in layout.params:
                 (decay if p.decays else no_decay).append(getattr(module, module_key(p.name)))
         return decay, no_decay

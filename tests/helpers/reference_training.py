@@ -1,7 +1,10 @@
-"""Plain PyTorch training beside the streaming trainer: same weights, data, AdamW, clipping, schedule."""
+"""Whole-model training beside the streaming trainer: same weights and data, one autograd graph over
+the model of helpers/reference_model.py (the project's layer code, see there), torch.optim.AdamW,
+torch's clipping and a LambdaLR over the schedule written here."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +13,26 @@ from megatrain_ray.config import Config
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.models.arch import ModelArch
 from helpers.reference_model import ReferenceModel
-from megatrain_ray.host.adamw import lr_factor
+
+
+def reference_lr_factor(update: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """The documented schedule, written here and not taken from megatrain_ray.host.adamw: the
+    learning rate rises linearly over `warmup_steps` updates to its full value at the last of them
+    (update 0 gets 1/warmup_steps of it), then follows a half cosine from the full value down to
+    `min_ratio` of it over the remaining `total_steps - warmup_steps` updates, and stays there.
+    After the warm-up this is transformers' get_cosine_with_min_lr_schedule_with_warmup
+    (tests/host/test_host_adamw.py checks it against that function); `update` counts from 0, as
+    LambdaLR's does."""
+    if update < warmup_steps:
+        return (update + 1) / warmup_steps
+    decay_updates = max(1, total_steps - warmup_steps)
+    decayed = min(1.0, (update - warmup_steps) / decay_updates)
+    return min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi * decayed)) / 2
+
+
+def reference_lr(optim, update: int, total_steps: int) -> float:
+    """optim.lr times reference_lr_factor: the learning rate of update `update` (from 0)."""
+    return optim.lr * reference_lr_factor(update, optim.warmup_steps, total_steps, optim.min_lr_ratio)
 
 
 def random_micro_batches(arch: ModelArch, steps: int, grad_accum: int, batch: int, seq: int, seed: int,
@@ -42,7 +64,7 @@ def random_micro_batches(arch: ModelArch, steps: int, grad_accum: int, batch: in
 
 def adamw_loop(config: Config, groups: tuple[list, list], clip: list, steps_data, loss_sum) -> list[float]:
     """The plain loop every comparison runs: torch.optim.AdamW (weight decay on the first group
-    only), LambdaLR(lr_factor), clip_grad_norm_ over `clip`, each step's loss the summed token
+    only), torch's LambdaLR over reference_lr_factor (not the project's schedule), clip_grad_norm_ over `clip`, each step's loss the summed token
     losses of its micro-batches (`loss_sum(mb)`) over the step's target tokens. Returns the losses."""
     o = config.optim
     decay, no_decay = groups
@@ -51,7 +73,7 @@ def adamw_loop(config: Config, groups: tuple[list, list], clip: list, steps_data
         lr=o.lr, betas=o.betas, eps=o.eps,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: lr_factor(k, o.warmup_steps, config.train.steps, o.min_lr_ratio)
+        opt, lambda k: reference_lr_factor(k, o.warmup_steps, o.schedule_steps or config.train.steps, o.min_lr_ratio)
     )
     losses = []
     for micro_batches in steps_data:
@@ -127,9 +149,9 @@ class Both:
     exact_weights: list[torch.Tensor]
 
     def assert_trains_like_plain_pytorch(self):
-        for step, (r, plain, exact) in enumerate(zip(self.results, self.plain_losses, self.exact_losses)):
+        for step, (r, plain, exact) in enumerate(zip(self.results, self.plain_losses, self.exact_losses, strict=True)):
             assert_within_fp32_noise(r.loss, plain, exact, f"loss of step {step}")
-        for i, (a, plain, exact) in enumerate(zip(self.ours, self.plain_weights, self.exact_weights)):
+        for i, (a, plain, exact) in enumerate(zip(self.ours, self.plain_weights, self.exact_weights, strict=True)):
             assert_within_fp32_noise(a, plain, exact, f"layer {i}")
             assert not torch.equal(a, self.init[i]), f"layer {i} did not train"
 

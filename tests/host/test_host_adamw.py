@@ -16,6 +16,7 @@ import torch
 
 from megatrain_ray.host import adamw_kernel as host_adamw
 from megatrain_ray.host.adamw import AdamWStep, adamw_step, clip_coefficient
+from helpers.kernel import path_of
 from helpers.threads import three_threads  # noqa: F401 (a fixture)
 
 # Odd sizes (no multiple of a vector width or of the kernel's 64 Ki-element tiles), 205,254
@@ -37,13 +38,13 @@ def torch_reference(init: torch.Tensor, grads: list[torch.Tensor], weight_decay:
     """torch.optim.AdamW over one tensor per segment; returns master, moments and clip scales per step."""
     params = [torch.nn.Parameter(init[a:b].clone()) for a, b, _ in flat_segments()]
     groups = [
-        {"params": [p for p, (_, _, d) in zip(params, flat_segments()) if d], "weight_decay": weight_decay},
-        {"params": [p for p, (_, _, d) in zip(params, flat_segments()) if not d], "weight_decay": 0.0},
+        {"params": [p for p, (_, _, d) in zip(params, flat_segments(), strict=True) if d], "weight_decay": weight_decay},
+        {"params": [p for p, (_, _, d) in zip(params, flat_segments(), strict=True) if not d], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=False, fused=False)
     scales = []
     for g in grads:
-        for p, (a, b, _) in zip(params, flat_segments()):
+        for p, (a, b, _) in zip(params, flat_segments(), strict=True):
             p.grad = g[a:b].to(torch.float32, copy=True)  # the bf16 gradient, upcast (clipping scales it)
         if max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -80,12 +81,13 @@ def test_step_matches_torch_adamw(one_pass, dtype, weight_decay, max_norm):
     if max_norm > 0:
         assert all(s < 1.0 for s in scales), "clipping must be active"
 
+    path = path_of(one_pass)
     master, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
     compute = init.to(dtype, copy=True)
-    for step, (g, scale) in enumerate(zip(grads, scales), start=1):
+    for step, (g, scale) in enumerate(zip(grads, scales, strict=True), start=1):
         compute.copy_(g)  # the executor writes the gradient over the weights
         hp = AdamWStep(step, LR, scale, BETAS, EPS, weight_decay)
-        adamw_step(master, m, v, compute, flat_segments(), hp, step, one_pass=one_pass)
+        assert adamw_step(master, m, v, compute, flat_segments(), hp, step, one_pass=one_pass) == path
 
     assert_relative(master, ref_master, "master")
     assert_relative(m, ref_m, "exp_avg")
@@ -111,10 +113,11 @@ def test_a_late_step_matches_torchs_fused_adamw(dtype):
     hp = AdamWStep(step, LR, 0.7, BETAS, EPS, 0.1)
     out = []
     for one_pass in (True, False):
+        path = path_of(one_pass)  # the kernel against the fallback, each really run
         master, m, v, compute = init.clone(), m0.clone(), v0.clone(), g.clone()
-        adamw_step(master, m, v, compute, flat_segments(), hp, step, one_pass=one_pass)
+        assert adamw_step(master, m, v, compute, flat_segments(), hp, step, one_pass=one_pass) == path
         out.append((master, m, v))
-    for ours, ref, what in zip(out[0], out[1], ("master", "exp_avg", "exp_avg_sq")):
+    for ours, ref, what in zip(out[0], out[1], ("master", "exp_avg", "exp_avg_sq"), strict=True):
         assert_relative(ours, ref, what)
 
 
@@ -126,7 +129,7 @@ def test_bf16_rounding_is_torchs():
     n = values.numel()
     master, m, v = values.clone(), torch.zeros(n), torch.zeros(n)
     compute = torch.zeros(n, dtype=torch.bfloat16)  # a zero gradient and lr 0: the step only publishes
-    adamw_step(master, m, v, compute, [(0, n, False)], AdamWStep(1, 0.0, 1.0, BETAS, EPS, 0.0), 1)
+    assert adamw_step(master, m, v, compute, [(0, n, False)], AdamWStep(1, 0.0, 1.0, BETAS, EPS, 0.0), 1) == path_of(True)
     expected = values.to(torch.bfloat16)
     nan = values.isnan()
     assert torch.equal(compute[~nan].view(torch.int16), expected[~nan].view(torch.int16))
@@ -208,3 +211,52 @@ def test_a_process_waits_for_the_build_another_holds_and_loads_it_without_compil
     out, _ = waiter.communicate(timeout=60)
     assert waiter.returncode == 0, out
     assert out.splitlines()[-1] == "loaded True" and "compiled" not in out, out
+
+
+@pytest.mark.parametrize("warmup, total, min_ratio", [(0, 7, 0.1), (2, 9, 0.0), (3, 12, 0.25), (1, 1, 0.5)])
+def test_the_lr_schedule_is_warmup_then_transformers_cosine(warmup, total, min_ratio):
+    """The LR of every update, the stores' messages (LrSchedule) and the metrics' learning_rate,
+    against the schedule written in the test helper, and that one, after the warm-up, against
+    transformers' get_cosine_with_min_lr_schedule_with_warmup run through torch's LambdaLR (its
+    warm-up starts from 0, the project's reaches the full LR at the warm-up's last update)."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from helpers.reference_training import reference_lr
+    from megatrain_ray.config import OptimConfig
+    from megatrain_ray.host.adamw import LrSchedule, learning_rate
+
+    cfg = OptimConfig(lr=1e-3, warmup_steps=warmup, min_lr_ratio=min_ratio)
+    updates = range(total + 4)  # past the end too: the floor
+    want = [reference_lr(cfg, k, total) for k in updates]
+    schedule = LrSchedule(cfg, total)
+    assert [schedule.next(0.0).lr for _ in updates] == pytest.approx(want, rel=1e-12)
+    assert [learning_rate(cfg, k, total) for k in updates] == pytest.approx(want, rel=1e-12)
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, total, min_lr_rate=min_ratio)
+    transformers_lr = []
+    for _ in updates:
+        transformers_lr.append(opt.param_groups[0]["lr"])
+        opt.step()
+        theirs.step()
+    assert want[warmup:total + 1] == pytest.approx(transformers_lr[warmup:total + 1], rel=1e-12)
+    assert want[:warmup] == pytest.approx([cfg.lr * (k + 1) / warmup for k in range(warmup)], rel=1e-12)
+    floor_from = warmup + max(1, total - warmup)  # a decay of at least one update
+    assert want[floor_from:] == pytest.approx([cfg.lr * min_ratio] * len(want[floor_from:]), rel=1e-12)
+
+
+def test_ci_fails_where_the_kernel_does_not_build(tmp_path):
+    """.ci/run's check (.ci/check_kernel.py) with no compiler and an empty cache exits 1, saying so;
+    where this machine has the kernel built, it passes."""
+    import os
+    from pathlib import Path
+
+    check = Path(__file__).resolve().parents[2] / ".ci" / "check_kernel.py"
+    env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    failed = subprocess.run([sys.executable, str(check)], env=env, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "FAILED: the host AdamW kernel did not build" in failed.stderr
+    assert "could not be built (Command '['/bin/false'" in failed.stderr  # the build's own reason, above it
+    if host_adamw.native_kernel() is not None:  # built in this machine's cache: loaded, not compiled
+        built = subprocess.run([sys.executable, str(check)], capture_output=True, text=True, timeout=120)
+        assert built.returncode == 0 and built.stdout.startswith("host AdamW kernel: "), built.stdout + built.stderr

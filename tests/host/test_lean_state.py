@@ -18,6 +18,7 @@ from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.runtime.local import LocalTrainer
+from helpers.kernel import path_of
 from helpers.threads import three_threads  # noqa: F401 (a fixture)
 from helpers.hf_parity import save
 from helpers.reference_training import random_micro_batches
@@ -163,7 +164,9 @@ def widened(state) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_step(state, step: int, grad_scale: float, one_pass: bool, key: int) -> None:
-    adamw_step(state["master"], state["exp_avg"], state["exp_avg_sq"], state["compute"], segments(),
+    """One step on the path `one_pass` names, checked to be the one that ran (helpers/kernel.py)."""
+    path = path_of(one_pass)
+    assert path == adamw_step(state["master"], state["exp_avg"], state["exp_avg_sq"], state["compute"], segments(),
                AdamWStep(step, LR, grad_scale, BETAS, EPS, WD), step, one_pass, grad=state["grad"],
                scales=state["scales"], rounding_key=key)
 
@@ -240,8 +243,9 @@ def test_stochastic_rounding_keeps_small_updates_in_expectation(one_pass):
     grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
     lr = 1e-3  # the first step moves each weight by lr: an eighth of bf16's step at 1.0 (2**-7)
     hp = AdamWStep(1, lr, 1.0, BETAS, EPS, 0.0)
-    adamw_step(master, m, v, master, [(0, n, False)], hp, 1, one_pass, grad=grad, scales=scales,
-               rounding_key=precision.rounding_key(0, 0, 1))
+    path = path_of(one_pass)
+    assert path == adamw_step(master, m, v, master, [(0, n, False)], hp, 1, one_pass, grad=grad, scales=scales,
+                              rounding_key=precision.rounding_key(0, 0, 1))
     g = float(torch.tensor(1e-3).to(torch.bfloat16))
     x = 1.0 - lr * g / (abs(g) + EPS)  # Adam's first step: -lr * sign(g), less eps's share
     lo, hi = 1.0 - 2**-8, 1.0  # bf16 neighbours below 1.0 are 2**-8 apart
@@ -271,8 +275,9 @@ def test_kernel_and_fallback_draw_the_same_noise():
     x = torch.randn(n, generator=torch.Generator().manual_seed(4))
     results = []
     for one_pass in (True, False):
+        path = path_of(one_pass)
         master = x.to(torch.bfloat16)
-        adamw_step(master, torch.zeros(n), torch.zeros(n), master, [(0, n, False)],
+        assert path == adamw_step(master, torch.zeros(n), torch.zeros(n), master, [(0, n, False)],
                    AdamWStep(1, 0.0, 1.0, BETAS, EPS, 0.0), 1, one_pass, grad=torch.zeros(n, dtype=torch.bfloat16),
                    rounding_key=12345)
         results.append(master)

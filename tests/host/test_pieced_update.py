@@ -15,6 +15,7 @@ from megatrain_ray.host.store import ShardStore
 from megatrain_ray.host.transport import piece_bounds
 from megatrain_ray.models.generic import frozen_slots
 from megatrain_ray.models.registry import PRESETS
+from helpers.kernel import path_of
 from helpers.threads import three_threads  # noqa: F401 (a fixture)
 from test_host_adamw import BETAS, EPS, LR, SEGMENTS, STEPS, assert_relative, flat_segments, torch_reference
 
@@ -49,6 +50,7 @@ def test_a_layer_updated_in_pieces_equals_one_update_bit_for_bit(master, moments
                                                                    monkeypatch):
     if not one_pass:
         monkeypatch.setattr(adamw_module, "native_kernel", lambda: None)
+    path_of(one_pass)  # the kernel, where it says so, is built: the store's updates run it
     fmt = StateFormat(master, moments)
     whole, pieced = store_of(fmt, frozen_tail), store_of(fmt, frozen_tail)
     bounds = piece_bounds(whole.layers[1].layout.numel, PIECE)
@@ -88,7 +90,7 @@ def test_pieces_match_torch_adamw(dtype):
     for bounds in ([(0, n)], piece_bounds(n, 4096)):
         master, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
         compute = init.to(dtype, copy=True)
-        for step, (g, scale) in enumerate(zip(grads, scales), start=1):
+        for step, (g, scale) in enumerate(zip(grads, scales, strict=True), start=1):
             compute.copy_(g)
             hp = AdamWStep(step, LR, scale, BETAS, EPS, 0.1)
             for lo, hi in bounds:
@@ -99,5 +101,5 @@ def test_pieces_match_torch_adamw(dtype):
     assert_relative(master, ref_master, "master")
     assert_relative(m, ref_m, "exp_avg")
     assert_relative(v, ref_v, "exp_avg_sq")
-    for ours, one_call in zip(runs[1], runs[0]):
+    for ours, one_call in zip(runs[1], runs[0], strict=True):
         assert torch.equal(ours, one_call)

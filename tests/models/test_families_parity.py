@@ -244,7 +244,7 @@ def test_blocks_trace_into_one_graph(preset):
                 results.append((y.detach(), grads))
             (y0, g0), (y1, g1) = results
             assert rel(y1, y0) < RTOL
-            assert all(rel(a, b) < RTOL for a, b in zip(g1, g0))
+            assert all(rel(a, b) < RTOL for a, b in zip(g1, g0, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------- d

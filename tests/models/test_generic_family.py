@@ -440,7 +440,7 @@ def test_altup_clamps_its_prediction_coefficients_in_a_copy_not_in_the_streamed_
     dy = torch.randn_like(y, generator=torch.Generator().manual_seed(1))
     ours = torch.autograd.grad(y, list(leaves.values()), dy)
     theirs = torch.autograd.grad(expected, list(clamped.values()), dy)
-    for name, a, b in zip(leaves, ours, theirs):
+    for name, a, b in zip(leaves, ours, theirs, strict=True):
         assert torch.equal(a, b), name
 
 
@@ -454,11 +454,11 @@ def test_a_compiled_gemma3n_block_differentiates_after_two_micro_batches():
     inputs = [x, x.flip(0)]
     ys = [compiled(arch, leaves, xi.requires_grad_(True), call) for xi in inputs]
     eager = [TRANSFORMERS.block(arch, leaves, xi, call) for xi in inputs]
-    for y, expected, xi in zip(ys, eager, inputs):
+    for y, expected, xi in zip(ys, eager, inputs, strict=True):
         dy = torch.ones_like(y)
         got = torch.autograd.grad(y, [xi, *leaves.values()], dy)
         want = torch.autograd.grad(expected, [xi, *leaves.values()], dy)
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=True):
             assert rel(a, b) < 1e-5
 
 
@@ -612,10 +612,10 @@ def test_dropout_trains_as_plain_autograd_with_the_same_seed(tmp_path, model_typ
     torch.manual_seed(11)
     plain_losses, plain, _ = train_reference(config, arch, init, data)
     assert losses == pytest.approx(plain_losses, rel=RTOL)
-    for i, (a, b) in enumerate(zip(ours, plain)):
+    for i, (a, b) in enumerate(zip(ours, plain, strict=True)):
         assert rel(a, b) < RTOL, f"layer {i}"
     assert evaluated[0] == evaluated[1], "validation draws nothing: dropout is off there"
-    assert not any(torch.equal(a, b) for a, b in zip(ours, init)), "every layer trained"
+    assert not any(torch.equal(a, b) for a, b in zip(ours, init, strict=True)), "every layer trained"
 
 
 class CountingBackend:

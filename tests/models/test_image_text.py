@@ -251,7 +251,7 @@ def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
         second.lr_schedule.updates_done = 2
         split.append(second.train_step(data[2]).loss)
         resumed = second.layer_weights()
-        assert split == losses and all(torch.equal(a, b) for a, b in zip(ours, resumed))
+        assert split == losses and all(torch.equal(a, b) for a, b in zip(ours, resumed, strict=True))
     finally:
         second.close()
 

@@ -153,7 +153,7 @@ def test_export_then_import_is_exact_across_shards_with_per_expert_names(tmp_pat
     assert per_expert in names and not any(n.endswith("experts.gate_up_proj") for n in names if preset != "tiny-gpt-oss")
     back = [torch.full((layout.numel,), float("nan")) for layout in layouts]
     load_hf_weights(out, arch, back.__getitem__)
-    for a, b in zip(flats, back):
+    for a, b in zip(flats, back, strict=True):
         assert torch.equal(a, b)
     # a checkpoint of the model with another number of experts is refused before anything is copied
     with pytest.raises(CheckpointMismatch, match="num_experts"):

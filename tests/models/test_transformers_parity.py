@@ -103,7 +103,7 @@ def test_five_steps_export_equals_transformers_adamw(tmp_path, family):
     ref_losses = train_transformers(model, config, data)
     exact_losses = train_transformers(exact_model, config, data)
     assert all(r.grad_norm > config.optim.grad_clip for r in results), "clipping must be active"
-    for step, (r, plain, exact) in enumerate(zip(results, ref_losses, exact_losses)):
+    for step, (r, plain, exact) in enumerate(zip(results, ref_losses, exact_losses, strict=True)):
         assert_within_fp32_noise(r.loss, plain, exact, f"loss of step {step}")
 
     exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)

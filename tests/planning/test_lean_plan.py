@@ -46,7 +46,7 @@ def test_the_plan_prints_the_largest_model_per_mode_on_one_h200_with_1_5_tb():
     assert sorted(largest) == [6.031, 8.031, 10.0, 14.0]  # with the int8 scales, printed to 4 digits
     assert largest[6.031] >= 200 and largest[14.0] < 100  # the 1,390 GiB free: 90% of it, less the worker's 2 GiB
     usable = (0.9 * 1390 - 2) * GiB
-    for bpp, b in zip((6.03125, 8.03125, 10.0, 14.0), (largest[k] for k in sorted(largest))):
+    for bpp, b in zip((6.03125, 8.03125, 10.0, 14.0), (largest[k] for k in sorted(largest)), strict=True):
         assert b == pytest.approx(usable / bpp / 1e9, abs=0.05)
     assert fits, text
     exact = config_in("14", "dense-220b.yaml")

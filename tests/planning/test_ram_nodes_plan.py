@@ -280,7 +280,7 @@ def test_plan_says_how_many_cores_each_ram_node_needs_to_keep_up():
     text = describe(SEVEN_B, cfg, step)
     forward = predict_step(SEVEN_B, step.planned_config(cfg), kept=step.kept).forward_s
     numels = [layout.numel for layout in model_layouts(SEVEN_B)]
-    for store, verdict in zip(step.placement.stores, ["63 optimizer threads (enough)", "1 optimizer thread: "]):
+    for store, verdict in zip(step.placement.stores, ["63 optimizer threads (enough)", "1 optimizer thread: "], strict=True):
         params = sum(numels[i] for i in store.layers)
         need = ram_node_cores(params, forward)
         assert 1 < need < 63

@@ -1,5 +1,6 @@
-"""The GRPO loss of one update against plain PyTorch written from the papers' formulas: the same
-prompts, completions and rewards, the whole model as one nn.Module (helpers/reference_model.py),
+"""The GRPO loss of one update against a loss written in plain PyTorch from the papers' formulas: the
+same prompts, completions and rewards, the whole model as one nn.Module of the project's own layer
+code with ordinary autograd (helpers/reference_model.py; that code is checked against transformers in tests/models/),
 its loss from DeepSeekMath's objective (group-normalised advantages, the clipped ratio, the k3 KL)
 with GRPO's, DAPO's and Dr. GRPO's normalisations. The streaming executor computes the token
 log-probabilities a chunk at a time at its head, rows split over micro-batches; the loss and every
@@ -53,7 +54,7 @@ def plain_grpo_loss(model, prompts, completions, rewards, old_shift, ref_shift, 
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, G)
     adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).reshape(-1)
     per_completion, tokens = [], 0
-    for i, (p, c) in enumerate(zip(prompts, completions)):
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         ids = torch.tensor(np.concatenate([p, c]))[None]
         logits = model(ids, torch.arange(ids.shape[1])[None])[0].float()
         logp_all = torch.log_softmax(logits[len(p) - 1:len(p) - 1 + len(c)], dim=-1)
@@ -92,7 +93,7 @@ def test_one_update_equals_plain_pytorch(normalizer, kl_coef):
         # the old policy's log-probabilities through the streamed forward, then shifted
         current = trainer.executor.token_logprobs(mbs)
         olds, refs = [], []
-        for k, (mb, lp) in enumerate(zip(mbs, current)):
+        for k, (mb, lp) in enumerate(zip(mbs, current, strict=True)):
             old, ref = lp.copy(), lp.copy()
             for row in range(mb["labels"].shape[0]):
                 i = 3 * k + row
@@ -116,7 +117,7 @@ def test_one_update_equals_plain_pytorch(normalizer, kl_coef):
     clipped = result.policy["clipped_tokens"] / result.policy["policy_tokens"]
     assert result.policy["policy_tokens"] == sum(len(c) for c in completions)
     assert 0.1 < clipped < 0.9, "the clipped region must hold some tokens and not all"
-    for i, (a, b) in enumerate(zip(ours, plain)):
+    for i, (a, b) in enumerate(zip(ours, plain, strict=True)):
         assert float((a - b).norm()) <= 1e-5 * float(b.norm()), f"layer {i}: {float((a - b).norm() / b.norm()):.2e}"
 
 

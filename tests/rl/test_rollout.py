@@ -54,7 +54,7 @@ def test_the_rollout_copy_and_the_streamed_reference_score_like_transformers(tin
         expected = label_logprobs_of(hf, mbs, torch.device("cpu"))
 
         def assert_scores_like_transformers(scores, what):
-            for mb, ours, theirs in zip(mbs, scores, expected):
+            for mb, ours, theirs in zip(mbs, scores, expected, strict=True):
                 at = mb["labels"] >= 0
                 assert np.abs(ours[at] - theirs[at]).max() < 1e-5, what  # fp32 rounding: 5e-7 measured
                 assert (ours[~at] == 0).all(), what
@@ -63,7 +63,7 @@ def test_the_rollout_copy_and_the_streamed_reference_score_like_transformers(tin
         assert_scores_like_transformers(rollout.policy_logprobs(mbs), "rollout copy")
         trainer.train_step(random_micro_batches(arch, 1, 1, batch=2, seq=8, seed=0)[0])
         moved = trainer.token_logprobs(mbs)
-        assert max(np.abs(a - b).max() for a, b in zip(moved, expected)) > 1e-3, "the update moved the policy"
+        assert max(np.abs(a - b).max() for a, b in zip(moved, expected, strict=True)) > 1e-3, "the update moved the policy"
         assert_scores_like_transformers(trainer.reference_logprobs(mbs), "streamed reference")
     finally:
         trainer.close()
@@ -106,8 +106,8 @@ def test_a_streamed_rollout_samples_and_scores_as_the_resident_one():
         for layer in rollout.streamed_layers():  # no memory of their own: views into the two slots
             module = rollout.model.get_submodule(f"model.layers.{layer - 1}")
             assert {p.untyped_storage().data_ptr() for p in module.parameters()} <= slots
-        assert all((a == b).all() for a, b in zip(streamed, resident)), kept
-        assert all(np.array_equal(a, b) for a, b in zip(scores, resident_scores)), kept
+        assert all((a == b).all() for a, b in zip(streamed, resident, strict=True)), kept
+        assert all(np.array_equal(a, b) for a, b in zip(scores, resident_scores, strict=True)), kept
     assert len({len(c) for c in resident}) == 1 and len(resident) == 9
     # the prompts' forward 1 or 2 columns at a time (9 rows: 9 or 18 tokens a forward) as in one:
     # the next token's logits as transformers' own forward of the padded batch gives them, within
@@ -166,9 +166,9 @@ def test_the_rollout_samples_on_cuda_in_bf16_and_frees_its_cache(tiny_qwen2):
         assert [len(c) for c in completions] == [16] * 12 and seconds > 0
         rollout.set_sampler_state(state)
         again, _ = rollout.sample(prompts, 4, Sampling(max_new_tokens=16, temperature=0.8, top_p=0.9))
-        assert all((a == b).all() for a, b in zip(completions, again))
+        assert all((a == b).all() for a, b in zip(completions, again, strict=True))
         mbs = policy_micro_batches([p for p in prompts for _ in range(4)], completions, [0.0] * 12, "token", 16, 6)
-        for mb, ours, theirs in zip(mbs, trainer.token_logprobs(mbs), rollout.policy_logprobs(mbs)):
+        for mb, ours, theirs in zip(mbs, trainer.token_logprobs(mbs), rollout.policy_logprobs(mbs), strict=True):
             at = mb["labels"] >= 0
             assert np.abs(ours[at] - theirs[at]).max() < 0.1  # bf16 logits against fp32
     finally:
@@ -208,8 +208,8 @@ def test_a_streamed_rollout_on_cuda_in_bf16_samples_as_the_resident_one():
             before = torch.cuda.memory_allocated(device)
             rollout, sampled, sampled_scores = sampled_and_scored(arch, weights, kept, device, torch.bfloat16)
             used[kept] = torch.cuda.memory_allocated(device) - before
-            assert all((a == b).all() for a, b in zip(sampled, tokens)), kept
-            assert all(np.array_equal(a, b) for a, b in zip(sampled_scores, scores)), kept
+            assert all((a == b).all() for a, b in zip(sampled, tokens, strict=True)), kept
+            assert all(np.array_equal(a, b) for a, b in zip(sampled_scores, scores, strict=True)), kept
             if kept is not None:
                 assert rollout.streamed_layers() == list(range(1 + kept, 4)) and rollout.stream.owned == {}  # in place
                 assert [host.data_ptr() for host in rollout.stream.host] == \

@@ -59,14 +59,14 @@ def test_the_rollout_samples_the_next_step_from_the_weights_before_the_update(on
     replay.load(before)
     replay.sample_scored([p.ids for p in a], 4, step.sampling())
     completions, logprobs, _ = replay.sample_scored([p.ids for p in b], 4, step.sampling())
-    assert all(np.array_equal(x, y) for x, y in zip(completions, pending.completions))
-    assert all(np.array_equal(x, y) for x, y in zip(logprobs, pending.logprobs))
+    assert all(np.array_equal(x, y) for x, y in zip(completions, pending.completions, strict=True))
+    assert all(np.array_equal(x, y) for x, y in zip(logprobs, pending.logprobs, strict=True))
     # the second step's old policy is the rollout's (the weights before the first update), not the current one
     mbs, current = policy.steps[1]
     assert [mb["input_ids"].tolist() for mb in mbs] == [mb["input_ids"].tolist() for mb in policy_micro_batches(
         [p.ids for p in b for _ in range(4)], pending.completions, [0.0] * 8, "sequence", 6, 8)]
     scored_before = replay.policy_logprobs(mbs)
-    for mb, old, then, now in zip(mbs, (mb["old_logprobs"] for mb in mbs), scored_before, current):
+    for mb, old, then, now in zip(mbs, (mb["old_logprobs"] for mb in mbs), scored_before, current, strict=True):
         at = mb["labels"] >= 0
         assert np.abs(old[at] - then[at]).max() < 1e-5  # decoding's incremental forward against a whole one
         assert np.abs(old[at] - now[at]).max() > 1e-3  # the first update moved the policy

@@ -58,7 +58,7 @@ def test_layers_spread_over_all_nodes_and_train_like_one(three_nodes):
     expected = single.layer_weights()
     single.close()
     assert [r.loss for r in results] == expected_losses
-    for a, b in zip(weights, expected):
+    for a, b in zip(weights, expected, strict=True):
         assert torch.equal(a, b)
 
 
@@ -118,7 +118,7 @@ def test_every_layer_on_ram_nodes_streams_through_a_bounded_window_and_trains_li
         expected = single.layer_weights()
         single.close()
         assert run["losses"] == expected_losses
-        for a, b in zip(run["weights"], expected):
+        for a, b in zip(run["weights"], expected, strict=True):
             assert torch.equal(a, b)
     assert runs[8]["held"] == runs[64]["held"]
     mirror_growth = sum(layout.numel for layout in model_layouts(runs[64]["arch"])[9:65]) * 4  # 56 more blocks
@@ -175,13 +175,13 @@ def test_two_workers_over_shared_memory_and_ram_nodes_train_like_one(three_nodes
 
     one, one_eval, one_weights = one_worker()
     two, two_eval, two_weights, counts, versions = two_workers()
-    for a, b in zip(two, one):
+    for a, b in zip(two, one, strict=True):
         assert a.loss == pytest.approx(b.loss, rel=1e-6) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
     assert two_eval.loss == pytest.approx(one_eval.loss, rel=1e-6)
     # Two workers sum each gradient in another order than one: rounding, which AdamW's first steps
     # (nearly sign(g) x lr) turn into a full step where an element's gradient is near zero. The
     # blocks differ by about 1e-7, the embedding by 2e-6 (6.5e-7 before the head went chunk by chunk).
-    for i, (a, b) in enumerate(zip(two_weights, one_weights)):
+    for i, (a, b) in enumerate(zip(two_weights, one_weights, strict=True)):
         assert float((a - b).norm() / b.norm()) < 5e-6, f"layer {i}: {float((a - b).norm() / b.norm())}"
     assert counts == {i: 3 for i in range(arch.num_layers + 2)}
     # each worker counts the updates of every streamed layer, its own and the other's (told once,

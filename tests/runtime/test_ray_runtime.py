@@ -45,7 +45,7 @@ def test_ray_session_equals_in_process_trainer(local_ray, preset, embedding_step
         session.close()
 
     assert [r.loss for r in results] == [r.loss for r in local_results]
-    for a, b in zip(weights, expected):
+    for a, b in zip(weights, expected, strict=True):
         assert torch.equal(a, b)
     assert state[1] == expected_state[1] == dict.fromkeys(state[1], 3)  # each layer's update count
     for name, tensor in expected_state[0].items():
@@ -194,11 +194,11 @@ def test_a_store_takes_its_memory_while_its_host_adamw_kernel_builds(local_ray, 
         (tmp_path / "fail").touch()
 
     params = [torch.nn.Parameter(init[a:b].clone()) for a, b, _ in layout.segments()]
-    for p, (a, b, _) in zip(params, layout.segments()):
+    for p, (a, b, _) in zip(params, layout.segments(), strict=True):
         p.grad = grad[a:b].clone()
     decays = [d for _, _, d in layout.segments()]
-    torch.optim.AdamW([{"params": [p for p, d in zip(params, decays) if d], "weight_decay": 0.1},
-                       {"params": [p for p, d in zip(params, decays) if not d], "weight_decay": 0.0}],
+    torch.optim.AdamW([{"params": [p for p, d in zip(params, decays, strict=True) if d], "weight_decay": 0.1},
+                       {"params": [p for p, d in zip(params, decays, strict=True) if not d], "weight_decay": 0.0}],
                       lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False, fused=False).step()
     expected = torch.cat([p.detach() for p in params])
     torch.testing.assert_close(master, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().mean()))

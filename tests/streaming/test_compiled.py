@@ -45,7 +45,7 @@ def test_kept_compilation_saves_less_and_differentiates_as_eager():
 
     assert kept_bytes < default_bytes
     torch.testing.assert_close(y_kept, y_eager, rtol=1e-5, atol=1e-5)
-    for kept, eager in zip(grads_kept, grads_eager):
+    for kept, eager in zip(grads_kept, grads_eager, strict=True):
         torch.testing.assert_close(kept, eager, rtol=1e-4, atol=1e-5)
 
 
@@ -81,7 +81,7 @@ def test_compiled_head_loss_matches_eager_with_ignored_targets(name):
     eager_loss, eager_grads = loss_and_grads(fam.head_loss)
     compiled_loss, compiled_grads = loss_and_grads(compile_head_loss(fam.head_loss))
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
-    for compiled, eager in zip(compiled_grads, eager_grads):
+    for compiled, eager in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
 
 

@@ -71,7 +71,7 @@ def reordering_error(preset: str, arch, data, weights: list[torch.Tensor]) -> fl
     """How far one worker's weights (`weights`, summed in order) move when it sums the same
     micro-batches' gradients in another order: the fp32 rounding the model amplifies."""
     reordered = train_one(workers_config(preset, 1), arch, data, order=[2, 3, 0, 1])[2]
-    return max(relative_error(a, b) for a, b in zip(reordered, weights))
+    return max(relative_error(a, b) for a, b in zip(reordered, weights, strict=True))
 
 
 # qwen3: the head tied to the embedding, read twice a step, and stepped on a device (what a GPU does
@@ -97,7 +97,7 @@ def test_two_workers_train_like_one_over_the_same_global_batch(local_ray, preset
     assert all(r.grad_norm > 0.5 for r in one), "clipping must be active (optim.grad_clip 0.5)"
     fp32 = 4  # bytes: the compute dtype of these runs
     leaving = layouts[1:] if embedding_step == "device" else layouts
-    for a, b in zip(two, one):
+    for a, b in zip(two, one, strict=True):
         assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=0)
         assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6, abs=0)
         assert (a.tokens, a.target_tokens) == (b.tokens, b.target_tokens)
@@ -108,7 +108,7 @@ def test_two_workers_train_like_one_over_the_same_global_batch(local_ray, preset
     assert embedding_reads % (layouts[0].numel * fp32) == 0 and (embedding_reads > 0) == (embedding_step == "device")
     assert two_eval.target_tokens == one_eval.target_tokens and two_eval.tokens == one_eval.tokens
     assert two_eval.loss == pytest.approx(one_eval.loss, rel=1e-6, abs=0)
-    for i, (a, b) in enumerate(zip(two_weights, one_weights)):
+    for i, (a, b) in enumerate(zip(two_weights, one_weights, strict=True)):
         assert relative_error(a, b) < bound, f"layer {i}: {relative_error(a, b)}"
     assert counts == {i: STEPS for i in range(len(layouts))}, "each layer updated once per step"
 
@@ -125,10 +125,10 @@ def test_two_workers_keeping_forward_graphs_train_like_one_recomputing(local_ray
     one, _, one_weights = train_one(recomputing, arch, data)
     two, _, two_weights, _ = train(keeping, arch, data)
     layers = len(model_layouts(arch))
-    for a, b in zip(two, one):
+    for a, b in zip(two, one, strict=True):
         assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=0)
         assert b.weight_copies > layers and a.weight_copies == 2 * layers
-    for i, (a, b) in enumerate(zip(two_weights, one_weights)):  # two workers' sums round otherwise
+    for i, (a, b) in enumerate(zip(two_weights, one_weights, strict=True)):  # two workers' sums round otherwise
         assert relative_error(a, b) < 1e-5, f"layer {i}: {relative_error(a, b)}"
 
 
@@ -154,13 +154,13 @@ def test_every_visible_gpu_over_nccl_trains_like_one(local_ray):
     one, one_eval, one_weights, _ = train(on_cuda(1), arch, data)
     every, every_eval, every_weights, counts = train(on_cuda(gpus), arch, data)
     fp32 = 4  # bytes: the compute dtype of these runs
-    for a, b in zip(every, one):
+    for a, b in zip(every, one, strict=True):
         assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
         assert a.d2h_bytes == b.d2h_bytes == sum(layout.numel for layout in layouts[1:]) * fp32
         assert a.h2d_bytes == gpus * b.h2d_bytes and a.num_gpus == gpus
     assert one[0].h2d_bytes > one[1].h2d_bytes == one[2].h2d_bytes  # the embedding read from the host once
     assert every_eval.loss == pytest.approx(one_eval.loss, rel=1e-5)
-    for i, (a, b) in enumerate(zip(every_weights, one_weights)):
+    for i, (a, b) in enumerate(zip(every_weights, one_weights, strict=True)):
         assert relative_error(a, b) < 1e-5, f"layer {i}: {relative_error(a, b)}"
     assert counts == {i: STEPS for i in range(len(layouts))}
 
@@ -168,7 +168,7 @@ def test_every_visible_gpu_over_nccl_trains_like_one(local_ray):
 def test_layer_owners_split_the_bytes_and_alternate():
     numels = [500, 100, 100, 100, 100, 100, 100, 500]  # embedding, 6 blocks, head
     owners = layer_owners(numels, 2)
-    assert [sum(n for n, o in zip(numels, owners) if o == r) for r in (0, 1)] == [800, 800]
+    assert [sum(n for n, o in zip(numels, owners, strict=True) if o == r) for r in (0, 1)] == [800, 800]
     assert owners == [1, 1, 0, 1, 0, 1, 0, 0]  # head and embedding apart; blocks alternate, last first
     assert layer_owners([1] * 5, 1) == [0] * 5
     assert sorted(layer_owners([3] * 8, 4)) == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -1,4 +1,5 @@
-"""Validation through the streaming executor: forward only, the loss plain PyTorch computes, and no
+"""Validation through the streaming executor: forward only, the loss of the whole model in one forward
+(helpers/reference_model.py, the project's layer code), and no
 trace left on the training (weights, moments, schedule) - in one process, fp32 on the CPU."""
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import PRESETS
 from helpers.reference_model import ReferenceModel
-from megatrain_ray.host.adamw import learning_rate
+from helpers.reference_training import reference_lr
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_training import random_micro_batches
 from helpers.runs import make_config
@@ -49,15 +50,15 @@ def test_eval_loss_is_the_plain_pytorch_loss_and_leaves_training_untouched(prese
     # matches the reference by (three small steps move a random tiny model's loss by about 1e-4)
     assert evaluation.loss != pytest.approx(first.loss, rel=1e-5)
     config = make_config(preset, num_slots=2)
-    assert [r.lr for r in results] == [learning_rate(config.optim, k, config.train.steps) for k in range(3)]
-    for a, b in zip(after, expected):  # bit for bit the weights of the run without evaluations
+    assert [r.lr for r in results] == pytest.approx([reference_lr(config.optim, k, config.train.steps) for k in range(3)], rel=1e-12)
+    for a, b in zip(after, expected, strict=True):  # bit for bit the weights of the run without evaluations
         assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_eval_loss_on_the_gpu_matches_plain_pytorch(dtype):
-    """CUDA streams, compiled blocks and bf16 compute: the validation loss is plain PyTorch's (under
+    """CUDA streams, compiled blocks and bf16 compute: the validation loss is the whole model's (under
     autocast for bf16) and the training after it is the training without it."""
     arch = PRESETS["tiny-qwen2"]
     config = config_from_dict({**make_config("tiny-qwen2", num_slots=2).to_dict(),
@@ -84,5 +85,5 @@ def test_eval_loss_on_the_gpu_matches_plain_pytorch(dtype):
                     for mb in held_out)
     reference = total / sum(int((mb["labels"] != -100).sum()) for mb in held_out)
     assert evaluation.loss == pytest.approx(reference, rel=1e-4 if dtype == "float32" else 2e-2)
-    for a, b in zip(weights, expected):
+    for a, b in zip(weights, expected, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # GPU kernels may differ run to run in the last bits

@@ -35,7 +35,7 @@ def test_bf16_loss_tracks_the_autocast_reference():
     ref, _, _ = train_reference(config, SMALL, init, data, device="cuda", autocast_dtype=torch.bfloat16)
     print("ours", ours, "\nreference", ref)
     assert ours[-1] < ours[0] - 1.0, "the loss must go down"
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         assert a == pytest.approx(b, rel=0.02)
 
 
@@ -79,7 +79,7 @@ def test_a_slow_compute_never_reads_a_refilled_slot():
         trainer.close()
         return weights
 
-    for fast, slow in zip(train(False), train(True)):
+    for fast, slow in zip(train(False), train(True), strict=True):
         assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-6)
 
 
@@ -95,7 +95,7 @@ def test_offloaded_activations_train_like_kept_ones():
 
     (kept_losses, kept), (off_losses, off) = train("off"), train("on")
     assert kept_losses == pytest.approx(off_losses, rel=1e-5)
-    for a, b in zip(kept, off):
+    for a, b in zip(kept, off, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -120,10 +120,10 @@ def test_the_embedding_stepped_on_the_gpu_trains_like_on_the_host(dtype, steps):
         return losses, weights, updates
 
     (host_losses, host, _), (device_losses, device, updates) = train("host"), train("device")
-    print([float((a - b).norm() / b.norm()) for a, b in zip(device, host)])
+    print([float((a - b).norm() / b.norm()) for a, b in zip(device, host, strict=True)])
     assert updates == steps
     assert device_losses == pytest.approx(host_losses, rel=rtol)
-    for i, (a, b) in enumerate(zip(device, host)):
+    for i, (a, b) in enumerate(zip(device, host, strict=True)):
         assert float((a - b).norm() / b.norm()) < rtol, f"layer {i}"
 
 

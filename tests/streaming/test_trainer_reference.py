@@ -1,5 +1,6 @@
-"""The streaming trainer against plain PyTorch: same weights, data and optimizer, fp32 on the CPU,
-each within plain PyTorch's own fp32 rounding of the fp64 result (helpers/reference_training.py)."""
+"""The streaming trainer against whole-model autograd with torch.optim.AdamW (plain PyTorch around
+the project's own layer code: helpers/reference_model.py): same weights, data and optimizer, fp32 on
+the CPU, each within that run's own fp32 rounding of the fp64 result (helpers/reference_training.py)."""
 
 import pytest
 import torch
