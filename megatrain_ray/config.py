@@ -85,7 +85,14 @@ class OptimConfig:
     weight_decay: float = 0.1  # AdamW's decoupled weight decay
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
     master: str = "fp32"  # fp32 | bf16: master weights; bf16 is updated with stochastic rounding and is the compute copy
-    moments: str = "fp32"  # fp32 | bf16 | int8: AdamW's two moments (int8: a scale per block of 256)
+    moments: str = "fp32"  # fp32 | bf16 | int8: AdamW's two moments (int8: a scale per block of 256); with name muon: the momentum's dtype too (fp32 | bf16)
+    name: str = "adamw"  # adamw | muon: muon steps every matrix of the decoder blocks with torch.optim.Muon's update (3-D stacked experts: each expert's matrix), its one momentum buffer in host memory; the embedding, the head, norms, biases and 1-D tensors take AdamW with the settings above
+    muon_lr: float | None = None  # Muon's peak learning rate (the same warmup and cosine schedule as optim.lr); null: optim.lr
+    muon_weight_decay: float | None = None  # Muon's decoupled weight decay; null: optim.weight_decay
+    muon_momentum: float = 0.95  # Muon's momentum
+    muon_nesterov: bool = True  # Muon's Nesterov momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations (coefficients 3.4445, -4.775, 2.0315, in bf16, as torch.optim.Muon)
+    muon_adjust_lr: str = "original"  # original: lr x sqrt(max(1, rows/cols)) | match_rms_adamw: lr x 0.2 sqrt(max(rows, cols)), which lets Muon reuse AdamW's lr and weight decay
 
 
 @dataclass(frozen=True)
@@ -376,6 +383,15 @@ def check_values(config: Config) -> None:
         (_finite(o.grad_clip) and o.grad_clip >= 0, "optim.grad_clip must be a finite number >= 0 (0: no clipping)"),
         (o.master in ("fp32", "bf16"), "optim.master must be fp32 or bf16"),
         (o.moments in ("fp32", "bf16", "int8"), "optim.moments must be fp32, bf16 or int8"),
+        (o.name in ("adamw", "muon"), "optim.name must be adamw or muon"),
+        (o.muon_lr is None or (_finite(o.muon_lr) and o.muon_lr >= 0), "optim.muon_lr must be a finite number >= 0 (or null: optim.lr)"),
+        (o.muon_weight_decay is None or (_finite(o.muon_weight_decay) and o.muon_weight_decay >= 0),
+         "optim.muon_weight_decay must be a finite number >= 0 (or null: optim.weight_decay)"),
+        (0 <= o.muon_momentum < 1, "optim.muon_momentum must be within [0, 1)"),
+        (1 <= o.muon_ns_steps < 100, "optim.muon_ns_steps must be within [1, 100)"),
+        (o.muon_adjust_lr in ("original", "match_rms_adamw"), "optim.muon_adjust_lr must be original or match_rms_adamw"),
+        (o.name != "muon" or o.moments in ("fp32", "bf16"),
+         "optim.name=muon holds one momentum buffer in fp32 or bf16: set optim.moments to fp32 or bf16 (int8 is AdamW's)"),
         (o.master != "bf16" or m.compute_dtype == "bfloat16",
          "optim.master=bf16 is itself the compute copy: it needs model.compute_dtype=bfloat16"),
         ((o.master, o.moments) == ("fp32", "fp32") or ex.embedding_step != "device",
@@ -438,6 +454,9 @@ def check_values(config: Config) -> None:
         (rt.store_memory_gib is None or (_finite(rt.store_memory_gib) and rt.store_memory_gib > 0),
          "runtime.store_memory_gib must be a finite number > 0 (or null: the node's available memory)"),
         (rt.disk_dir is None or rt.disk_dir != "", "runtime.disk_dir must be a directory (or null: no disk tier)"),
+        (rt.disk_dir is None or config.optim.name == "adamw",
+         "runtime.disk_dir holds AdamW's moments: the disk tier does not yet hold Muon's momentum; set optim.name=adamw "
+         "or runtime.disk_dir=null"),
         (rt.remote_window == 0 or rt.remote_window >= (ex.num_slots or 3),
          "runtime.remote_window must be 0 (the plan chooses) or at least executor.num_slots (3 when null)"),
         (rt.transport_streams >= 1, "runtime.transport_streams must be >= 1"),

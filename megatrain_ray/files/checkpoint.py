@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain_ray.config import Config
+from megatrain_ray.host.muon import second_moment_numel
 from megatrain_ray.host.precision import SCALE_KEYS, StateFormat, format_of
 from megatrain_ray.files.durable import fsync_path, publish_dir, write_json
 from megatrain_ray.models.arch import ModelArch
@@ -247,7 +248,7 @@ def saved_format(meta: dict) -> StateFormat:
 
 
 def format_of_dict(optim: dict) -> StateFormat:
-    return StateFormat(optim.get("master", "fp32"), optim.get("moments", "fp32"))
+    return StateFormat(optim.get("master", "fp32"), optim.get("moments", "fp32"), optim.get("name", "adamw"))
 
 
 def check_convertible(held: StateFormat, wanted: StateFormat, what: str) -> None:
@@ -264,8 +265,16 @@ def check_convertible(held: StateFormat, wanted: StateFormat, what: str) -> None
 
 
 def check_state_format(meta: dict, config: Config, path: Path) -> None:
-    """Refuse, before anything is allocated, a resume that would widen the saved optimizer state."""
-    check_convertible(saved_format(meta), format_of_dict(dataclasses.asdict(config.optim)), f"checkpoint {path}")
+    """Refuse, before anything is allocated, a resume that would widen the saved optimizer state or
+    change the optimizer (AdamW's moments are not Muon's momentum)."""
+    held, wanted = saved_format(meta), format_of_dict(dataclasses.asdict(config.optim))
+    if held.optimizer != wanted.optimizer:
+        raise CheckpointError(
+            f"checkpoint {path} holds the optimizer state of optim.name={held.optimizer}, but this run asks for "
+            f"optim.name={wanted.optimizer}: their states differ (Muon keeps one momentum for the blocks' matrices, "
+            f"AdamW two moments). Resume with optim.name={held.optimizer}, or start a new run from its weights "
+            "(megatrain-ray export, then model.path)")
+    check_convertible(held, wanted, f"checkpoint {path}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +287,8 @@ def checkpoint_bytes(config: Config, arch: ModelArch) -> int:
     holds them (optim.master, optim.moments: StateFormat.held_bytes). Its files' headers, manifest
     and meta.json add kilobytes; the final checkpoint's Hugging Face export (hf/) is not counted."""
     fmt = format_of(config.optim)
-    return sum(fmt.held_bytes(layout.numel, layout.trained_numel) for layout in model_layouts(arch))
+    return sum(fmt.held_bytes(layout.numel, layout.trained_numel, second_moment_numel(layout, fmt.optimizer))
+               for layout in model_layouts(arch))
 
 
 def checkpoint_root(config: Config) -> Path:

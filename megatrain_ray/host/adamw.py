@@ -17,6 +17,7 @@ import torch
 from megatrain_ray.config import OptimConfig
 from megatrain_ray.host import precision
 from megatrain_ray.host.adamw_kernel import native_kernel
+from megatrain_ray.host.muon import MuonStep, muon_step
 
 CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 per pass: few thread-pool rounds, still cache-friendly; whole int8 blocks
 
@@ -51,6 +52,7 @@ class AdamWStep:
     betas: tuple[float, float]
     eps: float
     weight_decay: float
+    muon: MuonStep | None = None  # optim.name muon: the blocks' matrices' step (host/muon.py)
 
 
 def segments_within(segments: list[tuple[int, int, bool]], lo: int, hi: int) -> list[tuple[int, int, bool]]:
@@ -247,6 +249,7 @@ class LrSchedule:
 
     def next(self, grad_norm: float) -> AdamWStep:
         cfg = self.cfg
+        factor = lr_factor(self.updates_done, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio)
         hp = AdamWStep(
             lr_position=self.updates_done + 1,
             lr=learning_rate(cfg, self.updates_done, self.total_steps),
@@ -254,6 +257,7 @@ class LrSchedule:
             betas=cfg.betas,
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
+            muon=muon_step(cfg, factor),
         )
         self.updates_done += 1
         return hp

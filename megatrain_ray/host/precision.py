@@ -34,6 +34,7 @@ SIGNED_LEVELS = 127  # first moment: codes -127..127
 SQRT_LEVELS = 255  # second moment's square root: codes 0..255
 MASTERS = ("fp32", "bf16")
 MOMENTS = ("fp32", "bf16", "int8")  # widest first
+OPTIMIZERS = ("adamw", "muon")  # optim.name: muon holds one moment (its momentum) for the blocks' matrices
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")  # int8 moments' block scales, by the moment they scale
 MASK32 = 0xFFFFFFFF
 # The kernel multiplies by these fp32 reciprocals (1.0f / 127.0f, 1.0f / 255.0f), exact in a Python float.
@@ -43,15 +44,19 @@ INV_SQRT = float(np.float32(1.0) / np.float32(SQRT_LEVELS))
 
 @dataclass(frozen=True)
 class StateFormat:
-    """optim.master and optim.moments: the dtypes of a layer's optimizer state."""
+    """optim.master and optim.moments: the dtypes of a layer's optimizer state; optim.name: which
+    optimizer's (Muon's block matrices hold one moment, its momentum: host/muon.py)."""
 
     master: str = "fp32"
     moments: str = "fp32"
+    optimizer: str = "adamw"
 
     def __post_init__(self):
-        if self.master not in MASTERS or self.moments not in MOMENTS:
-            raise ValueError(f"optim.master must be one of {MASTERS} and optim.moments one of {MOMENTS}, "
-                             f"got {self.master!r} and {self.moments!r}")
+        if self.master not in MASTERS or self.moments not in MOMENTS or self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optim.master must be one of {MASTERS}, optim.moments one of {MOMENTS} and optim.name "
+                             f"one of {OPTIMIZERS}, got {self.master!r}, {self.moments!r} and {self.optimizer!r}")
+        if self.optimizer == "muon" and self.quantized:
+            raise ValueError("optim.name=muon holds its momentum in fp32 or bf16, not int8")
 
     @property
     def exact(self) -> bool:
@@ -73,22 +78,29 @@ class StateFormat:
     def master_dtype(self) -> torch.dtype:
         return torch.float32 if self.master == "fp32" else torch.bfloat16
 
-    def held_bytes(self, numel: int, trained: int) -> int:
+    def held_bytes(self, numel: int, trained: int, second: int | None = None) -> int:
         """Bytes of a layer's optimizer state as held and as a checkpoint writes it (host/store.py,
         LayerState.tensors; no compute copy): the master of its `numel` parameters, the two moments
-        (and their int8 block scales, fp32) of its `trained` ones."""
+        (and their int8 block scales, fp32) of its `trained` ones; `second`: the elements of the
+        second moment where fewer (a Muon block's: its AdamW tensors only, host/muon.py)."""
         m, v = self.moment_dtypes()
+        second = trained if second is None else second
         scales = 2 * num_blocks(trained) * torch.float32.itemsize if self.quantized else 0
-        return numel * self.master_dtype().itemsize + trained * (m.itemsize + v.itemsize) + scales
+        return numel * self.master_dtype().itemsize + trained * m.itemsize + second * v.itemsize + scales
 
     def moment_bytes(self) -> float:
-        """Host bytes per parameter of its two moments (and their int8 scales): none for a frozen one."""
+        """Host bytes per parameter of its moments (and their int8 scales): none for a frozen one; with
+        Muon, a block matrix's one (its momentum)."""
+        if self.optimizer == "muon":
+            return {"fp32": 4, "bf16": 2}[self.moments]
         return {"fp32": 8, "bf16": 4, "int8": 2 + 2 * 4 / QUANT_BLOCK}[self.moments]
 
     def describe(self) -> str:
         master = "fp32 master" if self.master == "fp32" else "bf16 master (stochastic rounding, the compute copy)"
         moments = {"fp32": "2 fp32 AdamW moments", "bf16": "2 bf16 AdamW moments",
                    "int8": f"2 int8 AdamW moments (a scale per {QUANT_BLOCK})"}[self.moments]
+        if self.optimizer == "muon":
+            moments = f"1 {self.moments} Muon momentum (the blocks' matrices; AdamW's 2 moments for the rest)"
         grad = "compute copy, which the gradient reuses" if self.master == "fp32" else "a bf16 gradient buffer"
         return f"{master} + {moments} + {grad}"
 
@@ -100,7 +112,7 @@ class StateFormat:
 
 def format_of(optim) -> StateFormat:
     """The state format an OptimConfig asks for (optim.master, optim.moments)."""
-    return StateFormat(optim.master, optim.moments)
+    return StateFormat(optim.master, optim.moments, optim.name)
 
 
 def num_blocks(numel: int) -> int:

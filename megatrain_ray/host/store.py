@@ -33,6 +33,8 @@ from megatrain_ray.models.family import ModelFamily
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.host.adamw import AdamWStep, adamw_step, segments_within
+from megatrain_ray.host.muon import muon_slots, second_moment_numel
+from megatrain_ray.host.muon_layer import muon_layer_update
 
 
 IN_FLUX = -1  # a held marker's value while a GPU worker writes the layer's state (ShardStore.held_marker)
@@ -47,6 +49,10 @@ def bytes_per_param(compute_dtype: torch.dtype, state: StateFormat = StateFormat
 def layer_bytes(layout: LayerLayout, compute_dtype: torch.dtype, state: StateFormat = StateFormat()) -> float:
     """Host bytes of a layer's state: its frozen parameters (LayerLayout.trained_numel) hold no moments."""
     frozen = layout.numel - layout.trained_numel
+    if state.optimizer == "muon":  # a block's second moment covers its AdamW tensors only (host/muon.py)
+        compute = element_size(compute_dtype) if state.master == "fp32" else 2
+        return (state.held_bytes(layout.numel, layout.trained_numel, second_moment_numel(layout, state.optimizer))
+                + layout.numel * compute)
     return layout.numel * bytes_per_param(compute_dtype, state) - frozen * state.moment_bytes()
 
 
@@ -180,10 +186,11 @@ class ShardStore:
         k = layout.trained_numel  # moments for the trained parameters only (a frozen tail holds none)
         scales = ((torch.zeros(precision.num_blocks(k)), torch.zeros(precision.num_blocks(k)))
                   if fmt.quantized else None)
+        second = second_moment_numel(layout, fmt.optimizer)  # a Muon block's: its AdamW tensors' (host/muon.py)
         if on_disk:
             return LayerState(layout, master=master, exp_avg=ABSENT, exp_avg_sq=ABSENT, compute=compute, grad=grad,
                               scales=(ABSENT, ABSENT) if fmt.quantized else None, on_disk=True)
-        return LayerState(layout, master=master, exp_avg=zeroed(k, m_dtype), exp_avg_sq=zeroed(k, v_dtype),
+        return LayerState(layout, master=master, exp_avg=zeroed(k, m_dtype), exp_avg_sq=zeroed(second, v_dtype),
                           compute=compute, grad=grad, scales=scales)
 
     @contextmanager
@@ -358,6 +365,10 @@ class ShardStore:
             if state.compute is not state.master:
                 state.compute[lo:hi].copy_(state.master[lo:hi])
             return
+        if hp.muon is not None and muon_slots(state.layout, self.format.optimizer):
+            self._muon_update(index, hp, lo, hi)
+            self.optimizer_seconds += time.perf_counter() - t0
+            return
         k = state.exp_avg.numel()  # the trained parameters; a frozen tail after them is not stepped
         a, b = lo, min(hi, k)
         if a < b:
@@ -374,6 +385,17 @@ class ShardStore:
         if max(lo, k) < hi and state.grad is state.compute:  # the frozen tail's (zero) gradient over its weights
             state.compute[max(lo, k):hi].copy_(state.master[max(lo, k):hi])
         self.optimizer_seconds += time.perf_counter() - t0
+
+    def _muon_update(self, index: int, hp: AdamWStep, lo: int, hi: int) -> None:
+        """A Muon block's step (host/muon_layer.py): its matrices are whole, so the layer is too."""
+        state = self.layers[index]
+        if (lo, hi) != (0, state.layout.numel):
+            raise ValueError(f"layer {index} takes Muon's step, which needs each matrix whole: it cannot be "
+                             "updated piece by piece")
+        muon_layer_update(state, hp, precision.rounding_key(self.seed, index, state.updates))
+        k = state.layout.trained_numel
+        if k < state.layout.numel and state.grad is state.compute:  # a frozen tail's (zero) gradient over its weights
+            state.compute[k:].copy_(state.master[k:])
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def update_counts(self) -> dict[int, int]:

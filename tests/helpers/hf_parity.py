@@ -132,6 +132,12 @@ def matrices(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2
 
 
+def muon_matrices(name: str, p: torch.Tensor) -> bool:
+    """What torch.optim.Muon steps with optim.name muon: the decoder layers' matrices (stacked experts
+    too), no bias."""
+    return ".layers." in name and p.dim() >= 2 and not name.endswith("bias")
+
+
 def train_transformers(model, config, steps_data, autocast_dtype=None, loss_sum=None, decays=matrices) -> list[float]:
     """The transformers model in the plain loop (reference_training.adamw_loop), decay where
     `decays(name, parameter)` says (default: on matrices only). Packed rows go in as they are, with
@@ -146,8 +152,10 @@ def train_transformers(model, config, steps_data, autocast_dtype=None, loss_sum=
         return token_loss_sum(logits, mb["labels"])
 
     model.train()
-    groups = ([p for n, p in named if decays(n, p)], [p for n, p in named if not decays(n, p)])
-    return adamw_loop(config, groups, [p for _, p in named], steps_data, loss_sum or token_loss)
+    muon = [p for n, p in named if config.optim.name == "muon" and muon_matrices(n, p)]
+    adam = [(n, p) for n, p in named if not any(p is q for q in muon)]
+    groups = ([p for n, p in adam if decays(n, p)], [p for n, p in adam if not decays(n, p)])
+    return adamw_loop(config, groups, [p for _, p in named], steps_data, loss_sum or token_loss, muon=muon)
 
 
 def tiny_hf_model(families: dict, tiny: dict, name: str, seed: int = 0, dtype=torch.float32):

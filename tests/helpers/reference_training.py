@@ -62,19 +62,24 @@ def random_micro_batches(arch: ModelArch, steps: int, grad_accum: int, batch: in
     return out
 
 
-def adamw_loop(config: Config, groups: tuple[list, list], clip: list, steps_data, loss_sum) -> list[float]:
+def adamw_loop(config: Config, groups: tuple[list, list], clip: list, steps_data, loss_sum,
+               muon: list | None = None) -> list[float]:
     """The plain loop every comparison runs: torch.optim.AdamW (weight decay on the first group
     only), torch's LambdaLR over reference_lr_factor (not the project's schedule), clip_grad_norm_ over `clip`, each step's loss the summed token
-    losses of its micro-batches (`loss_sum(mb)`) over the step's target tokens. Returns the losses."""
+    losses of its micro-batches (`loss_sum(mb)`) over the step's target tokens. Returns the losses.
+    `muon`: parameters that torch.optim.Muon steps instead (optim.name muon; out of `groups`), a
+    stacked one (3-D) expert by expert through torch's functional Muon on its matrices' views."""
     o = config.optim
     decay, no_decay = groups
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=o.lr, betas=o.betas, eps=o.eps,
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: reference_lr_factor(k, o.warmup_steps, o.schedule_steps or config.train.steps, o.min_lr_ratio)
-    )
+    factor = lambda k: reference_lr_factor(k, o.warmup_steps, o.schedule_steps or config.train.steps,  # noqa: E731
+                                           o.min_lr_ratio)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    if muon:
+        opt = _WithMuon(opt, muon, o, factor)
     losses = []
     for micro_batches in steps_data:
         opt.zero_grad(set_to_none=True)
@@ -90,6 +95,38 @@ def adamw_loop(config: Config, groups: tuple[list, list], clip: list, steps_data
         sched.step()
         losses.append(total)
     return losses
+
+
+class _WithMuon:
+    """AdamW beside torch.optim.Muon (its own LambdaLR): zero_grad and step on both."""
+
+    def __init__(self, adamw, params: list, o, factor):
+        self.adamw = adamw
+        lr = o.lr if o.muon_lr is None else o.muon_lr
+        wd = o.weight_decay if o.muon_weight_decay is None else o.muon_weight_decay
+        self.settings = dict(weight_decay=wd, momentum=o.muon_momentum, nesterov=o.muon_nesterov,
+                             ns_steps=o.muon_ns_steps, adjust_lr_fn=o.muon_adjust_lr)
+        self.matrices = torch.optim.Muon([p for p in params if p.dim() == 2], lr=lr, **self.settings)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.matrices, factor)
+        self.stacked = [p for p in params if p.dim() > 2]
+        self.buffers = [torch.zeros_like(p) for p in self.stacked]
+
+    def zero_grad(self, set_to_none=True):
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        self.matrices.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self):
+        from torch.optim._muon import muon, DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
+
+        lr = self.matrices.param_groups[0]["lr"]  # the scheduled one
+        for p, buf in zip(self.stacked, self.buffers):
+            views = lambda t: list(t.reshape(-1, *t.shape[-2:]).unbind(0))  # noqa: E731
+            muon(views(p), views(p.grad), views(buf), lr=lr, ns_coefficients=(DEFAULT_A, DEFAULT_B, DEFAULT_C),
+                 eps=EPS, has_complex=False, **self.settings)
+        self.adamw.step()
+        self.matrices.step()
+        self.sched.step()
 
 
 def train_reference(config: Config, arch: ModelArch, init: list[torch.Tensor], steps_data, device="cpu",
