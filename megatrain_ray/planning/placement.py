@@ -107,7 +107,7 @@ class Placement:
                 if self.idle_gpus else ""),
         ]
         for s in self.stores:
-            role = ["the GPU node"] if s.node.node_id == self.gpu.node_id else ["RAM node"] if s.node.ram_node else []
+            role = ["the GPU node" if self.use_cuda else "the executor's node"] if s.node.node_id == self.gpu.node_id else ["RAM node"] if s.node.ram_node else []
             lines.append(
                 f"store on {node_name(s.node, role)}: "
                 f"layers {s.layers[0]}-{s.layers[-1]} ({len(s.layers)}), {s.host_bytes / GiB:.2f} GiB "
