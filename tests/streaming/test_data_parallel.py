@@ -69,7 +69,7 @@ def train_one(config, arch, data, order=None):
 
 def reordering_error(preset: str, arch, data, weights: list[torch.Tensor]) -> float:
     """How far one worker's weights (`weights`, summed in order) move when it sums the same
-    micro-batches' gradients in other orders: the fp32 rounding the model amplifies. Two orders, the
+    micro-batches' gradients in other orders: the fp32 rounding the model amplifies. Three orders, the
     worst: each is one sample of that rounding, and two workers group the sum in a third way
     ((0 + 1) + (2 + 3)), which the one order [2, 3, 0, 1] alone bounded too tightly (two workers 1.08e-6
     off in layer 0 over a bound of 1e-6, on this code before and after)."""
