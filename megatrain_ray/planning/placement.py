@@ -168,6 +168,14 @@ def disk_layers_for(layers: list[int], layouts, held: list[float], capacity: flo
     return tuple(sorted(chosen))
 
 
+def with_host_gradients_possible(config: Config) -> Config:
+    """`config` as the step plan may still run it: executor.host_gradients left null may turn on
+    (choose_host_gradients), so the room a store leaves on the GPU machine counts its pinned sums too."""
+    if config.executor.host_gradients is not None:
+        return config
+    return config.replace(executor=dataclasses.replace(config.executor, host_gradients=True))
+
+
 def ram_bytes_per_param(layout, fmt: StateFormat, esize: int) -> float:
     """Host RAM a parameter of a layer in the disk tier still takes: its compute copy (and a bf16
     master's gradient buffer)."""
@@ -404,7 +412,8 @@ def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Confi
     for s in stores:
         room = s.capacity
         if s.node.ip == gpu_ip and not config.runtime.store_memory_gib:
-            room = max(0.0, room - host_parking(arch, config, offload=True, num_gpus=workers))
+            room = max(0.0, room - host_parking(arch, with_host_gradients_possible(config), offload=True,
+                                                num_gpus=workers))
         chosen = disk_layers_for(list(s.layers), layouts, held, room, fmt, keep)
         ram = int(sum(held[i] for i in s.layers) - sum(p.nbytes for i in chosen for p in layer_parts(layouts[i], fmt))
                   + tier_window_bytes(chosen, layouts, fmt))
