@@ -19,11 +19,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from megatrain_ray.files import shard  # noqa: E402
-from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch  # noqa: E402
-from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
-from helpers.hf_parity import parity_config, rel, saved, tiny_hf_model, train_transformers  # noqa: E402
+from helpers.hf_parity import (parity_config, rel, saved, steps_and_export, tiny_hf_model,  # noqa: E402
+                               train_transformers)
 from helpers.reference_training import random_micro_batches  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -48,17 +46,10 @@ def train_both(tmp_path, model, implementation="auto", data_seed=2, **optim):
     config = parity_config(model_dir, steps=STEPS, **{**MUON, **optim})
     data = random_micro_batches(arch, STEPS, 2, batch=2, seq=SEQ, seed=data_seed)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = LocalTrainer(config, arch)
-    try:
-        for store in trainer.stores:
-            shard.load_hf(store, str(model_dir))
-        results = [trainer.train_step(step) for step in data]
-        export = export_hf(tmp_path / "export", arch, enumerate(trainer.layer_weights()))
-    finally:
-        trainer.close()
+    our_losses, export = steps_and_export(config, arch, model_dir, data, tmp_path / "export")
     losses = train_transformers(model, config, data)
     ours = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
-    return results, losses, ours, model.state_dict(), initial
+    return our_losses, losses, ours, model.state_dict(), initial
 
 
 def assert_same(ours, theirs, initial, tolerance=TOLERANCE, view=lambda name, t: t):
@@ -81,9 +72,9 @@ def centred(name: str, t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", DENSE)
 def test_dense_muon_equals_torch_muon(tmp_path, family):
-    results, losses, ours, theirs, initial = train_both(tmp_path, tiny_hf_model(DENSE, TINY, family))
-    for r, loss in zip(results, losses):
-        assert r.loss == pytest.approx(loss, rel=TOLERANCE)
+    our_losses, losses, ours, theirs, initial = train_both(tmp_path, tiny_hf_model(DENSE, TINY, family))
+    for ours_loss, loss in zip(our_losses, losses, strict=True):
+        assert ours_loss == pytest.approx(loss, rel=TOLERANCE)
     assert_same(ours, theirs, initial)
 
 
@@ -96,15 +87,15 @@ def test_mixture_of_experts_muon_equals_torch_muon_per_expert(tmp_path):
 
     model = tiny_moe("mixtral")
     assert any(p.dim() == 3 for p in model.parameters()), "the experts must be stacked"
-    results, losses, ours, theirs, initial = train_both(tmp_path, model)
-    for r, loss in zip(results, losses):
-        assert r.loss == pytest.approx(loss, rel=TOLERANCE)
+    our_losses, losses, ours, theirs, initial = train_both(tmp_path, model)
+    for ours_loss, loss in zip(our_losses, losses, strict=True):
+        assert ours_loss == pytest.approx(loss, rel=TOLERANCE)
     assert_same(ours, theirs, initial, MOE_TOLERANCE, centred)
 
 
 def test_transformers_modules_muon_equals_torch_muon(tmp_path):
     """The generic family (model.implementation transformers) lays its tensors out from transformers' modules."""
-    results, losses, ours, theirs, initial = train_both(tmp_path, tiny_hf_model(DENSE, TINY, "llama"), "transformers")
-    for r, loss in zip(results, losses):
-        assert r.loss == pytest.approx(loss, rel=TOLERANCE)
+    our_losses, losses, ours, theirs, initial = train_both(tmp_path, tiny_hf_model(DENSE, TINY, "llama"), "transformers")
+    for ours_loss, loss in zip(our_losses, losses, strict=True):
+        assert ours_loss == pytest.approx(loss, rel=TOLERANCE)
     assert_same(ours, theirs, initial)
