@@ -313,27 +313,7 @@ def test_ten_steps_equal_five_then_resume_five(tmp_path, master, moments):
     and scales), the update counts key the rounding noise, so the resumed steps are the same bits."""
     arch = PRESETS["tiny-llama"]
     data = random_micro_batches(arch, 10, 1, batch=1, seq=8, seed=1)
-    config = trainer_config(master, moments)
-    whole = LocalTrainer(config, arch, num_stores=2)
-    losses = [whole.train_step(batches).loss for batches in data]
-    (tmp_path / "whole").mkdir()
-    final = save(whole, tmp_path / "whole")
-    whole.close()
-
-    first = LocalTrainer(config, arch, num_stores=2)
-    split = [first.train_step(batches).loss for batches in data[:5]]
-    (tmp_path / "half").mkdir()
-    files = save(first, tmp_path / "half")
-    first.close()
-    second = LocalTrainer(config, arch, num_stores=1)  # another split of the layers across stores
-    for store in second.stores:
-        shard.load_layers(store, files)
-    second.lr_schedule.updates_done = 5
-    split += [second.train_step(batches).loss for batches in data[5:]]
-    (tmp_path / "split").mkdir()
-    resumed = save(second, tmp_path / "split")
-    second.close()
-
+    losses, split, final, resumed = whole_and_resumed(trainer_config(master, moments), arch, data, 5, tmp_path)
     assert split == losses
     for layer in final:
         a, _ = ckpt.read_layer_state(final[layer], layer)
@@ -342,6 +322,32 @@ def test_ten_steps_equal_five_then_resume_five(tmp_path, master, moments):
         assert precision.held_format(a) == StateFormat(master, moments)
         for key in a:
             assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), (layer, key)
+
+
+def whole_and_resumed(config, arch, data, half: int, tmp_path: Path):
+    """Every step of `data` in one run, and the same steps as `half` of them, a checkpoint (under
+    tmp_path/half) and the rest resumed from it into another split of the layers across stores: each
+    run's losses and final checkpoint files (layer to file)."""
+    whole = LocalTrainer(config, arch, num_stores=2)
+    losses = [whole.train_step(batches).loss for batches in data]
+    (tmp_path / "whole").mkdir()
+    final = save(whole, tmp_path / "whole")
+    whole.close()
+
+    first = LocalTrainer(config, arch, num_stores=2)
+    split = [first.train_step(batches).loss for batches in data[:half]]
+    (tmp_path / "half").mkdir()
+    files = save(first, tmp_path / "half")
+    first.close()
+    second = LocalTrainer(config, arch, num_stores=1)  # another split of the layers across stores
+    for store in second.stores:
+        shard.load_layers(store, files)
+    second.lr_schedule.updates_done = half
+    split += [second.train_step(batches).loss for batches in data[half:]]
+    (tmp_path / "split").mkdir()
+    resumed = save(second, tmp_path / "split")
+    second.close()
+    return losses, split, final, resumed
 
 
 def tensor_bytes(directory: Path) -> int:

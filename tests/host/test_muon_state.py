@@ -8,15 +8,13 @@ import pytest
 import torch
 
 from megatrain_ray.config import ConfigError, config_from_dict
-from megatrain_ray.files import checkpoint as ckpt, shard
+from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.host.muon import muon_slots, second_moment_numel
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore, layer_bytes
 from megatrain_ray.models.registry import PRESETS
-from megatrain_ray.runtime.local import LocalTrainer
-from helpers.hf_parity import save
 from helpers.reference_training import random_micro_batches
-from test_lean_state import tensor_bytes
+from test_lean_state import tensor_bytes, whole_and_resumed
 
 MODES = [("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "bf16")]  # 10, 8 and 6 bytes a block matrix's parameter
 
@@ -54,27 +52,8 @@ def test_six_steps_equal_three_then_resume_three(tmp_path, master, moments):
     arch = PRESETS["tiny-llama"]
     data = random_micro_batches(arch, 6, 1, batch=1, seq=8, seed=1)
     config = muon_config(master, moments)
-    whole = LocalTrainer(config, arch, num_stores=2)
-    losses = [whole.train_step(batches).loss for batches in data]
-    (tmp_path / "whole").mkdir()
-    final = save(whole, tmp_path / "whole")
-    whole.close()
-
-    first = LocalTrainer(config, arch, num_stores=2)
-    split = [first.train_step(batches).loss for batches in data[:3]]
-    (tmp_path / "half").mkdir()
-    files = save(first, tmp_path / "half")
-    first.close()
+    losses, split, final, resumed = whole_and_resumed(config, arch, data, 3, tmp_path)
     assert tensor_bytes(tmp_path / "half") == ckpt.checkpoint_bytes(config, arch)
-    second = LocalTrainer(config, arch, num_stores=1)
-    for store in second.stores:
-        shard.load_layers(store, files)
-    second.lr_schedule.updates_done = 3
-    split += [second.train_step(batches).loss for batches in data[3:]]
-    (tmp_path / "split").mkdir()
-    resumed = save(second, tmp_path / "split")
-    second.close()
-
     assert split == losses
     for layer in final:
         a, _ = ckpt.read_layer_state(final[layer], layer)
