@@ -128,7 +128,8 @@ class GrpoConfig:
     updates_per_rollout: int = 1  # optimizer updates on each step's completions (more than 1: the old policy's log-probabilities are computed and the ratio clips)
     rollout_dtype: str = "bfloat16"  # bfloat16 | float32: the rollout's copy of the policy
     rollout_device: str = "auto"  # auto | cuda | cpu: where the rollout copy samples
-    rollout_gpu: str = "shared"  # shared: the rollout samples on rank 0's GPU between the updates | own: on a GPU of its own (without GPUs: a process of its own), sampling the next step's completions while this step trains, one policy version behind (the rollout's log-probabilities are the old policy's)
+    rollout_gpu: str = "shared"  # shared: the rollout samples on the workers' GPUs between the updates (grpo.rollout_gpus) | own: on a GPU of its own (without GPUs: a process of its own), sampling the next step's completions while this step trains, one policy version behind (the rollout's log-probabilities are the old policy's)
+    rollout_gpus: int | None = None  # copies of the policy that sample a step's prompts, each its share of them (the same completions as one copy, the arithmetic allowing): shared: on that many of the workers' GPUs | own: on that many GPUs of their own; without GPUs: processes; null: shared on every worker's GPU, own on one
     rollout_resident_layers: int | None = None  # decoder layers of the rollout copy kept on its device; the others stream from host memory through it at every decode step (slower: README); null: all where they fit beside the KV cache and the training step, else as many as fit
 
 
@@ -425,6 +426,9 @@ def check_values(config: Config) -> None:
         (g.rollout_resident_layers is None or g.rollout_resident_layers >= 0,
          "grpo.rollout_resident_layers must be >= 0 (or null: as many as fit)"),
         (g.rollout_gpu in ("shared", "own"), "grpo.rollout_gpu must be shared or own"),
+        (g.rollout_gpus is None or 1 <= g.rollout_gpus <= g.prompts_per_step,
+         "grpo.rollout_gpus must be within 1 and grpo.prompts_per_step (each copy samples whole prompts' groups), or "
+         "null: the plan chooses"),
         (g.rollout_gpu == "shared" or g.rollout_resident_layers is None,
          "grpo.rollout_gpu=own keeps every layer of the rollout's copy on its GPU (the updates rewrite the weights "
          "a streamed layer would read while it samples): unset grpo.rollout_resident_layers"),

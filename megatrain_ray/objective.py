@@ -132,7 +132,13 @@ class Grpo(Objective):
         return PolicyLoss(g.clip_low, g.clip_high, g.kl_coef)
 
     def rollout_gpus(self, use_cuda: bool) -> int:
-        return int(use_cuda and self.config.grpo.rollout_gpu == "own")
+        g = self.config.grpo
+        return (g.rollout_gpus or 1) if use_cuda and g.rollout_gpu == "own" else 0
+
+    def rows_per_copy(self, copies: int) -> int:
+        """The completions the busiest of `copies` rollout copies samples (rl/rollout.py, prompt_parts)."""
+        g = self.config.grpo
+        return -(-g.prompts_per_step // copies) * g.group_size
 
     def samples_on(self, kind: str) -> bool:
         return kind == "cuda" and self.config.grpo.rollout_device != "cpu"
@@ -141,10 +147,11 @@ class Grpo(Objective):
     def rollout_dtype_bytes(self) -> int:
         return element_size(dtype_of(self.config.grpo.rollout_dtype))
 
-    def rollout_bytes(self, arch: ModelArch, resident_layers: int | None = None) -> int:
-        """The device memory the rollout takes while it samples a step's completions (rl/rollout.py),
-        with `resident_layers` of its decoder layers on the device (None: all)."""
-        return rollout_bytes(arch, self.completions, self.config.data.seq_len, self.rollout_dtype_bytes,
+    def rollout_bytes(self, arch: ModelArch, resident_layers: int | None = None, copies: int = 1) -> int:
+        """The device memory a rollout copy takes while it samples its share of a step's completions
+        (rl/rollout.py; `copies` of them), with `resident_layers` of its decoder layers on the device
+        (None: all)."""
+        return rollout_bytes(arch, self.rows_per_copy(copies), self.config.data.seq_len, self.rollout_dtype_bytes,
                              resident_layers)
 
     def read_data(self, arch: ModelArch) -> tuple[dict | None, tuple]:

@@ -234,10 +234,10 @@ def executor_node(nodes: list[NodeInfo], want_cuda: bool, driver_node: str, num_
         if with_gpu:
             return with_gpu[0]
         if rollout_gpus and any(n.gpus >= 1 for n in nodes):
-            raise ConfigError(f"grpo.rollout_gpu=own needs a GPU for the rollout beside the workers' "
+            raise ConfigError(f"grpo.rollout_gpu=own needs {rollout_gpus} GPU(s) for the rollout beside the workers' "
                               f"({(num_gpus or 1) + rollout_gpus} on one node) but the most on one node of the Ray "
-                              f"cluster is {max(n.gpus for n in nodes):g}: set grpo.rollout_gpu=shared or fewer "
-                              f"runtime.num_gpus")
+                              f"cluster is {max(n.gpus for n in nodes):g}: set grpo.rollout_gpu=shared, fewer "
+                              f"grpo.rollout_gpus or fewer runtime.num_gpus")
         if num_gpus and any(n.gpus >= 1 for n in nodes):
             raise ConfigError(f"runtime.num_gpus={num_gpus} but no node of the Ray cluster offers that many GPUs "
                               f"(the most on one node: {max(n.gpus for n in nodes):g}); GPU workers run on one node")

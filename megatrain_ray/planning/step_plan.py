@@ -173,8 +173,9 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
     compile_blocks = compiles(arch, config, tightest.kind)
     config = planner_view(config, objective.micro_batches, compile_blocks, None)
     share, refused = GpuShare(), None
+    workers = placement.num_gpus if placement is not None else 1
     try:
-        share = gpu_share(arch, config, objective, tightest.kind, tightest.total_bytes or tightest.free_bytes)
+        share = gpu_share(arch, config, objective, tightest.kind, tightest.total_bytes or tightest.free_bytes, workers)
     except PlanError as e:
         if refuse:
             raise
@@ -182,7 +183,6 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
     config = planner_view(config, objective.micro_batches, compile_blocks, share.trainer_cap)
     measured = max(f.measured_working_set for f in facts)
     planned = arch.replace(measured_working_set=measured) if measured else arch
-    workers = placement.num_gpus if placement is not None else 1
     where = f"the {tightest.name} of node {placement.gpu.ip}" if placement is not None else tightest.name
     embedding = model_layouts(arch)[0]
     on_device = embedding_step_on_device(config.executor.embedding_step, tightest.kind, workers,

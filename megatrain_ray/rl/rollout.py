@@ -114,16 +114,30 @@ def resident_layers_within(arch: ModelArch, rows: int, seq_len: int, dtype_bytes
     return max(fits, default=-1)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row from softmax(logits / temperature), within the smallest set of tokens
-    whose probability reaches top_p (the most likely token always in it)."""
+    whose probability reaches top_p (the most likely token always in it): the token where the row's
+    cumulative probability passes its `uniform` number (in [0, 1)) of its total. A row's token
+    depends on its own logits and number alone, so rows split over several rollouts draw what one
+    rollout of them all would."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # the mass of the tokens more likely than each
         sorted_probs = sorted_probs * (before < top_p)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cumulative = probs.cumsum(dim=-1)
+    token = torch.searchsorted(cumulative, (uniform.float() * cumulative[:, -1])[:, None], right=True).squeeze(-1)
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # the last token of nonzero probability
+    return torch.minimum(token, last)
+
+
+def prompt_parts(prompts: int, copies: int) -> list[tuple[int, int]]:
+    """Each rollout copy's prompts (start, end) of a step's `prompts`, in order, as even as they go
+    (the first ones one more): a prompt's group stays on one copy."""
+    size, more = divmod(prompts, copies)
+    ends = np.cumsum([size + (i < more) for i in range(copies)]).tolist()
+    return list(zip([0] + ends[:-1], ends))
 
 
 @dataclass(frozen=True)
@@ -212,13 +226,17 @@ class Rollout:
         completions, _, seconds = self.sample_scored(prompts, group_size, s, scored=False)
         return completions, seconds
 
-    def sample_scored(self, prompts: list[np.ndarray], group_size: int, s: Sampling,
-                      scored: bool = True) -> tuple[list[np.ndarray], list[np.ndarray] | None, float]:
+    def sample_scored(self, prompts: list[np.ndarray], group_size: int, s: Sampling, scored: bool = True,
+                      part: tuple[int, int] | None = None) -> tuple[list[np.ndarray], list[np.ndarray] | None, float]:
         """As `sample`, with each completion token's log-probability under the copy (fp32, of its
-        logits untempered: the policy's, as the loss takes it); None where not `scored`."""
+        logits untempered: the policy's, as the loss takes it); None where not `scored`. `part`:
+        (the first prompt's place, the step's prompts) where `prompts` are this copy's share of a
+        step's (`prompt_parts`); None: all of them."""
         t0 = time.perf_counter()
+        first, total = part or (0, len(prompts))
         try:
-            completions, logprobs = self._decode([p for p in prompts for _ in range(group_size)], s, scored)
+            completions, logprobs = self._decode([p for p in prompts for _ in range(group_size)], s, scored,
+                                                 (first * group_size, total * group_size))
         finally:
             self.free_cache()  # after the decoding's tensors are gone
         return completions, logprobs, time.perf_counter() - t0
@@ -230,8 +248,13 @@ class Rollout:
         return lambda: result
 
     @torch.no_grad()
-    def _decode(self, rows: list[np.ndarray], s: Sampling,
-                scored: bool) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    def _decode(self, rows: list[np.ndarray], s: Sampling, scored: bool,
+                place: tuple[int, int]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """`place`: (the first row's place, the step's rows): every copy draws the step's numbers,
+        one a row and token, and takes its rows' (`sample_tokens`)."""
+        first, total = place
+        uniforms = torch.rand(total, s.max_new_tokens, generator=self.generator,
+                              device=self.generator.device)[first:first + len(rows)].to(self.device)
         ids, mask, positions = left_padded(rows, self.device)
         from transformers import DynamicCache
 
@@ -239,8 +262,8 @@ class Rollout:
         logits = self.prompts_forward(ids, mask, positions, cache)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         new, scores, position = [], [], positions[:, -1:]
-        for _ in range(s.max_new_tokens):
-            token = sample_tokens(logits, s.temperature, s.top_p, self.generator)
+        for k in range(s.max_new_tokens):
+            token = sample_tokens(logits, s.temperature, s.top_p, uniforms[:, k])
             new.append(torch.where(done, torch.zeros_like(token), token))
             if scored:
                 scores.append(torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None]).squeeze(-1))

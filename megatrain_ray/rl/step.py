@@ -26,7 +26,7 @@ from megatrain_ray.rl.batch import placed_logprobs, policy_micro_batches, with_l
 from megatrain_ray.rl.loss import group_advantages
 from megatrain_ray.rl.prompts import Prompt, PromptOrder, Tokens
 from megatrain_ray.rl.rewards import RewardBatch, Rewards
-from megatrain_ray.rl.rollout import Rollout, Sampling
+from megatrain_ray.rl.rollout import Rollout, Sampling, prompt_parts
 
 
 class Policy(Protocol):
@@ -177,34 +177,54 @@ class GrpoPosition:
 
 
 class RemoteRollout:
-    """The rollout's actor as the step's rollout (rl/step.py): each call waits through the session
-    (its watchdog turns a lost node into a ClusterFault)."""
+    """The rollout's actors as the step's rollout (rl/step.py): one copy of the policy each (on a GPU
+    each where the step plan says so: planning/gpu_share.py, `samplers`), a step's prompts split
+    between them in order (`prompt_parts`), every copy drawing the step's random numbers and taking
+    its rows', so the completions are one copy's. Each call waits through the session (its watchdog
+    turns a lost node into a ClusterFault)."""
 
     def __init__(self, session):
+        """`session`: what holds the actors (`rollouts`), waits (`wait`) and loads them (`refresh_rollouts`)."""
         self.session = session
-        self.actor = session.rollout
-        print(f"rollout device: {session.wait(self.actor.describe.remote(), 'starting the rollout')}", flush=True)
+        self.actors = list(session.rollouts)
+        where = session.wait([a.describe.remote() for a in self.actors], "starting the rollout")
+        copies = f" (and {len(where) - 1} more copies like it, the prompts split between them)" if len(where) > 1 else ""
+        print(f"rollout device: {where[0]}{copies}", flush=True)
 
     def refresh(self, policy) -> None:
-        self.session.refresh_rollout(self.actor)
+        self.session.refresh_rollouts()
+
+    def _calls(self, prompts: list, group_size: int, sampling: Sampling, scored: bool) -> list:
+        return [actor.sample_scored.remote(prompts[start:end], group_size, sampling, scored, (start, len(prompts)))
+                for actor, (start, end) in zip(self.actors, prompt_parts(len(prompts), len(self.actors)))
+                if end > start]
 
     def sample(self, prompts: list, group_size: int, sampling: Sampling):
-        return self.session.wait(self.actor.sample.remote(prompts, group_size, sampling), "sampling the completions")
+        completions, _, seconds = joined(self.session.wait(self._calls(prompts, group_size, sampling, False),
+                                                           "sampling the completions"))
+        return completions, seconds
 
     def sample_scored(self, prompts: list, group_size: int, sampling: Sampling):
-        return self.session.wait(self.actor.sample_scored.remote(prompts, group_size, sampling),
-                                 "sampling the completions")
+        return joined(self.session.wait(self._calls(prompts, group_size, sampling, True), "sampling the completions"))
 
     def start_sampling(self, prompts: list, group_size: int, sampling: Sampling):
-        """The actor samples while the step trains; the call returned waits for it."""
-        ref = self.actor.sample_scored.remote(prompts, group_size, sampling)
-        return lambda: self.session.wait(ref, "sampling the next step's completions")
+        """The actors sample while the step trains; the call returned waits for them."""
+        refs = self._calls(prompts, group_size, sampling, True)
+        return lambda: joined(self.session.wait(refs, "sampling the next step's completions"))
 
     def sampler_state(self) -> str:
-        return self.session.wait(self.actor.sampler_state.remote(), "the sampler's state")
+        """The copies' generators are in one state (each draws every step's numbers): the first's."""
+        return self.session.wait(self.actors[0].sampler_state.remote(), "the sampler's state")
 
     def set_sampler_state(self, state: str) -> None:
-        self.session.wait(self.actor.set_sampler_state.remote(state), "the sampler's state")
+        self.session.wait([a.set_sampler_state.remote(state) for a in self.actors], "the sampler's state")
+
+
+def joined(parts: list[tuple]) -> tuple[list[np.ndarray], list[np.ndarray] | None, float]:
+    """The copies' (completions, log-probabilities, seconds) as one: in order, the slowest's seconds."""
+    completions = [c for part in parts for c in part[0]]
+    logprobs = None if parts[0][1] is None else [lp for part in parts for lp in part[1]]
+    return completions, logprobs, max(part[2] for part in parts)
 
 
 class GrpoSteps:

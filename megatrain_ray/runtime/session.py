@@ -80,7 +80,7 @@ class Session:
         self._updates_done = updates_done  # the LR position, and each layer's update count, after the last step
         self.gpus: list = []
         self.stores: list = []
-        self.rollouts: list = []  # a GRPO run's rollout actor (_launch_rollout)
+        self.rollouts: list = []  # a GRPO run's rollout actors (_launch_rollouts)
         self.gpu_ids: list[list[str]] = []  # each worker's GPUs, as Ray gave them
         self._unseen: list[dict] = []  # per worker: the others' layer updates it has not been told of (layer -> ref)
         self.carried_from: str | None = None  # where the carried tensors are (files/carried.py)
@@ -94,7 +94,7 @@ class Session:
             self._mark("workers' devices")
             self.plan: StepPlan = self._plan(config, facts, stores_allocated=False)
             if objective_of(config).samples:  # its process starts while the stores fill, its share planned
-                self.rollouts.append(self._launch_rollout())
+                self.rollouts = self._launch_rollouts()
             self._allocate_stores()
             self._mark("stores' memory")
         except BaseException:
@@ -306,28 +306,28 @@ class Session:
     def _store_nodes(self) -> list[str]:
         return [plan.node.node_id for plan in self.placement.stores]
 
-    def _launch_rollout(self):
-        """A GRPO run's rollout actor (runtime/actors.py, RolloutActor) on the GPU node, shown rank
-        0's GPU, which it shares, or holding one of its own (grpo.rollout_gpu=own, where the
-        placement left it one), with the decoder layers the plan keeps resident there; it ends with
+    def _launch_rollouts(self) -> list:
+        """A GRPO run's rollout actors (runtime/actors.py, RolloutActor), as many as the step plan
+        says (planning/gpu_share.py, `samplers`), on the GPU node: each shown a worker's GPU, which
+        it shares (rank order), or holding one of its own (grpo.rollout_gpu=own, where the
+        placement left them), with the decoder layers the plan keeps resident there; they end with
         the session."""
         options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": on_node(self.placement.gpu.node_id)}
-        resident = self.plan.rollout.resident_layers
+        share = self.plan.rollout
         if self.config.grpo.rollout_gpu == "own":
             options["num_gpus"] = int(self.placement.use_cuda)
-            return ray.remote(RolloutActor).options(**options).remote(self.arch, self.config, resident_layers=resident)
-        return ray.remote(RolloutActor).options(**options).remote(self.arch, self.config, self.gpu_ids[0], resident)
+            return [ray.remote(RolloutActor).options(**options).remote(self.arch, self.config,
+                                                                       resident_layers=share.resident_layers)
+                    for _ in range(share.samplers)]
+        return [ray.remote(RolloutActor).options(**options).remote(
+            self.arch, self.config, self.gpu_ids[rank % len(self.gpu_ids)], share.resident_layers)
+            for rank in range(share.samplers)]
 
-    @property
-    def rollout(self):
-        """The rollout actor a GRPO run's session started (None for any other run)."""
-        return self.rollouts[0] if self.rollouts else None
-
-    def refresh_rollout(self, actor) -> None:
-        """The rollout actor loads the weights of every update so far, from the stores themselves."""
+    def refresh_rollouts(self) -> None:
+        """The rollout actors load the weights of every update so far, from the stores themselves."""
         self.drain("the updates before the rollout")
-        self.wait(actor.load_from_stores.remote(self.stores, self._store_nodes(), self.plan.embedding_on_device),
-                  "loading the rollout's weights")
+        self.wait([actor.load_from_stores.remote(self.stores, self._store_nodes(), self.plan.embedding_on_device)
+                   for actor in self.rollouts], "loading the rollout's weights")
 
     def iter_layer_weights(self):
         """(layer, fp32 master weights) in layer order, one layer in memory at a time."""

@@ -113,7 +113,45 @@ def test_a_rollout_gpu_of_its_own_is_taken_from_the_workers():
     assert plan_placement(ARCH, shared, [node(2.0)], "gpu").num_gpus == 2
     assert plan_placement(ARCH, own, [node(2.0)], "gpu").num_gpus == 1
     assert [plan_placement(ARCH, own, [node(n)], "gpu").num_gpus for n in (4.0, 5.0, 6.0)] == [2, 4, 4]
-    with pytest.raises(ConfigError, match="grpo.rollout_gpu=own needs a GPU for the rollout beside the workers'"):
+    with pytest.raises(ConfigError, match="grpo.rollout_gpu=own needs 1 GPU.s. for the rollout beside the workers'"):
         plan_placement(ARCH, own, [node(1.0)], "gpu")
+    # two copies of their own take two GPUs: 2 workers of 4 GPUs, 1 of 3, refused on 2
+    two = on_cuda(grpo_config(rollout_gpu="own", rollout_gpus=2))
+    assert [plan_placement(ARCH, two, [node(n)], "gpu").num_gpus for n in (3.0, 4.0, 6.0)] == [1, 2, 4]
+    with pytest.raises(ConfigError, match="needs 2 GPU.s. for the rollout.*fewer grpo.rollout_gpus"):
+        plan_placement(ARCH, two, [node(2.0)], "gpu")
     with pytest.raises(ConfigError, match="keeps every layer of the rollout's copy on its GPU"):
         grpo_config(rollout_gpu="own", rollout_resident_layers=3)
+
+
+def test_the_plan_samples_on_every_worker_s_gpu_each_copy_its_share_of_the_prompts():
+    """grpo.rollout_gpu=shared: by default a rollout copy on each worker's GPU (at most one a
+    prompt), each with the KV cache of its share of the rows; grpo.rollout_gpus sets the count, more
+    than the workers refused, more than the prompts refused before Ray; own: that many GPUs of their own."""
+    facts = DeviceFacts("cuda", "GPU", 80 * GiB, 400 * GiB, total_bytes=80 * GiB)
+    config = grpo_config()
+    objective = objective_of(config)
+    assert [gpu_share(ARCH, viewed(config), objective, "cuda", 80 * GiB, n).samplers for n in (1, 2, 3, 4)] == \
+        [1, 2, 3, 4]
+    four = gpu_share(ARCH, viewed(config), objective, "cuda", 80 * GiB, 4)
+    assert four.rollout_bytes == rollout_bytes(ARCH, ROWS // 4, SEQ, 2) and "each of 4 GPUs" in four.describe()
+    three = gpu_share(ARCH, viewed(config), objective, "cuda", 80 * GiB, 3)  # 8 prompts over 3: 3, 3, 2
+    assert three.rollout_bytes == rollout_bytes(ARCH, 3 * 8, SEQ, 2)
+    few = grpo_config(prompts_per_step=2)
+    assert gpu_share(ARCH, viewed(few), objective_of(few), "cuda", 80 * GiB, 4).samplers == 2
+    assert gpu_share(ARCH, viewed(config), objective, "cpu", None, 2).samplers == 2  # processes without GPUs
+    asked = grpo_config(rollout_gpus=2)
+    assert gpu_share(ARCH, viewed(asked), objective_of(asked), "cuda", 80 * GiB, 4).samplers == 2
+    with pytest.raises(PlanError, match="grpo.rollout_gpus=2 copies of the rollout would share the GPUs of 1 GPU"):
+        plan_step(ARCH, asked, facts)
+    assert plan_step(ARCH, asked, facts, refuse=False).refused.startswith("grpo.rollout_gpus=2")
+    with pytest.raises(ConfigError, match="grpo.rollout_gpus must be within 1 and grpo.prompts_per_step"):
+        grpo_config(rollout_gpus=9)
+    with pytest.raises(ConfigError, match="grpo.rollout_gpus must be within 1"):
+        grpo_config(rollout_gpus=0)
+    own = grpo_config(rollout_gpu="own", rollout_gpus=2)
+    split = plan_step(ARCH, own, facts).rollout
+    assert split.samplers == 2 and split.rollout_bytes == rollout_bytes(ARCH, ROWS // 2, SEQ, 2)
+    assert "2 GPUs of its own" in split.describe()
+    assert plan_step(ARCH, grpo_config(rollout_gpu="own"), facts).rollout.samplers == 1
+    assert gpu_share(ARCH, viewed(grpo_config()), objective_of(grpo_config()), "cuda", 80 * GiB, 1).samplers == 1

@@ -53,14 +53,17 @@ def grpo_raw(root: Path, run: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(local_ray, tmp_path_factory) -> Path:
-    # the run "whole" streams one of its two decoder layers at every forward; the resumed "split" does not
-    return whole_then_split(tmp_path_factory.mktemp("grpo"), {"rollout_resident_layers": 1}, {})
+    # the run "whole" streams one of its two decoder layers at every forward; the resumed "split" does
+    # not, and samples with two copies of the rollout, a step's two prompts split between them
+    return whole_then_split(tmp_path_factory.mktemp("grpo"), {"rollout_resident_layers": 1}, {"rollout_gpus": 2})
 
 
 @pytest.fixture(scope="module")
 def ahead(local_ray, tmp_path_factory) -> Path:
-    """The same runs with the rollout in its own process, one policy version behind."""
-    return whole_then_split(tmp_path_factory.mktemp("grpo-ahead"), {"rollout_gpu": "own"}, {"rollout_gpu": "own"})
+    """The same runs with the rollout in its own process, one policy version behind (the resumed
+    run's in two processes of their own)."""
+    return whole_then_split(tmp_path_factory.mktemp("grpo-ahead"), {"rollout_gpu": "own"},
+                            {"rollout_gpu": "own", "rollout_gpus": 2})
 
 
 def whole_then_split(root: Path, whole_grpo: dict, split_grpo: dict) -> Path:
@@ -79,7 +82,9 @@ def whole_then_split(root: Path, whole_grpo: dict, split_grpo: dict) -> Path:
         as_stood_at(root / "whole", root / "split", 2)  # two runs, not three
         split = grpo_raw(root, "split")
         split["grpo"].update(split_grpo)
-        run_training(config_from_dict(split), resume="latest")
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            run_training(config_from_dict(split), resume="latest")
+        (root / "split.out").write_text(out.getvalue())
     return root
 
 
@@ -116,9 +121,11 @@ def test_a_grpo_run_ends_with_its_rewards_first_and_last(runs):
 
 def test_four_steps_equal_two_then_resume_two(runs):
     """The run "whole" rolls out with one of its two decoder layers streamed, the resumed "split"
-    with both resident: the same completions, so the same weights, bit for bit."""
+    with both resident and two copies of the rollout: the same completions, so the same weights,
+    bit for bit."""
     assert "rollout device: cpu (cpu), bfloat16; 1 of 2 decoder layers resident, 1 streamed" in \
         (runs / "whole.out").read_text()
+    assert "(and 1 more copies like it, the prompts split between them)" in (runs / "split.out").read_text()
     assert_resumed_bit_for_bit(runs)
 
 
@@ -143,6 +150,7 @@ def test_a_rollout_one_version_behind_resumes_bit_for_bit(ahead):
     assert meta["step"] == 2 and meta["data_position"]["prompts"] == 6  # step 3's prompts taken, sampled
     assert [len(c) for c in pending["completions"]] == [6] * 8 == [len(lp) for lp in pending["logprobs"]]
     assert all(lp < 0 for row in pending["logprobs"] for lp in row)
+    assert "(and 1 more copies like it" in (ahead / "split.out").read_text()
     assert_resumed_bit_for_bit(ahead, prompts=10)
 
 
@@ -239,8 +247,9 @@ def test_the_rollout_reads_the_weights_the_workers_compute_with(local_ray, embed
 
 @pytest.mark.gpu
 def test_a_grpo_run_rolls_out_on_the_gpu_it_trains_on(local_ray, tmp_path, capsys):
-    """On a GPU machine: the rollout's actor sees rank 0's GPU and samples there in bf16 while the
-    step trains on it (the run plans the step within what the rollout's copy leaves)."""
+    """On a GPU machine: a rollout actor sees each worker's GPU and samples there in bf16 between
+    the steps that train on it (the run plans the step within what the rollout's copy leaves); with
+    several GPUs visible the 2 workers' copies take one prompt each."""
     (tmp_path / "grpo_test_rewards.py").write_text(REWARD)
     tiny_model(tmp_path)
     raw = grpo_raw(tmp_path, "gpu")
@@ -253,6 +262,7 @@ def test_a_grpo_run_rolls_out_on_the_gpu_it_trains_on(local_ray, tmp_path, capsy
     out = capsys.readouterr().out
     assert "rollout device: cuda" in out and "bfloat16" in out.split("rollout device:")[1].splitlines()[0]
     assert "the step is planned within the other" in out
+    assert ("(and 1 more copies like it" in out) == (torch.cuda.device_count() >= 2)
     rows = records(tmp_path, "gpu")
     assert [r["step"] for r in rows] == [1, 2] and all(r["rollout_tokens_per_s"] > 0 for r in rows)
 

@@ -123,16 +123,25 @@ def test_a_streamed_rollout_samples_and_scores_as_the_resident_one():
         assert (logits - expected).abs().max() < 1e-5, tokens
 
 
-def test_top_p_keeps_the_nucleus_and_the_generator_state_replays():
+def test_top_p_keeps_the_nucleus_and_each_row_draws_from_its_own_number():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
     gen = torch.Generator().manual_seed(0)
-    draws = torch.stack([sample_tokens(logits, 1.0, 0.5, gen) for _ in range(200)])
+    draws = torch.stack([sample_tokens(logits, 1.0, 0.5, torch.rand(2, generator=gen)) for _ in range(200)])
     assert set(draws[:, 0].tolist()) == {1, 3} and set(draws[:, 1].tolist()) == {0}  # 1 and 3 hold half the mass
-    assert set(torch.stack([sample_tokens(logits, 1.0, 1e-6, gen) for _ in range(20)])[:, 0].tolist()) == {1}
-    state = gen.get_state()
-    first = sample_tokens(logits, 1.0, 1.0, gen)
-    gen.set_state(state)
-    assert torch.equal(sample_tokens(logits, 1.0, 1.0, gen), first)
+    assert set(torch.stack([sample_tokens(logits, 1.0, 1e-6, torch.rand(2, generator=gen))
+                            for _ in range(20)])[:, 0].tolist()) == {1}
+    # the token where the row's cumulative probability passes its number, and the last possible one at the top
+    probs = torch.softmax(logits, dim=-1)
+    assert sample_tokens(logits, 1.0, 1.0, torch.tensor([0.0, 0.0])).tolist() == [0, 0]
+    just_past = probs[0, :2].sum().item() + 1e-6
+    assert sample_tokens(logits, 1.0, 1.0, torch.tensor([just_past, 0.999999])).tolist() == [2, 3]
+    assert sample_tokens(logits, 1.0, 0.5, torch.tensor([1.0, 1.0])).tolist() == [3, 0]  # past the top: the last kept
+    # as often as its probability, as torch.multinomial draws
+    many = sample_tokens(logits[:1].expand(20000, 4), 1.0, 1.0, torch.rand(20000, generator=gen))
+    assert (torch.bincount(many, minlength=4) / 20000 - probs[0]).abs().max() < 0.015
+    # a row's token is its own: the same with the other rows gone
+    one = sample_tokens(logits[1:], 1.0, 1.0, torch.tensor([0.3]))
+    assert sample_tokens(logits, 1.0, 1.0, torch.tensor([0.7, 0.3]))[1:].tolist() == one.tolist()
 
 
 def test_a_completion_ends_with_its_first_eos():
