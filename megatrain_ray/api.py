@@ -152,6 +152,7 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
     from megatrain_ray.models.registry import model_arch
     from megatrain_ray.planning import plan as planner
     from megatrain_ray.planning.rates import NO_GPU
+    from megatrain_ray.planning.scaling import scaling_text
     from megatrain_ray.planning.step_plan import plan_step
     from megatrain_ray.planning.traffic import describe_traffic, step_traffic
     from megatrain_ray.planning.largest import largest_trainable
@@ -197,6 +198,8 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
             say(describe_traffic(traffic, compute_s))
         say(planner.describe(planned, config, step, network, optimizer_s, rates=rates,
                              no_prediction=None if rates else NO_GPU))
+        if rates and step.refused is None:
+            say(scaling_text(planned, config, step, network, optimizer_s, rates))
         return result(None if step.refused is None else f"does not fit: {step.refused}")
     finally:
         if not joined:  # leave a cluster the caller had connected to as it was

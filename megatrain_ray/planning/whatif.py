@@ -18,6 +18,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.largest import largest_trainable
 from megatrain_ray.planning.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, largest_models, plan_placement, store_room
 from megatrain_ray.planning.rates import Rates, named_rates, table_keys
+from megatrain_ray.planning.scaling import scaling_text
 from megatrain_ray.planning.traffic import StepTraffic, describe_traffic, step_traffic
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 
@@ -131,6 +132,7 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
         return "\n".join(lines + [f"does not fit: {step.refused}"]), False
     if rates is not None:
         lines.append(speed_table(arch, config, traffic, speeds, rates))
+        lines.append(scaling_text(arch, config, step, traffic.times(), traffic.optimizer_seconds(), rates))
     lines.append("fits")
     return "\n".join(lines), True
 
