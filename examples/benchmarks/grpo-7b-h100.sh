@@ -6,7 +6,8 @@
 # Prints the rollout's and the update's tokens/s and the seconds per step (the median of the steps
 # after the first, which compiles), from the run's metrics.jsonl, and leaves the run in OUT_DIR.
 # Other shapes (examples/benchmarks/grpo-streamed.sh): SHAPE names it, MODEL_SETS adds --set
-# arguments (the model, the optimizer's state), NEW_TOKENS and PROMPT_TOKENS the lengths. On a
+# arguments (the model, the optimizer's state), NEW_TOKENS and PROMPT_TOKENS the lengths (PROMPT_VOCAB
+# the prompts' token ids' bound, for a smaller vocabulary). On a
 # machine of two GPUs, MODEL_SETS="--set model.preset=qwen2.5-7b --set grpo.rollout_gpu=own" rolls
 # out on the second GPU while the first trains, one policy version behind.
 # The rollout's bf16 copy (15 GiB + the KV cache: about 19 GiB) shares the GPU with the trainer, whose
@@ -25,13 +26,13 @@ if [[ -n "${GPU_GIB:-}" ]]; then cap=(--set executor.gpu_memory_gib="$GPU_GIB");
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
-python - "$out" "$prompts_per_step" "$prompt_tokens" <<'PY'
+python - "$out" "$prompts_per_step" "$prompt_tokens" "${PROMPT_VOCAB:-150000}" <<'PY'
 import json, random, sys
-out, n, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out, n, length, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rng = random.Random(0)
 with open(f"{out}/prompts.jsonl", "w") as f:
     for i in range(max(64, 4 * n)):
-        f.write(json.dumps({"prompt_ids": [rng.randrange(1000, 150000) for _ in range(length)]}) + "\n")
+        f.write(json.dumps({"prompt_ids": [rng.randrange(vocab // 150, vocab) for _ in range(length)]}) + "\n")
 with open(f"{out}/bench_rewards.py", "w") as f:
     f.write("def low_tokens(prompts, completions, completion_ids, **columns):\n"
             "    return [sum(t < 20000 for t in ids) / max(1, len(ids)) for ids in completion_ids]\n")
