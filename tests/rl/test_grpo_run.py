@@ -271,22 +271,27 @@ def test_a_grpo_run_rolls_out_on_the_gpu_it_trains_on(local_ray, tmp_path, capsy
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_a_grpo_run_rolls_out_on_a_gpu_of_its_own_one_version_behind(local_ray, tmp_path, capsys):
     """On every visible GPU (2, 3, 4 or more), grpo.rollout_gpu=own: the GPU workers train while the
-    rollout's actor, holding a GPU of its own, samples the next step's completions; the checkpoint
-    keeps them. The workers are as many of the other GPUs as split a step's 2 micro-batches evenly
-    (1 of 1, 2 of 2 or more: planning/placement.py, worker_count)."""
+    rollout's actors, each holding a GPU of its own (two of them, a prompt each, where 3 GPUs or more
+    are visible: grpo.rollout_gpus), sample the next step's completions; the checkpoint keeps them.
+    The workers are as many of the other GPUs as split a step's 2 micro-batches evenly (1 of 1, 2 of
+    2 or more: planning/placement.py, worker_count)."""
     (tmp_path / "grpo_test_rewards.py").write_text(REWARD)
     tiny_model(tmp_path)
     raw = grpo_raw(tmp_path, "gpu-ahead")
     raw["model"]["compute_dtype"] = "bfloat16"
     raw["train"]["steps"] = 3
     raw["grpo"]["rollout_gpu"] = "own"
+    copies = 2 if torch.cuda.device_count() >= 3 else 1
+    raw["grpo"]["rollout_gpus"] = copies
     raw["executor"] = {"device": "cuda"}
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(tmp_path))
         run_training(config_from_dict(raw))
     out = capsys.readouterr().out
-    workers = 1 if torch.cuda.device_count() == 2 else 2
-    assert "the rollout samples on a GPU of its own" in out and f"{workers} GPU worker(s)" in out
+    workers = 1 if torch.cuda.device_count() - copies == 1 else 2
+    own = "a GPU of its own" if copies == 1 else "2 GPUs of its own, the prompts split"
+    assert f"the rollout samples on {own}" in out and f"{workers} GPU worker(s)" in out
+    assert ("(and 1 more copies like it" in out) == (copies == 2)
     assert "rollout device: cuda" in out
     rows = records(tmp_path, "gpu-ahead")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["rollout_tokens_per_s"] > 0 for r in rows)
