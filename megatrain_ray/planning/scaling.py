@@ -6,7 +6,8 @@ step: N times one GPU's bytes, against HOST_MEMORY_BYTES_PER_S), and the host op
 runs once a step over all the weights and must hide behind one GPU's share of the forward, on the
 GPU node's cores less one per GPU worker (planning/placement.py, store_threads). Each GPU's PCIe
 link is its own (its copies take the same time whatever N); the host end of every link is that one
-host memory. The tokens per step that keep N GPUs busy grow with N (each GPU's forward must still
+host memory, and GPUs behind one PCIe switch share its uplink (`link_sharing_gpus`: how many its
+copies leave room for). The tokens per step that keep N GPUs busy grow with N (each GPU's forward must still
 hide the whole optimizer). `megatrain-ray plan` prints the table and where scaling ends.
 """
 
@@ -96,6 +97,12 @@ def optimizer_gpus(config: Config, step: StepPlan, optimizer_s: float, forward_s
     return None if all(hidden) else hidden.index(False)
 
 
+def link_sharing_gpus(p: StepPrediction) -> int:
+    """The most GPUs whose copies one host link carries within one GPU's compute of a step (GPUs
+    behind one PCIe switch share its uplink: their copies add up)."""
+    return int(p.compute_s // p.h2d_s) if p.h2d_s else 0
+
+
 def scaling_text(arch: ModelArch, config: Config, step: StepPlan, network: NetworkTimes | None, optimizer_s: float,
                  rates=None) -> str:
     """The table and where N GPUs stop scaling, for `megatrain-ray plan`."""
@@ -123,5 +130,6 @@ def scaling_text(arch: ModelArch, config: Config, step: StepPlan, network: Netwo
         + ("with any count" if hidden is None else "not even beside one GPU" if hidden == 0 else
            f"with up to {hidden} GPUs (on the threads the node's cores leave beside one a worker)")
         + f"; each GPU's PCIe link carries {p1.h2d_s:.2f} s a step beside its {p1.compute_s:.2f} s of compute, "
-        f"whatever N. More tokens per GPU (train.grad_accum) push the first two out")
+        f"whatever N, and a host link that several GPUs share (a PCIe switch's uplink) stays behind compute for "
+        f"{link_sharing_gpus(p1)} of them. More tokens per GPU (train.grad_accum) push every limit out")
     return "\n".join(rows)

@@ -53,6 +53,10 @@ def test_the_7b_at_131072_tokens_a_gpu_scales_to_8_gpus_of_a_32_core_node():
     host_gpus = int((HOST_MEMORY_BYTES_PER_S * scales[0].prediction.compute_s - 2 * params) // (4 * params))
     assert "no end of scaling up to 8 GPUs" in text and f"serves {host_gpus} GPUs" in text
     assert f"| 4.00x | compute | 1.59 s (27) | {16 * params / 1e9:.0f} GB |" in text
+    # a switch's uplink shared by k GPUs carries k GPUs' copies, 2 x params x 2 bytes each, within a GPU's compute
+    one = scales[0].prediction
+    assert one.h2d_s == pytest.approx(4 * params / rates_of("h200").h2d_bytes_per_s)
+    assert f"stays behind compute for {int(one.compute_s // one.h2d_s)} of them" in text
 
 
 def test_few_tokens_a_gpu_on_few_cores_stop_scaling_at_the_host_optimizer():
