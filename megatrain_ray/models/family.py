@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.hf_adapter import DECODER_FIELDS, HfField
 from megatrain_ray.models.layout import LayerLayout, ParamSlot, matmul_params
 
 Weights = dict[str, torch.Tensor]
@@ -40,6 +41,8 @@ class ModelFamily(abc.ABC):
     model_types: tuple[str, ...] = ()  # the Hugging Face config.json model_type values it runs
     arch_type: type[ModelArch] = ModelArch  # ModelArch, or a subclass with the family's own fields
     presets: dict[str, ModelArch] = {}  # named shapes, for random-initialised runs and benchmarks
+    # the arch fields its config.json holds, under which keys, with what defaults (models/hf_adapter.py)
+    hf_fields: tuple[HfField, ...] = DECODER_FIELDS
     embed_name = "model.embed_tokens.weight"  # the HF name of the input embedding ...
     tied_head_name = "lm_head.weight"  # ... and of an LM head that may be tied to it
     refused: dict[str, str] = {}  # model_types it knowingly does not run -> why, and what to do instead

@@ -16,6 +16,7 @@ from megatrain_ray.config import ConfigError, ModelConfig, nearest_hint
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import ModelFamily
 from megatrain_ray.models.gemma3 import GEMMA3
+from megatrain_ray.models.hf_adapter import overridable_keys
 from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch
 from megatrain_ray.models.hf_modules import is_image_text, of_image_text_model
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
@@ -191,12 +192,6 @@ def model_arch(cfg: ModelConfig) -> ModelArch:
     return arch
 
 
-# ModelArch field names that model.overrides may use for a transformers-family model, as the
-# config.json keys they stand for
-CONFIG_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-               "num_kv_heads": "num_key_value_heads"}
-
-
 def with_config_overrides(arch: TransformersArch, overrides: dict[str, Any], aux_coef: float | None) -> ModelArch:
     """model.overrides on a transformers-family model change its config.json keys (the shared
     field names num_layers, num_heads, ... stand for theirs); a list per layer (layer_types) is cut
@@ -205,7 +200,7 @@ def with_config_overrides(arch: TransformersArch, overrides: dict[str, Any], aux
         return arch
     config = arch.config
     for key, value in overrides.items():
-        key = CONFIG_KEYS.get(key, key)
+        key = overridable_keys().get(key, key)
         if key not in config:
             raise ConfigError(f"unknown key model.overrides.{key}: {arch.model_type}'s config.json has no such key"
                               f"{nearest_hint(key, list(config))}")
