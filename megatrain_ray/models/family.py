@@ -50,7 +50,7 @@ class ModelFamily(abc.ABC):
     # torch.compile's default partition, for a family whose blocks the budgeted partition does not run.
     kept_activation_budget: float | None = KEPT_ACTIVATION_BUDGET
     # Which template a block call runs, (arch, ctx) -> a key, for a family whose layers run several
-    # (models/generic.py): its compiled block falls back to eager per template where compiling one
+    # (models/transformers/): its compiled block falls back to eager per template where compiling one
     # fails (streaming/compiled.py). None: one template, compiled or not.
     template_of: Callable[[ModelArch, Any], Any] | None = None
 

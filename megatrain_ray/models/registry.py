@@ -17,8 +17,9 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import ModelFamily
 from megatrain_ray.models.gemma3 import GEMMA3
 from megatrain_ray.models.hf_adapter import overridable_keys
-from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch
-from megatrain_ray.models.hf_modules import is_image_text, of_image_text_model
+from megatrain_ray.models.transformers.family import TRANSFORMERS
+from megatrain_ray.models.transformers.arch import TransformersArch
+from megatrain_ray.models.transformers.modules import is_image_text, of_image_text_model
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 from megatrain_ray.models.gpt_oss import GPT_OSS
 from megatrain_ray.models.llama import LLAMA
@@ -54,7 +55,7 @@ def implementation_of(arch: ModelArch) -> str:
 
 def how_it_runs(arch: ModelArch) -> str:
     """For the model line printed at start: a model run through transformers' modules says so, and
-    that its check against transformers (model_arch: models/generic_check.py) passed."""
+    that its check against transformers (model_arch: models/transformers/check.py) passed."""
     if implementation_of(arch) == "native":
         return ""
     if is_image_text(arch.config):
@@ -110,8 +111,8 @@ def arch_from_hf_config(config: dict[str, Any], implementation: str = "auto") ->
 
 def transformers_arch(config: dict[str, Any]) -> ModelArch:
     """The arch of the transformers family, or a ValueError that says in one paragraph why the
-    model cannot run that way (models/generic_check.py)."""
-    from megatrain_ray.models.generic_check import refusal
+    model cannot run that way (models/transformers/check.py)."""
+    from megatrain_ray.models.transformers.check import refusal
 
     model_type = config.get("model_type")
     why = refusal(config)
@@ -165,11 +166,11 @@ def resolve_arch(preset: str | None = None, path: str | None = None, implementat
 def model_arch(cfg: ModelConfig) -> ModelArch:
     """The preset or HF config with model.overrides applied; a bad name or value is a ConfigError.
     A model run through transformers' modules is first checked against transformers itself
-    (models/generic_check.py)."""
+    (models/transformers/check.py)."""
     try:
         arch = resolve_arch(cfg.preset, cfg.path, cfg.implementation)
         if isinstance(arch, TransformersArch):
-            from megatrain_ray.models.generic_check import checked
+            from megatrain_ray.models.transformers.check import checked
 
             arch = checked(with_config_overrides(arch, cfg.overrides, cfg.router_aux_loss_coef))
             return with_train_vision(arch, cfg.train_vision)

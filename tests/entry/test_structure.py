@@ -288,7 +288,7 @@ def test_no_caller_outside_models_tells_a_family_by_its_class():
     from megatrain_ray.models.arch import ModelArch
 
     arch_classes = set()
-    for path in (PACKAGE / "models").glob("*.py"):
+    for path in (PACKAGE / "models").rglob("*.py"):
         module = __import__(module_name(path), fromlist=["_"])
         arch_classes |= {name for name, value in vars(module).items()
                          if isinstance(value, type) and issubclass(value, ModelArch) and value is not ModelArch}

@@ -21,8 +21,9 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
-from megatrain_ray.models import hf_modules as hm  # noqa: E402
-from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch  # noqa: E402
+from megatrain_ray.models.transformers import modules as hm  # noqa: E402
+from megatrain_ray.models.transformers.arch import TransformersArch  # noqa: E402
+from megatrain_ray.models.transformers.family import TRANSFORMERS  # noqa: E402
 from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
@@ -118,7 +119,7 @@ MODEL_TYPES = {
     "deepseek_v32": {},
     # kimi_linear trains too (examples/model_table.py), but 3 steps here take minutes on the CPU:
     # transformers' PyTorch fallback of its linear attention loops over a 64-token chunk
-    # `:other`: the sizes cut to hf_modules.OTHER_PROPORTIONS, not SMALL (heads x head width unlike the
+    # `:other`: the sizes cut to modules.OTHER_PROPORTIONS, not SMALL (heads x head width unlike the
     # hidden size, linear attention's key and value widths unlike each other and the attention's, 6
     # experts with 3 a token), while the small instance the run checks first, and the pieces it finds
     # a tensor stored in, are cut to SMALL's: every size must be read from the model itself.
@@ -139,7 +140,7 @@ MODEL_TYPES = {
 
 # model_type -> its run's settings other than the parity runs' (helpers/hf_parity.py; every run
 # takes STEPS = 3 steps). Gemma 4: AdamW's eps 1e-3. One micro-batch's gradients are bit-equal to
-# transformers' (generic_check's comparison); a step's are within 2e-6 (its loss chunks and
+# transformers' (transformers/check.py's comparison); a step's are within 2e-6 (its loss chunks and
 # micro-batches summed in the step's own order), but many of its gradient entries (its attention
 # projections' and norms', once clipped) lie near an eps of 1e-6, where such rounding becomes a
 # visible difference of step, and its random small instance amplifies it step after step: with eps
@@ -154,7 +155,7 @@ RUN = {"gemma4_text": {"optim": {"eps": 1e-3}},
 
 
 def small_model_config(model_type: str) -> dict:
-    """transformers' defaults for the model_type (`type:variant`: the type's), small (hf_modules.small_config;
+    """transformers' defaults for the model_type (`type:variant`: the type's), small (modules.small_config;
     `type:other`: in OTHER_PROPORTIONS)."""
     full = {**AutoConfig.for_model(model_type.split(":")[0]).to_dict(), **MODEL_TYPES[model_type]}
     full = {k: v for k, v in full.items() if k not in ("transformers_version", "architectures")}
@@ -737,7 +738,7 @@ def test_a_decoder_that_reads_its_layers_outputs_as_tuples_runs_like_transformer
     decoder's calls hand on a tuple there, the hidden states elsewhere (Llama's), and a small GPT-Neo
     (local and global attention) then runs alike through both paths. Its sizes are set here, not its
     defaults': those build 24 layers of 2,048 x 2,048 attention masks first."""
-    from megatrain_ray.models.generic_check import check_config
+    from megatrain_ray.models.transformers.check import check_config
 
     small = {"model_type": "gpt_neo", "vocab_size": 128, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
              "attention_types": [[["global", "local"], 1]], "max_position_embeddings": 64, "window_size": 8,
@@ -752,7 +753,7 @@ def test_a_decoder_that_scales_its_input_in_place_runs_like_transformers():
     """CTRL's decoder multiplies its input embeddings in place (`inputs_embeds *= sqrt(d)`): the
     stand-in input from which the layers' arguments are recorded must be writable, and a small CTRL
     then runs alike through both paths."""
-    from megatrain_ray.models.generic_check import check_config
+    from megatrain_ray.models.transformers.check import check_config
 
     small = {"model_type": "ctrl", "vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "dff": 64,
              "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0}

@@ -14,7 +14,7 @@ import ray  # noqa: E402
 
 from megatrain_ray.cli import main as cli_main  # noqa: E402
 from megatrain_ray.config import ConfigError, ModelConfig  # noqa: E402
-from megatrain_ray.models.generic import TransformersArch  # noqa: E402
+from megatrain_ray.models.transformers.arch import TransformersArch  # noqa: E402
 from megatrain_ray.models.registry import model_arch  # noqa: E402
 
 

@@ -166,7 +166,7 @@ def test_qwen3_5_multi_token_prediction_module_is_carried_unchanged(tmp_path):
 
     from megatrain_ray.files.carried import carried_tensors
     from megatrain_ray.files.hf import export_hf
-    from megatrain_ray.models.generic import TRANSFORMERS
+    from megatrain_ray.models.transformers.family import TRANSFORMERS
 
     model, config = prepared("qwen3_5", tmp_path)
     model_dir = Path(config.model.path)
@@ -266,7 +266,7 @@ def test_train_vision_trains_the_tower_as_transformers_does(tmp_path, model_type
 def test_dropout_in_a_sub_config_is_replayed_in_the_recompute(tmp_path):
     """A training forward that draws random numbers in the decoder or the tower (their sub-configs'
     dropout) has its draws replayed (streaming/rng.py), as for a decoder alone."""
-    from megatrain_ray.models.generic import TRANSFORMERS
+    from megatrain_ray.models.transformers.family import TRANSFORMERS
 
     model, config = prepared("llava", tmp_path)
     assert not TRANSFORMERS.draws_random(model_arch(config.model))
@@ -282,7 +282,7 @@ def test_deepstack_features_flow_behind_the_hidden_states_and_the_plan_counts_th
     forward makes them; a block hands them on unchanged behind its output (the first ones add
     theirs to it: the steps against transformers above), and the planner's boundary activations
     are that wide."""
-    from megatrain_ray.models.generic import TRANSFORMERS
+    from megatrain_ray.models.transformers.family import TRANSFORMERS
     from megatrain_ray.planning.plan import hidden_state_bytes
 
     model, config = prepared("qwen3_vl", tmp_path)

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig  # noqa: E402
 
 from megatrain_ray.config import config_from_dict  # noqa: E402
-from megatrain_ray.models import hf_modules as hm  # noqa: E402
+from megatrain_ray.models.transformers import modules as hm  # noqa: E402
 from megatrain_ray.models.registry import PRESETS, load_hf_arch  # noqa: E402
 from megatrain_ray.planning.plan import GiB, KEPT, kept_graph_bytes  # noqa: E402
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step  # noqa: E402
