@@ -200,7 +200,7 @@ class ModelFamily(abc.ABC):
 
     def vision_bytes(self, arch: ModelArch, tokens: int, dtype_bytes: int) -> int:
         """An image-text model's vision tower and projector on the device for a micro-batch of
-        `tokens` positions (planning/plan.py's line for it): none for a decoder alone."""
+        `tokens` positions (planning/memory.py's line for it): none for a decoder alone."""
         return 0
 
     def compiled_variants(self, arch: ModelArch) -> int:

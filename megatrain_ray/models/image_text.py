@@ -17,7 +17,7 @@ tokens after each of its first layers) are what the model's forward hands its la
 embedding layer places them behind the hidden states, and each of those layers adds its own
 (models/transformers/forward.py, deepstack_features).
 
-The tower's device memory (the planner's line for it, planning/plan.py) is computed from its
+The tower's device memory (the planner's line for it, planning/memory.py) is computed from its
 config: it runs a micro-batch at a time, on at most one patch group per position of the micro-batch
 (every token an image token), its forward's largest layer alive at once when frozen, every layer's
 activations kept for backward when it trains.

@@ -199,7 +199,7 @@ def rope_scaling_from_hf(config: dict[str, Any]) -> tuple[RopeScaling | None, fl
 
 # Per token, a decoder layer's saved tensors during its recompute + backward: the norms' fp32
 # copies, q/k/v/attention output, the MLP's gate/up/act/product (fitted on the H100, in units of
-# the compute dtype; planning/plan.py says how).
+# the compute dtype; planning/memory.py says how).
 WORKING_SET_PER_TOKEN = (13, 1)  # x hidden_size, x intermediate_size (or the MLP chunk)
 
 

@@ -29,11 +29,12 @@ from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.objective import objective_of
 from megatrain_ray.planning.gpu_share import GpuShare, gpu_share
 from megatrain_ray.planning.placement import Placement, with_window
-from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, GiB, GpuPlan, PlanError,
-                                         check_gpu_fit, check_host_fit, check_parked_fit, choose_host_gradients,
-                                         device_budget, embedding_step_on_device, fit_auto_settings, fits_leanest,
-                                         gpu_memory, host_gradient_bytes, host_gradient_layers, host_memory,
-                                         host_parking, micro_batches_per_gpu, with_auto_settings)
+from megatrain_ray.planning.decisions import (check_gpu_fit, check_host_fit, check_parked_fit, choose_host_gradients,
+                                              device_budget, embedding_step_on_device, fit_auto_settings, fits_leanest,
+                                              gpu_memory, host_memory, with_auto_settings)
+from megatrain_ray.planning.memory import (GiB, GpuPlan, LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, PlanError,
+                                           host_gradient_bytes, host_gradient_layers, host_parking,
+                                           micro_batches_per_gpu)
 from megatrain_ray.planning.probe import measure_working_set
 from megatrain_ray.rl.loss import PolicyLoss, TokenLoss
 

@@ -305,7 +305,7 @@ def test_every_step_decision_is_made_in_the_step_plan():
     benchmark and every worker receive a StepPlan and render or obey it."""
     deciding = {"check_gpu_fit", "check_host_fit", "check_parked_fit", "choose_kept", "choose_offload", "gpu_memory",
                 "host_memory", "host_parking", "embedding_step_on_device", "with_window", "window_slots"}
-    planner = {"megatrain_ray.planning.step_plan", "megatrain_ray.planning.plan", "megatrain_ray.planning.placement"}
+    planner = {"megatrain_ray.planning.step_plan", "megatrain_ray.planning.decisions", "megatrain_ray.planning.placement"}
     for path in PACKAGE.rglob("*.py"):
         if module_name(path) not in planner:
             assert not calls(path) & deciding, f"{module_name(path)} decides {calls(path) & deciding}"

@@ -338,7 +338,7 @@ def test_per_layer_inputs_flow_behind_the_hidden_states_and_the_plan_counts_them
     """Gemma 4's per-layer input embeddings: the embedding layer hands on the hidden states and
     every layer's per-layer input (the model's own, as its decoder passes them), a block hands them
     on unchanged behind its output, and the planner's boundary activations are that wide."""
-    from megatrain_ray.planning.plan import hidden_state_bytes
+    from megatrain_ray.planning.memory import hidden_state_bytes
 
     model, arch, _config_file, config, data = prepared("gemma4_text", tmp_path)
     width = model.config.hidden_size_per_layer_input
@@ -368,7 +368,7 @@ def test_altup_and_shared_keys_and_values_flow_behind_the_hidden_states(tmp_path
     layer of each attention type stores for the later layers of its type (zero until then, then
     what transformers' layers leave them), and the per-layer inputs; the planner counts that width.
     The steps against transformers above check that the reusing layers read them."""
-    from megatrain_ray.planning.plan import hidden_state_bytes
+    from megatrain_ray.planning.memory import hidden_state_bytes
 
     model, arch, _config_file, config, data = prepared("gemma3n_text", tmp_path)
     cfg, hidden = model.config, arch.hidden_size

@@ -283,7 +283,7 @@ def test_deepstack_features_flow_behind_the_hidden_states_and_the_plan_counts_th
     theirs to it: the steps against transformers above), and the planner's boundary activations
     are that wide."""
     from megatrain_ray.models.transformers.family import TRANSFORMERS
-    from megatrain_ray.planning.plan import hidden_state_bytes
+    from megatrain_ray.planning.memory import hidden_state_bytes
 
     model, config = prepared("qwen3_vl", tmp_path)
     arch = model_arch(config.model)
@@ -338,7 +338,8 @@ def test_the_plan_counts_the_vision_tower_by_its_patches_and_whether_it_trains(t
     merger), larger when the tower trains, within 2x above the peak torch's memory tracker counts
     for the tiny Qwen2-VL's tower on that many patches, frozen and trained; a GPU too small for it
     is told to freeze the tower; `megatrain-ray plan` prints it."""
-    from megatrain_ray.planning.plan import PlanError, check_gpu_fit, gpu_plan, vision_line
+    from megatrain_ray.planning.decisions import check_gpu_fit
+    from megatrain_ray.planning.memory import PlanError, gpu_plan, vision_line
 
     model, model_dir = tiny_model_dir("qwen2_vl", tmp_path / "hf")
     model.set_attn_implementation("sdpa")  # as the embedding layer runs it (eager attention keeps patches^2 a head)

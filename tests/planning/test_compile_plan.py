@@ -14,7 +14,7 @@ from transformers import AutoConfig  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
 from megatrain_ray.models.transformers import modules as hm  # noqa: E402
 from megatrain_ray.models.registry import PRESETS, load_hf_arch  # noqa: E402
-from megatrain_ray.planning.plan import GiB, KEPT, kept_graph_bytes  # noqa: E402
+from megatrain_ray.planning.memory import GiB, KEPT, kept_graph_bytes  # noqa: E402
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step  # noqa: E402
 from helpers.hf_parity import randomize, saved  # noqa: E402
 
