@@ -188,7 +188,7 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
             return result(f"does not fit in host memory: {e}")
         except PlanError as e:
             return result(f"does not fit: {e}")
-        planned, placement, n = step.planned_arch(arch), step.placement, step.workers
+        planned, placement, n = arch, step.placement, step.workers
         traffic = step_traffic(planned, config, placement, step.kept)
         network, optimizer_s = traffic.times(), traffic.optimizer_seconds()
         say(placement.describe(arch))

@@ -63,7 +63,7 @@ def main() -> None:
     try:
         session.init_weights()
         print(f"executor device: {session.start_executor()}", flush=True)
-        print(describe(session.planned_arch, session.config, session.plan), flush=True)
+        print(describe(session.arch, session.config, session.plan), flush=True)
         rows = []
         for i, batch in enumerate(steps):
             if i == args.warmup:

@@ -48,7 +48,7 @@ def check_parked_fit(arch: ModelArch, config: Config, headroom_bytes: int, where
 
 
 def choose_host_gradients(arch: ModelArch, config: Config, budget: int, num_gpus: int = 1,
-                          embedding_on_device: bool = False) -> Config:
+                          embedding_on_device: bool = False, measured: float = 0.0) -> Config:
     """`config` with executor.host_gradients decided: as set, or (null) on only where the step does not
     fit the GPU's `budget` even with the smallest chunks and slots (fit_auto_settings) and summing the
     vocabulary layers' gradients in host memory spares the device their fp32 accumulator (its cost:
@@ -62,8 +62,8 @@ def choose_host_gradients(arch: ModelArch, config: Config, budget: int, num_gpus
     if setting is None:
         off = config.replace(executor=dataclasses.replace(config.executor, host_gradients=False))
         setting = bool(host_gradient_layers(arch, on, num_gpus, embedding_on_device)) and not fits_leanest(
-            arch, fit_auto_settings(arch, off, budget, num_gpus, embedding_on_device), budget, num_gpus,
-            embedding_on_device)
+            arch, fit_auto_settings(arch, off, budget, num_gpus, embedding_on_device, measured), budget, num_gpus,
+            embedding_on_device, measured)
     return config.replace(executor=dataclasses.replace(config.executor, host_gradients=setting))
 
 
@@ -90,18 +90,19 @@ def embedding_step_on_device(setting: str, device: str, workers: int, in_reach: 
 
 
 def choose_offload(arch: ModelArch, config: Config, free_bytes: int, num_gpus: int = 1,
-                   embedding_on_device: bool = False) -> bool:
+                   embedding_on_device: bool = False, measured: float = 0.0) -> bool:
     """executor.offload_activations: on, off, or (auto) only when the step does not fit otherwise."""
     mode = config.executor.offload_activations
     if mode != "auto":
         return mode == "on"
     wanted = min(config.executor.keep_graphs or 0, num_blocks(arch))  # an auto count fills what is left later
-    plan = gpu_plan(arch, config, num_gpus=num_gpus, kept=wanted, embedding_on_device=embedding_on_device)
+    plan = gpu_plan(arch, config, num_gpus=num_gpus, kept=wanted, embedding_on_device=embedding_on_device,
+                    measured=measured)
     return plan.total > AUTO_OFFLOAD_MARGIN * free_bytes
 
 
 def choose_kept(arch: ModelArch, config: Config, free_bytes: int | None, num_gpus: int = 1, offload: bool = False,
-                embedding_on_device: bool = False) -> int:
+                embedding_on_device: bool = False, measured: float = 0.0) -> int:
     """executor.keep_graphs: as set, or (null) as many of the last blocks as the memory the step
     (with `offload` as decided) leaves free holds, under the same margin as offloading; none
     without a GPU (`free_bytes` None)."""
@@ -111,8 +112,8 @@ def choose_kept(arch: ModelArch, config: Config, free_bytes: int | None, num_gpu
     if free_bytes is None:
         return 0
     rest = AUTO_OFFLOAD_MARGIN * free_bytes - gpu_plan(arch, config, offload, num_gpus,
-                                                       embedding_on_device=embedding_on_device).total
-    return max(0, min(num_blocks(arch), int(rest // kept_graph_bytes(arch, config, num_gpus))))
+                                                       embedding_on_device=embedding_on_device, measured=measured).total
+    return max(0, min(num_blocks(arch), int(rest // kept_graph_bytes(arch, config, num_gpus, measured))))
 
 
 def device_budget(free_bytes: int | None, config: Config) -> int | None:
@@ -124,22 +125,23 @@ def device_budget(free_bytes: int | None, config: Config) -> int | None:
     return min(free_bytes, int(cap * GiB))
 
 
-def leanest_plan(arch: ModelArch, config: Config, num_gpus: int = 1, embedding_on_device: bool = False) -> GpuPlan:
+def leanest_plan(arch: ModelArch, config: Config, num_gpus: int = 1, embedding_on_device: bool = False,
+                 measured: float = 0.0) -> GpuPlan:
     """The step's memory with what the plan may still give up given up: the activations parked
     (unless executor.offload_activations is off) and no kept graphs (unless executor.keep_graphs
     asks for some)."""
     offload = config.executor.offload_activations != "off"
     kept = min(config.executor.keep_graphs or 0, num_blocks(arch))
-    return gpu_plan(arch, config, offload, num_gpus, kept, embedding_on_device)
+    return gpu_plan(arch, config, offload, num_gpus, kept, embedding_on_device, measured)
 
 
 def fits_leanest(arch: ModelArch, config: Config, budget: int, num_gpus: int = 1,
-                 embedding_on_device: bool = False) -> bool:
-    return leanest_plan(arch, config, num_gpus, embedding_on_device).total <= AUTO_OFFLOAD_MARGIN * budget
+                 embedding_on_device: bool = False, measured: float = 0.0) -> bool:
+    return leanest_plan(arch, config, num_gpus, embedding_on_device, measured).total <= AUTO_OFFLOAD_MARGIN * budget
 
 
 def fit_auto_settings(arch: ModelArch, config: Config, budget: int, num_gpus: int = 1,
-                      embedding_on_device: bool = False) -> Config:
+                      embedding_on_device: bool = False, measured: float = 0.0) -> Config:
     """`config` with the settings the user left on auto (null) chosen: their defaults, or, where the
     step does not fit the GPU's `budget` even with its activations parked and no graph kept, the
     loss chunk halved first (down to SMALLEST_LOSS_CHUNK), then the MLP chunk (down to
@@ -149,7 +151,7 @@ def fit_auto_settings(arch: ModelArch, config: Config, budget: int, num_gpus: in
     for knob in ("loss_chunk_tokens", "mlp_chunk_tokens", "num_slots"):
         if getattr(config.executor, knob) is not None:
             continue
-        while not fits_leanest(arch, planned, budget, num_gpus, embedding_on_device):
+        while not fits_leanest(arch, planned, budget, num_gpus, embedding_on_device, measured):
             less = smaller(arch, planned, knob)
             if less is None:
                 break
@@ -171,13 +173,13 @@ def smaller(arch: ModelArch, config: Config, knob: str) -> int | None:
 
 
 def gpu_memory(arch: ModelArch, config: Config, free_bytes: int, num_gpus: int = 1,
-               embedding_on_device: bool = False) -> GpuPlan:
+               embedding_on_device: bool = False, measured: float = 0.0) -> GpuPlan:
     """A GPU's memory for the step (`config` with its auto settings chosen: fit_auto_settings): offloading
     decided, then the kept blocks with it (the step plan's decisions: planning/step_plan.py calls
-    it, once)."""
-    offload = choose_offload(arch, config, free_bytes, num_gpus, embedding_on_device)
-    kept = choose_kept(arch, config, free_bytes, num_gpus, offload, embedding_on_device)
-    return gpu_plan(arch, config, offload, num_gpus, kept, embedding_on_device)
+    it, once); `measured`: the working set a token the workers measured (memory.layer_working_set)."""
+    offload = choose_offload(arch, config, free_bytes, num_gpus, embedding_on_device, measured)
+    kept = choose_kept(arch, config, free_bytes, num_gpus, offload, embedding_on_device, measured)
+    return gpu_plan(arch, config, offload, num_gpus, kept, embedding_on_device, measured)
 
 
 def check_gpu_fit(plan: GpuPlan, free_bytes: int, where: str, capped: bool = False) -> None:

@@ -122,7 +122,17 @@ def parked_bytes(arch: ModelArch, config: Config) -> int:
     return (len(model_layouts(arch)) - 1) * config.train.grad_accum * (1 << (one - 1).bit_length())
 
 
-def kept_graph_bytes(arch: ModelArch, config: Config, num_gpus: int = 1) -> int:
+def layer_working_set(arch: ModelArch, config: Config, tokens: int, mlp_tokens: int, measured: float = 0.0) -> int:
+    """One layer's working set for a micro-batch of `tokens`: `measured` elements a token where the
+    workers measured it on their device (DeviceFacts.measured_working_set, planning/probe.py), else
+    the family's fit (ModelFamily.working_set_bytes)."""
+    d = dtype_bytes(config)
+    if measured > 0:
+        return int(tokens * measured * d)
+    return family(arch).working_set_bytes(arch, tokens, mlp_tokens, d)
+
+
+def kept_graph_bytes(arch: ModelArch, config: Config, num_gpus: int = 1, measured: float = 0.0) -> int:
     """One block's kept forward graph for every micro-batch of a GPU's share, and the copy of its
     weights the graph reads: the block's working set (ModelFamily.working_set_bytes) per
     micro-batch times KEPT_GRAPH_PER_WORKING_SET, or the _BUDGETED factor where the block runs
@@ -130,7 +140,7 @@ def kept_graph_bytes(arch: ModelArch, config: Config, num_gpus: int = 1) -> int:
     d = dtype_bytes(config)
     mb_tokens = config.train.micro_batch_size * config.data.seq_len
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
-    working_set = family(arch).working_set_bytes(arch, mb_tokens, mlp_tokens, d)
+    working_set = layer_working_set(arch, config, mb_tokens, mlp_tokens, measured)
     budgeted = config.executor.compile and mlp_tokens >= mb_tokens and family(arch).kept_activation_budget is not None
     per_working_set = KEPT_GRAPH_PER_WORKING_SET_BUDGETED if budgeted else KEPT_GRAPH_PER_WORKING_SET
     graph = math.ceil(per_working_set * working_set) * micro_batches_per_gpu(config, num_gpus)
@@ -147,10 +157,11 @@ def num_blocks(arch: ModelArch) -> int:
 
 
 def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: int = 1, kept: int = 0,
-             embedding_on_device: bool = False) -> GpuPlan:
+             embedding_on_device: bool = False, measured: float = 0.0) -> GpuPlan:
     """Peak bytes by use on each GPU for one optimizer step of this config (activations offloaded or
     not, `kept` blocks keeping their forward graphs, the embedding's AdamW step on the device or
-    not), with `num_gpus` GPUs sharing the step's micro-batches."""
+    not), with `num_gpus` GPUs sharing the step's micro-batches; `measured`: the working set a token
+    the workers measured (layer_working_set)."""
     layouts = model_layouts(arch)
     d = dtype_bytes(config)
     t = config.train
@@ -178,7 +189,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     plan.by_use[BOUNDARY] = boundary_bytes(arch, config, held_layers, num_gpus)
     plan.by_use["boundary gradients in flight"] = boundary_bytes(arch, config, 2, num_gpus)
     mlp_tokens = mlp_chunk_tokens(arch, mb_tokens, config)
-    plan.by_use["one layer's working set"] = family(arch).working_set_bytes(arch, mb_tokens, mlp_tokens, d)
+    plan.by_use["one layer's working set"] = layer_working_set(arch, config, mb_tokens, mlp_tokens, measured)
     chunk = min(loss_chunk_setting(config), mb_tokens)
     per_logit = POLICY_LOSS_BYTES_PER_LOGIT if objective_of(config).head_loss.policy else LOSS_BYTES_PER_LOGIT
     plan.by_use["loss chunk"] = chunk * arch.vocab_size * per_logit
@@ -186,7 +197,7 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     vision = family(arch).vision_bytes(arch, mb_tokens, d)
     if vision:
         plan.by_use[vision_line(arch)] = vision
-    plan.by_use[KEPT] = kept * kept_graph_bytes(arch, config, num_gpus)
+    plan.by_use[KEPT] = kept * kept_graph_bytes(arch, config, num_gpus, measured)
     if embedding_on_device:
         n = layouts[0].numel
         gone = plan.by_use[KEPT] + plan.by_use["loss chunk"] + plan.by_use["one layer's working set"]

@@ -140,9 +140,3 @@ def measure_working_set(arch: ModelArch, micro_batch: int, seq_len: int, dtype: 
     return (max(measured) / torch.empty((), dtype=dtype).element_size(),
             text + "\nworking set: the largest kind's, as measured above")
 
-
-def with_measured_working_set(arch: ModelArch, micro_batch: int, seq_len: int, dtype: torch.dtype,
-                              device: torch.device) -> tuple[ModelArch, str]:
-    """`arch` with its measured working set where measure_working_set has one, and the lines that say so."""
-    units, text = measure_working_set(arch, micro_batch, seq_len, dtype, device)
-    return (arch.replace(measured_working_set=units) if units else arch), text

@@ -32,11 +32,11 @@ def host_gradients_line(arch: ModelArch, config: Config, layers: tuple[int, ...]
             "each share crosses to the host and the CPU adds it")
 
 
-def recompute_line(arch: ModelArch, config: Config, kept: int, num_gpus: int) -> str:
+def recompute_line(arch: ModelArch, config: Config, kept: int, num_gpus: int, measured: float = 0.0) -> str:
     if kept == 0:
         return ("every layer recomputes its forward in backward; weights are fetched twice per step (the last "
                 f"{num_slots_setting(config) - 1} blocks stay resident across the turn)")
-    graphs = kept * kept_graph_bytes(arch, config, num_gpus)
+    graphs = kept * kept_graph_bytes(arch, config, num_gpus, measured)
     return (f"kept forward graphs: the last {kept} of {num_blocks(arch)} blocks ({size(graphs)}), whose backward skips "
             "the recompute; every other layer recomputes its forward in backward")
 
@@ -99,7 +99,7 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
         format_gpu_plan(plan),
         chunks_line(arch, config),
         f"boundary activations {'offloaded to host memory (pinned, overlapped): ' + size(parked_bytes(arch, config)) + ' on the GPU node' if offload else 'kept on the device'}",
-        recompute_line(arch, config, kept, num_gpus),
+        recompute_line(arch, config, kept, num_gpus, step.measured_working_set),
     ]
     if step.embedding_on_device:
         lines.append(embedding_step_line(arch, step.workers))

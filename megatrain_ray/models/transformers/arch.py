@@ -28,9 +28,6 @@ class TransformersArch(ModelArch):
     whole config.json as canonical JSON (its class's defaults filled in): it decides the model."""
 
     hf_config: str = "{}"
-    # A layer's working set per token in units of the compute dtype, the largest of its kinds as
-    # planning/probe.py measured it on the run's device; 0: the estimate (WORKING_SET_PER_TOKEN)
-    measured_working_set: float = 0.0
     # An image-text model's vision tower and projector train (model.train_vision); else frozen
     train_vision: bool = False
 
@@ -39,7 +36,7 @@ class TransformersArch(ModelArch):
         return json.loads(self.hf_config)
 
     def model_fields(self) -> list[str]:
-        return [name for name in super().model_fields() if name not in ("measured_working_set", "train_vision")]
+        return [name for name in super().model_fields() if name != "train_vision"]
 
     @property
     def per_layer_input_width(self) -> int:

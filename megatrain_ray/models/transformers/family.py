@@ -194,8 +194,6 @@ class TransformersFamily(ModelFamily):
         return arch.train_vision
 
     def working_set_bytes(self, arch: TransformersArch, tokens: int, mlp_tokens: int, dtype_bytes: int) -> int:
-        if arch.measured_working_set > 0:
-            return int(tokens * arch.measured_working_set * dtype_bytes)
         per_h, per_i = WORKING_SET_PER_TOKEN
         experts, per_token = expert_counts(arch.config)
         rows = tokens * max(1, per_token if experts else 1)
