@@ -309,3 +309,29 @@ def test_every_step_decision_is_made_in_the_step_plan():
     for path in PACKAGE.rglob("*.py"):
         if module_name(path) not in planner:
             assert not calls(path) & deciding, f"{module_name(path)} decides {calls(path) & deciding}"
+
+
+# What renders a plan's settings: `megatrain-ray plan` (api.plan_live) and the benchmark's report.
+PLAN_RENDERERS = {"megatrain_ray.api", "megatrain_ray.bench.run"}
+
+
+def test_planning_alone_decides():
+    """The deciding module (planning/decisions.py: the chunks, slots, parking, kept graphs, where the
+    embedding steps, the refusals) is imported by planning/ alone: every other part receives a
+    StepPlan."""
+    graph = import_graph()
+    for name, deps in graph.items():
+        if part_of(name) != "planning":
+            assert "megatrain_ray.planning.decisions" not in deps, f"{name} imports the planner's decisions"
+
+
+def test_the_planner_s_view_of_the_config_never_reaches_a_run():
+    """StepPlan.planned_config (the settings with the chunks and slots the plan chose) is built for
+    the planner's predictions and reports: only planning/ and the plan's renderers make one, so no
+    run, worker or executor is handed a config other than the one read."""
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        if part_of(name) == "planning" or name in PLAN_RENDERERS:
+            continue
+        made = calls(path) & {"planned_config", "planner_view"}
+        assert not made, f"{name} makes the planner's view of the config ({', '.join(sorted(made))})"
