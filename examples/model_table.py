@@ -3,7 +3,7 @@ modules, and why the others are refused: the table in megatrain_ray/models/READM
 
 For every model type of AutoModelForCausalLM: its config class's default values with only the
 sizes shrunk (hidden size, layers, heads, vocabulary, intermediate and expert sizes:
-hf_modules.small_config), refused with the one-paragraph reason `megatrain-ray train` gives, or a
+modules.small_config), refused with the one-paragraph reason `megatrain-ray train` gives, or a
 tiny random model saved as a Hugging Face directory, 3 fp32 AdamW steps of the streaming trainer
 (the same stores, executor and export as `megatrain-ray train`, in one process) against
 transformers' model trained by torch.optim.AdamW on the same micro-batches, its export compared
@@ -28,18 +28,18 @@ from pathlib import Path
 README = Path(__file__).resolve().parent.parent / "megatrain_ray" / "models" / "README.md"
 BEGIN, END = "<!-- model table: begin -->", "<!-- model table: end -->"
 STEPS, RTOL = 3, 1e-4
-SIZES = {"small": "SMALL", "other": "OTHER_PROPORTIONS"}  # names in megatrain_ray.models.hf_modules
+SIZES = {"small": "SMALL", "other": "OTHER_PROPORTIONS"}  # names in megatrain_ray.models.transformers.modules
 OPTIM = {"lr": 3e-3, "warmup_steps": 1, "grad_clip": 0.5, "weight_decay": 0.1, "min_lr_ratio": 0.1, "eps": 1e-6}
 
 
 def one_type(model_type: str, sizes: str = "small") -> dict:
     """{"result": "trains" | "refused" | "differs" | "failed", "why": ...} for one model type, its
-    sizes cut to hf_modules.SMALL's (`sizes` "small") or to OTHER_PROPORTIONS' ("other")."""
+    sizes cut to modules.SMALL's (`sizes` "small") or to OTHER_PROPORTIONS' ("other")."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatrain_ray.config import ConfigError, ModelConfig
-    from megatrain_ray.models import hf_modules as hm
+    from megatrain_ray.models.transformers import modules as hm
     from megatrain_ray.models.registry import model_arch
 
     config = {k: v for k, v in AutoConfig.for_model(model_type).to_dict().items()
@@ -76,7 +76,7 @@ def one_type(model_type: str, sizes: str = "small") -> dict:
 def image_text_row(config: dict) -> dict:
     """An image-text model among the causal LM's types: refused as `train` refuses it, or trained
     with images by the tests (models/image_text.py, COVERED)."""
-    from megatrain_ray.models.generic_check import refusal
+    from megatrain_ray.models.transformers.check import refusal
 
     why = refusal(config)
     if why:
@@ -204,8 +204,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model type")
     parser.add_argument("--results", type=Path, help="a JSON file of results: read, extended, written")
     parser.add_argument("--sizes", choices=("small", "other"), default="small",
-                        help="the small sizes (hf_modules.SMALL, the README's table), or the same keys in other "
-                             "proportions (hf_modules.OTHER_PROPORTIONS: printed only)")
+                        help="the small sizes (modules.SMALL, the README's table), or the same keys in other "
+                             "proportions (modules.OTHER_PROPORTIONS: printed only)")
     args = parser.parse_args()
     types = args.types or causal_lm_types()
     results = json.loads(args.results.read_text()) if args.results and args.results.exists() else {}

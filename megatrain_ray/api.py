@@ -131,7 +131,7 @@ def planned_for_named_gpu(placement, facts, gpu: str, say):
     one GPU worker, its memory the datasheet's less an allowance (planning/rates.py)."""
     import dataclasses
 
-    from megatrain_ray.planning.plan import GiB
+    from megatrain_ray.planning.memory import GiB
     from megatrain_ray.planning.rates import FREE_ALLOWANCE_GIB, named_spec
     from megatrain_ray.planning.step_plan import DeviceFacts
 
@@ -150,7 +150,9 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
     import ray
 
     from megatrain_ray.models.registry import model_arch
-    from megatrain_ray.planning import plan as planner
+    from megatrain_ray.planning.memory import PlanError
+    from megatrain_ray.planning.prediction import predict_step
+    from megatrain_ray.planning.report import describe
     from megatrain_ray.planning.rates import NO_GPU
     from megatrain_ray.planning.scaling import scaling_text
     from megatrain_ray.planning.step_plan import plan_step
@@ -185,18 +187,18 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
             step = plan_step(arch, config, facts, placement, stores_allocated=False, refuse=False)
         except ConfigError as e:
             return result(f"does not fit in host memory: {e}")
-        except planner.PlanError as e:
+        except PlanError as e:
             return result(f"does not fit: {e}")
-        planned, placement, n = step.planned_arch(arch), step.placement, step.workers
+        planned, placement, n = arch, step.placement, step.workers
         traffic = step_traffic(planned, config, placement, step.kept)
         network, optimizer_s = traffic.times(), traffic.optimizer_seconds()
         say(placement.describe(arch))
         rates = step_rates(config, gpu)
         if placement.remote_layers():
-            compute_s = (planner.predict_step(planned, step.planned_config(config), network, optimizer_s, n,
+            compute_s = (predict_step(planned, step.planned_config(config), network, optimizer_s, n,
                                               rates=rates).compute_s if rates else None)
             say(describe_traffic(traffic, compute_s))
-        say(planner.describe(planned, config, step, network, optimizer_s, rates=rates,
+        say(describe(planned, config, step, network, optimizer_s, rates=rates,
                              no_prediction=None if rates else NO_GPU))
         if rates and step.refused is None:
             say(scaling_text(planned, config, step, network, optimizer_s, rates))

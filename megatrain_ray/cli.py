@@ -172,7 +172,7 @@ def input_errors() -> tuple[type[Exception], ...]:
     cannot fit): exit 2."""
     from megatrain_ray.files.checkpoint import CheckpointError
     from megatrain_ray.data import DataError
-    from megatrain_ray.planning.plan import PlanError
+    from megatrain_ray.planning.memory import PlanError
     from megatrain_ray.runtime.output_dir import OutputDirError
 
     return CheckpointError, DataError, PlanError, OutputDirError

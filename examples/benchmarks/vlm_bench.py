@@ -36,7 +36,7 @@ def main() -> None:
     from megatrain_ray.config import config_from_dict
     from megatrain_ray.data import build_dataset
     from megatrain_ray.models.registry import model_arch, model_layouts, num_params, params_text
-    from megatrain_ray.planning.plan import describe
+    from megatrain_ray.planning.report import describe
     from megatrain_ray.runtime.cluster import connect
     from megatrain_ray.runtime.session import Session
 
@@ -63,7 +63,7 @@ def main() -> None:
     try:
         session.init_weights()
         print(f"executor device: {session.start_executor()}", flush=True)
-        print(describe(session.planned_arch, session.config, session.plan), flush=True)
+        print(describe(session.arch, session.config, session.plan), flush=True)
         rows = []
         for i, batch in enumerate(steps):
             if i == args.warmup:

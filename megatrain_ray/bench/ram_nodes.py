@@ -19,7 +19,7 @@ import contextlib
 import os
 
 from megatrain_ray.config import ConfigError
-from megatrain_ray.planning.plan import TRANSPORT_CORES
+from megatrain_ray.planning.prediction import TRANSPORT_CORES
 
 GiB = 1024**3
 

@@ -18,7 +18,9 @@ from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.host.memory import process_age
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_arch, num_params
-from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, PlanError, describe, predict_step
+from megatrain_ray.planning.memory import PlanError
+from megatrain_ray.planning.prediction import HOST_ADAMW_PARAMS_PER_S, predict_step
+from megatrain_ray.planning.report import describe
 
 NO_GPU = ("the executor runs on the CPU (no GPU, or --device cpu): bench is timing the CPU, the same schedule; "
           "no GPU figure is quoted: no MFU (unless --peak-tflops), no step time on a GPU's rates")
@@ -159,7 +161,7 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
     gpus = session.placement.num_gpus
     one = args.peak_tflops or (rates.matmul_flops_per_s / 1e12 if rates else None)
     peak = one * gpus if one else None
-    kept, planned = session.plan.kept, session.planned_arch
+    kept, planned = session.plan.kept, session.arch
     planned_config = session.plan.planned_config(session.config)
     disk_s = session.placement.disk_seconds()  # the disk tier's reads and writes beside the host optimizer
     planned_optimizer_s = max(num_params(planned) / HOST_ADAMW_PARAMS_PER_S, disk_s) if disk_s else None
@@ -303,7 +305,7 @@ def fill_line(seconds: list[float], path: str | None, arch: ModelArch) -> str:
 
 
 def bound_by(summary: dict) -> str:
-    """The planner's rule (planner.predict_step), on measured times: a step whose GPU waits more
+    """The planner's rule (prediction.predict_step), on measured times: a step whose GPU waits more
     than a tenth of it is bound by what it waits for, the host optimizer or the copies (PCIe)."""
     exposed = summary["seconds"] - summary["compute_s"]
     if exposed <= 0.1 * summary["seconds"]:

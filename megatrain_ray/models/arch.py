@@ -54,7 +54,7 @@ class ModelArch:
     @property
     def stream_width(self) -> int:
         """The width of what flows from one layer to the next, per token: the hidden states (a
-        family whose layers take more from the embedding widens it: models/generic.py)."""
+        family whose layers take more from the embedding widens it: models/transformers/)."""
         return self.hidden_size
 
     def replace(self, **changes: Any) -> "ModelArch":

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from megatrain_ray.models.arch import ModelArch
+from megatrain_ray.models.hf_adapter import DECODER_FIELDS, HfField
 from megatrain_ray.models.layout import LayerLayout, ParamSlot, matmul_params
 
 Weights = dict[str, torch.Tensor]
@@ -40,6 +41,8 @@ class ModelFamily(abc.ABC):
     model_types: tuple[str, ...] = ()  # the Hugging Face config.json model_type values it runs
     arch_type: type[ModelArch] = ModelArch  # ModelArch, or a subclass with the family's own fields
     presets: dict[str, ModelArch] = {}  # named shapes, for random-initialised runs and benchmarks
+    # the arch fields its config.json holds, under which keys, with what defaults (models/hf_adapter.py)
+    hf_fields: tuple[HfField, ...] = DECODER_FIELDS
     embed_name = "model.embed_tokens.weight"  # the HF name of the input embedding ...
     tied_head_name = "lm_head.weight"  # ... and of an LM head that may be tied to it
     refused: dict[str, str] = {}  # model_types it knowingly does not run -> why, and what to do instead
@@ -47,7 +50,7 @@ class ModelFamily(abc.ABC):
     # torch.compile's default partition, for a family whose blocks the budgeted partition does not run.
     kept_activation_budget: float | None = KEPT_ACTIVATION_BUDGET
     # Which template a block call runs, (arch, ctx) -> a key, for a family whose layers run several
-    # (models/generic.py): its compiled block falls back to eager per template where compiling one
+    # (models/transformers/): its compiled block falls back to eager per template where compiling one
     # fails (streaming/compiled.py). None: one template, compiled or not.
     template_of: Callable[[ModelArch, Any], Any] | None = None
 
@@ -197,7 +200,7 @@ class ModelFamily(abc.ABC):
 
     def vision_bytes(self, arch: ModelArch, tokens: int, dtype_bytes: int) -> int:
         """An image-text model's vision tower and projector on the device for a micro-batch of
-        `tokens` positions (planning/plan.py's line for it): none for a decoder alone."""
+        `tokens` positions (planning/memory.py's line for it): none for a decoder alone."""
         return 0
 
     def compiled_variants(self, arch: ModelArch) -> int:

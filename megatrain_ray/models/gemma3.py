@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX, ModelFamily, Weights
+from megatrain_ray.models.hf_adapter import DECODER_FIELDS, HfField, read_fields, write_fields
 from megatrain_ray.models.layout import LayerLayout, ParamSlot, Shapes, decoder_layouts
 from megatrain_ray.models.llama import WORKING_SET_PER_TOKEN, Rope, lm_head_weight
 
@@ -230,6 +231,14 @@ EXTRA_NORMS_PER_HIDDEN = 2 * 3
 class Gemma3Family(ModelFamily):
     model_types = ("gemma3_text",)
     arch_type = Gemma3Arch
+    # read from config.json over transformers' Gemma3TextConfig defaults (DEFAULTS)
+    hf_fields = DECODER_FIELDS + (
+        HfField("query_pre_attn_scalar", "query_pre_attn_scalar", float, write=whole),
+        HfField("sliding_window", "sliding_window"),
+        HfField("final_logit_softcapping", "final_logit_softcapping", default=None),
+        HfField("attn_logit_softcapping", "attn_logit_softcapping", default=None),
+        HfField("pad_token_id", "pad_token_id"),
+    )
     refused = {
         "gemma3": "it is the multimodal Gemma 3 (a vision tower beside the text model); megatrain-ray trains "
                   "Gemma 3 text models (gemma3_text). Save its text model first, then point model.path at it: "
@@ -267,59 +276,30 @@ class Gemma3Family(ModelFamily):
         if c.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention: true is not supported (causal language models only)")
         rope_theta, factor, local_base = rope_from_hf(config)
-        layers = c["num_hidden_layers"]
-        heads = c["num_attention_heads"]
         return Gemma3Arch(
             model_type="gemma3_text",
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=c["num_key_value_heads"] or heads,
-            head_dim=c["head_dim"],
-            rms_norm_eps=float(c["rms_norm_eps"]),
+            **read_fields(c, self.hf_fields),
             rope_theta=rope_theta,
-            tie_word_embeddings=bool(c["tie_word_embeddings"]),
             qk_norm=True,
-            max_position_embeddings=int(c["max_position_embeddings"]),
-            query_pre_attn_scalar=float(c["query_pre_attn_scalar"]),
-            sliding_window=c["sliding_window"],
-            layer_types=tuple(c.get("layer_types") or pattern_layer_types(layers, c["sliding_window_pattern"])),
+            layer_types=tuple(c.get("layer_types") or pattern_layer_types(c["num_hidden_layers"],
+                                                                          c["sliding_window_pattern"])),
             rope_local_base_freq=local_base,
             rope_linear_factor=factor,
-            final_logit_softcapping=c.get("final_logit_softcapping"),
-            attn_logit_softcapping=c.get("attn_logit_softcapping"),
-            pad_token_id=c["pad_token_id"],
         )
 
     def hf_config(self, arch: Gemma3Arch, torch_dtype: str) -> dict[str, Any]:
         return {
             "architectures": ["Gemma3ForCausalLM"],
             "model_type": "gemma3_text",
-            "vocab_size": arch.vocab_size,
-            "hidden_size": arch.hidden_size,
-            "intermediate_size": arch.intermediate_size,
-            "num_hidden_layers": arch.num_layers,
-            "num_attention_heads": arch.num_heads,
-            "num_key_value_heads": arch.num_kv_heads,
-            "head_dim": arch.head_dim,
+            **write_fields(arch, self.hf_fields),
             "hidden_activation": "gelu_pytorch_tanh",
-            "rms_norm_eps": arch.rms_norm_eps,
-            "max_position_embeddings": arch.max_position_embeddings,
-            "tie_word_embeddings": arch.tie_word_embeddings,
             "attention_bias": False,
-            "query_pre_attn_scalar": whole(arch.query_pre_attn_scalar),
-            "sliding_window": arch.sliding_window,
             "layer_types": list(arch.layer_types),
             # the flat RoPE keys, which transformers 4.5x and 5.x both read
             "rope_theta": arch.rope_theta,
             "rope_local_base_freq": arch.rope_local_base_freq,
             "rope_scaling": (None if arch.rope_linear_factor == 1.0
                              else {"rope_type": "linear", "factor": arch.rope_linear_factor}),
-            "final_logit_softcapping": arch.final_logit_softcapping,
-            "attn_logit_softcapping": arch.attn_logit_softcapping,
-            "pad_token_id": arch.pad_token_id,
             "torch_dtype": torch_dtype,
         }
 

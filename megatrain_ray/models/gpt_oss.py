@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from megatrain_ray.models import moe
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import Weights
+from megatrain_ray.models.hf_adapter import DECODER_FIELDS, HfField, read_fields, with_defaults
 from megatrain_ray.models.layout import ParamSlot, Shapes
 from megatrain_ray.models.llama import _apply_rope, _linear, packed_causal_mask
 from megatrain_ray.models.mixtral import MixtralFamily, attention_shapes
-from megatrain_ray.models.moe import MoeArch
+from megatrain_ray.models.moe import MOE_FIELDS, MoeArch
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 SINK_DIMS = 8  # the extra head dimensions that carry the sink (8 keeps the head size a multiple of 8)
@@ -209,6 +210,12 @@ class GptOssFamily(MixtralFamily):
     model_types = ("gpt_oss",)
     arch_type = GptOssArch
     hf_class = "GptOssForCausalLM"
+    hf_fields = with_defaults(DECODER_FIELDS, rms_norm_eps=1e-5, max_position_embeddings=131072) + MOE_FIELDS + (
+        HfField("qkv_bias", "attention_bias", bool, True),
+        HfField("sliding_window", "sliding_window", default=128),
+        HfField("swiglu_alpha", "swiglu_alpha", float, 1.702),
+        HfField("swiglu_limit", "swiglu_limit", float, 7.0),
+    )
     presets: dict[str, ModelArch] = {
         "tiny-gpt-oss": GptOssArch("gpt_oss", 256, 64, 128, 2, 4, 2, 16, rms_norm_eps=1e-5, rope_theta=150000.0,
                                    qkv_bias=True, num_experts=4, num_experts_per_tok=2, sliding_window=4,
@@ -226,7 +233,6 @@ class GptOssFamily(MixtralFamily):
     def arch_from_hf(self, config: dict[str, Any]) -> GptOssArch:
         if config.get("quantization_config"):
             raise ValueError("quantized GPT-OSS checkpoints (MXFP4 experts) are not supported: use a bf16 or fp32 one")
-        num_heads, hidden = config["num_attention_heads"], config["hidden_size"]
         n = config["num_hidden_layers"]
         layer_types = config.get("layer_types")
         scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -243,18 +249,9 @@ class GptOssFamily(MixtralFamily):
                 mscale=scaling.get("mscale"), mscale_all_dim=scaling.get("mscale_all_dim"),
             )
         return GptOssArch(
-            model_type="gpt_oss", vocab_size=config["vocab_size"], hidden_size=hidden,
-            intermediate_size=config["intermediate_size"], num_layers=n, num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or hidden // num_heads, rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            model_type="gpt_oss", **read_fields(config, self.hf_fields),
             rope_theta=float(config.get("rope_theta") or scaling.get("rope_theta") or 150000.0),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", True)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 131072)),
-            sliding_window=config.get("sliding_window", 128),
-            layer_types=None if layer_types in (None, default_layer_types(n)) else tuple(layer_types),
-            swiglu_alpha=float(config.get("swiglu_alpha", 1.702)), swiglu_limit=float(config.get("swiglu_limit", 7.0)),
-            yarn=yarn, **moe.moe_fields_from_hf(config),
+            layer_types=None if layer_types in (None, default_layer_types(n)) else tuple(layer_types), yarn=yarn,
         )
 
     def hf_config(self, arch: GptOssArch, torch_dtype: str) -> dict[str, Any]:
@@ -263,11 +260,7 @@ class GptOssFamily(MixtralFamily):
         if arch.yarn is not None:
             rope = {"rope_type": "yarn", "rope_theta": arch.rope_theta,
                     **{k: v for k, v in dataclasses.asdict(arch.yarn).items() if v is not None}}
-        config.update(
-            attention_bias=arch.qkv_bias, sliding_window=arch.sliding_window,
-            layer_types=[arch.layer_type(i) for i in range(arch.num_layers)], swiglu_alpha=arch.swiglu_alpha,
-            swiglu_limit=arch.swiglu_limit, rope_parameters=rope,
-        )
+        config.update(layer_types=[arch.layer_type(i) for i in range(arch.num_layers)], rope_parameters=rope)
         del config["rope_theta"]
         return config
 

@@ -1,7 +1,7 @@
 """Image-text models (AutoModelForImageTextToText) through transformers' own modules: what their
 micro-batches carry and which of them train.
 
-The language decoder streams as any decoder of the transformers family (models/generic.py). The
+The language decoder streams as any decoder of the transformers family (models/transformers/). The
 vision tower and projector are part of the embedding layer: everything the model's own forward
 runs before its first decoder layer, so the step runs them on the worker's device, from the
 micro-batch's image tensors (the model's processor made them: data/image_text.py), and their
@@ -15,9 +15,9 @@ positions from the image grids, Gemma 3's bidirectional attention within an imag
 Qwen3-VL's deepstack features (maps of the tower's inner blocks that its decoder adds at the image
 tokens after each of its first layers) are what the model's forward hands its language model; the
 embedding layer places them behind the hidden states, and each of those layers adds its own
-(models/generic.py, deepstack_features).
+(models/transformers/forward.py, deepstack_features).
 
-The tower's device memory (the planner's line for it, planning/plan.py) is computed from its
+The tower's device memory (the planner's line for it, planning/memory.py) is computed from its
 config: it runs a micro-batch at a time, on at most one patch group per position of the micro-batch
 (every token an image token), its forward's largest layer alive at once when frozen, every layer's
 activations kept for backward when it trains.

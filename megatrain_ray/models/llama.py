@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch, RopeScaling
 from megatrain_ray.models.family import IGNORE_INDEX, ModelFamily, Weights
+from megatrain_ray.models.hf_adapter import read_fields, write_fields
 from megatrain_ray.models.layout import LayerLayout, Shapes, decoder_layouts
 
 
@@ -198,7 +199,7 @@ def rope_scaling_from_hf(config: dict[str, Any]) -> tuple[RopeScaling | None, fl
 
 # Per token, a decoder layer's saved tensors during its recompute + backward: the norms' fp32
 # copies, q/k/v/attention output, the MLP's gate/up/act/product (fitted on the H100, in units of
-# the compute dtype; planning/plan.py says how).
+# the compute dtype; planning/memory.py says how).
 WORKING_SET_PER_TOKEN = (13, 1)  # x hidden_size, x intermediate_size (or the MLP chunk)
 
 
@@ -230,45 +231,25 @@ class LlamaFamily(ModelFamily):
     # -- shapes and names ------------------------------------------------------------------------
     def arch_from_hf(self, config: dict[str, Any]) -> ModelArch:
         model_type = config["model_type"]
-        num_heads = config["num_attention_heads"]
-        hidden = config["hidden_size"]
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
         rope_scaling, rope_theta = rope_scaling_from_hf(config)
         return ModelArch(
             model_type=model_type,
-            vocab_size=config["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or hidden // num_heads,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            **read_fields(config, self.hf_fields),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         )
 
     def hf_config(self, arch: ModelArch, torch_dtype: str) -> dict[str, Any]:
         config: dict[str, Any] = {
             "architectures": [HF_CLASSES[arch.model_type]],
             "model_type": arch.model_type,
-            "vocab_size": arch.vocab_size,
-            "hidden_size": arch.hidden_size,
-            "intermediate_size": arch.intermediate_size,
-            "num_hidden_layers": arch.num_layers,
-            "num_attention_heads": arch.num_heads,
-            "num_key_value_heads": arch.num_kv_heads,
-            "head_dim": arch.head_dim,
+            **write_fields(arch, self.hf_fields),
             "hidden_act": "silu",
-            "rms_norm_eps": arch.rms_norm_eps,
             "rope_theta": arch.rope_theta,
-            "tie_word_embeddings": arch.tie_word_embeddings,
-            "max_position_embeddings": arch.max_position_embeddings,
             "torch_dtype": torch_dtype,
         }
         if arch.model_type == "llama":

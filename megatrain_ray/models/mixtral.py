@@ -23,12 +23,13 @@ import torch.nn.functional as F
 from megatrain_ray.models import moe
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import ModelFamily, Weights
+from megatrain_ray.models.hf_adapter import DECODER_FIELDS, read_fields, with_defaults, write_fields
 from megatrain_ray.models.layout import LayerLayout, ParamSlot, Shapes, decoder_layouts
 from megatrain_ray.models.llama import (
     Rope, attention, chunked_cross_entropy, chunked_mlp, embed_forward, final_norm, lm_head_weight, mlp,
     rms_norm, rope_context, rope_scaling_from_hf,
 )
-from megatrain_ray.models.moe import MoeArch
+from megatrain_ray.models.moe import MOE_FIELDS, MoeArch
 
 
 def attention_shapes(arch: ModelArch) -> Shapes:
@@ -61,6 +62,8 @@ class MixtralFamily(ModelFamily):
     model_types: tuple[str, ...] = ("mixtral",)
     arch_type = MoeArch
     hf_class = "MixtralForCausalLM"
+    hf_fields = with_defaults(DECODER_FIELDS, rms_norm_eps=1e-5) + MOE_FIELDS
+    fixed_fields: dict[str, Any] = {}  # arch fields its config.json does not say (a family's constants)
     presets: dict[str, ModelArch] = {
         "tiny-mixtral": MoeArch("mixtral", 256, 64, 128, 2, 4, 2, 16, rms_norm_eps=1e-5, rope_theta=1e6,
                                 num_experts=4, num_experts_per_tok=2),
@@ -74,34 +77,22 @@ class MixtralFamily(ModelFamily):
     def arch_from_hf(self, config: dict[str, Any]) -> MoeArch:
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
-        refuse_sliding_window(config)
+        self.refuse(config)
         rope_scaling, rope_theta = rope_scaling_from_hf(config)
-        num_heads, hidden = config["num_attention_heads"], config["hidden_size"]
-        return MoeArch(
-            model_type=config["model_type"], vocab_size=config["vocab_size"], hidden_size=hidden,
-            intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
-            num_heads=num_heads, num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or hidden // num_heads,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)), rope_theta=rope_theta, rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            **self.moe_fields_from_hf(config),
-        )
+        return self.arch_type(model_type=config["model_type"], **read_fields(config, self.hf_fields),
+                              rope_theta=rope_theta, rope_scaling=rope_scaling, **self.fixed_fields)
 
-    def moe_fields_from_hf(self, config: dict[str, Any]) -> dict[str, Any]:
+    def refuse(self, config: dict[str, Any]) -> None:
+        """ValueError for what its config.json may say that the templates do not run."""
+        refuse_sliding_window(config)
         if float(config.get("router_jitter_noise") or 0.0) != 0.0:
             raise ValueError("router_jitter_noise is not supported (only 0)")
-        return moe.moe_fields_from_hf(config)
 
     def hf_config(self, arch: MoeArch, torch_dtype: str) -> dict[str, Any]:
         config = {
-            "architectures": [self.hf_class], "model_type": arch.model_type, "vocab_size": arch.vocab_size,
-            "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
-            "num_hidden_layers": arch.num_layers, "num_attention_heads": arch.num_heads,
-            "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "hidden_act": "silu",
-            "rms_norm_eps": arch.rms_norm_eps, "rope_theta": arch.rope_theta,
-            "tie_word_embeddings": arch.tie_word_embeddings, "max_position_embeddings": arch.max_position_embeddings,
-            "sliding_window": None, "torch_dtype": torch_dtype, **moe.moe_fields_to_hf(arch),
+            "architectures": [self.hf_class], "model_type": arch.model_type, "hidden_act": "silu",
+            "rope_theta": arch.rope_theta, "sliding_window": None, "torch_dtype": torch_dtype,
+            **write_fields(arch, self.hf_fields),
         }
         if arch.rope_scaling is not None:
             config["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(arch.rope_scaling)}

@@ -29,6 +29,7 @@ import torch.utils.checkpoint
 
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import Weights
+from megatrain_ray.models.hf_adapter import HfField
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 from megatrain_ray.models.layout import matmul_params as decoder_matmul_params
 
@@ -83,19 +84,13 @@ class MoeArch(ModelArch):
         )
 
 
-def moe_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
-    """The MoeArch fields every MoE config.json spells alike."""
-    return dict(
-        num_experts=int(config.get("num_local_experts") or config.get("num_experts")),
-        num_experts_per_tok=int(config.get("num_experts_per_tok") or config.get("experts_per_token")),
-        router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
-        output_router_logits=bool(config.get("output_router_logits", False)),
-    )
-
-
-def moe_fields_to_hf(arch: MoeArch) -> dict[str, Any]:
-    return {"num_local_experts": arch.num_experts, "num_experts_per_tok": arch.num_experts_per_tok,
-            "router_aux_loss_coef": arch.router_aux_loss_coef, "output_router_logits": arch.output_router_logits}
+# The MoeArch fields every MoE config.json spells alike
+MOE_FIELDS: tuple[HfField, ...] = (
+    HfField("num_experts", "num_local_experts", int, also=("num_experts",)),
+    HfField("num_experts_per_tok", "num_experts_per_tok", int, also=("experts_per_token",)),
+    HfField("router_aux_loss_coef", "router_aux_loss_coef", float, 0.001),
+    HfField("output_router_logits", "output_router_logits", bool, False),
+)
 
 
 # ---------------------------------------------------------------------------------------------

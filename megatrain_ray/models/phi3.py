@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from megatrain_ray.models import ops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import Weights
+from megatrain_ray.models.hf_adapter import DECODER_FIELDS, HfField, read_fields, with_defaults, without, write_fields
 from megatrain_ray.models.layout import LayerLayout, Shapes, decoder_layouts
 from megatrain_ray.models.llama import WORKING_SET_PER_TOKEN, LlamaFamily, Rope, rms_norm
 
@@ -179,6 +180,11 @@ class Phi3Family(LlamaFamily):
 
     model_types = ("phi3",)
     arch_type = Phi3Arch
+    # head_dim is hidden_size / num_attention_heads, not a key of its config.json
+    hf_fields = without(with_defaults(DECODER_FIELDS, rms_norm_eps=1e-5), "head_dim") + (
+        HfField("sliding_window", "sliding_window", default=None),
+        HfField("pad_token_id", "pad_token_id", default=PHI3_PAD_DEFAULT),
+    )
     presets: dict[str, Phi3Arch] = {
         # Tiny shape for CPU tests: partial rotary (12 of 16) and LongRoPE past 8 positions.
         "tiny-phi3": Phi3Arch("phi3", 256, 64, 128, 2, 4, 2, 16, rms_norm_eps=1e-5, max_position_embeddings=64,
@@ -215,22 +221,8 @@ class Phi3Family(LlamaFamily):
         if config.get("head_dim") not in (None, hidden // heads):
             raise ValueError(f"head_dim {config['head_dim']} is not supported for phi3: transformers' Phi3 "
                              f"uses hidden_size / num_attention_heads = {hidden // heads}")
-        return Phi3Arch(
-            model_type="phi3",
-            vocab_size=config["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=hidden // heads,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            sliding_window=config.get("sliding_window"),
-            pad_token_id=config.get("pad_token_id", PHI3_PAD_DEFAULT),
-            **rope_from_hf(config),
-        )
+        return Phi3Arch(model_type="phi3", head_dim=hidden // heads, **read_fields(config, self.hf_fields),
+                        **rope_from_hf(config))
 
     def hf_config(self, arch: Phi3Arch, torch_dtype: str) -> dict[str, Any]:
         rope_scaling = None
@@ -244,22 +236,12 @@ class Phi3Family(LlamaFamily):
         return {
             "architectures": ["Phi3ForCausalLM"],
             "model_type": "phi3",
-            "vocab_size": arch.vocab_size,
-            "hidden_size": arch.hidden_size,
-            "intermediate_size": arch.intermediate_size,
-            "num_hidden_layers": arch.num_layers,
-            "num_attention_heads": arch.num_heads,
-            "num_key_value_heads": arch.num_kv_heads,
+            **write_fields(arch, self.hf_fields),
             "hidden_act": "silu",
-            "rms_norm_eps": arch.rms_norm_eps,
             "rope_theta": arch.rope_theta,
             "partial_rotary_factor": arch.partial_rotary_factor,
             "rope_scaling": rope_scaling,
-            "max_position_embeddings": arch.max_position_embeddings,
             "original_max_position_embeddings": arch.original_max_position_embeddings,
-            "sliding_window": arch.sliding_window,
-            "tie_word_embeddings": arch.tie_word_embeddings,
-            "pad_token_id": arch.pad_token_id,
             "attention_dropout": 0.0,
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from megatrain_ray.models import moe
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import Weights
+from megatrain_ray.models.hf_adapter import DECODER_FIELDS, HfField, without
 from megatrain_ray.models.layout import ParamSlot, Shapes
 from megatrain_ray.models.llama import WORKING_SET_PER_TOKEN as DENSE_WORKING_SET
 from megatrain_ray.models.mixtral import MixtralFamily, attention_shapes, refuse_sliding_window, swiglu_expert_shapes
-from megatrain_ray.models.moe import MoeArch
+from megatrain_ray.models.moe import MOE_FIELDS, MoeArch
 
 
 def qwen3_moe(vocab, hidden, dense_inter, layers, heads, kv_heads, experts, expert_inter, **kw) -> MoeArch:
@@ -34,6 +35,16 @@ def qwen3_moe(vocab, hidden, dense_inter, layers, heads, kv_heads, experts, expe
 class Qwen3MoeFamily(MixtralFamily):
     model_types = ("qwen3_moe",)
     hf_class = "Qwen3MoeForCausalLM"
+    hf_fields = DECODER_FIELDS + (
+        HfField("num_experts", "num_experts", int, also=("num_local_experts",)),
+        *without(MOE_FIELDS, "num_experts"),
+        HfField("qkv_bias", "attention_bias", bool, False),
+        HfField("moe_intermediate_size", "moe_intermediate_size", int),
+        HfField("norm_topk_prob", "norm_topk_prob", bool, False),
+        HfField("decoder_sparse_step", "decoder_sparse_step", int, 1),
+        HfField("mlp_only_layers", "mlp_only_layers", tuple, fallback=lambda read: (), write=list),
+    )
+    fixed_fields = {"qk_norm": True}
     presets: dict[str, ModelArch] = {
         "tiny-qwen3-moe": MoeArch("qwen3_moe", 256, 64, 128, 2, 4, 2, 16, qk_norm=True, rope_theta=1e6,
                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,)),
@@ -46,30 +57,11 @@ class Qwen3MoeFamily(MixtralFamily):
         "qwen3-moe-7b": qwen3_moe(151936, 2048, 6144, 20, 32, 4, 64, 768, max_position_embeddings=40960),
     }
 
-    def arch_from_hf(self, config: dict[str, Any]) -> MoeArch:
-        arch = super().arch_from_hf(config)
-        return arch.replace(
-            qk_norm=True, qkv_bias=bool(config.get("attention_bias", False)),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            moe_intermediate_size=int(config["moe_intermediate_size"]),
-            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
-        )
-
-    def moe_fields_from_hf(self, config: dict[str, Any]) -> dict[str, Any]:
+    def refuse(self, config: dict[str, Any]) -> None:
         refuse_sliding_window(config)
-        return moe.moe_fields_from_hf(config)
 
     def hf_config(self, arch: MoeArch, torch_dtype: str) -> dict[str, Any]:
-        config = super().hf_config(arch, torch_dtype)
-        config.update(
-            attention_bias=arch.qkv_bias, moe_intermediate_size=arch.moe_intermediate_size,
-            norm_topk_prob=arch.norm_topk_prob, decoder_sparse_step=arch.decoder_sparse_step,
-            mlp_only_layers=list(arch.mlp_only_layers), use_sliding_window=False, num_experts=arch.num_experts,
-        )
-        del config["num_local_experts"]
-        return config
+        return {**super().hf_config(arch, torch_dtype), "use_sliding_window": False}
 
     def block_shapes(self, arch: MoeArch, layer: int) -> Shapes:
         if arch.is_sparse(layer):

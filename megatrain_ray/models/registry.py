@@ -16,8 +16,10 @@ from megatrain_ray.config import ConfigError, ModelConfig, nearest_hint
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import ModelFamily
 from megatrain_ray.models.gemma3 import GEMMA3
-from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch
-from megatrain_ray.models.hf_modules import is_image_text, of_image_text_model
+from megatrain_ray.models.hf_adapter import overridable_keys
+from megatrain_ray.models.transformers.family import TRANSFORMERS
+from megatrain_ray.models.transformers.arch import TransformersArch
+from megatrain_ray.models.transformers.modules import is_image_text, of_image_text_model
 from megatrain_ray.models.layout import LayerLayout, ParamSlot
 from megatrain_ray.models.gpt_oss import GPT_OSS
 from megatrain_ray.models.llama import LLAMA
@@ -53,7 +55,7 @@ def implementation_of(arch: ModelArch) -> str:
 
 def how_it_runs(arch: ModelArch) -> str:
     """For the model line printed at start: a model run through transformers' modules says so, and
-    that its check against transformers (model_arch: models/generic_check.py) passed."""
+    that its check against transformers (model_arch: models/transformers/check.py) passed."""
     if implementation_of(arch) == "native":
         return ""
     if is_image_text(arch.config):
@@ -109,8 +111,8 @@ def arch_from_hf_config(config: dict[str, Any], implementation: str = "auto") ->
 
 def transformers_arch(config: dict[str, Any]) -> ModelArch:
     """The arch of the transformers family, or a ValueError that says in one paragraph why the
-    model cannot run that way (models/generic_check.py)."""
-    from megatrain_ray.models.generic_check import refusal
+    model cannot run that way (models/transformers/check.py)."""
+    from megatrain_ray.models.transformers.check import refusal
 
     model_type = config.get("model_type")
     why = refusal(config)
@@ -164,11 +166,11 @@ def resolve_arch(preset: str | None = None, path: str | None = None, implementat
 def model_arch(cfg: ModelConfig) -> ModelArch:
     """The preset or HF config with model.overrides applied; a bad name or value is a ConfigError.
     A model run through transformers' modules is first checked against transformers itself
-    (models/generic_check.py)."""
+    (models/transformers/check.py)."""
     try:
         arch = resolve_arch(cfg.preset, cfg.path, cfg.implementation)
         if isinstance(arch, TransformersArch):
-            from megatrain_ray.models.generic_check import checked
+            from megatrain_ray.models.transformers.check import checked
 
             arch = checked(with_config_overrides(arch, cfg.overrides, cfg.router_aux_loss_coef))
             return with_train_vision(arch, cfg.train_vision)
@@ -191,12 +193,6 @@ def model_arch(cfg: ModelConfig) -> ModelArch:
     return arch
 
 
-# ModelArch field names that model.overrides may use for a transformers-family model, as the
-# config.json keys they stand for
-CONFIG_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-               "num_kv_heads": "num_key_value_heads"}
-
-
 def with_config_overrides(arch: TransformersArch, overrides: dict[str, Any], aux_coef: float | None) -> ModelArch:
     """model.overrides on a transformers-family model change its config.json keys (the shared
     field names num_layers, num_heads, ... stand for theirs); a list per layer (layer_types) is cut
@@ -205,7 +201,7 @@ def with_config_overrides(arch: TransformersArch, overrides: dict[str, Any], aux
         return arch
     config = arch.config
     for key, value in overrides.items():
-        key = CONFIG_KEYS.get(key, key)
+        key = overridable_keys().get(key, key)
         if key not in config:
             raise ConfigError(f"unknown key model.overrides.{key}: {arch.model_type}'s config.json has no such key"
                               f"{nearest_hint(key, list(config))}")

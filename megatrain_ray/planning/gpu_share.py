@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.objective import Objective
-from megatrain_ray.planning.plan import AUTO_OFFLOAD_MARGIN, GiB, PlanError, leanest_plan, with_auto_settings
+from megatrain_ray.planning.decisions import AUTO_OFFLOAD_MARGIN, leanest_plan, with_auto_settings
+from megatrain_ray.planning.memory import GiB, PlanError
 from megatrain_ray.rl.rollout import num_decoder_layers, resident_layers_within
 
 LEAST_TRAINER_BYTES = 4 * GiB  # the least GPU memory a step is left beside the rollout's copy

@@ -13,7 +13,8 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import PRESETS, num_params
 from megatrain_ray.objective import objective_of
 from megatrain_ray.planning.placement import NAMED_MODES, NodeInfo, plan_placement
-from megatrain_ray.planning.plan import GiB, PlanError, device_budget, mlp_chunk_tokens, size
+from megatrain_ray.planning.decisions import device_budget
+from megatrain_ray.planning.memory import GiB, PlanError, mlp_chunk_tokens, size
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
 
 

@@ -24,7 +24,8 @@ from megatrain_ray.host.store import bytes_per_param, layer_bytes
 from megatrain_ray.host.window import window_bytes
 from megatrain_ray.host.disk import disk_bytes, layer_parts, window_bytes as disk_window_bytes
 from megatrain_ray.host.transport import TURN_LAYER
-from megatrain_ray.planning.plan import TRANSPORT_CORES, host_parking, num_slots_setting
+from megatrain_ray.planning.memory import host_parking, num_slots_setting
+from megatrain_ray.planning.prediction import TRANSPORT_CORES
 
 GiB = 1024**3
 USABLE = 0.9  # of a machine's free memory, for the run's host state

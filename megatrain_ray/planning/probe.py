@@ -2,7 +2,7 @@
 the run uses, at the run's micro-batch shape.
 
 A family written by hand carries a working set fitted on the H100; a model run through
-transformers' modules (models/generic.py) has none that anyone fitted, and its layers may be of
+transformers' modules (models/transformers/) has none that anyone fitted, and its layers may be of
 several kinds (linear and full attention, dense and mixture-of-experts MLPs). The probe gives the
 planner each kind's working set (the peak of device memory during the layer's forward and backward,
 above its weights, its input and the gradients it returns) and its compute rate. The layer runs
@@ -37,7 +37,7 @@ class LayerProbe:
 
 def layer_kinds(arch: ModelArch) -> dict[int, list[int]]:
     """Decoder layers grouped by kind, keyed by the first of each: the family's templates where it
-    names them (models/generic.py), else the layers' tensor names and shapes."""
+    names them (models/transformers/), else the layers' tensor names and shapes."""
     fam = family(arch)
     blocks = [layout for layout in model_layouts(arch) if layout.kind == BLOCK]
     templates = fam.template_kinds(arch)
@@ -140,9 +140,3 @@ def measure_working_set(arch: ModelArch, micro_batch: int, seq_len: int, dtype: 
     return (max(measured) / torch.empty((), dtype=dtype).element_size(),
             text + "\nworking set: the largest kind's, as measured above")
 
-
-def with_measured_working_set(arch: ModelArch, micro_batch: int, seq_len: int, dtype: torch.dtype,
-                              device: torch.device) -> tuple[ModelArch, str]:
-    """`arch` with its measured working set where measure_working_set has one, and the lines that say so."""
-    units, text = measure_working_set(arch, micro_batch, seq_len, dtype, device)
-    return (arch.replace(measured_working_set=units) if units else arch), text

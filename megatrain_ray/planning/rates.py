@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from megatrain_ray.planning import plan as planner
+from megatrain_ray.planning.prediction import H2D_BYTES_PER_S, LAYER_TFLOPS
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ SPECS = {
 MEASURED = "h100-sxm"  # the one model whose rates were measured
 ALIASES = {"h100": MEASURED}  # what --gpu took before the table grew
 
-H100 = Rates("H100", planner.LAYER_TFLOPS, planner.H2D_BYTES_PER_S, 799e12,
+H100 = Rates("H100", LAYER_TFLOPS, H2D_BYTES_PER_S, 799e12,
              "measured on the H100 80GB machine: `megatrain-ray bench --parts`, examples/benchmarks/")
 
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from megatrain_ray.config import Config
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import num_params
-from megatrain_ray.planning.plan import (HOST_ADAMW_THREADS, HOST_MEMORY_BYTES_PER_S, NetworkTimes, StepPrediction,
-                                         dtype_bytes, micro_batches_per_gpu, predict_step)
+from megatrain_ray.planning.memory import dtype_bytes, micro_batches_per_gpu
+from megatrain_ray.planning.prediction import (HOST_ADAMW_THREADS, HOST_MEMORY_BYTES_PER_S, NetworkTimes, StepPrediction,
+                                               predict_step)
 from megatrain_ray.planning.placement import store_threads
 from megatrain_ray.planning.step_plan import StepPlan
 

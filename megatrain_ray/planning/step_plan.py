@@ -29,11 +29,12 @@ from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.objective import objective_of
 from megatrain_ray.planning.gpu_share import GpuShare, gpu_share
 from megatrain_ray.planning.placement import Placement, with_window
-from megatrain_ray.planning.plan import (LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, GiB, GpuPlan, PlanError,
-                                         check_gpu_fit, check_host_fit, check_parked_fit, choose_host_gradients,
-                                         device_budget, embedding_step_on_device, fit_auto_settings, fits_leanest,
-                                         gpu_memory, host_gradient_bytes, host_gradient_layers, host_memory,
-                                         host_parking, micro_batches_per_gpu, with_auto_settings)
+from megatrain_ray.planning.decisions import (check_gpu_fit, check_host_fit, check_parked_fit, choose_host_gradients,
+                                              device_budget, embedding_step_on_device, fit_auto_settings, fits_leanest,
+                                              gpu_memory, host_memory, with_auto_settings)
+from megatrain_ray.planning.memory import (GiB, GpuPlan, LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, PlanError,
+                                           host_gradient_bytes, host_gradient_layers, host_parking,
+                                           micro_batches_per_gpu)
 from megatrain_ray.planning.probe import measure_working_set
 from megatrain_ray.rl.loss import PolicyLoss, TokenLoss
 
@@ -125,10 +126,6 @@ class StepPlan:
             parts.append("the vocabulary layers' gradients are summed in host memory")
         return "".join(f"; {p}" for p in parts)
 
-    def planned_arch(self, arch: ModelArch) -> ModelArch:
-        """`arch` as the plan saw it: with the working set the workers measured."""
-        return arch.replace(measured_working_set=self.measured_working_set) if self.measured_working_set else arch
-
     def planned_config(self, config: Config) -> Config:
         """The settings as the planner's models read them (`planner_view`) with the chunk sizes and
         weight slots it chose: for its predictions and reports (planning/plan.py), never a run's."""
@@ -182,7 +179,6 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
         refused = str(e)
     config = planner_view(config, objective.micro_batches, compile_blocks, share.trainer_cap)
     measured = max(f.measured_working_set for f in facts)
-    planned = arch.replace(measured_working_set=measured) if measured else arch
     where = f"the {tightest.name} of node {placement.gpu.ip}" if placement is not None else tightest.name
     embedding = model_layouts(arch)[0]
     on_device = embedding_step_on_device(config.executor.embedding_step, tightest.kind, workers,
@@ -192,15 +188,15 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
     if tightest.kind == "cuda":
         # auto: the embedding steps here only where that takes nothing else the step would give up for it
         on_device = on_device and (config.executor.embedding_step == "device"
-                                   or fits_leanest(planned, with_auto_settings(config), budget, workers, True))
-        config = choose_host_gradients(planned, config, budget, workers, on_device)
-        config = fit_auto_settings(planned, config, budget, workers, on_device)
-        memory = gpu_memory(planned, config, budget, workers, on_device)
+                                   or fits_leanest(arch, with_auto_settings(config), budget, workers, True, measured))
+        config = choose_host_gradients(arch, config, budget, workers, on_device, measured)
+        config = fit_auto_settings(arch, config, budget, workers, on_device, measured)
+        memory = gpu_memory(arch, config, budget, workers, on_device, measured)
     else:  # the executor's tensors live beside the stores' state; nothing is parked
-        config = with_auto_settings(choose_host_gradients(planned, config, 0, workers, on_device)
+        config = with_auto_settings(choose_host_gradients(arch, config, 0, workers, on_device)
                                     if config.executor.host_gradients else config)
-        memory = host_memory(planned, config, workers)
-    parked = host_parking(planned, config, memory.offload, workers, on_device)
+        memory = host_memory(arch, config, workers)
+    parked = host_parking(arch, config, memory.offload, workers, on_device)
     placed = with_window(placement, arch, config, parked) if placement is not None else None
     headroom = gpu_node_headroom(tightest.host_headroom, placed, stores_allocated)
     gib = config.executor.gpu_memory_gib
@@ -211,11 +207,11 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
                     cap if tightest.kind == "cuda" else None, memory, budget, headroom, placed,
                     head_loss=objective.head_loss, micro_batches=objective.micro_batches,
                     schedule_steps=schedule_steps or objective.schedule_steps, compile=compile_blocks, rollout=share,
-                    host_gradients=host_gradient_layers(planned, config, workers, on_device))
+                    host_gradients=host_gradient_layers(arch, config, workers, on_device))
     if refused is not None:
         return dataclasses.replace(plan, refused=refused)
     try:
-        check_step_fits(planned, config, plan, where)
+        check_step_fits(arch, config, plan, where)
     except PlanError as e:
         if refuse:
             raise

@@ -20,7 +20,7 @@ from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.placement import Placement
-from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, NetworkTimes
+from megatrain_ray.planning.prediction import HOST_ADAMW_PARAMS_PER_S, NetworkTimes
 from megatrain_ray.host.transport import TURN_LAYER, piece_bounds, turn_pieces
 from megatrain_ray.host.window import fetches_per_step
 

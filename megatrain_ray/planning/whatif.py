@@ -12,7 +12,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain_ray.planning import plan as planner
+from megatrain_ray.planning.memory import PlanError
+
+from megatrain_ray.planning.prediction import HOST_ADAMW_PARAMS_PER_S, predict_step
+
+from megatrain_ray.planning.report import describe
 from megatrain_ray.config import Config, ConfigError, from_mapping, load_yaml
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.planning.largest import largest_trainable
@@ -32,7 +36,7 @@ class GpuNodeSpec:
     gpu_memory_gib: float = 80.0  # GPU memory a run may use
     host_memory_gib: float = 128.0  # the node's free host memory
     network_gbps: float = 100.0
-    adamw_gparams_per_s: float = planner.HOST_ADAMW_PARAMS_PER_S / 1e9  # for stores it holds
+    adamw_gparams_per_s: float = HOST_ADAMW_PARAMS_PER_S / 1e9  # for stores it holds
     disk_gib: float | None = None  # free disk under runtime.disk_dir (the disk tier); null: not checked
     disk_gbps: float | None = None  # that disk's read and write speed, GB/s (bytes, as disks are rated); null: 1 assumed
 
@@ -42,7 +46,7 @@ class RamNodeSpec:
     memory_gib: float  # free memory
     network_gbps: float = 100.0
     count: int = 1
-    adamw_gparams_per_s: float = planner.HOST_ADAMW_PARAMS_PER_S / 1e9  # its AdamW rate (the H100 machine's 16 cores)
+    adamw_gparams_per_s: float = HOST_ADAMW_PARAMS_PER_S / 1e9  # its AdamW rate (the H100 machine's 16 cores)
     disk_gib: float | None = None  # as the GPU node's
     disk_gbps: float | None = None
 
@@ -117,16 +121,16 @@ def plan_cluster(arch: ModelArch, config: Config, spec: ClusterSpec, speeds: lis
                          stores_allocated=False, refuse=False)
     except ConfigError as e:
         return "\n".join(lines + [f"does not fit in host memory: {e}"]), False
-    except planner.PlanError as e:
+    except PlanError as e:
         return "\n".join(lines + [f"does not fit: {e}"]), False
     lines.append(step.placement.describe(arch))
     traffic = step_traffic(arch, config, step.placement, step.kept)
     config = step.planned_config(config)
     rates = named_rates(gpu or spec.gpu_node.gpu)
-    prediction = planner.predict_step(arch, config, traffic.times(), traffic.optimizer_seconds(), rates=rates)
+    prediction = predict_step(arch, config, traffic.times(), traffic.optimizer_seconds(), rates=rates)
     if step.placement.remote_layers():  # as a live plan: a node's traffic where layers stream to the GPU node
         lines.append(describe_traffic(traffic, prediction.compute_s if rates else None))
-    lines.append(planner.describe(arch, config, step, traffic.times(), traffic.optimizer_seconds(), rates=rates,
+    lines.append(describe(arch, config, step, traffic.times(), traffic.optimizer_seconds(), rates=rates,
                                   no_prediction=None if rates else unknown_gpu(gpu or spec.gpu_node.gpu)))
     if step.refused is not None:
         return "\n".join(lines + [f"does not fit: {step.refused}"]), False
@@ -145,7 +149,7 @@ def speed_table(arch: ModelArch, config: Config, traffic: StepTraffic, speeds: l
             "tokens/s | bound by |", "|---|---|---|---|---|---|---|---|"]
     for gbps in speeds:
         net = traffic.times(gbps)
-        p = planner.predict_step(arch, config, net, traffic.optimizer_seconds(), rates=rates)
+        p = predict_step(arch, config, net, traffic.optimizer_seconds(), rates=rates)
         rows.append(f"| {gbps:g} | {net.forward_in_s:.1f} + {net.backward_in_s:.1f} | {net.out_s:.1f} | "
                     f"{p.compute_s:.1f} | {p.optimizer_s:.1f} | {p.step_s:.1f} | {tokens / p.step_s:,.0f} | {p.bound} |")
     return "\n".join(rows)

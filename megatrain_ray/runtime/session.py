@@ -134,11 +134,6 @@ class Session:
         self.placement = plan.placement
         return plan
 
-    @property
-    def planned_arch(self) -> ModelArch:
-        """The model as the plan saw it: with the working set the workers measured."""
-        return self.plan.planned_arch(self.arch)
-
     def _launch_stores(self) -> list:
         p = self.placement
         return [ray.remote(self.store_class)

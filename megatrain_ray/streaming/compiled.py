@@ -98,7 +98,7 @@ def _inductor_within(budget: float) -> Callable:
 
 class EagerWhereItFails:
     """A compiled block that runs a layer template eagerly once compiling it failed, and says so
-    once: for a family of several templates (models/generic.py, `template_of`), where one layer
+    once: for a family of several templates (models/transformers/, `template_of`), where one layer
     structure that torch.compile cannot take must not stop the others from being compiled."""
 
     def __init__(self, compiled: Callable, eager: Callable, template_of: Callable):

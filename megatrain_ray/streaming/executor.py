@@ -4,7 +4,7 @@ One optimizer step: every micro-batch passes through a layer while its weights s
 forward keeps only each layer's input (streaming/activation_stash.py), backward recomputes the layer under
 a local autograd graph, accumulates its weight gradient on the device across micro-batches and
 sends it to the host once (streaming/gradient_sink.py). The last `keep_graphs` blocks, where the GPU has the
-memory for them (planning/plan.py), run their forward under autograd and keep its graph, with a copy of
+memory for them (planning/memory.py), run their forward under autograd and keep its graph, with a copy of
 their weights: their backward neither recomputes (but for MLP chunks, which stay checkpointed) nor
 reads their weights again. The prefetcher (streaming/prefetcher.py) keeps the next layers copying into free
 slots; three streams (streaming/streams.py) are ordered by events. On the CPU the streams are no-ops and

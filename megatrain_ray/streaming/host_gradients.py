@@ -1,7 +1,7 @@
 """A layer's weight gradient summed in pinned host memory instead of on the device.
 
 The step plan names the layers (`StepPlan.host_gradients`: the embedding and an untied LM head
-where their vocabulary-sized fp32 accumulator does not fit the GPU; planning/plan.py). Each
+where their vocabulary-sized fp32 accumulator does not fit the GPU; planning/decisions.py). Each
 micro-batch's (the embedding's) or loss chunk's (the head's) gradient, as autograd makes it in the
 compute dtype, is copied out into a pinned staging buffer and the device copy let go; a thread
 adds it into the layer's fp32 sum while the device computes the next. The sum is the device

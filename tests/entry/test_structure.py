@@ -288,7 +288,7 @@ def test_no_caller_outside_models_tells_a_family_by_its_class():
     from megatrain_ray.models.arch import ModelArch
 
     arch_classes = set()
-    for path in (PACKAGE / "models").glob("*.py"):
+    for path in (PACKAGE / "models").rglob("*.py"):
         module = __import__(module_name(path), fromlist=["_"])
         arch_classes |= {name for name, value in vars(module).items()
                          if isinstance(value, type) and issubclass(value, ModelArch) and value is not ModelArch}
@@ -305,7 +305,33 @@ def test_every_step_decision_is_made_in_the_step_plan():
     benchmark and every worker receive a StepPlan and render or obey it."""
     deciding = {"check_gpu_fit", "check_host_fit", "check_parked_fit", "choose_kept", "choose_offload", "gpu_memory",
                 "host_memory", "host_parking", "embedding_step_on_device", "with_window", "window_slots"}
-    planner = {"megatrain_ray.planning.step_plan", "megatrain_ray.planning.plan", "megatrain_ray.planning.placement"}
+    planner = {"megatrain_ray.planning.step_plan", "megatrain_ray.planning.decisions", "megatrain_ray.planning.placement"}
     for path in PACKAGE.rglob("*.py"):
         if module_name(path) not in planner:
             assert not calls(path) & deciding, f"{module_name(path)} decides {calls(path) & deciding}"
+
+
+# What renders a plan's settings: `megatrain-ray plan` (api.plan_live) and the benchmark's report.
+PLAN_RENDERERS = {"megatrain_ray.api", "megatrain_ray.bench.run"}
+
+
+def test_planning_alone_decides():
+    """The deciding module (planning/decisions.py: the chunks, slots, parking, kept graphs, where the
+    embedding steps, the refusals) is imported by planning/ alone: every other part receives a
+    StepPlan."""
+    graph = import_graph()
+    for name, deps in graph.items():
+        if part_of(name) != "planning":
+            assert "megatrain_ray.planning.decisions" not in deps, f"{name} imports the planner's decisions"
+
+
+def test_the_planner_s_view_of_the_config_never_reaches_a_run():
+    """StepPlan.planned_config (the settings with the chunks and slots the plan chose) is built for
+    the planner's predictions and reports: only planning/ and the plan's renderers make one, so no
+    run, worker or executor is handed a config other than the one read."""
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        if part_of(name) == "planning" or name in PLAN_RENDERERS:
+            continue
+        made = calls(path) & {"planned_config", "planner_view"}
+        assert not made, f"{name} makes the planner's view of the config ({', '.join(sorted(made))})"

@@ -18,7 +18,7 @@ from megatrain_ray.files.hf import export_hf, load_hf_weights
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.reference_model import ReferenceModel
 from megatrain_ray.models.layout import module_key
-from megatrain_ray.models.generic_check import relative_difference as rel  # noqa: F401 (the tests' name for it)
+from megatrain_ray.models.transformers.check import relative_difference as rel  # noqa: F401 (the tests' name for it)
 from megatrain_ray.models.registry import model_layouts
 from helpers.reference_training import adamw_loop
 

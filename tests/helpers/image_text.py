@@ -478,7 +478,7 @@ def tiny_model_dir(model_type: str, directory: Path, seed: int = 0):
     """The saved tiny model with its processor's files; returns (model, directory)."""
     from transformers import AutoModelForImageTextToText
 
-    from megatrain_ray.models.hf_modules import config_object
+    from megatrain_ray.models.transformers.modules import config_object
 
     directory.mkdir(parents=True, exist_ok=True)
     specials, placeholder, _, _ = TYPES[model_type]

@@ -21,8 +21,9 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from megatrain_ray import cli  # noqa: E402
 from megatrain_ray.config import config_from_dict  # noqa: E402
-from megatrain_ray.models import hf_modules as hm  # noqa: E402
-from megatrain_ray.models.generic import TRANSFORMERS, TransformersArch  # noqa: E402
+from megatrain_ray.models.transformers import modules as hm  # noqa: E402
+from megatrain_ray.models.transformers.arch import TransformersArch  # noqa: E402
+from megatrain_ray.models.transformers.family import TRANSFORMERS  # noqa: E402
 from megatrain_ray.files import shard  # noqa: E402
 from megatrain_ray.files.hf import export_hf  # noqa: E402
 from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
@@ -118,7 +119,7 @@ MODEL_TYPES = {
     "deepseek_v32": {},
     # kimi_linear trains too (examples/model_table.py), but 3 steps here take minutes on the CPU:
     # transformers' PyTorch fallback of its linear attention loops over a 64-token chunk
-    # `:other`: the sizes cut to hf_modules.OTHER_PROPORTIONS, not SMALL (heads x head width unlike the
+    # `:other`: the sizes cut to modules.OTHER_PROPORTIONS, not SMALL (heads x head width unlike the
     # hidden size, linear attention's key and value widths unlike each other and the attention's, 6
     # experts with 3 a token), while the small instance the run checks first, and the pieces it finds
     # a tensor stored in, are cut to SMALL's: every size must be read from the model itself.
@@ -139,7 +140,7 @@ MODEL_TYPES = {
 
 # model_type -> its run's settings other than the parity runs' (helpers/hf_parity.py; every run
 # takes STEPS = 3 steps). Gemma 4: AdamW's eps 1e-3. One micro-batch's gradients are bit-equal to
-# transformers' (generic_check's comparison); a step's are within 2e-6 (its loss chunks and
+# transformers' (transformers/check.py's comparison); a step's are within 2e-6 (its loss chunks and
 # micro-batches summed in the step's own order), but many of its gradient entries (its attention
 # projections' and norms', once clipped) lie near an eps of 1e-6, where such rounding becomes a
 # visible difference of step, and its random small instance amplifies it step after step: with eps
@@ -154,7 +155,7 @@ RUN = {"gemma4_text": {"optim": {"eps": 1e-3}},
 
 
 def small_model_config(model_type: str) -> dict:
-    """transformers' defaults for the model_type (`type:variant`: the type's), small (hf_modules.small_config;
+    """transformers' defaults for the model_type (`type:variant`: the type's), small (modules.small_config;
     `type:other`: in OTHER_PROPORTIONS)."""
     full = {**AutoConfig.for_model(model_type.split(":")[0]).to_dict(), **MODEL_TYPES[model_type]}
     full = {k: v for k, v in full.items() if k not in ("transformers_version", "architectures")}
@@ -337,7 +338,7 @@ def test_per_layer_inputs_flow_behind_the_hidden_states_and_the_plan_counts_them
     """Gemma 4's per-layer input embeddings: the embedding layer hands on the hidden states and
     every layer's per-layer input (the model's own, as its decoder passes them), a block hands them
     on unchanged behind its output, and the planner's boundary activations are that wide."""
-    from megatrain_ray.planning.plan import hidden_state_bytes
+    from megatrain_ray.planning.memory import hidden_state_bytes
 
     model, arch, _config_file, config, data = prepared("gemma4_text", tmp_path)
     width = model.config.hidden_size_per_layer_input
@@ -367,7 +368,7 @@ def test_altup_and_shared_keys_and_values_flow_behind_the_hidden_states(tmp_path
     layer of each attention type stores for the later layers of its type (zero until then, then
     what transformers' layers leave them), and the per-layer inputs; the planner counts that width.
     The steps against transformers above check that the reusing layers read them."""
-    from megatrain_ray.planning.plan import hidden_state_bytes
+    from megatrain_ray.planning.memory import hidden_state_bytes
 
     model, arch, _config_file, config, data = prepared("gemma3n_text", tmp_path)
     cfg, hidden = model.config, arch.hidden_size
@@ -532,14 +533,14 @@ def test_the_probe_measures_one_layer_of_each_kind(tmp_path):
 
 @pytest.mark.gpu
 def test_the_probe_measures_a_working_set_on_the_gpu_and_the_plan_uses_it(tmp_path):
-    from megatrain_ray.models.registry import family
-    from megatrain_ray.planning.probe import with_measured_working_set
+    from megatrain_ray.planning.memory import layer_working_set
+    from megatrain_ray.planning.probe import measure_working_set
 
     arch = load_hf_arch(saved(small_model("qwen3_next"), tmp_path / "hf"))
-    measured, text = with_measured_working_set(arch, 2, 256, torch.bfloat16, torch.device("cuda"))
-    assert measured.measured_working_set > 0 and "as measured above" in text
-    assert family(measured).working_set_bytes(measured, 512, 512, 2) == int(512 * measured.measured_working_set * 2)
-    assert measured.model_fields() == arch.model_fields(), "a measurement does not make another model"
+    measured, text = measure_working_set(arch, 2, 256, torch.bfloat16, torch.device("cuda"))
+    assert measured > 0 and "as measured above" in text
+    config = config_from_dict({"model": {"preset": "tiny-llama", "compute_dtype": "bfloat16"}})
+    assert layer_working_set(arch, config, 512, 512, measured) == int(512 * measured * 2)
 
 
 @pytest.mark.gpu
@@ -552,11 +553,10 @@ def test_a_run_on_the_gpu_plans_with_the_working_set_its_worker_measured(local_r
     on_gpu = dataclasses.replace(config, executor=dataclasses.replace(config.executor, device="cuda"))
     session = Session(on_gpu, arch)
     try:
-        planned = session.planned_arch
+        plan = session.plan
     finally:
         session.close()
-    assert arch.measured_working_set == 0 and planned.measured_working_set > 0
-    assert planned.model_fields() == arch.model_fields(), "a measurement does not make another model"
+    assert plan.measured_working_set > 0
 
 
 @pytest.mark.gpu
@@ -737,7 +737,7 @@ def test_a_decoder_that_reads_its_layers_outputs_as_tuples_runs_like_transformer
     decoder's calls hand on a tuple there, the hidden states elsewhere (Llama's), and a small GPT-Neo
     (local and global attention) then runs alike through both paths. Its sizes are set here, not its
     defaults': those build 24 layers of 2,048 x 2,048 attention masks first."""
-    from megatrain_ray.models.generic_check import check_config
+    from megatrain_ray.models.transformers.check import check_config
 
     small = {"model_type": "gpt_neo", "vocab_size": 128, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
              "attention_types": [[["global", "local"], 1]], "max_position_embeddings": 64, "window_size": 8,
@@ -752,7 +752,7 @@ def test_a_decoder_that_scales_its_input_in_place_runs_like_transformers():
     """CTRL's decoder multiplies its input embeddings in place (`inputs_embeds *= sqrt(d)`): the
     stand-in input from which the layers' arguments are recorded must be writable, and a small CTRL
     then runs alike through both paths."""
-    from megatrain_ray.models.generic_check import check_config
+    from megatrain_ray.models.transformers.check import check_config
 
     small = {"model_type": "ctrl", "vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "dff": 64,
              "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0}

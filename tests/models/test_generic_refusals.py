@@ -14,7 +14,7 @@ import ray  # noqa: E402
 
 from megatrain_ray.cli import main as cli_main  # noqa: E402
 from megatrain_ray.config import ConfigError, ModelConfig  # noqa: E402
-from megatrain_ray.models.generic import TransformersArch  # noqa: E402
+from megatrain_ray.models.transformers.arch import TransformersArch  # noqa: E402
 from megatrain_ray.models.registry import model_arch  # noqa: E402
 
 
@@ -71,7 +71,6 @@ def test_a_transformers_arch_survives_a_checkpoint_and_a_measurement(tmp_path):
     arch = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers"))
     meta = {"arch": json.loads(json.dumps(arch.to_dict()))}
     assert arch_from_dict(meta["arch"]) == arch
-    check_compatible(meta, arch.replace(measured_working_set=21.5), tmp_path)
     other = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers", overrides={"num_layers": 1}))
     with pytest.raises(CheckpointError, match="from another model"):
         check_compatible(meta, other, tmp_path)

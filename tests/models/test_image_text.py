@@ -166,7 +166,7 @@ def test_qwen3_5_multi_token_prediction_module_is_carried_unchanged(tmp_path):
 
     from megatrain_ray.files.carried import carried_tensors
     from megatrain_ray.files.hf import export_hf
-    from megatrain_ray.models.generic import TRANSFORMERS
+    from megatrain_ray.models.transformers.family import TRANSFORMERS
 
     model, config = prepared("qwen3_5", tmp_path)
     model_dir = Path(config.model.path)
@@ -266,7 +266,7 @@ def test_train_vision_trains_the_tower_as_transformers_does(tmp_path, model_type
 def test_dropout_in_a_sub_config_is_replayed_in_the_recompute(tmp_path):
     """A training forward that draws random numbers in the decoder or the tower (their sub-configs'
     dropout) has its draws replayed (streaming/rng.py), as for a decoder alone."""
-    from megatrain_ray.models.generic import TRANSFORMERS
+    from megatrain_ray.models.transformers.family import TRANSFORMERS
 
     model, config = prepared("llava", tmp_path)
     assert not TRANSFORMERS.draws_random(model_arch(config.model))
@@ -282,8 +282,8 @@ def test_deepstack_features_flow_behind_the_hidden_states_and_the_plan_counts_th
     forward makes them; a block hands them on unchanged behind its output (the first ones add
     theirs to it: the steps against transformers above), and the planner's boundary activations
     are that wide."""
-    from megatrain_ray.models.generic import TRANSFORMERS
-    from megatrain_ray.planning.plan import hidden_state_bytes
+    from megatrain_ray.models.transformers.family import TRANSFORMERS
+    from megatrain_ray.planning.memory import hidden_state_bytes
 
     model, config = prepared("qwen3_vl", tmp_path)
     arch = model_arch(config.model)
@@ -338,7 +338,8 @@ def test_the_plan_counts_the_vision_tower_by_its_patches_and_whether_it_trains(t
     merger), larger when the tower trains, within 2x above the peak torch's memory tracker counts
     for the tiny Qwen2-VL's tower on that many patches, frozen and trained; a GPU too small for it
     is told to freeze the tower; `megatrain-ray plan` prints it."""
-    from megatrain_ray.planning.plan import PlanError, check_gpu_fit, gpu_plan, vision_line
+    from megatrain_ray.planning.decisions import check_gpu_fit
+    from megatrain_ray.planning.memory import PlanError, gpu_plan, vision_line
 
     model, model_dir = tiny_model_dir("qwen2_vl", tmp_path / "hf")
     model.set_attn_implementation("sdpa")  # as the embedding layer runs it (eager attention keeps patches^2 a head)

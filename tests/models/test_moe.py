@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.models import moe
 from megatrain_ray.models.registry import PRESETS, family, model_arch, model_layouts, num_params
-from megatrain_ray.planning.plan import gpu_plan, num_slots_setting, predict_step
+from megatrain_ray.planning.memory import gpu_plan, num_slots_setting
+from megatrain_ray.planning.prediction import predict_step
 from helpers.reference_training import random_micro_batches, train_both
 from helpers.runs import make_config
 

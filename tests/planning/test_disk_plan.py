@@ -15,7 +15,8 @@ from megatrain_ray.host.precision import format_of
 from megatrain_ray.host.store import layer_bytes
 from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.planning.placement import NodeInfo, largest_models, plan_placement, store_room
-from megatrain_ray.planning.plan import describe, predict_step
+from megatrain_ray.planning.prediction import predict_step
+from megatrain_ray.planning.report import describe
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 from megatrain_ray.planning.traffic import step_traffic
 

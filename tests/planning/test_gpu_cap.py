@@ -13,8 +13,9 @@ import torch
 
 from megatrain_ray.config import ConfigError, config_from_dict, load_config
 from megatrain_ray.models.registry import PRESETS, model_arch, num_params
-from megatrain_ray.planning.plan import (FEWEST_SLOTS, LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS,
-                                         SMALLEST_LOSS_CHUNK, SMALLEST_MLP_CHUNK, PlanError, fits_leanest)
+from megatrain_ray.planning.decisions import fits_leanest
+from megatrain_ray.planning.memory import (FEWEST_SLOTS, LOSS_CHUNK_TOKENS, MLP_CHUNK_TOKENS, NUM_SLOTS, PlanError,
+                                           SMALLEST_LOSS_CHUNK, SMALLEST_MLP_CHUNK)
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 from megatrain_ray.planning.whatif import GPU_NODE, cluster_nodes, described_facts, load_cluster, plan_cluster
 from megatrain_ray.planning.placement import plan_placement

@@ -10,8 +10,9 @@ import pytest
 
 from megatrain_ray.config import load_config
 from megatrain_ray.models.registry import model_arch, model_layouts
-from megatrain_ray.planning import plan as planner
-from megatrain_ray.planning.plan import HOST_SUMMED_GRADIENT, PlanError, host_gradient_bytes
+from megatrain_ray.planning.prediction import predict_step
+from megatrain_ray.planning.report import describe
+from megatrain_ray.planning.memory import HOST_SUMMED_GRADIENT, PlanError, host_gradient_bytes
 from megatrain_ray.planning.rates import named_rates
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 
@@ -43,7 +44,7 @@ def test_qwen2_5_7b_fits_a_10gb_class_card_with_its_vocabulary_gradients_in_host
     vocab = model_layouts(arch)[last].numel  # 152,064 x 3,584 and the final norm
     assert step.memory.by_use[HOST_SUMMED_GRADIENT] < vocab * 4  # no fp32 accumulator of it on the device
     assert step.headroom > 0 and host_gradient_bytes(arch, step.planned_config(config)) == vocab * (4 + 2 * 2)
-    text = planner.describe(arch, config, step, rates=named_rates("rtx3080"))
+    text = describe(arch, config, step, rates=named_rates("rtx3080"))
     assert "the embedding's and the LM head's weight gradient summed in pinned host memory" in text
     assert "gradients summed in host memory" in text and " s (not hidden)" in text
     off = plan_step(arch, with_setting(config, False), card(free_gib), refuse=False)
@@ -56,8 +57,8 @@ def test_a_step_that_fits_otherwise_keeps_its_gradients_on_the_device():
     assert plan_step(arch, config, card(12.0)).host_gradients == ()  # a 12 GB card: chunks shrink instead
     forced = plan_step(arch, with_setting(config, True), card(12.0))
     assert forced.host_gradients != () and forced.planned_config(config).executor.host_gradients is True
-    slower = planner.predict_step(arch, forced.planned_config(config))
-    faster = planner.predict_step(arch, with_setting(forced.planned_config(config), False))
+    slower = predict_step(arch, forced.planned_config(config))
+    faster = predict_step(arch, with_setting(forced.planned_config(config), False))
     assert slower.host_summed_s > 0 and slower.step_s > faster.step_s and faster.host_summed_s == 0
 
 

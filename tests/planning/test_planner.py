@@ -10,9 +10,10 @@ import torch
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_layouts, num_params, resolve_arch
-from megatrain_ray.planning.plan import (KEPT, LAYER_TFLOPS, PlanError, check_gpu_fit, choose_kept, choose_offload,
-                                         gpu_memory, gpu_plan, kept_graph_bytes, predict_step,
-                                         KEPT_GRAPH_PER_WORKING_SET, KEPT_GRAPH_PER_WORKING_SET_BUDGETED)
+from megatrain_ray.planning.decisions import check_gpu_fit, choose_kept, choose_offload, gpu_memory
+from megatrain_ray.planning.memory import (KEPT, KEPT_GRAPH_PER_WORKING_SET, KEPT_GRAPH_PER_WORKING_SET_BUDGETED,
+                                           PlanError, gpu_plan, kept_graph_bytes)
+from megatrain_ray.planning.prediction import LAYER_TFLOPS, predict_step
 from megatrain_ray.host.memory import DTYPES
 from megatrain_ray.host.store import bytes_per_param
 
@@ -222,7 +223,8 @@ def test_parked_activations_that_the_host_cannot_hold_are_refused_before_the_run
     host were killed by Ray's memory monitor (about 14 GiB of headroom beside the 99 GiB of
     state); both are refused now, and 8 micro-batches pass."""
     from megatrain_ray.models.registry import PRESETS
-    from megatrain_ray.planning.plan import GiB, check_parked_fit, parked_bytes
+    from megatrain_ray.planning.decisions import check_parked_fit
+    from megatrain_ray.planning.memory import GiB, parked_bytes
 
     def cfg(preset, seq, accum):
         return config_from_dict({

@@ -13,7 +13,9 @@ from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
 from megatrain_ray.planning.placement import GPU_NODE_RESERVE, USABLE, NodeInfo, plan_placement, with_window
-from megatrain_ray.planning.plan import EMBEDDING_STEP, HOST_ADAMW_PARAMS_PER_S, PlanError, describe, predict_step
+from megatrain_ray.planning.memory import EMBEDDING_STEP, PlanError
+from megatrain_ray.planning.prediction import HOST_ADAMW_PARAMS_PER_S, predict_step
+from megatrain_ray.planning.report import describe
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 from megatrain_ray.planning.traffic import step_traffic
 from megatrain_ray.host.window import WindowPolicy, fetches_per_step, window_bytes
@@ -231,7 +233,7 @@ def test_the_plan_says_how_many_optimizer_cores_keep_up():
     tokens a step, about half the cores."""
     import math
 
-    from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, HOST_ADAMW_THREADS
+    from megatrain_ray.planning.prediction import HOST_ADAMW_PARAMS_PER_S, HOST_ADAMW_THREADS
 
     def cores_said(cfg) -> tuple[int, int]:
         step = plan_step(SEVEN_B, cfg, DeviceFacts("cuda", "a GPU", 2**50, 2**50))
@@ -268,7 +270,8 @@ def test_each_store_runs_the_optimizer_threads_its_node_offers_less_its_other_wo
 def test_plan_says_how_many_cores_each_ram_node_needs_to_keep_up():
     """One formula: a RAM node's AdamW over its parameters within the forward, at the measured rate a
     core, and a core for its links; the plan names each RAM node's count and whether its store has it."""
-    from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, HOST_ADAMW_THREADS, TRANSPORT_CORES, ram_node_cores
+    from megatrain_ray.planning.prediction import (HOST_ADAMW_PARAMS_PER_S, HOST_ADAMW_THREADS, TRANSPORT_CORES,
+                                                   ram_node_cores)
 
     per_core = HOST_ADAMW_PARAMS_PER_S / HOST_ADAMW_THREADS
     assert ram_node_cores(int(5 * per_core * 2.0), 2.0) == 5 + TRANSPORT_CORES  # exactly five cores' work

@@ -8,8 +8,9 @@ import torch
 
 from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.models.registry import model_arch
-from megatrain_ray.planning import plan as planner
-from megatrain_ray.planning.plan import with_auto_settings
+from megatrain_ray.planning.prediction import predict_step
+from megatrain_ray.planning.report import describe
+from megatrain_ray.planning.decisions import with_auto_settings
 from megatrain_ray.planning.rates import (H100, SPECS, device_key, named_rates, probe_gpu, probed_rates, rates_for_gpu,
                                           table_rates)
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
@@ -73,7 +74,7 @@ def test_a_described_home_gpu_gets_its_own_estimate_and_an_unknown_one_no_speed(
     text, fits = plan_cluster(arch, config, ClusterSpec(GpuNodeSpec("RTX 3080 10GB", **SMALL_10G), ()), [10])
     assert fits and "predicted step on the RTX 3080's rates (a datasheet-scaled estimate" in text
     assert "H100" not in text.replace("the measured H100 SXM", "").replace("the H100 machine's 4.8", "")
-    home, h100 = (planner.predict_step(arch, with_auto_settings(config), rates=r) for r in (named_rates("rtx3080"), H100))
+    home, h100 = (predict_step(arch, with_auto_settings(config), rates=r) for r in (named_rates("rtx3080"), H100))
     assert home.compute_s == pytest.approx(h100.compute_s * 989.4 / 59.5)
     text, fits = plan_cluster(arch, config, ClusterSpec(GpuNodeSpec("Radeon RX 7900", **SMALL_10G), ()), [10])
     assert fits and "no step time: the rates table (planning/rates.py) has no GPU named 'Radeon RX 7900'" in text
@@ -91,11 +92,11 @@ def test_a_gpu_outside_the_table_is_probed_and_scaled_as_the_h100_measured():
 
 def test_the_prediction_follows_the_rates_and_names_them():
     slow = probed_rates("a GPU at half the H100's rates", H100.matmul_flops_per_s / 2, H100.h2d_bytes_per_s / 2)
-    fast, half = planner.predict_step(ARCH, CONFIG, rates=H100), planner.predict_step(ARCH, CONFIG, rates=slow)
+    fast, half = predict_step(ARCH, CONFIG, rates=H100), predict_step(ARCH, CONFIG, rates=slow)
     assert half.compute_s == 2 * fast.compute_s and half.h2d_s == 2 * fast.h2d_s
-    assert planner.predict_step(ARCH, CONFIG) == fast  # the default is the H100 machine's
-    assert "predicted step on the H100's rates (measured on the H100" in planner.describe(ARCH, CONFIG, STEP, rates=H100)
-    text = planner.describe(ARCH, CONFIG, STEP, no_prediction="no GPU here")
+    assert predict_step(ARCH, CONFIG) == fast  # the default is the H100 machine's
+    assert "predicted step on the H100's rates (measured on the H100" in describe(ARCH, CONFIG, STEP, rates=H100)
+    text = describe(ARCH, CONFIG, STEP, no_prediction="no GPU here")
     assert text.endswith("no GPU here") and "predicted step" not in text and "tokens/s" not in text
 
 

@@ -9,7 +9,8 @@ import pytest
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import PRESETS, num_params
 from megatrain_ray.planning.placement import NodeInfo, plan_placement
-from megatrain_ray.planning.plan import HOST_ADAMW_PARAMS_PER_S, HOST_MEMORY_BYTES_PER_S, GiB
+from megatrain_ray.planning.memory import GiB
+from megatrain_ray.planning.prediction import HOST_ADAMW_PARAMS_PER_S, HOST_MEMORY_BYTES_PER_S
 from megatrain_ray.planning.rates import rates_of
 from megatrain_ray.planning.scaling import gpu_scaling, optimizer_gpus, scaling_end, scaling_text
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step

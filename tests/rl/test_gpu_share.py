@@ -11,7 +11,7 @@ from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.objective import objective_of
 from megatrain_ray.planning.gpu_share import gpu_share, split_shared, trainer_need
-from megatrain_ray.planning.plan import PlanError
+from megatrain_ray.planning.memory import PlanError
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step, planner_view
 from megatrain_ray.rl.rollout import GiB, rollout_bytes
 

@@ -15,7 +15,7 @@ from megatrain_ray.bench import telemetry as bench_telemetry
 from megatrain_ray.config import config_from_dict
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.planning import step_plan, whatif
-from megatrain_ray.planning.plan import size
+from megatrain_ray.planning.memory import size
 from megatrain_ray.runtime import local, session as session_module
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.bench.telemetry import Probe, ProbedWorker
@@ -145,7 +145,7 @@ def test_the_benchmark_plans_each_shape_once_and_renders_that_plan(local_ray, mo
 def test_a_plan_is_refused_on_the_driver_before_the_stores_start(local_ray, tmp_path):
     """A step that cannot fit is a PlanError from plan_step, raised by the Session before any store
     allocates its state, and the session leaves no actor behind."""
-    from megatrain_ray.planning.plan import PlanError
+    from megatrain_ray.planning.memory import PlanError
 
     raw = tiny_raw(tmp_path, steps=1)
     raw["train"] = {**raw["train"], "micro_batch_size": 64, "grad_accum": 64}

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatrain_ray.streaming.device_step import DeviceStepSource
-from megatrain_ray.planning.plan import PlanError, embedding_step_on_device
+from megatrain_ray.planning.decisions import embedding_step_on_device
+from megatrain_ray.planning.memory import PlanError
 from megatrain_ray.models.registry import PRESETS
 from helpers.reference_training import random_micro_batches, train_both
 from helpers.runs import GRAD_ACCUM, STEPS, make_config

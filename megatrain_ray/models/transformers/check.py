@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatrain_ray.models import hf_modules as hm
 from megatrain_ray.models import image_text
 from megatrain_ray.models.layout import with_shared
+from megatrain_ray.models.transformers import modules as hm
 
 RTOL = 1e-4  # fp32, the same modules on the same weights: only summation order differs
 
@@ -58,7 +58,7 @@ def refusal(config: dict[str, Any]) -> str | None:
 
 
 def records_router_logits(config: dict[str, Any]) -> bool:
-    from megatrain_ray.models.generic import router_recorder
+    from megatrain_ray.models.transformers.router import router_recorder
 
     try:
         return router_recorder(hm.build_empty(config)) is not None
@@ -108,7 +108,7 @@ def transformers_path(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tenso
 
 def streamed_path(arch, model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The family's templates, layer after layer, on the model's weights."""
-    from megatrain_ray.models.generic import TRANSFORMERS
+    from megatrain_ray.models.transformers.family import TRANSFORMERS
 
     fam = TRANSFORMERS
     state = model.state_dict()
@@ -165,7 +165,7 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 @functools.lru_cache(maxsize=16)
 def check_config(config_json: str) -> str | None:
     """The reason the two paths differ on a small instance of this config, or None."""
-    from megatrain_ray.models.generic import arch_from_config, random_settings
+    from megatrain_ray.models.transformers.arch import arch_from_config, random_settings
 
     config = json.loads(config_json)
     parts = hm.parts_of(config_json)

@@ -412,7 +412,7 @@ def _final_module(base: nn.Module, layers_name: str, embedding: nn.Module, tuple
     """The decoder's child that its forward calls after its last layer; where a run on a stand-in
     input cannot tell, its one child with weights that is neither its layers nor (part of) its
     input embedding, or of several the one registered after the layers. The check of a small
-    instance against transformers (generic_check.py) confirms the choice."""
+    instance against transformers (transformers/check.py) confirms the choice."""
     called = _called_after_layers(base, layers_name, tuples)
     if called is not None:
         return called
@@ -763,7 +763,7 @@ def post_layers_decoder(parts: Parts, stack: int) -> nn.Module:
     given as `inputs_embeds` (the last layer's output, `stack` copies of the hidden states side by
     side: Gemma 3n's AltUp predictions), for a decoder that runs more than its final norm there
     (Gemma 3n's AltUp unembedding). Its forward runs from a stand-in input of zeros (its weights
-    before the layers: stand-ins too, generic.head_state), and its first layer hands on what it was given."""
+    before the layers: stand-ins too, forward.head_state), and its first layer hands on what it was given."""
     base, given = parts.base, {}
     clone = with_module(base, parts.layers_name, nn.ModuleList(
         [HandsOn(layer, given, i == 0) for i, layer in enumerate(base._modules[parts.layers_name])]))
