@@ -8,3 +8,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mr() { python3 -c 'import sys; from megatrain_ray.cli import main; sys.exit(main())' "$@"; }
+# Scripts that call `megatrain-ray` and `python` by name find them on PATH.
+mkdir -p /tmp/bin
+printf '#!/bin/sh\nexec python3 -c "import sys; from megatrain_ray.cli import main; sys.exit(main())" "$@"\n' >/tmp/bin/megatrain-ray
+chmod +x /tmp/bin/megatrain-ray
+command -v python >/dev/null || ln -sf "$(command -v python3)" /tmp/bin/python
+export PATH=/tmp/bin:$PATH
