@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # A Ray cluster of one head plus N "RAM nodes" (raylets offering the custom resource
 # megatrain_ram) on THIS machine, to try the multi-node path of megatrain-ray without a cluster.
-# Everything listens on 127.0.0.1 only; every port is picked free at start, so it does not
-# collide with another Ray instance on the machine (nor with the default 6379/8265/10001).
+# Every node's IP is 127.0.0.1 (Ray's RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which keeps a loopback
+# node IP), and so every server listens on 127.0.0.1 only (measured with `ss -ltnp`, Ray 2.60):
+# the GCS, the raylets and object managers, the workers' and drivers' gRPC servers, the dashboard
+# and its agents, the runtime-env agents, the metrics exporters and the Ray client server. Drivers
+# join with that setting too (cluster.env has it). Every port is picked free at start, so it does not
+# collide with another Ray instance on the machine (nor with the default 6379/8265/10001). The
+# RAM nodes start through cluster/loopback_node.py: `ray start` refuses a joining node under that
+# setting.
 #
 #   cluster/local-cluster.sh start [N] [--num-cpus C] [--ram-node-cpus C] [--num-gpus G]
 #                                      [--memory-per-node BYTES] [--object-store-memory BYTES]
@@ -19,16 +25,18 @@
 #                           plasma store size of each node (default: 30% of free /dev/shm split
 #                           over the nodes, at most 2 GiB each, at least 100 MB)
 #
-# Environment: MEGATRAIN_CLUSTER_DIR (state, logs, Ray temp dirs; default /tmp/megatrain-cluster),
+# Environment: MEGATRAIN_CLUSTER_DIR (state, logs, Ray temp dirs, cluster.env; default
+# /tmp/megatrain-cluster-$(id -un): one per user, made readable by that user only),
 # RAY (the ray executable; default .venv/bin/ray of this checkout, else `ray` on PATH).
 #
-# Each node runs as `ray start --block` in a session of its own; `stop` ends exactly those
-# process groups (never `ray stop`, which would also stop any other Ray on the machine).
+# Each node runs in a session of its own (the head as `ray start --block`, a RAM node as
+# cluster/loopback_node.py); `stop` ends exactly those process groups (never `ray stop`, which would
+# also stop any other Ray on the machine).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/.." && pwd)
-state=${MEGATRAIN_CLUSTER_DIR:-/tmp/megatrain-cluster}
+state=${MEGATRAIN_CLUSTER_DIR:-/tmp/megatrain-cluster-$(id -un)}
 if [[ -n ${RAY:-} ]]; then
   ray_bin=$RAY
 elif [[ -x $repo/.venv/bin/ray ]]; then
@@ -43,6 +51,8 @@ py_bin=$(dirname "$ray_bin")/python
 export PATH="$(cd "$(dirname "$ray_bin")" && pwd):$PATH"
 [[ -x $py_bin ]] || py_bin=$(command -v python3)
 export RAY_USAGE_STATS_ENABLED=0
+# Node IPs stay 127.0.0.1, and Ray's servers listen on it only (header).
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 # Token authentication (Ray >= 2.52) is on: every node and every driver must agree on it, and Ray
 # turns it on by itself only for some of them (a head started while ~/.ray/auth_token exists, not
 # the nodes that join). The token is Ray's default one (~/.ray/auth_token, generated if missing),
@@ -52,6 +62,7 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
 
 die() { echo "error: $*" >&2; exit 1; }
+usage() { sed -n '2,/^[^#]/{/^#/p}' "${BASH_SOURCE[0]}"; }
 log() { echo "[local-cluster] $*"; }
 
 # free_ports K: K distinct free TCP ports on 127.0.0.1, one per line (all held while choosing).
@@ -93,7 +104,7 @@ stray_pids() {
   for p in /proc/[0-9]*; do
     p=${p#/proc/}
     [[ $p == "$$" || $p == "$BASHPID" ]] && continue
-    if tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -qF -- "$state/"; then
+    if { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -qF -- "$state/"; then
       echo "$p"
     fi
   done
@@ -167,7 +178,7 @@ start_cluster() {
       --memory-per-node=*) mem=${1#*=}; shift ;;
       --object-store-memory) osm=$2; shift 2 ;;
       --object-store-memory=*) osm=${1#*=}; shift ;;
-      -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}"; exit 0 ;;
+      -h|--help) usage; exit 0 ;;
       [0-9]*) n=$1; shift ;;
       *) die "unknown argument: $1" ;;
     esac
@@ -181,7 +192,8 @@ start_cluster() {
     die "a local cluster is already running (RAY_ADDRESS=$(grep ^RAY_ADDRESS= "$state/cluster.env" | cut -d= -f2)); run '$0 stop' first"
   fi
   [[ -d $state ]] && stop_cluster 0 >/dev/null
-  mkdir -p "$state"
+  mkdir -p -m 700 "$state"
+  [[ -O $state ]] || die "$state belongs to another user: set MEGATRAIN_CLUSTER_DIR to a directory of yours"
 
   if [[ -z $osm ]]; then
     osm=$("$py_bin" -c "
@@ -209,15 +221,15 @@ print(int(max(100_000_000, min(2 << 30, 0.3 * free / ($n + 1)))))")
   local i k args
   for i in $(seq 0 "$n"); do
     k=$((3 + 6 * i))
-    args=(start --block --disable-usage-stats
-          --node-ip-address=127.0.0.1
-          --temp-dir="$state/n$i"
-          --node-manager-port="${ports[k]}" --object-manager-port="${ports[k + 1]}"
-          --dashboard-agent-listen-port="${ports[k + 2]}" --dashboard-agent-grpc-port="${ports[k + 3]}"
-          --runtime-env-agent-port="${ports[k + 4]}" --metrics-export-port="${ports[k + 5]}"
-          --object-store-memory="$osm")
-    [[ -n $mem ]] && args+=(--memory="$mem")
     if [[ $i == 0 ]]; then
+      args=("$ray_bin" start --block --disable-usage-stats
+            --node-ip-address=127.0.0.1
+            --temp-dir="$state/n$i"
+            --node-manager-port="${ports[k]}" --object-manager-port="${ports[k + 1]}"
+            --dashboard-agent-listen-port="${ports[k + 2]}" --dashboard-agent-grpc-port="${ports[k + 3]}"
+            --runtime-env-agent-port="${ports[k + 4]}" --metrics-export-port="${ports[k + 5]}"
+            --object-store-memory="$osm")
+      [[ -n $mem ]] && args+=(--memory="$mem")
       args+=(--head --port="$gcs_port" --num-cpus="$head_cpus" --ray-client-server-port="$client_port")
       if [[ $dashboard == 1 ]]; then
         args+=(--include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-port="$dash_port")
@@ -227,11 +239,13 @@ print(int(max(100_000_000, min(2 << 30, 0.3 * free / ($n + 1)))))")
       [[ -n $gpus ]] && args+=(--num-gpus="$gpus")
       log "head: $address, $head_cpus CPUs, object store $osm bytes"
     else
-      args+=(--address="$address" --num-cpus="$ram_cpus" --num-gpus=0
-             --resources='{"megatrain_ram": 1}')
+      args=("$py_bin" "$here/loopback_node.py" --address="$address" --temp-dir="$state/n$i"
+            --num-cpus="$ram_cpus" --num-gpus=0 --resources='{"megatrain_ram": 1}' --object-store-memory="$osm"
+            --ports "${ports[@]:k:6}")
+      [[ -n $mem ]] && args+=(--memory="$mem")
       log "RAM node $i: $ram_cpus CPU, megatrain_ram=1"
     fi
-    setsid "$ray_bin" "${args[@]}" >"$state/n$i.log" 2>&1 </dev/null &
+    setsid "${args[@]}" >"$state/n$i.log" 2>&1 </dev/null &
     local pid=$!
     echo "$pid" >"$state/n$i.pgid"
     # Wait for this node's `ray start` to report it is up before adding the next one.
@@ -287,15 +301,17 @@ print(int(max(100_000_000, min(2 << 30, 0.3 * free / ($n + 1)))))")
 RAY_ADDRESS=$address
 RAY_DASHBOARD=$dash
 RAY_AUTH_MODE=$RAY_AUTH_MODE
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 RAM_NODES=$n
 EOF
   cat <<EOF
 
-Local Ray cluster up: head + $n RAM nodes (all on 127.0.0.1), token authentication $auth_state.
-Logs: $state/n*.log, $state/n*/session_latest/logs
+Local Ray cluster up: head + $n RAM nodes, listening on 127.0.0.1 only, token authentication $auth_state.
+Settings: $state/cluster.env; logs: $state/n*.log, $state/n*/session_latest/logs
 
   # drive it from this machine:
   $auth
+  export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0   # a driver's node IP is 127.0.0.1, as the nodes'
   export RAY_ADDRESS=$address
   megatrain-ray train examples/tiny.yaml
 
@@ -309,9 +325,10 @@ EOF
 
 status_cluster() {
   if ! running; then
-    log "not running"
+    log "not running (no cluster in $state)"
     return 1
   fi
+  log "running; its settings, $state/cluster.env:"
   cat "$state/cluster.env"
   local address
   address=$(grep ^RAY_ADDRESS= "$state/cluster.env" | cut -d= -f2)
@@ -327,5 +344,5 @@ case $cmd in
     [[ ${1:-} == --keep-logs ]] && keep=1
     stop_cluster "$keep" ;;
   status) status_cluster ;;
-  *) sed -n '2,25p' "${BASH_SOURCE[0]}"; exit 2 ;;
+  *) usage; exit 2 ;;
 esac

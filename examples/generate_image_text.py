@@ -4,8 +4,8 @@ answer a question about an image:
     python examples/generate_image_text.py MODEL_DIR IMAGE ["what colour is this"]
 
 The ordinary transformers code: AutoProcessor (the model's chat template, image tokens, resizing)
-and AutoModelForImageTextToText's greedy generate. Needs `transformers` and `pillow`; a processor
-with a video processor (Qwen2-VL's and others, README: Models) needs torchvision to load too.
+and AutoModelForImageTextToText's greedy generate. Needs `transformers` and `pillow`; many
+processors (Qwen2-VL's and others: README, Image-text fine-tuning) need torchvision to load too.
 """
 
 import sys

@@ -27,17 +27,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.readme import shell_lines
 from helpers.runs import kernel_cache
 
 REPO = Path(__file__).parents[2]
 STEPS, MORE = 40, 60  # examples/tiny.yaml's steps, and the Quick start's resume's
-
-
-def shell_lines(readme: str, heading: str) -> list[str]:
-    """The non-blank lines of the first ```bash block after `## heading`, as written (bash reads their comments)."""
-    after = readme[readme.index(f"\n## {heading}\n"):]
-    block = after[after.index("```bash\n") + len("```bash\n"):]
-    return [line for line in block[:block.index("```")].splitlines() if line.strip()]
 
 
 def venv_shim(directory: Path) -> Path:

@@ -60,3 +60,30 @@ def end_processes_under(directory: Path, grace: float = 3.0) -> None:
         deadline = time.monotonic() + wait
         while pids_under(directory) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def listening_addresses(pids: list[int]) -> dict[str, list[int]]:
+    """The TCP addresses (`host:port` as `ss` prints them: `127.0.0.1:6379`, `[::ffff:127.0.0.1]:6379`,
+    `*:6379`, `0.0.0.0:6379`) that the processes `pids` listen on, each with its listeners' pids."""
+    import re
+    import subprocess
+
+    table = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found: dict[str, list[int]] = {}
+    for line in table.splitlines():
+        fields = line.split()
+        owners = [int(pid) for pid in re.findall(r"pid=(\d+),", line) if int(pid) in pids]
+        if len(fields) >= 4 and owners:
+            found.setdefault(fields[3], []).extend(owners)
+    return found
+
+
+def on_loopback(address: str) -> bool:
+    """`ss`'s local address (see listening_addresses) is on the loopback only."""
+    import ipaddress
+
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("*", ""):
+        return False
+    ip = ipaddress.ip_address(host.split("%")[0])
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback

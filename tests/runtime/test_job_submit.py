@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.ray_processes import end_processes_under
+from helpers.ray_processes import end_processes_under, listening_addresses, on_loopback, pids_under
 from helpers.files import steps_of
 from helpers.runs import kernel_cache
 
@@ -183,16 +183,39 @@ def test_local_run_then_head_and_job_submit_then_ram_nodes_with_token_auth(machi
 
     # 4. A head and a RAM node on this machine (cluster/local-cluster.sh), and `megatrain-ray train`
     #    joining it by address from a shell without RAY_AUTH_MODE: token authentication is on for
-    #    every node all the same, and the driver finds the token and uses it.
-    script = str(REPO / "cluster" / "local-cluster.sh")
+    #    every node all the same, and the driver finds the token and uses it. The driver takes
+    #    cluster.env's RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, as the script says: its node IP 127.0.0.1.
+    script, state = str(REPO / "cluster" / "local-cluster.sh"), Path(env["MEGATRAIN_CLUSTER_DIR"])
     cluster_env = {**env, "RAY": str(BIN / "ray")}
     out = run([script, "start", "1", "--num-cpus", "2", "--object-store-memory", "100000000"], cluster_env, work)
     assert "token authentication on" in out, out
-    settings = dict(line.split("=", 1) for line in (Path(env["MEGATRAIN_CLUSTER_DIR"]) / "cluster.env")
-                    .read_text().splitlines())
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700  # its logs and settings: no other user's
+    settings = dict(line.split("=", 1) for line in (state / "cluster.env").read_text().splitlines())
     assert settings["RAY_AUTH_MODE"] == "token"
     assert status_without_token(settings["RAY_DASHBOARD"]) == 401
-    out = run([*train, "--set", f"train.output_dir={tmp_path / 'ram-nodes'}"],
-              {**env, "RAY_ADDRESS": settings["RAY_ADDRESS"]}, work)
+    joining = {key: settings[key] for key in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    out = run([*train, "--set", f"train.output_dir={tmp_path / 'ram-nodes'}"], {**env, **joining}, work)
     assert "RAM node" in out and steps_of(tmp_path / "ram-nodes") == [1, 2], out[-3000:]
+
+    # Every server of the two nodes (the GCS, the raylets, the dashboard, the agents, the workers the
+    # run left) listens on the loopback only, as the script's header says.
+    listening = listening_addresses(pids_under(state))
+    assert settings["RAY_ADDRESS"].replace("127.0.0.1", "[::ffff:127.0.0.1]") in listening \
+        or settings["RAY_ADDRESS"] in listening, listening  # the GCS
+    assert len(listening) >= 10 and [a for a in listening if not on_loopback(a)] == [], listening
     run([script, "stop"], cluster_env, work, timeout=180)
+
+
+def test_the_local_clusters_directory_is_each_users_own(tmp_path):
+    """cluster/local-cluster.sh keeps its state in /tmp/megatrain-cluster-USER unless
+    MEGATRAIN_CLUSTER_DIR names another: two users of one machine do not share (nor stop) one."""
+    import pwd
+
+    script = str(REPO / "cluster" / "local-cluster.sh")
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRAIN_CLUSTER_DIR"}
+    env.update(RAY=str(BIN / "ray"))
+    users = Path(f"/tmp/megatrain-cluster-{pwd.getpwuid(os.getuid()).pw_name}")
+    for chosen, where in (({}, users), ({"MEGATRAIN_CLUSTER_DIR": str(tmp_path / "lc")}, tmp_path / "lc")):
+        done = subprocess.run([script, "status"], env={**env, **chosen}, capture_output=True, text=True, timeout=60)
+        said = done.stdout + done.stderr  # "not running (no cluster in DIR)", or a running one's DIR/cluster.env
+        assert f"no cluster in {where})" in said or f"{where}/cluster.env" in said, said
