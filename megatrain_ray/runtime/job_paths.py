@@ -12,8 +12,11 @@ runtime_env's excludes. So, under a job:
 - a relative data, validation, tokenizer or model path that the copy does not hold is refused
   with what Ray uploads and how to name the file instead.
 
-Outside a job, relative paths are the current directory's, as everywhere. Every run prints its
-output directory's absolute path at its start and at its end.
+Outside a job, relative paths are the current directory's, as everywhere: the driver makes them
+absolute before the actors read or write them, since an actor of a Ray cluster the run joins works in
+another directory (its raylet's). An input named relative that is not here (a Hub name such as
+`Qwen/Qwen2.5-7B`) is left as written. Every run prints its output directory's absolute path at its
+start and at its end.
 """
 
 from __future__ import annotations
@@ -72,11 +75,34 @@ def check_job_inputs(config: Config, cwd: Path) -> None:
         )
 
 
+def absolute_here(config: Config, cwd: Path) -> Config:
+    """The config with its relative output directories, and the relative inputs found here, under `cwd`."""
+    def under_cwd(value: str | None) -> str | None:
+        return str(cwd / value) if value and not Path(value).expanduser().is_absolute() else value
+
+    found = {key for key, value in input_paths(config).items()
+             if not Path(value).expanduser().is_absolute() and ((cwd / value).exists() or glob.glob(str(cwd / value)))}
+    data, model, evaluation = config.data, config.model, config.eval
+    if "data.source" in found:
+        data = replace(data, source=under_cwd(data.source))
+    if "data.tokenizer" in found:
+        data = replace(data, tokenizer=under_cwd(data.tokenizer))
+    if "eval.source" in found:
+        evaluation = replace(evaluation, source=under_cwd(evaluation.source))
+    if "model.path" in found:
+        model = replace(model, path=under_cwd(model.path))
+    train = replace(config.train, output_dir=under_cwd(config.train.output_dir))
+    checkpoint = replace(config.checkpoint, dir=under_cwd(config.checkpoint.dir))
+    return replace(config, data=data, model=model, eval=evaluation, train=train, checkpoint=checkpoint)
+
+
 def for_this_run(config: Config, in_job: bool) -> Config:
-    """The config with its output paths resolved for a job (see the module docstring), its inputs checked."""
+    """The config with its paths resolved for where the run's actors work (see the module docstring):
+    outputs under the run home and inputs checked in a job, paths made absolute outside one."""
     if in_job:
         check_job_inputs(config, Path.cwd())
-    return outputs_moved(config, in_job)
+        return outputs_moved(config, in_job)
+    return absolute_here(config, Path.cwd())
 
 
 def where(out: Path) -> str:

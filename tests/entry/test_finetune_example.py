@@ -82,12 +82,13 @@ def test_a_tokenizer_auto_tokenizer_reads_otherwise_is_told(tmp_path):
 def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, ray_head, monkeypatch, capsys):
     """`megatrain-ray train` through the command's entry in this process (cli.main; a Python started
     for it would import torch and transformers again), joining the session's head as conftest's
-    joining_env does; this process leaves Ray after it."""
+    joining_env does; this process leaves Ray after it. The paths are relative to the directory it
+    runs in, which is not the directory the head's actors work in: the run reads and writes there."""
     made = tmp_path / "tiny-hf"
     example_module("make_tiny_hf_model").main([str(made)])  # `python examples/make_tiny_hf_model.py DIR`
     model_dir, data, tokenizer = made / "model", made / "sft.jsonl", made / "model" / "tokenizer.json"
     out = tmp_path / "run"
-    overrides = [f"model.path={model_dir}", f"data.source={data}", f"train.output_dir={out}"]
+    overrides = ["model.path=tiny-hf/model", "data.source=tiny-hf/sft.jsonl", "train.output_dir=run"]
     monkeypatch.setenv("RAY_ADDRESS", ray_head)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.chdir(tmp_path)
@@ -98,7 +99,7 @@ def test_finetune_example_trains_and_exports_a_transformers_model(tmp_path, ray_
     run = capsys.readouterr()
     assert code == 0, run.out[-3000:] + run.err[-3000:]
 
-    config = resolve_names(load_config(CONFIG, overrides))
+    config = resolve_names(load_config(CONFIG, [f"model.path={model_dir}", f"data.source={data}"]))
     assert config.data.tokenizer == str(model_dir)  # the model's own tokenizer, by default
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, config.train.steps + 1))
