@@ -170,3 +170,34 @@ def test_a_killed_runs_files_are_removed_by_the_next_store_and_never_read(tmp_pa
     store = store_of(StateFormat(), tmp_path, disk_layers=(2,))
     assert sorted(p.name for p in tmp_path.iterdir()) == [store.disk.paths[2].name]
     store.close()
+
+
+def test_a_write_that_fails_at_a_steps_end_stops_the_next_step_before_any_layer_changes(tmp_path, monkeypatch):
+    """The last write of a step fails (a full disk): the next step's first update raises before any
+    layer takes that step, even one in RAM, so the store holds the finished step whole, the failed
+    layer in its buffer, and its shard is the all-RAM store's after that step, bit for bit."""
+    fmt = StateFormat("fp32", "fp32")
+    in_ram, on_disk = store_of(fmt, None), store_of(fmt, tmp_path, disk_layers=LAYERS[1:])
+    real = os.pwritev
+    hp = AdamWStep(1, 3e-3, 1.0, BETAS, EPS, 0.1)
+    order = [0, *LAYERS[:0:-1]]  # the embedding (in RAM) first, then the head down to block 0 (on disk) last
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    for store in (in_ram, on_disk):
+        for i in order:
+            if store is on_disk and i == order[-1]:
+                monkeypatch.setattr(os, "pwritev", full)  # the step's last write
+            state = store.layers[i]
+            state.grad.copy_(torch.randn(state.layout.numel, generator=torch.Generator().manual_seed(i)))
+            store.step_layer(i, hp)
+    monkeypatch.setattr(os, "pwritev", real)
+    with pytest.raises(DiskTierError, match="No space left on device.*while writing"):
+        on_disk.step_layer(order[0], hp)  # the next step's first update, a layer in RAM
+    assert set(on_disk.update_counts().values()) == {1}
+    expected, _ = shard.state_tensors(in_ram)
+    got, counts = shard.state_tensors(on_disk)
+    assert counts == in_ram.update_counts()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
