@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The disk tier (runtime.disk_dir) on the 4-GPU H200 machine (512 GiB of RAM, 235 GiB of disk), one GPU.
+# The disk tier (runtime.disk_dir) on the 4-GPU H200 machine (512 GiB of RAM, 235 GiB of disk), one GPU
+# (part c also on the one-GPU H200: 128 GiB of RAM, 64 GiB of disk).
 # Three parts, each one command under 10 minutes:
 #   a  the disk's own speed under DISK_DIR, by dd with O_DIRECT (and fio where installed), and the tier's
 #      own (disk_tier_speed.py: 8 blocks of Mistral-Large in the 6-byte mode, 23 GB, cycled through its
@@ -15,7 +16,14 @@
 #      Ray; the bench stops at BENCH_S (default 540 s) so that its log and summary still come back.
 #   c  a home machine: the GPU capped at 10 GiB, the stores at 64 GiB, the tier on: the largest preset
 #      `plan` says trains there (the 6-byte and the 8-byte fp32-master/int8 modes; the larger of the
-#      two), 2 steps (1 warm-up, 1 timed): about 5 minutes.
+#      two), 2 steps (1 warm-up, 1 timed), tokens/s beside plan's (disk_step_summary.py). Runs on any of
+#      these machines, the one-GPU H200 (128 GiB RAM, 64 GiB disk) too: the compute copy and the gradient
+#      stay in RAM (4 bytes a parameter in the 6-byte mode), so 64 GiB holds about 14 B parameters, whose
+#      moments take about 28 GB of disk (2 bytes a parameter). Sizes: two plans (a few seconds each at
+#      this size), 64 GiB touched and registered (~25 s at ~3 s per 8 GiB), the tier's files allocated
+#      (28 GB), the first weights, the warm-up step (compilation) and the timed one, then the update's
+#      drain (28 GB read and written at ~2.2 GB/s, ~25 s): about 5 minutes; the bench stops at BENCH_S
+#      (default 480 s) so that its log and summary come back within one 550 s call.
 # Usage from the repository root: bash examples/benchmarks/disk-tier-h200x4.sh a|b|c OUT_DIR [DISK_DIR]
 # DISK_DIR: a directory on the machine's local disk (default /var/tmp/megatrain-disk-tier); GA=16 for
 # more tokens a step (b prints the tokens a step that hide the disk: "hidden from N tokens a step").
@@ -106,10 +114,12 @@ EOF
   mr plan "$cfg" --set model.preset="$model" --set optim.master="${mode%/*}" --set optim.moments="${mode#*/}" \
     >"$out/c-plan-$model.log" 2>&1
   grep -E "store on|disk tier|predicted step|tokens per step|fits|does not" "$out/c-plan-$model.log"
-  mr bench --model "$model" --optim-modes "$mode" --gpu-memory-gib 10 --store-memory-gib 64 --disk-dir "$disk" \
-    --num-gpus 1 --seq-len 4096 --micro-batch 1 --grad-accum "$ga" --steps 1 --warmup 1 --json "$out/c-bench.json" \
-    >"$out/c-bench.log" 2>&1
-  grep -E "^bench:|disk tier|predicted step|^step |timed:|tokens/s|Error|refused" "$out/c-bench.log" | tail -20
+  timeout "${BENCH_S:-480}" mr bench --model "$model" --optim-modes "$mode" --gpu-memory-gib 10 --store-memory-gib 64 \
+    --disk-dir "$disk" --num-gpus 1 --seq-len 4096 --micro-batch 1 --grad-accum "$ga" --steps 1 --warmup 1 \
+    --json "$out/c-bench.json" >"$out/c-bench.log" 2>&1
+  echo "bench exit $? after $SECONDS s of the script"
+  grep -E "^bench:|disk tier|predicted step|executor device|^step |timed:|tokens/s|Error|refused" "$out/c-bench.log" | tail -20
+  [ -f "$out/c-bench.json" ] && python3 examples/benchmarks/disk_step_summary.py "$out/c-bench.json"
   ;;
 *)
   echo "part a, b or c"; exit 2 ;;
