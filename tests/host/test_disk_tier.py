@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.files import shard
 from megatrain_ray.host import disk as disk_module
 from megatrain_ray.host.adamw import AdamWStep
@@ -201,3 +202,43 @@ def test_a_write_that_fails_at_a_steps_end_stops_the_next_step_before_any_layer_
     assert counts == in_ram.update_counts()
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_a_store_killed_while_writing_its_checkpoint_leaves_only_the_last_complete_one(tmp_path):
+    """A store with the tier killed in the middle of its streamed shard: the half-written checkpoint has
+    no manifest, so nothing takes it for one (`latest` is the one before, whose files still verify),
+    and naming it is refused."""
+    root = tmp_path / "ckpt"
+    code = textwrap.dedent(f"""
+        import os, torch
+        from pathlib import Path
+        from megatrain_ray.files import checkpoint as ckpt, shard
+        from megatrain_ray.host.store import ShardStore
+        from megatrain_ray.models.registry import PRESETS
+        store = ShardStore(PRESETS["tiny-llama"], list(range(4)), torch.bfloat16, disk_dir={str(tmp_path / "tier")!r},
+                           disk_layers=(1, 2, 3))
+        store.init_random(seed=5, std=0.02)
+        root = Path({str(root)!r})
+        for step in (1, 2):
+            staging = ckpt.new_staging_dir(root, step)
+            if step == 2:
+                real, done = shard.layer_tensors, []
+                def layer_tensors(store, i, copy=False):
+                    done.append(i)
+                    if len(done) == 3:
+                        os._exit(9)  # killed mid-write: two layers of the shard on disk, no manifest
+                    return real(store, i, copy)
+                shard.layer_tensors = layer_tensors
+            entry = shard.save_shard(store, str(staging), "shard-000.safetensors")
+            ckpt.commit(staging, root, step, [entry], {{"step": step}}, keep=5)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    assert out.returncode == 9, out.stderr
+    first = root / "step-00000001"
+    assert ckpt.list_checkpoints(root) == [first]
+    assert ckpt.resolve("latest", root) == first
+    ckpt.read_manifest(first, verify=True)  # every file's hash as its manifest says
+    (half,) = root.glob(".step-00000002.tmp-*")
+    assert (half / "shard-000.safetensors").stat().st_size > 0 and not (half / ckpt.MANIFEST).exists()
+    with pytest.raises(ckpt.CheckpointError, match="not a complete checkpoint"):
+        ckpt.resolve(str(half), root)
