@@ -240,6 +240,7 @@ def outcome(args) -> int:
         return 3
     except FileSystemError as e:
         print(f"megatrain-ray: file-system error: {e}", file=sys.stderr)
+        print_resume_command(args, e)  # a disk that filled mid-run: the checkpoint it stopped with
         return 2
     except OSError as e:
         if e.errno is None:  # not the file system's (a socket, a library's own OSError): keep its traceback

@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
-# The disk tier (runtime.disk_dir) on the 4-GPU H200 machine (512 GiB of RAM, 235 GiB of disk), one GPU.
+# The disk tier (runtime.disk_dir) on the 4-GPU H200 machine (512 GiB of RAM, 235 GiB of disk), one GPU
+# (part c also on the one-GPU H200: 128 GiB of RAM, 64 GiB of disk).
 # Three parts, each one command under 10 minutes:
 #   a  the disk's own speed under DISK_DIR, by dd with O_DIRECT (and fio where installed), and the tier's
 #      own (disk_tier_speed.py: 8 blocks of Mistral-Large in the 6-byte mode, 23 GB, cycled through its
 #      window): about 3 minutes at 2-3 GB/s.
 #   b  the largest dense model RAM + disk hold in the 6-byte mode (bf16 master, int8 moments): Mistral-Large's
 #      shape (12288 wide, 1.4 B parameters a block) with the most blocks (80 = 112 B, 72 = 100 B, 64, 56)
-#      that `plan` says fit (LAYERS=72 skips the search), then one timed step (warm-up 0: compilation
-#      included) at GA micro-batches of 4096 tokens (default 8): the plans about a minute each, the
-#      model's first weights 2-3 minutes, the step 2-4 (the --cluster plan of this machine with a 3 GB/s
-#      disk predicts 122 s at GA=8, the disk 89 s of it, hidden from 267k tokens a step).
+#      that `plan` says fit, then one step (warm-up 0: compilation included) at GA micro-batches of 4096
+#      tokens (default 8) and its whole update, timed: the step with its update, tokens/s, the disk's
+#      exposed time, beside the plan's (disk_step_summary.py). LAYERS=72 skips the search (the bench
+#      prints its plan), which the one 600 s call needs. Measured 2026-11-28 at 72 blocks: the workers'
+#      build 233 s (400 GiB of /dev/shm touched and registered), the forward and backward 61 s; the
+#      update's disk I/O 136.6 GB (plan: 123 s at 2.2 GB/s): about 430 s in all, 40 s of it Python and
+#      Ray; the bench stops at BENCH_S (default 540 s) so that its log and summary still come back.
 #   c  a home machine: the GPU capped at 10 GiB, the stores at 64 GiB, the tier on: the largest preset
 #      `plan` says trains there (the 6-byte and the 8-byte fp32-master/int8 modes; the larger of the
-#      two), 2 steps (1 warm-up, 1 timed): about 5 minutes.
+#      two), 2 steps (1 warm-up, 1 timed), tokens/s beside plan's (disk_step_summary.py). Runs on any of
+#      these machines, the one-GPU H200 (128 GiB RAM, 64 GiB disk) too: the compute copy and the gradient
+#      stay in RAM (4 bytes a parameter in the 6-byte mode), so 64 GiB holds about 14 B parameters, whose
+#      moments take about 28 GB of disk (2 bytes a parameter). Sizes: two plans (a few seconds each at
+#      this size), 64 GiB touched and registered (~25 s at ~3 s per 8 GiB), the tier's files allocated
+#      (28 GB), the first weights, the warm-up step (compilation) and the timed one, then the update's
+#      drain (28 GB read and written at ~2.2 GB/s, ~25 s): about 5 minutes; the bench stops at BENCH_S
+#      (default 480 s) so that its log and summary come back within one 550 s call.
 # Usage from the repository root: bash examples/benchmarks/disk-tier-h200x4.sh a|b|c OUT_DIR [DISK_DIR]
 # DISK_DIR: a directory on the machine's local disk (default /var/tmp/megatrain-disk-tier); GA=16 for
 # more tokens a step (b prints the tokens a step that hide the disk: "hidden from N tokens a step").
@@ -63,18 +74,23 @@ runtime: {disk_dir: $disk, num_gpus: 1}
 EOF
   need=$(( ${LAYERS:-80} * 14 / 10 * 4 ))  # GiB of /dev/shm: 4 bytes a parameter, 1.4 B a block
   [ "$(shm_room)" -lt "$need" ] && echo "warning: /dev/shm has $(shm_room) GiB free, the compute copies need about $need GiB"
-  layers=""
-  for n in ${LAYERS:-80 72 64 56}; do
-    mr plan "$cfg" --set model.overrides.num_layers=$n >"$out/b-plan-$n.log" 2>&1
-    if tail -1 "$out/b-plan-$n.log" | grep -qx fits; then layers=$n; break; fi
-  done
-  if [ -z "$layers" ]; then echo "plan: none of 88..56 blocks fits"; tail -3 "$out"/b-plan-*.log; exit 1; fi
-  echo "plan: $layers blocks fit (/dev/shm has $(shm_room) GiB free)"
-  grep -E "largest|B params|store on|disk tier|predicted step|tokens per step" "$out/b-plan-$layers.log"
-  mr bench --model mistral-large-123b --layers "$layers" --optim-modes bf16/int8 --disk-dir "$disk" --num-gpus 1 \
-    --seq-len 4096 --micro-batch 1 --grad-accum "$ga" --steps 1 --warmup 0 --json "$out/b-bench.json" \
-    >"$out/b-bench.log" 2>&1
-  grep -E "^bench:|disk tier|predicted step|^step |timed:|tokens/s|Error|refused" "$out/b-bench.log" | tail -20
+  layers=${LAYERS:-}
+  if [ -z "$layers" ]; then  # the search: a minute a plan, which the one-call timing cannot spare
+    for n in 80 72 64 56; do
+      mr plan "$cfg" --set model.overrides.num_layers=$n >"$out/b-plan-$n.log" 2>&1
+      if tail -1 "$out/b-plan-$n.log" | grep -qx fits; then layers=$n; break; fi
+    done
+    if [ -z "$layers" ]; then echo "plan: none of 80..56 blocks fits"; tail -3 "$out"/b-plan-*.log; exit 1; fi
+    echo "plan: $layers blocks fit (/dev/shm has $(shm_room) GiB free)"
+    grep -E "largest|B params|store on|disk tier|predicted step|tokens per step" "$out/b-plan-$layers.log"
+  fi
+  timeout "${BENCH_S:-540}" mr bench --model mistral-large-123b --layers "$layers" --optim-modes bf16/int8 \
+    --disk-dir "$disk" --num-gpus 1 --seq-len 4096 --micro-batch 1 --grad-accum "$ga" --steps 1 --warmup 0 \
+    --json "$out/b-bench.json" >"$out/b-bench.log" 2>&1
+  echo "bench exit $? after $SECONDS s of the script"
+  grep -E "^bench:|disk tier|predicted step|tokens per step|executor device|^step |timed:|tokens/s|Error|refused" \
+    "$out/b-bench.log" | tail -20
+  [ -f "$out/b-bench.json" ] && python3 examples/benchmarks/disk_step_summary.py "$out/b-bench.json"
   ;;
 c)
   cfg="$out/c.yaml"
@@ -98,10 +114,12 @@ EOF
   mr plan "$cfg" --set model.preset="$model" --set optim.master="${mode%/*}" --set optim.moments="${mode#*/}" \
     >"$out/c-plan-$model.log" 2>&1
   grep -E "store on|disk tier|predicted step|tokens per step|fits|does not" "$out/c-plan-$model.log"
-  mr bench --model "$model" --optim-modes "$mode" --gpu-memory-gib 10 --store-memory-gib 64 --disk-dir "$disk" \
-    --num-gpus 1 --seq-len 4096 --micro-batch 1 --grad-accum "$ga" --steps 1 --warmup 1 --json "$out/c-bench.json" \
-    >"$out/c-bench.log" 2>&1
-  grep -E "^bench:|disk tier|predicted step|^step |timed:|tokens/s|Error|refused" "$out/c-bench.log" | tail -20
+  timeout "${BENCH_S:-480}" mr bench --model "$model" --optim-modes "$mode" --gpu-memory-gib 10 --store-memory-gib 64 \
+    --disk-dir "$disk" --num-gpus 1 --seq-len 4096 --micro-batch 1 --grad-accum "$ga" --steps 1 --warmup 1 \
+    --json "$out/c-bench.json" >"$out/c-bench.log" 2>&1
+  echo "bench exit $? after $SECONDS s of the script"
+  grep -E "^bench:|disk tier|predicted step|executor device|^step |timed:|tokens/s|Error|refused" "$out/c-bench.log" | tail -20
+  [ -f "$out/c-bench.json" ] && python3 examples/benchmarks/disk_step_summary.py "$out/c-bench.json"
   ;;
 *)
   echo "part a, b or c"; exit 2 ;;

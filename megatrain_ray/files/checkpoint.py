@@ -85,17 +85,20 @@ def write_shard_streamed(directory: Path, name: str, entries: list[tuple[str, to
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     order = [key for key, _, _ in entries]
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        written = 0
-        for get in parts:
-            for key, t in get().items():
-                if key != order[written]:
-                    raise ValueError(f"the shard's tensors came out of order: {key} where {order[written]} belongs")
-                f.write(t.contiguous().view(torch.uint8).numpy().data)
-                written += 1
-        if written != len(order):
-            raise ValueError(f"the shard got {written} of its {len(order)} tensors")
+    try:
+        with open(path, "wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text)
+            written = 0
+            for get in parts:
+                for key, t in get().items():
+                    if key != order[written]:
+                        raise ValueError(f"the shard's tensors came out of order: {key} where {order[written]} belongs")
+                    f.write(t.contiguous().view(torch.uint8).numpy().data)
+                    written += 1
+            if written != len(order):
+                raise ValueError(f"the shard got {written} of its {len(order)} tensors")
+    except OSError as e:  # a full disk: the error names the file
+        raise OSError(e.errno, e.strerror, str(path)) from None
     fsync_path(path)
     return {"file": name, "sha256": file_digest(path), "bytes": path.stat().st_size, "layers": sorted(steps)}
 

@@ -334,6 +334,12 @@ def free_bytes(directory: str | Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def probe_bytes(free: int) -> int:
+    """What the probe writes on a disk with `free` bytes: PROBE_BYTES, or a quarter of what is free
+    (a page at least) on a disk with less, which the probe must not fill."""
+    return max(ALIGN, min(PROBE_BYTES, free // 4 // ALIGN * ALIGN))
+
+
 def probe_disk(directory: str | Path, nbytes: int = PROBE_BYTES, threads: int = IO_THREADS) -> tuple[float, float]:
     """(read, write) GB/s of the disk under `directory`, as the tier moves bytes: a file of `nbytes`
     written and read back in IO_PIECE pieces on `threads` threads, O_DIRECT where the file system
@@ -344,7 +350,9 @@ def probe_disk(directory: str | Path, nbytes: int = PROBE_BYTES, threads: int = 
     path = directory / f"megatrain-probe-{os.getpid()}-{os.urandom(4).hex()}"
     fd, _ = open_file(path)
     memory = mmap.mmap(-1, nbytes)
-    memory.write(os.urandom(IO_PIECE) * (nbytes // IO_PIECE))
+    chunk = os.urandom(min(nbytes, IO_PIECE))
+    for lo in range(0, nbytes, len(chunk)):
+        memory[lo : lo + len(chunk)] = chunk[: nbytes - lo]
     view = memoryview(memory)
     pieces = [(lo, min(nbytes, lo + IO_PIECE)) for lo in range(0, nbytes, IO_PIECE)]
     try:

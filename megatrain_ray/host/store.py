@@ -344,10 +344,23 @@ class ShardStore:
 
         hp None skips the update (a non-finite step) and only puts the weights back.
         """
+        self.settle_disk(index)
         with self.resident(index):
             self.begin_update(index, hp)
             self.update_piece(index, hp, 0, self.layers[index].layout.numel)
         return index
+
+    def settle_disk(self, index: int) -> None:
+        """Before the first update of a step (no other layer of the store has more updates than this
+        one), every disk-tier write of the step before has finished: one that failed (a full disk)
+        raises here, before any layer takes the new step, so that the store still holds the last
+        finished step whole (the failed layer in its buffer) for the checkpoint the run stops with.
+        The writes have long finished by then (the next step's forward ran in between)."""
+        if self.disk is None:
+            return
+        own = self.layers[index].updates
+        if all(state.updates <= own for i, state in self.layers.items() if i != index):
+            self.disk.flush()
 
     def begin_update(self, index: int, hp: AdamWStep | None) -> None:
         """Count the layer's update (not a skipped one): its bias correction and rounding key. Its

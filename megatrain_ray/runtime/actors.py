@@ -92,6 +92,7 @@ class ShardStoreActor(ShardStore):
     def step_streamed(self, index: int, hp: AdamWStep | None) -> int:
         """A layer's update whose gradient comes over the link, piece by piece as it lands; each
         updated piece's new weights may leave at once."""
+        self.settle_disk(index)
         with self.resident(index):  # a layer in the disk tier (host/disk.py) in memory for its pieces
             self.server.step(index, lambda: self.begin_update(index, hp),
                              lambda lo, hi: self.update_piece(index, hp, lo, hi))

@@ -20,7 +20,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from megatrain_ray.config import Config, ConfigError, RuntimeConfig
-from megatrain_ray.host.disk import free_bytes, probe_disk
+from megatrain_ray.host.disk import probe_bytes, free_bytes, probe_disk
 from megatrain_ray.host.memory import available_memory, host_headroom
 from megatrain_ray.planning.placement import NodeInfo, executor_node
 
@@ -140,9 +140,11 @@ def _node_disk(directory: str) -> tuple[int, float, float]:
 @functools.lru_cache(maxsize=8)
 def disk_facts(directory: str) -> tuple[int, float, float]:
     """The disk under runtime.disk_dir on this node: (free bytes, read GB/s, write GB/s), probed once
-    per process (host/disk.py, probe_disk: a quarter of a GiB written and read back)."""
-    read, write = probe_disk(directory)
-    return free_bytes(directory), read, write
+    per process (host/disk.py, probe_disk: a quarter of a GiB written and read back, less on a disk
+    with less than a GiB free)."""
+    free = free_bytes(directory)
+    read, write = probe_disk(directory, probe_bytes(free))
+    return free, read, write
 
 
 @ray.remote(num_cpus=0)

@@ -336,10 +336,20 @@ class Session:
         updates_done = self.drain(f"the checkpoint of step {step}")
         root = ckpt.checkpoint_root(self.config)
         staging = ckpt.new_staging_dir(root, step)
-        shards = self._write_shards(staging, step)
+        try:
+            shards = self._write_shards(staging, step)
+        except BaseException:  # a full disk: the half-written shards would hold the room a resume needs
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         return self._commit(staging, root, step, shards, updates_done, data_position)
 
-    def save_from_stores(self, step: int, data_position: dict | None, lost_nodes: tuple[str, ...] = ()) -> Path:
+    @property
+    def updates_done(self) -> int:
+        """Each layer's update count after the last finished step (a non-finite step updates none)."""
+        return self._updates_done
+
+    def save_from_stores(self, step: int, data_position: dict | None, lost_nodes: tuple[str, ...] = (),
+                         updates_done: int | None = None) -> Path:
         """The checkpoint of finished step `step` after a GPU worker died or hung (or its node left),
         from the stores alone: the workers are stopped first (no drain: a dead one answers nothing;
         their links close, so a store waiting for a gradient gives up that update), then every store
@@ -348,7 +358,11 @@ class Session:
         counts as its store's marker says, read before and after the write (a worker not dead yet
         that began writing it in between changed it). Raises StoresNotAtStep, saying why, where the
         stores cannot hold it: a lost node took layers with it, the embedding's state was being
-        written back, or the step's updates had begun to land (or had not all landed)."""
+        written back, or the step's updates had begun to land (or had not all landed). `updates_done`:
+        the update count of `step` where it is not the last finished one (a full disk refused the
+        updates of the step after it: runtime/training.py)."""
+        if updates_done is not None:
+            self._updates_done = updates_done
         lost = [i for plan in self.placement.stores if plan.node.node_id in lost_nodes for i in plan.layers]
         if lost:
             raise StoresNotAtStep(f"layers {lost[0]}-{lost[-1]} were on the lost node, and their weights and "

@@ -13,6 +13,7 @@ result is the same as an uninterrupted run's.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -34,7 +35,7 @@ from megatrain_ray.data.documents import DataError
 from megatrain_ray.streaming.step_result import EvalResult
 from megatrain_ray.runtime.metrics import MetricsLog
 from megatrain_ray.runtime.job_paths import for_this_run, in_job_copy, resume_moved, where
-from megatrain_ray.runtime.output_dir import claim
+from megatrain_ray.runtime.output_dir import FileSystemError, claim, describe_os_error
 from megatrain_ray.runtime.progress import StartupPhases
 from megatrain_ray.runtime.run_log import LOG_NAME, RunLog, run_output
 from megatrain_ray.runtime.signals import RunInterrupted, StopRequest, hangup_kept_from_children
@@ -42,7 +43,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_arch, num_params
 from megatrain_ray.objective import objective_of
 from megatrain_ray.planning.placement import Placement
-from megatrain_ray.runtime.session import Session, place
+from megatrain_ray.runtime.session import Session, StoresNotAtStep, place
 from megatrain_ray.runtime.trackers import check_trackers, open_trackers
 from megatrain_ray.runtime.watchdog import FAULTS, ClusterFault, RunStopped, Watchdog
 
@@ -83,6 +84,59 @@ def keep_steps_after_fault(fault: ClusterFault, session: Session, step: int, pos
         except Exception as why:  # StoresNotAtStep, or a store lost too: the fault still comes first
             kept = f"no checkpoint of step {step}, the last finished step: {str(why).strip().splitlines()[0]}"
         fault.args = (f"{fault}; {kept}",)
+
+
+class DiskFull(FileSystemError):
+    """A file system of the run filled mid-run (the disk tier's, the checkpoints'); the message says
+    which checkpoint the run stopped with, and `checkpoint` is where a resume continues."""
+
+
+def no_room(error: BaseException | None) -> OSError | None:
+    """The file system's "no room" error behind `error` (a store's comes through Ray's wrappers), or None."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return error
+        error = getattr(error, "cause", None) or error.__cause__
+    return None
+
+
+def keep_steps_on_full_disk(full: OSError, session: Session, finished: list[tuple[int, Any, int]],
+                            progress: Progress, saved: int | None, while_saving: int | None) -> DiskFull:
+    """A disk that filled mid-run: the checkpoint of the last finished step the stores hold whole, if
+    there is room for it (a disk-tier write that failed stops the stores before the next step's first
+    update, host/store.py `settle_disk`, so they hold the step before the one whose updates it
+    refused: `finished` has the last two, each with its data position and update count), else the
+    last complete checkpoint, named in the error. A checkpoint that itself found no room is not tried
+    again (its staging directory is gone: session.save_checkpoint)."""
+    kept, why = None, None
+    for step, position, updates in reversed(finished):
+        if step == saved:
+            kept = progress.checkpoint
+            break
+        if step == while_saving or step == 0:
+            why = f"no room for the checkpoint of step {step}" if step == while_saving else None
+            break
+        try:
+            kept = progress.checkpoint = session.save_from_stores(step, position.to_dict() if position else None,
+                                                                  updates_done=updates)
+            break
+        except StoresNotAtStep as e:
+            why = f"the stores do not hold step {step} whole ({e})"
+        except Exception as e:
+            if no_room(e) is None:
+                raise
+            why = f"no room for the checkpoint of step {step} either ({describe_os_error(no_room(e))})"
+            break
+    if kept is not None:
+        stopped = f"The run stopped with the checkpoint of step {step}: {kept}"
+    else:
+        last = progress.checkpoint
+        stopped = (f"The run stopped without a new checkpoint ({why or 'nothing finished to save'}); "
+                   + (f"its last complete checkpoint is {last}" if last else "it has no checkpoint"))
+    error = DiskFull(f"the disk filled mid-run: {describe_os_error(full)}. {stopped}, to resume from once there "
+                     "is room (runtime.disk_dir's and checkpoint.dir's disks)")
+    error.checkpoint = kept or progress.checkpoint
+    return error
 
 
 def under_ray_job() -> bool:
@@ -304,6 +358,15 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
     steps = objective_of(config).steps(session, dataset, meta, bad_rows)
     finished = start_step  # the last step whose update the stores hold, and the data position after it
     saved = start_step if progress.checkpoint is not None else None
+    history = [(start_step, None, session.updates_done)]  # the last two finished steps: step, position, updates
+    while_saving = None  # the step whose checkpoint is being written
+
+    def save(step: int, position) -> Path:
+        nonlocal while_saving
+        while_saving = step
+        path = session.save_checkpoint(step, position.to_dict() if position else None)
+        while_saving = None
+        return path
     try:
         last_step = t.steps if until_step is None else min(t.steps, until_step)
         if stop is not None and stop.requested:  # during the start-up: nothing new to save
@@ -311,6 +374,7 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
         for step in range(start_step + 1, last_step + 1):
             last, upcoming, extra = steps(step)
             finished, position = step, upcoming  # `position`: the data position after step `finished`
+            history = [*history[-1:], (step, position, session.updates_done)]
             due = eval_batches is not None and (step == last_step or (config.eval.every and step % config.eval.every == 0))
             if due:
                 evaluation = validate(session, eval_batches, t.grad_accum, step)
@@ -326,15 +390,15 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
                     f"the data"
                 )
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step < last_step:
-                progress.checkpoint, saved = session.save_checkpoint(step, position.to_dict()), step
+                progress.checkpoint, saved = save(step, position), step
             if stop is not None and stop.requested and step < last_step:
                 if saved != step:
-                    progress.checkpoint = session.save_checkpoint(step, position.to_dict())
+                    progress.checkpoint = save(step, position)
                 raise RunInterrupted(stop.signum, step, progress.checkpoint)
         if step == start_step and progress.checkpoint is not None:
             final = progress.checkpoint  # nothing ran: the checkpoint we resumed from is the final one
         else:
-            final = session.save_checkpoint(step, position.to_dict() if position else None)
+            final = save(step, position)
             progress.checkpoint = final
     except RunInterrupted as stopped:
         log.stopped(stopped.signum, stopped.step, stopped.checkpoint)
@@ -345,6 +409,11 @@ def _loop(session: Session, config: Config, data: tuple, meta: dict | None, prog
     except ClusterFault as fault:
         keep_steps_after_fault(fault, session, finished, position, progress, saved)
         raise
+    except Exception as error:
+        full = no_room(error)
+        if full is None:
+            raise
+        raise keep_steps_on_full_disk(full, session, history, progress, saved, while_saving) from None
     finally:
         log.close()
     print(f"checkpoint: {final}", flush=True)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.files import shard
 from megatrain_ray.host import disk as disk_module
 from megatrain_ray.host.adamw import AdamWStep
@@ -170,3 +171,74 @@ def test_a_killed_runs_files_are_removed_by_the_next_store_and_never_read(tmp_pa
     store = store_of(StateFormat(), tmp_path, disk_layers=(2,))
     assert sorted(p.name for p in tmp_path.iterdir()) == [store.disk.paths[2].name]
     store.close()
+
+
+def test_a_write_that_fails_at_a_steps_end_stops_the_next_step_before_any_layer_changes(tmp_path, monkeypatch):
+    """The last write of a step fails (a full disk): the next step's first update raises before any
+    layer takes that step, even one in RAM, so the store holds the finished step whole, the failed
+    layer in its buffer, and its shard is the all-RAM store's after that step, bit for bit."""
+    fmt = StateFormat("fp32", "fp32")
+    in_ram, on_disk = store_of(fmt, None), store_of(fmt, tmp_path, disk_layers=LAYERS[1:])
+    real = os.pwritev
+    hp = AdamWStep(1, 3e-3, 1.0, BETAS, EPS, 0.1)
+    order = [0, *LAYERS[:0:-1]]  # the embedding (in RAM) first, then the head down to block 0 (on disk) last
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    for store in (in_ram, on_disk):
+        for i in order:
+            if store is on_disk and i == order[-1]:
+                monkeypatch.setattr(os, "pwritev", full)  # the step's last write
+            state = store.layers[i]
+            state.grad.copy_(torch.randn(state.layout.numel, generator=torch.Generator().manual_seed(i)))
+            store.step_layer(i, hp)
+    monkeypatch.setattr(os, "pwritev", real)
+    with pytest.raises(DiskTierError, match="No space left on device.*while writing"):
+        on_disk.step_layer(order[0], hp)  # the next step's first update, a layer in RAM
+    assert set(on_disk.update_counts().values()) == {1}
+    expected, _ = shard.state_tensors(in_ram)
+    got, counts = shard.state_tensors(on_disk)
+    assert counts == in_ram.update_counts()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_a_store_killed_while_writing_its_checkpoint_leaves_only_the_last_complete_one(tmp_path):
+    """A store with the tier killed in the middle of its streamed shard: the half-written checkpoint has
+    no manifest, so nothing takes it for one (`latest` is the one before, whose files still verify),
+    and naming it is refused."""
+    root = tmp_path / "ckpt"
+    code = textwrap.dedent(f"""
+        import os, torch
+        from pathlib import Path
+        from megatrain_ray.files import checkpoint as ckpt, shard
+        from megatrain_ray.host.store import ShardStore
+        from megatrain_ray.models.registry import PRESETS
+        store = ShardStore(PRESETS["tiny-llama"], list(range(4)), torch.bfloat16, disk_dir={str(tmp_path / "tier")!r},
+                           disk_layers=(1, 2, 3))
+        store.init_random(seed=5, std=0.02)
+        root = Path({str(root)!r})
+        for step in (1, 2):
+            staging = ckpt.new_staging_dir(root, step)
+            if step == 2:
+                real, done = shard.layer_tensors, []
+                def layer_tensors(store, i, copy=False):
+                    done.append(i)
+                    if len(done) == 3:
+                        os._exit(9)  # killed mid-write: two layers of the shard on disk, no manifest
+                    return real(store, i, copy)
+                shard.layer_tensors = layer_tensors
+            entry = shard.save_shard(store, str(staging), "shard-000.safetensors")
+            ckpt.commit(staging, root, step, [entry], {{"step": step}}, keep=5)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    assert out.returncode == 9, out.stderr
+    first = root / "step-00000001"
+    assert ckpt.list_checkpoints(root) == [first]
+    assert ckpt.resolve("latest", root) == first
+    ckpt.read_manifest(first, verify=True)  # every file's hash as its manifest says
+    (half,) = root.glob(".step-00000002.tmp-*")
+    assert (half / "shard-000.safetensors").stat().st_size > 0 and not (half / ckpt.MANIFEST).exists()
+    with pytest.raises(ckpt.CheckpointError, match="not a complete checkpoint"):
+        ckpt.resolve(str(half), root)

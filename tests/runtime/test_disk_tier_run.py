@@ -1,20 +1,29 @@
 """A run with the disk tier (runtime.disk_dir), its stores Ray actors: the plan puts the optimizer
 state of the layers RAM cannot hold (runtime.store_memory_gib) on disk, the run's steps are the
 in-process trainer's (all in RAM) bit for bit, a resume from its checkpoint continues exactly, and
-the tier's files are gone when the run ends."""
+the tier's files are gone when the run ends. A file system that fills mid-run (a real one, a small
+tmpfs) stops the run with a clear message and the last checkpoint that fits, which resumes exactly."""
 
 import dataclasses
+import json
+import shlex
+import subprocess
 
 import pytest
 import ray
 import torch
 
+from megatrain_ray import cli
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.files import shard
-from megatrain_ray.models.registry import PRESETS
+from megatrain_ray.host.disk import disk_bytes
+from megatrain_ray.host.precision import format_of
+from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.runtime.local import LocalTrainer
-from megatrain_ray.runtime.session import Session
+from megatrain_ray.runtime.session import Session, place
 from helpers.reference_training import random_micro_batches
-from helpers.runs import make_config
+from helpers.runs import make_config, tensors_of, tiny_raw
 
 BLOCKS = 12  # tiny-llama with 12 blocks: enough layers that the tier's window of 3 saves RAM
 STORE_BYTES = {"fp32": 5.5e6, "bf16": 2.4e6}  # of the all-RAM run's 7.6 MB (exact), 2.8 MB (6 bytes): about 8 blocks' state go to disk
@@ -79,3 +88,71 @@ def test_a_run_with_its_state_on_disk_is_the_ram_run_bit_for_bit_and_resumes_exa
     assert after == expected_losses[1:]
     for name, tensor in expected.items():
         assert torch.equal(state[name], tensor), name
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    """mount(nbytes): a tmpfs of that size (a real file system that fills), unmounted after the test;
+    skipped where this process may not mount one (not root)."""
+    mounted = []
+
+    def mount(nbytes: int):
+        where = tmp_path / "small-fs"
+        where.mkdir()
+        size = -(-nbytes // 4096) * 4096
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a small tmpfs here (needs root)")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_disk_that_fills_mid_run_stops_with_the_last_checkpoint_and_resume_is_exact(local_ray, tmp_path,
+                                                                                       small_file_system, capsys):
+    """The tier's files and the checkpoints on one small file system with room for the tier and one
+    and a half checkpoints (checkpoint.keep 1): step 1's checkpoint fits, step 2's does not. The run
+    stops (exit 2) saying so and naming step 1's checkpoint, its half-written one removed; the resume
+    from step 1 (its checkpoints elsewhere) ends with the weights of a run that never stopped."""
+    steps, store_bytes = 3, STORE_BYTES["fp32"]
+    runtime = {"store_memory_gib": store_bytes / 2**30}
+    model = {"preset": "tiny-llama", "overrides": {"num_layers": BLOCKS}}
+    whole = tiny_raw(tmp_path / "whole", steps=steps, model=model, executor={"embedding_step": "host"},
+                     runtime={**runtime, "disk_dir": str(tmp_path / "tier")},
+                     checkpoint={"every": 1, "keep": 1, "export_hf": False, "dir": str(tmp_path / "whole-ckpt")})
+    config = config_from_dict(whole)
+    arch = PRESETS["tiny-llama"].replace(num_layers=BLOCKS)
+    layouts, fmt = model_layouts(arch), format_of(config.optim)
+    tier = sum(disk_bytes(layouts[i], fmt) for s in place(arch, config).stores for i in s.disk_layers)
+    one = ckpt.checkpoint_bytes(config, arch)
+    assert tier > 0
+    fs = small_file_system(tier + one * 3 // 2)
+    raw = {**whole, "train": {**whole["train"], "output_dir": str(tmp_path / "run")},
+           "runtime": {**runtime, "disk_dir": str(fs / "tier")},
+           "checkpoint": {**whole["checkpoint"], "dir": str(fs / "ckpt")}}
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(raw))
+
+    code = cli.main(["train", str(path)])
+    err = capsys.readouterr().err
+    first = fs / "ckpt" / "step-00000001"
+    assert code == 2, err
+    assert f"the disk filled mid-run: No space left on device (ENOSPC) at {fs / 'ckpt'}" in err, err
+    assert f"no room for the checkpoint of step 2); its last complete checkpoint is {first}" in err, err
+    assert (first / ckpt.MANIFEST).exists()
+    assert not list((fs / "ckpt").glob(".step-*"))  # the half-written checkpoint is gone
+    assert not list((fs / "tier").iterdir())  # and the tier's files with the run
+    command = next(line for line in err.splitlines() if line.startswith("continue with: "))
+    assert shlex.split(command.removeprefix("continue with: "))[-2:] == ["--resume", str(first)]
+
+    assert cli.main(["train", str(path), "--set", f"checkpoint.dir={tmp_path / 'more'}", "--resume", str(first)]) == 0
+    path.write_text(json.dumps(whole))
+    assert cli.main(["train", str(path)]) == 0, capsys.readouterr().err
+    expected = tensors_of(tmp_path / "whole-ckpt" / f"step-{steps:08d}")
+    got = tensors_of(tmp_path / "more" / f"step-{steps:08d}")
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
