@@ -15,11 +15,12 @@ a block parameter costs 4 + 4 + 2 = 10 bytes with fp32 master and momentum and b
 bf16 momentum and 6 with a bf16 master (stochastic rounding, as AdamW's lean modes).
 
 Where it runs: the momentum's update and the Newton-Schulz iterations need the clip factor, known
-only when the whole backward has ended, so they run in the update phase, per layer. Today the store's
-own CPU runs them (host/muon_layer.py), which is correct but slow for large matrices.
-`orthogonalize` works on any device, so that the GPU worker can later take the Newton-Schulz step
-(the momentum sent beside the gradient, the orthogonalized update written back over it, so that the
-store only applies it: `MuonStep.orthogonalized`); that path is not built yet.
+only when the whole backward has ended, so they run in the update phase, per layer: on the GPU worker
+where the step plan says so (streaming/muon_step.py: the momentum and gradient go to the device,
+`orthogonalize` runs there, the new momentum and the orthogonalized update come back, the latter over
+the gradient, and the store only applies it: `MuonStep.orthogonalized`), else on the store's own CPU
+(host/muon_layer.py; a CPU executor, a block on a RAM node), which is correct but slow for large
+matrices (megatrain_ray/README.md, "Muon").
 """
 
 from __future__ import annotations
