@@ -109,6 +109,16 @@ def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS
     return x.T if tall else x
 
 
+def newton_schulz_flops(layout: LayerLayout, optimizer: str, steps: int) -> int:
+    """The matrix products' FLOP of one step's orthogonalization of the layer's Muon matrices: per
+    iteration of an r x c matrix (r <= c) 2r²c for A = XX^T, 2r³ for A², 2r²c for the product with X."""
+    total = 0
+    for slot in muon_slots(layout, optimizer):
+        r, c = sorted(slot.shape[-2:])
+        total += slot.numel // (r * c) * steps * (4 * r * r * c + 2 * r ** 3)
+    return total
+
+
 def adjusted_lr(lr: float, adjust: str, shape: tuple[int, ...]) -> float:
     """torch.optim.Muon's learning rate for a matrix of `shape` (its first two dimensions, as torch
     reads them; a stacked expert's are its own rows and columns)."""
