@@ -79,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host optimizer threads per store (runtime.optimizer_threads; default: cores less one and one per GPU worker); "
                         "with --parts, the thread counts to time (default: 4 8 12, cores less two, cores)")
     p.add_argument("--no-compile", action="store_true", help="run the decoder blocks eagerly (executor.compile: false)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="optim.name: muon steps the decoder blocks' matrices by Muon (its Newton-Schulz on the GPU)")
     p.add_argument("--optim-modes", nargs="+", default=None, metavar="MASTER/MOMENTS", type=optim_mode,
                    help="optimizer state modes, optim.master/optim.moments (fp32/fp32: 14 bytes a parameter, "
                         "fp32/bf16: 10, fp32/int8: 8, bf16/int8: 6): the run's (the first; default fp32/fp32), or "

@@ -15,11 +15,12 @@ a block parameter costs 4 + 4 + 2 = 10 bytes with fp32 master and momentum and b
 bf16 momentum and 6 with a bf16 master (stochastic rounding, as AdamW's lean modes).
 
 Where it runs: the momentum's update and the Newton-Schulz iterations need the clip factor, known
-only when the whole backward has ended, so they run in the update phase, per layer. Today the store's
-own CPU runs them (host/muon_layer.py), which is correct but slow for large matrices.
-`orthogonalize` works on any device, so that the GPU worker can later take the Newton-Schulz step
-(the momentum sent beside the gradient, the orthogonalized update written back over it, so that the
-store only applies it: `MuonStep.orthogonalized`); that path is not built yet.
+only when the whole backward has ended, so they run in the update phase, per layer: on the GPU worker
+where the step plan says so (streaming/muon_step.py: the momentum and gradient go to the device,
+`orthogonalize` runs there, the new momentum and the orthogonalized update come back, the latter over
+the gradient, and the store only applies it: `MuonStep.orthogonalized`), else on the store's own CPU
+(host/muon_layer.py; a CPU executor, a block on a RAM node), which is correct but slow for large
+matrices (megatrain_ray/README.md, "Muon").
 """
 
 from __future__ import annotations
@@ -106,6 +107,16 @@ def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+def newton_schulz_flops(layout: LayerLayout, optimizer: str, steps: int) -> int:
+    """The matrix products' FLOP of one step's orthogonalization of the layer's Muon matrices: per
+    iteration of an r x c matrix (r <= c) 2r²c for A = XX^T, 2r³ for A², 2r²c for the product with X."""
+    total = 0
+    for slot in muon_slots(layout, optimizer):
+        r, c = sorted(slot.shape[-2:])
+        total += slot.numel // (r * c) * steps * (4 * r * r * c + 2 * r ** 3)
+    return total
 
 
 def adjusted_lr(lr: float, adjust: str, shape: tuple[int, ...]) -> float:

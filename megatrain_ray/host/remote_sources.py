@@ -14,7 +14,7 @@ it has applied it). Each worker is told of each update once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -39,6 +39,7 @@ class StoreReach:
     gradients: dict[int, str]
     states: dict[int, dict[str, str]]
     link: tuple[str, int] | None = None
+    momenta: dict[int, dict[str, str]] = field(default_factory=dict)  # Muon momenta a worker updates (ShardStore.shared_momenta)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -48,14 +49,18 @@ def nbytes(t: torch.Tensor) -> int:
 class SharedMemorySource(LayerSource):
     def __init__(self, store, paths: dict[int, str], numels: dict[int, int], dtype, register: bool,
                  grad_paths: dict[int, str] | None = None, states: dict[int, dict[str, str]] | None = None,
-                 updates_done: int = 0):
+                 updates_done: int = 0, momenta: dict[int, dict[str, str]] | None = None,
+                 momentum_dtype: torch.dtype = torch.float32):
         """`grad_paths`: gradient buffers of their own (a bf16 master's, host/store.py), else the
         gradient lands in the weights' buffer. `states`: layers whose master and moments the store
         holds in shared memory already (StoreReach.states), each at `updates_done` updates: their
-        `shared_state` asks the store nothing."""
+        `shared_state` asks the store nothing. `momenta`: Muon blocks' momenta in shared memory
+        (StoreReach.momenta), of `momentum_dtype`."""
         self.store = store
         self.register = register
         self.states = states or {}
+        self.momenta = momenta or {}
+        self.momentum_dtype = momentum_dtype
         self.updates_done = updates_done
         self.registered: list[torch.Tensor] = []
         self.w = {layer: self._map(Path(path), numels[layer], dtype) for layer, path in paths.items()}
@@ -87,6 +92,13 @@ class SharedMemorySource(LayerSource):
         held = self._map(Path(paths.pop("held")), 1, torch.int64)
         state = {key: self._map(Path(path), numel, torch.float32) for key, path in paths.items()}
         return HostLayerState(**state, compute=self.w[layer], segments=segments, updates=updates, held=held)
+
+    def momentum(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Muon block's momentum (over its trained elements) and marker, mapped here."""
+        paths = self.momenta[layer]
+        numel = Path(paths["momentum"]).stat().st_size // self.momentum_dtype.itemsize
+        return (self._map(Path(paths["momentum"]), numel, self.momentum_dtype),
+                self._map(Path(paths["held"]), 1, torch.int64))
 
     def report_updates(self, layer: int, count: int) -> None:
         ray.get(self.store.set_update_count.remote(layer, count))
@@ -255,6 +267,9 @@ class RoutedSource(LayerSource):
 
     def report_updates(self, layer: int, count: int) -> None:
         self.route[layer].report_updates(layer, count)
+
+    def momentum(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.route[layer].momentum(layer)
 
     def updates_in_flight(self, layers) -> dict[int, ray.ObjectRef]:
         """The references to these layers' last updates sent from here, to share with the other workers."""

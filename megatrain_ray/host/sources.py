@@ -78,6 +78,12 @@ class LayerSource(Protocol):
         device (where the store's memory is in reach: in process, or shared memory on this node)."""
         raise NotImplementedError("this source does not reach the stores' memory")
 
+    def momentum(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Muon block's momentum buffer as this process reaches it, and the layer's marker
+        (host/store.py, held_marker), for its momentum update and orthogonalization on the worker's
+        device (streaming/muon_step.py)."""
+        raise NotImplementedError("this source does not reach the stores' memory")
+
     def report_updates(self, layer: int, count: int) -> None:
         """Tell the layer's store how many updates a step on the device applied (its checkpoint saves them)."""
         raise NotImplementedError("this source does not reach the stores' memory")
@@ -110,6 +116,10 @@ class LocalSource(LayerSource):
         state, held = store.layers[layer], store.held_marker(layer)
         return HostLayerState(state.master, state.exp_avg, state.exp_avg_sq, state.compute, segments, state.updates,
                               held)
+
+    def momentum(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        store = self.owner[layer]
+        return store.layers[layer].exp_avg, store.held_marker(layer)
 
     def report_updates(self, layer: int, count: int) -> None:
         self.owner[layer].set_update_count(layer, count)

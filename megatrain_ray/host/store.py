@@ -132,11 +132,15 @@ class ShardStore:
         shared_state: tuple[int, ...] = (),
         disk_dir: str | None = None,
         disk_layers: tuple[int, ...] = (),
+        shared_momentum: tuple[int, ...] = (),
     ):
         """`seed`: train.seed, the stochastic rounding's (a bf16 master's) stream. `shared_state`: layers
         whose master and moments a GPU worker on this node steps (the step plan's embedding on the
         device), in shared memory from the start (`share_state`, with nothing to copy). `disk_layers`:
-        layers whose optimizer state lives in files under `disk_dir` (the plan's: host/disk.py)."""
+        layers whose optimizer state lives in files under `disk_dir` (the plan's: host/disk.py).
+        `shared_momentum`: Muon blocks whose momentum a GPU worker on this node updates and
+        orthogonalizes (the plan's, streaming/muon_step.py): that buffer in shared memory, with the
+        layer's marker (`held_marker`)."""
         start_native_kernel()  # a first build on this node (tens of seconds) beside the run's start, not in its first step
         self.arch = arch
         self.compute_dtype = compute_dtype
@@ -148,6 +152,8 @@ class ShardStore:
         self.grad_shm_paths: dict[int, str] = {}  # a bf16 master's gradient buffers
         self.extra_shm_paths: list[str] = []  # state shared with a GPU worker (share_state)
         self.state_shm_paths: dict[int, dict[str, str]] = {}  # those paths by layer and name
+        self.shared_momentum = frozenset(shared_momentum)
+        self.momentum_shm_paths: dict[int, str] = {}  # their momenta (shared_momenta)
         self._shm_dir = Path(shm_dir) if shm_dir else None
         self._run_id = run_id
         if self._shm_dir is not None:
@@ -165,6 +171,8 @@ class ShardStore:
         self.layers: dict[int, LayerState] = {i: self._allocate(layouts[i], i in disk_layers) for i in layers}
         for i in shared_state:
             self._share(i, copy=False)
+        for i in self.shared_momentum & set(layers):
+            self.held_marker(i)
         self.optimizer_seconds = 0.0  # summed over steps, for the benchmark's time split
 
     def _shared(self, index: int, n: int, dtype: torch.dtype, key: str | None, paths: dict[int, str]) -> torch.Tensor:
@@ -190,7 +198,13 @@ class ShardStore:
         if on_disk:
             return LayerState(layout, master=master, exp_avg=ABSENT, exp_avg_sq=ABSENT, compute=compute, grad=grad,
                               scales=(ABSENT, ABSENT) if fmt.quantized else None, on_disk=True)
-        return LayerState(layout, master=master, exp_avg=zeroed(k, m_dtype), exp_avg_sq=zeroed(second, v_dtype),
+        if layout.index in self.shared_momentum:  # zeros: a new segment reads zeros, pinned memory is cleared
+            momentum = self._shared(layout.index, k, m_dtype, "momentum", self.momentum_shm_paths)
+            if self._shm_dir is None:
+                momentum.zero_()
+        else:
+            momentum = zeroed(k, m_dtype)
+        return LayerState(layout, master=master, exp_avg=momentum, exp_avg_sq=zeroed(second, v_dtype),
                           compute=compute, grad=grad, scales=scales)
 
     @contextmanager
@@ -258,9 +272,11 @@ class ShardStore:
         for. Only on moments nothing has written yet (after init_random or a Hugging Face load). Never on
         a layer a GPU worker steps (share_state): the worker writes those moments, maybe by now."""
         for index, state in self.layers.items():
-            if index in self.state_shm_paths or state.held is not None or state.on_disk:  # a file reads zeros
+            worker_writes = index in self.state_shm_paths or (state.held is not None and index not in self.shared_momentum)
+            if worker_writes or state.on_disk:  # a file reads zeros
                 continue
-            state.exp_avg.zero_()
+            if index not in self.shared_momentum:  # a worker's to write (a new segment reads zeros)
+                state.exp_avg.zero_()
             state.exp_avg_sq.zero_()
 
     @staticmethod
@@ -310,6 +326,12 @@ class ShardStore:
         paths["held"] = str(self._shm_dir / segment_name(self._run_id, index, "held"))
         self.state_shm_paths[index] = paths
         return dict(paths)
+
+    def shared_momenta(self) -> dict[int, dict[str, str]]:
+        """The Muon blocks whose momentum a GPU worker updates (`shared_momentum`): the paths of their
+        momentum and marker."""
+        return {i: {"momentum": path, "held": str(self._shm_dir / segment_name(self._run_id, i, "held"))}
+                for i, path in self.momentum_shm_paths.items()}
 
     def shared_states(self) -> dict[int, dict[str, str]]:
         """The layers whose state is in shared memory (`share_state`), with its paths by name."""
@@ -406,6 +428,8 @@ class ShardStore:
             raise ValueError(f"layer {index} takes Muon's step, which needs each matrix whole: it cannot be "
                              "updated piece by piece")
         muon_layer_update(state, hp, precision.rounding_key(self.seed, index, state.updates))
+        if hp.muon.orthogonalized and state.held is not None:  # the worker's momentum is now this update's
+            state.held.fill_(state.updates)
         k = state.layout.trained_numel
         if k < state.layout.numel and state.grad is state.compute:  # a frozen tail's (zero) gradient over its weights
             state.compute[k:].copy_(state.master[k:])
@@ -421,7 +445,8 @@ class ShardStore:
         if getattr(self, "disk", None) is not None:
             self.disk.close()
             self.disk = None
-        for path in [*self.shm_paths.values(), *self.grad_shm_paths.values(), *self.extra_shm_paths]:
+        for path in [*self.shm_paths.values(), *self.grad_shm_paths.values(), *self.extra_shm_paths,
+                     *getattr(self, "momentum_shm_paths", {}).values()]:
             Path(path).unlink(missing_ok=True)
         self.shm_paths.clear()
         self.grad_shm_paths.clear()

@@ -12,7 +12,7 @@ from megatrain_ray.config import Config, ConfigError
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import PRESETS, num_params
 from megatrain_ray.objective import objective_of
-from megatrain_ray.planning.placement import NAMED_MODES, NodeInfo, plan_placement
+from megatrain_ray.planning.placement import NAMED_MODES, NodeInfo, mode_text, plan_placement
 from megatrain_ray.planning.decisions import device_budget
 from megatrain_ray.planning.memory import GiB, PlanError, mlp_chunk_tokens, size
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
@@ -32,10 +32,13 @@ def largest_trainable(config: Config, facts: DeviceFacts, nodes: list[NodeInfo],
     for fmt in NAMED_MODES:
         if fmt.master == "bf16" and config.model.compute_dtype != "bfloat16":
             continue  # a bf16 master is the compute copy: bf16 compute only
-        moded = config.replace(optim=dataclasses.replace(config.optim, master=fmt.master, moments=fmt.moments))
+        if fmt.optimizer == "muon" and config.runtime.disk_dir is not None:
+            continue  # the disk tier holds AdamW's moments only
+        moded = config.replace(optim=dataclasses.replace(config.optim, master=fmt.master, moments=fmt.moments,
+                                                         name=fmt.optimizer))
         found = next(((name, arch, step) for name, arch in presets
                       if (step := trainable_plan(arch, moded, facts, nodes, driver_node)) is not None), None)
-        mode = f"  optim.master={fmt.master} optim.moments={fmt.moments}: "
+        mode = f"  {mode_text(fmt)}: "
         if found is None:
             lines.append(mode + "none of the presets")
             continue

@@ -318,7 +318,33 @@ def store_room(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_no
 
 
 NAMED_MODES = (StateFormat("fp32", "fp32"), StateFormat("fp32", "bf16"), StateFormat("fp32", "int8"),
-               StateFormat("bf16", "int8"))  # 14, 10, 8 and 6 bytes a parameter (with bf16 compute)
+               StateFormat("bf16", "int8"),  # AdamW: 14, 10, 8 and 6 bytes a parameter (with bf16 compute)
+               StateFormat("fp32", "fp32", "muon"), StateFormat("fp32", "bf16", "muon"),
+               StateFormat("bf16", "bf16", "muon"))  # Muon: 10, 8 and 6 a block matrix's (host/muon.py)
+
+
+def mode_text(fmt: StateFormat) -> str:
+    """A state mode as the settings that choose it."""
+    return (f"optim.name={fmt.optimizer} " if fmt.optimizer != "adamw" else "") + \
+        f"optim.master={fmt.master} optim.moments={fmt.moments}"
+
+
+def fewer_bytes_text(fmt: StateFormat) -> str:
+    """The leanest state mode of `fmt`'s optimizer, as advice (none where `fmt` is it)."""
+    leanest = {"adamw": StateFormat("bf16", "int8"), "muon": StateFormat("bf16", "bf16", "muon")}[fmt.optimizer]
+    if fmt == leanest:
+        return ""
+    what = "a parameter" if fmt.optimizer == "adamw" else "a block matrix's parameter"
+    return (f"hold the optimizer state in fewer bytes (optim.master: bf16, optim.moments: {leanest.moments}: "
+            f"{leanest.bytes_per_param(2):.0f} bytes {what}), ")
+
+
+def mean_bytes_per_param(arch: ModelArch, config: Config, fmt: StateFormat) -> float:
+    """Host bytes a parameter of this model in `fmt`, over all its layers: with Muon a block matrix's
+    and the AdamW tensors' (the embedding, the head) differ, so the mean is the model's."""
+    layouts = model_layouts(arch)
+    dtype = dtype_of(config.model.compute_dtype)
+    return sum(layer_bytes(layout, dtype, fmt) for layout in layouts) / sum(layout.numel for layout in layouts)
 
 
 def largest_models(room: StoreRoom, config: Config) -> str:
@@ -326,13 +352,16 @@ def largest_models(room: StoreRoom, config: Config) -> str:
     choosing a lean mode (optim.master, optim.moments) buys on this cluster."""
     capacity = sum(room.capacities)
     esize = element_size(dtype_of(config.model.compute_dtype))
-    lines = [f"host memory for the stores: {capacity / GiB:.1f} GiB; the largest dense model per optimizer state mode:"]
+    lines = [f"host memory for the stores: {capacity / GiB:.1f} GiB; the largest dense model per optimizer state mode "
+             "(Muon's: a decoder block's matrices; the embedding and head take AdamW's bytes):"]
     for fmt in NAMED_MODES:
         if fmt.master == "bf16" and esize != 2:
             continue  # a bf16 master is the compute copy: bf16 compute only
+        if fmt.optimizer == "muon" and config.runtime.disk_dir is not None:
+            continue  # the disk tier holds AdamW's moments only
         bpp = fmt.bytes_per_param(esize)
         chosen = " (this config)" if fmt == format_of(config.optim) else ""
-        lines.append(f"  optim.master={fmt.master} optim.moments={fmt.moments}: {bpp:.4g} bytes/param -> "
+        lines.append(f"  {mode_text(fmt)}: {bpp:.4g} bytes/param -> "
                      f"{capacity / bpp / 1e9:.1f} B params{chosen}" + with_disk_text(room, config, fmt, esize))
     return "\n".join(lines)
 
@@ -360,7 +389,8 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
     gpu, use_cuda, workers, holders, capacities = room.gpu, room.use_cuda, room.workers, room.holders, room.capacities
     numels = [layout.numel for layout in model_layouts(arch)]
     fmt = format_of(config.optim)
-    bpp = bytes_per_param(dtype_of(config.model.compute_dtype), fmt)
+    bpp = (mean_bytes_per_param(arch, config, fmt) if fmt.optimizer == "muon"
+           else bytes_per_param(dtype_of(config.model.compute_dtype), fmt))
     held = [layer_bytes(layout, dtype_of(config.model.compute_dtype), fmt) for layout in model_layouts(arch)]
     esize = element_size(dtype_of(config.model.compute_dtype))
     stated = rt.store_memory_gib is not None
@@ -381,9 +411,9 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
                  "with runtime.store_memory_gib")
             + f"): short by {(need - have) / GiB:.1f} GiB; add RAM nodes with at least that much free memory between "
             f"them (ray start --resources='{{\"{rt.ram_resource}\": 1}}'), "
-            + ("hold the optimizer state in fewer bytes (optim.master: bf16, optim.moments: int8: 6 bytes a "
-               "parameter), " if fmt != NAMED_MODES[-1] and esize == 2 else "")
-            + "keep the optimizer state of some layers on a local SSD (runtime.disk_dir), or choose a smaller model"
+            + (fewer_bytes_text(fmt) if esize == 2 else "")
+            + "keep the optimizer state of some layers on a local SSD (runtime.disk_dir"
+            + (", with optim.name adamw" if fmt.optimizer == "muon" else "") + "), or choose a smaller model"
         )
     ranges = split_by_capacity(numels, capacities)
     stores = tuple(

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from megatrain_ray.config import Config
+from megatrain_ray.host.muon import newton_schulz_flops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_layouts, num_params
 from megatrain_ray.planning.memory import (block_numels, dtype_bytes, host_gradient_layers, loss_chunk_setting,
@@ -64,6 +65,7 @@ class StepPrediction:
     busy_tokens: int = 0  # tokens per step (all GPUs) from which no GPU waits for the host, the network or the links
     forward_s: float = 0.0  # each GPU's forward share of compute_s
     host_summed_s: float = 0.0  # the vocabulary layers' gradient shares copied out and added on the host (not hidden)
+    newton_schulz_s: float = 0.0  # Muon's orthogonalization on the GPUs, between the backward and the next forward
 
 
 def shared_network(net: NetworkTimes, num_gpus: int) -> NetworkTimes:
@@ -123,7 +125,9 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     network_exposed = (max(fwd_compute, net.forward_in_s) - fwd_compute) + (backward - bwd_compute) + net.boundary_s
     link_exposed = max(0.0, reduce - backward)
     copies = max(h2d, host_memory)
-    step = max(forward + backward + net.boundary_s + link_exposed, copies + max(0.0, optimizer - fwd_compute))
+    newton_schulz = muon_seconds(arch, config, rates) / num_gpus  # each block's on its owner's GPU
+    step = max(forward + backward + net.boundary_s + link_exposed,
+               copies + max(0.0, optimizer - fwd_compute)) + newton_schulz
     if exposed > 0.1 * step and exposed >= network_exposed:
         bound = "host optimizer"
     elif network_exposed > 0.1 * step:
@@ -136,7 +140,17 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     busy_per_gpu = max(max(optimizer, net.forward_in_s) / forward_share,
                        max(net.backward_in_s, net.out_s, reduce) / (1 - forward_share), copies) / per_token
     return StepPrediction(compute, h2d, optimizer, exposed, step, bound, network_exposed, num_gpus, tokens,
-                          host_read, host_memory, reduce, math.ceil(num_gpus * busy_per_gpu), fwd_compute, summed)
+                          host_read, host_memory, reduce, math.ceil(num_gpus * busy_per_gpu), fwd_compute, summed,
+                          newton_schulz)
+
+
+def muon_seconds(arch: ModelArch, config: Config, rates=None) -> float:
+    """One GPU's time for every Muon block's Newton-Schulz iterations of a step (streaming/muon_step.py),
+    at the blocks' matmul rate: bf16 products of the blocks' own sizes (0: optim.name adamw)."""
+    if config.optim.name != "muon":
+        return 0.0
+    flops = sum(newton_schulz_flops(layout, "muon", config.optim.muon_ns_steps) for layout in model_layouts(arch))
+    return flops / (rates.layer_flops_per_s if rates else LAYER_TFLOPS)
 
 
 # per parameter of a share summed in host memory: its bf16 read, the fp32 sum read and written

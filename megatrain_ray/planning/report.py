@@ -127,6 +127,7 @@ def describe(arch: ModelArch, config: Config, step, network: NetworkTimes | None
         f"predicted step on {whose} ({p.tokens} tokens{f', {p.tokens // num_gpus} per GPU' if num_gpus > 1 else ''}): "
         f"compute {p.compute_s:.2f} s, host->GPU {p.h2d_s:.2f} s{' per GPU' if num_gpus > 1 else ''} (overlapped), "
         + (f"gradients summed in host memory {p.host_summed_s:.2f} s (not hidden), " if p.host_summed_s else "")
+        + (f"Muon's Newton-Schulz on the GPU {p.newton_schulz_s:.2f} s (not hidden), " if p.newton_schulz_s else "")
         + f"host optimizer {p.optimizer_s:.2f} s of which {p.optimizer_exposed_s:.2f} s not hidden -> "
         f"{p.step_s:.2f} s/step, {p.tokens / p.step_s:.0f} tokens/s, bound by {p.bound}"
         + ("; the host optimizer at the exact mode's rate (the lean modes' own: `megatrain-ray bench --parts`)"

@@ -23,6 +23,7 @@ import torch
 
 from megatrain_ray.config import Config
 from megatrain_ray.host.memory import dtype_of, host_headroom
+from megatrain_ray.host.muon import muon_slots
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_layouts
@@ -109,6 +110,9 @@ class StepPlan:
     # on the device at a time (streaming/host_gradients.py): the vocabulary-sized ones, where their fp32
     # accumulator on the device does not fit (planning/plan.py, host_gradient_layers)
     host_gradients: tuple[int, ...] = ()
+    # Muon blocks whose momentum update and Newton-Schulz iteration run on their owner's device in the
+    # update phase (streaming/muon_step.py; `muon_on_device`), the others' on their store's cores
+    muon_on_device: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """The decisions as the run's start line tells them."""
@@ -124,6 +128,8 @@ class StepPlan:
                          "the embedding's AdamW step runs on one of them, which sends the others its new weights")
         if self.host_gradients:
             parts.append("the vocabulary layers' gradients are summed in host memory")
+        if self.muon_on_device:
+            parts.append(f"Muon's Newton-Schulz iteration runs on the GPU for {len(self.muon_on_device)} blocks")
         return "".join(f"; {p}" for p in parts)
 
     def planned_config(self, config: Config) -> Config:
@@ -144,6 +150,20 @@ def planner_view(config: Config, micro_batches: int, compile_blocks: bool, cap: 
     gib = cap / GiB if cap is not None else ex.gpu_memory_gib
     return config.replace(train=dataclasses.replace(config.train, grad_accum=micro_batches),
                           executor=dataclasses.replace(ex, compile=compile_blocks, gpu_memory_gib=gib))
+
+
+def muon_on_device(arch: ModelArch, config: Config, kind: str, placement: Placement | None) -> tuple[int, ...]:
+    """The Muon blocks whose momentum update and orthogonalization run on the workers' GPUs
+    (streaming/muon_step.py): with optim.name muon on a GPU, every block with Muon's matrices whose
+    store is on the GPU node (its momentum in shared memory there). Newton-Schulz is matrix products:
+    about 1.9e13 FLOP a step for a Qwen2.5-7B block, under 0.1 s on a GPU and minutes on a host's
+    cores (megatrain_ray/README.md, "Muon"). None on the CPU, where the stores' cores do it, nor for a
+    block on another node, whose store does it too."""
+    if kind != "cuda" or config.optim.name != "muon":
+        return ()
+    remote = set(placement.remote_layers()) if placement is not None else set()
+    return tuple(layout.index for layout in model_layouts(arch)
+                 if muon_slots(layout, "muon") and layout.index not in remote)
 
 
 def compiles(arch: ModelArch, config: Config, kind: str) -> bool:
@@ -207,7 +227,8 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
                     cap if tightest.kind == "cuda" else None, memory, budget, headroom, placed,
                     head_loss=objective.head_loss, micro_batches=objective.micro_batches,
                     schedule_steps=schedule_steps or objective.schedule_steps, compile=compile_blocks, rollout=share,
-                    host_gradients=host_gradient_layers(arch, config, workers, on_device))
+                    host_gradients=host_gradient_layers(arch, config, workers, on_device),
+                    muon_on_device=muon_on_device(arch, config, tightest.kind, placement))
     if refused is not None:
         return dataclasses.replace(plan, refused=refused)
     try:

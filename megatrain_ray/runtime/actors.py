@@ -18,6 +18,7 @@ from megatrain_ray.files import shard
 from megatrain_ray.host.adamw import AdamWStep
 from megatrain_ray.host.adamw_kernel import start_native_kernel
 from megatrain_ray.host.memory import cuda_host_register, dtype_of, shm_tensor
+from megatrain_ray.host.precision import format_of
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, StoreReach, WindowSource
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.host.transport import LayerLink, LayerServer, turn_pieces
@@ -57,7 +58,7 @@ class ShardStoreActor(ShardStore):
         reaches them."""
         ShardStore.__init__(self, *args, **kwargs)
         return StoreReach(tuple(self.layers), dict(self.shm_paths), dict(self.grad_shm_paths), self.shared_states(),
-                          self.open_link() if serve else None)
+                          self.open_link() if serve else None, self.shared_momenta())
 
     def layer_ids(self) -> list[int]:
         return list(self.layers)
@@ -183,7 +184,8 @@ class GpuWorker:
             if node == here:
                 sources.append(SharedMemorySource(store, r.weights, {i: numels[i] for i in r.layers}, dtype,
                                                   register=self.device.type == "cuda", grad_paths=r.gradients,
-                                                  states=r.states, updates_done=updates_done))
+                                                  states=r.states, updates_done=updates_done, momenta=r.momenta,
+                                                  momentum_dtype=format_of(self.config.optim).moment_dtypes()[0]))
                 routes.append(list(r.layers))
         owners = [(s, r) for s, node, r in zip(stores, store_nodes, reach) if node != here]
         self.window = self._window_source(owners, numels, dtype)

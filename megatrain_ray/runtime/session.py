@@ -152,6 +152,7 @@ class Session:
                                   config.runtime.shm_dir, run_id, format_of(config.optim), config.train.seed,
                                   shared_state=(0,) if self.plan.embedding_on_device and 0 in plan.layers else (),
                                   disk_dir=config.runtime.disk_dir, disk_layers=plan.disk_layers,
+                                  shared_momentum=tuple(i for i in self.plan.muon_on_device if i in plan.layers),
                                   serve=plan.node.node_id != p.gpu.node_id)
             for store, plan in zip(self.stores, p.stores)], "starting the stores")
 
@@ -408,10 +409,10 @@ class Session:
         held = self._held_counts()
         for layer, count in held.items():
             if count == IN_FLUX:
-                raise StoresNotAtStep(f"the embedding's optimizer state (layer {layer}) was being copied back from the "
-                                      f"worker's device (executor.embedding_step) when the worker stopped")
+                raise StoresNotAtStep(f"layer {layer}'s optimizer state was being copied back from the worker's device "
+                                      f"(the embedding's step or Muon's momentum there) when the worker stopped")
             if count != self._updates_done:
-                raise StoresNotAtStep(f"the embedding's optimizer state (layer {layer}) in its store holds {count} "
+                raise StoresNotAtStep(f"layer {layer}'s optimizer state, stepped on a worker's device, holds {count} "
                                       f"updates, not the {self._updates_done} of step {step}")
         owner = {i: store for store, plan in zip(self.stores, self.placement.stores) for i in plan.layers}
         self.wait([owner[i].set_update_count.remote(i, n) for i, n in held.items()], "reading the stores")

@@ -22,6 +22,7 @@ from megatrain_ray.planning.step_plan import StepPlan
 from megatrain_ray.streaming.data_parallel import Group
 from megatrain_ray.streaming.device_step import DeviceStepSource
 from megatrain_ray.streaming.executor import StreamingExecutor
+from megatrain_ray.streaming.muon_step import MuonStepSource
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 
 
@@ -67,6 +68,8 @@ def assemble_worker(arch: ModelArch, config: Config, plan: StepPlan, layers: Lay
     if plan.embedding_on_device:
         with timed(seconds, "the embedding's state on the device"):
             source = with_embedding_step(layers, arch, config, device, group)
+    if plan.muon_on_device:
+        source = with_muon_step(source, layers, arch, plan, device, group)
     with timed(seconds, "the executor"):
         executor = build_executor(arch, config, plan, source, device, group, hooks)
     return Worker(layers, source, executor, LrSchedule(config.optim, plan.schedule_steps, updates_done), group, seconds)
@@ -125,6 +128,14 @@ def with_embedding_step(layers: LayerSource, arch: ModelArch, config: Config, de
         state = layers.shared_state(0, layout.segments())
         return DeviceStepSource(layers, {0: state}, device, dtype, layers.report_updates, group)
     return DeviceStepSource(layers, {}, device, dtype, layers.report_updates, group, shared={0: layout.numel})
+
+
+def with_muon_step(source: LayerSource, layers: LayerSource, arch: ModelArch, plan: StepPlan,
+                   device: torch.device, group: Group) -> MuonStepSource:
+    """`source` with the Muon blocks of the plan that this worker owns orthogonalized on its device
+    (streaming/muon_step.py), their momenta as this process reaches them."""
+    owned = [layer for layer in plan.muon_on_device if group.owns(layer)]
+    return MuonStepSource(source, {layer: layers.momentum(layer) for layer in owned}, model_layouts(arch), device)
 
 
 def join_group(arch: ModelArch, config: Config, device: torch.device, meet: Rendezvous) -> Group:

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from megatrain_ray.bench.arguments import add_arguments
-from megatrain_ray.bench.run import shapes_from
+from megatrain_ray.bench.run import bench_config, shapes_from
 from megatrain_ray.cli import main
 from megatrain_ray.bench.workload import Shape
 from megatrain_ray.streaming.layer_order import layer_order
@@ -32,6 +32,11 @@ def test_shapes_pair_position_by_position_and_broadcast_single_values():
     assert kept == [Shape(1024, 1, 8, 0), Shape(1024, 1, 8, None)]
     with pytest.raises(SystemExit):
         parse("--keep-graphs", "some")
+
+
+def test_the_optimizer_flag_sets_optim_name():
+    assert bench_config(parse(), Shape(64, 1, 1)).optim.name == "adamw"
+    assert bench_config(parse("--optimizer", "muon"), Shape(64, 1, 1)).optim.name == "muon"
 
 
 def test_shapes_of_different_lengths_are_refused():

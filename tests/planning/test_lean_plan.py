@@ -42,11 +42,17 @@ def test_the_plan_prints_the_largest_model_per_mode_on_one_h200_with_1_5_tb():
     spec = load_cluster(EXAMPLES / "cluster-h200-1.5tb.yaml")
     config = load_config(EXAMPLES / "dense-220b.yaml")
     text, fits = plan_cluster(model_arch(config.model), config, spec, [100.0])
-    largest = {float(bpp): float(b) for bpp, b in re.findall(r"(\d+(?:\.\d+)?) bytes/param -> (\d+\.\d) B params", text)}
+    modes = re.findall(r"^  (optim\.name=muon )?optim\.master=\S+ optim\.moments=\S+: (\d+(?:\.\d+)?) bytes/param "
+                       r"-> (\d+\.\d) B params", text, re.M)
+    largest = {float(bpp): float(b) for muon, bpp, b in modes if not muon}
     assert sorted(largest) == [6.031, 8.031, 10.0, 14.0]  # with the int8 scales, printed to 4 digits
+    muon = {float(bpp): float(b) for muon, bpp, b in modes if muon}  # a block matrix's bytes: 10, 8, 6
     assert largest[6.031] >= 200 and largest[14.0] < 100  # the 1,390 GiB free: 90% of it, less the worker's 2 GiB
     usable = (0.9 * 1390 - 2) * GiB
     for bpp, b in zip((6.03125, 8.03125, 10.0, 14.0), (largest[k] for k in sorted(largest)), strict=True):
+        assert b == pytest.approx(usable / bpp / 1e9, abs=0.05)
+    assert sorted(muon) == [6.0, 8.0, 10.0]
+    for bpp, b in muon.items():
         assert b == pytest.approx(usable / bpp / 1e9, abs=0.05)
     assert fits, text
     exact = config_in("14", "dense-220b.yaml")

@@ -34,14 +34,14 @@ def tiny_model(root: Path) -> Path:
     return root / "model"
 
 
-def grpo_raw(root: Path, run: str) -> dict:
+def grpo_raw(root: Path, run: str, optim: dict | None = None) -> dict:
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": [3 * i + k for k in range(5)], "id": i}) + "\n"
                                for i in range(6)))
     return {
         "model": {"path": str(root / "model"), "compute_dtype": "float32"},
         "data": {"source": str(prompts), "seq_len": 16},
-        "optim": {"lr": 1e-2, "weight_decay": 0.0},
+        "optim": {"lr": 1e-2, "weight_decay": 0.0, **(optim or {})},
         "train": {"objective": "grpo", "steps": 4, "micro_batch_size": 4, "output_dir": str(root / run)},
         "grpo": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6,
                  "rewards": {"grpo_test_rewards:low_tokens": 1.0}, "updates_per_rollout": 2, "kl_coef": 0.05},
@@ -66,13 +66,19 @@ def ahead(local_ray, tmp_path_factory) -> Path:
                             {"rollout_gpu": "own", "rollout_gpus": 2})
 
 
-def whole_then_split(root: Path, whole_grpo: dict, split_grpo: dict) -> Path:
+@pytest.fixture(scope="module")
+def muon(local_ray, tmp_path_factory) -> Path:
+    """The same runs with optim.name muon."""
+    return whole_then_split(tmp_path_factory.mktemp("grpo-muon"), {}, {}, {"name": "muon", "muon_lr": 0.02})
+
+
+def whole_then_split(root: Path, whole_grpo: dict, split_grpo: dict, optim: dict | None = None) -> Path:
     """4 steps in the run "whole" (its output kept in whole.out), and its first 2 + resume + 2 in "split"."""
     (root / "grpo_test_rewards.py").write_text(REWARD)
     tiny_model(root)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(root))
-        whole = grpo_raw(root, "whole")
+        whole = grpo_raw(root, "whole", optim)
         whole["checkpoint"]["every"] = 2
         whole["grpo"].update(whole_grpo)
         with contextlib.redirect_stdout(io.StringIO()) as out:
@@ -80,7 +86,7 @@ def whole_then_split(root: Path, whole_grpo: dict, split_grpo: dict) -> Path:
         (root / "whole.out").write_text(out.getvalue())
         (root / "whole.summary.json").write_text(json.dumps(summary))
         as_stood_at(root / "whole", root / "split", 2)  # two runs, not three
-        split = grpo_raw(root, "split")
+        split = grpo_raw(root, "split", optim)
         split["grpo"].update(split_grpo)
         with contextlib.redirect_stdout(io.StringIO()) as out:
             run_training(config_from_dict(split), resume="latest")
@@ -171,6 +177,18 @@ def assert_resumed_bit_for_bit(runs: Path, prompts: int = 8) -> None:
     assert ma["config"]["optim"]["schedule_steps"] is None and ma["config"]["train"]["grad_accum"] == 1  # as written
     keys = ("loss", "grad_norm", "reward_mean", "entropy")
     assert [[r[k] for k in keys] for r in records(runs, "whole")] == [[r[k] for k in keys] for r in records(runs, "split")]
+
+
+def test_a_grpo_run_with_muon_resumes_bit_for_bit(muon):
+    """GRPO's updates with optim.name muon: its blocks' momentum in the checkpoint, and 4 steps equal 2 +
+    resume + 2 bit for bit."""
+    assert_resumed_bit_for_bit(muon)
+    last = ckpt.list_checkpoints(muon / "whole" / "checkpoints")[-1]
+    meta = json.loads((last / ckpt.META).read_text())
+    assert meta["config"]["optim"]["name"] == "muon"
+    files = ckpt.shard_files_by_layer(last, json.loads((last / ckpt.MANIFEST).read_text()))
+    state, _ = ckpt.read_layer_state(files[1], 1)  # a decoder block: one momentum, a second moment for its norms
+    assert state["exp_avg"].abs().sum() > 0 and state["exp_avg_sq"].numel() < state["exp_avg"].numel() / 10
 
 
 def test_a_grpo_step_on_two_workers_beside_its_own_rollout_trains_like_one(ahead):

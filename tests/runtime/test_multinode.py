@@ -33,9 +33,12 @@ def three_nodes():
     cluster.shutdown()
 
 
-def test_layers_spread_over_all_nodes_and_train_like_one(three_nodes):
+@pytest.mark.parametrize("optim", [None, {"name": "muon", "muon_lr": 0.02}])
+def test_layers_spread_over_all_nodes_and_train_like_one(three_nodes, optim):
+    """With optim.name muon the RAM nodes' stores run its step on their own cores (the step plan
+    puts Newton-Schulz on a GPU only for the GPU node's stores), bit for bit as one node."""
     arch = PRESETS["tiny-llama"].replace(num_layers=4)
-    config = make_config("tiny-llama")
+    config = make_config("tiny-llama", optim=optim)
     data = random_micro_batches(arch, 3, 2, batch=2, seq=12, seed=1)
 
     session = probed_session(config, arch)

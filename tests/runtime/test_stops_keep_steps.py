@@ -222,8 +222,8 @@ def test_the_stores_are_saved_only_when_every_layer_holds_the_last_finished_step
         held = held_marker_file(shm_dir)
         assert held.item() == 1
         held.fill_(IN_FLUX)  # as a worker leaves it that dies while the embedding's state is copied back
-        with pytest.raises(StoresNotAtStep, match=r"the embedding's optimizer state \(layer 0\) was being copied "
-                                                  r"back from the worker's device"):
+        with pytest.raises(StoresNotAtStep, match=r"layer 0's optimizer state was being copied back from the "
+                                                  r"worker's device \(the embedding's step"):
             session.save_from_stores(1, None)
         held.fill_(1)
 

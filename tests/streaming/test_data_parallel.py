@@ -116,6 +116,29 @@ def test_two_workers_train_like_one_over_the_same_global_batch(local_ray, preset
     assert counts == {i: STEPS for i in range(len(layouts))}, "each layer updated once per step"
 
 
+def test_two_workers_train_muon_like_one(local_ray):
+    """optim.name muon: two workers, each block's Muon step sent by its owner, train like one worker;
+    within 1e-5 (two workers sum the gradient in another order, and a last-bit difference now and then
+    rounds to another bf16 input of Newton-Schulz: muon_lr 5e-5 keeps that below 1e-5, as in
+    tests/models/test_muon_parity.py)."""
+    arch = PRESETS["tiny-llama"]
+    data = random_micro_batches(arch, STEPS, GRAD_ACCUM, batch=2, seq=12, seed=1)
+    one_config, two_config = (workers_config("tiny-llama", n) for n in (1, 2))
+    one_config, two_config = (c.replace(optim=dataclasses.replace(c.optim, name="muon", muon_lr=5e-5))
+                              for c in (one_config, two_config))
+    one, _, one_weights = train_one(one_config, arch, data)
+    two, _, two_weights, counts = train(two_config, arch, data)
+    for a, b in zip(two, one, strict=True):
+        assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=0)
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6, abs=0)
+    initial = LocalTrainer(one_config, arch)
+    for i, (a, b, c) in enumerate(zip(two_weights, one_weights, initial.layer_weights(), strict=True)):
+        assert relative_error(a, b) < 1e-5, f"layer {i}: {relative_error(a, b)}"
+        assert not torch.equal(b, c), f"layer {i} did not train"
+    initial.close()
+    assert counts == {i: STEPS for i in range(len(model_layouts(arch)))}, "each layer updated once per step"
+
+
 def test_two_workers_keeping_forward_graphs_train_like_one_recomputing(local_ray):
     """executor.keep_graphs reaches the Ray workers: two of them keeping every block's graph read
     each layer once a step (two slots: a recomputing block is read twice), and train like one
