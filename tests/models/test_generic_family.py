@@ -400,6 +400,34 @@ def test_altup_and_shared_keys_and_values_flow_behind_the_hidden_states(tmp_path
     assert rel(x[..., kv], theirs) < 1e-6
 
 
+def test_gemma3n_attention_naming_its_shared_keys_and_values_by_layer_index(monkeypatch):
+    """transformers before 5.24 (5.17, say) has Gemma 3n's attention keep its keys and values in
+    `shared_kv_states` under the storing layer's index, which a reusing layer holds in
+    `kv_shared_layer_index`, and its config derives no kv_sharing_modes; 5.24 names them by the
+    layer's type. Emulated here on the installed transformers (the attention's `layer_type` is that
+    name and nothing else in its forward): the streamed layers hand them under the names the modules
+    use, and agree with transformers' own forward and backward (KeyError 3 where they are named by
+    type)."""
+    from transformers.models.gemma3n import modeling_gemma3n as m
+    from megatrain_ray.models import generic_check
+
+    built = m.Gemma3nTextAttention.__init__
+
+    def naming_by_index(self, config, layer_idx):
+        built(self, config, layer_idx)
+        before = config.layer_types[:config.num_hidden_layers - config.num_kv_shared_layers]
+        storing = len(before) - 1 - before[::-1].index(config.layer_types[layer_idx])
+        self.kv_shared_layer_index = storing if self.is_kv_shared_layer else None
+        self.layer_type = storing if self.is_kv_shared_layer else layer_idx
+
+    monkeypatch.setattr(m.Gemma3nTextAttention, "__init__", naming_by_index)
+    config = {**small_model_config("gemma3n_text"), "rms_norm_eps": 1.5e-6}  # a config no cache has seen
+    arch = TRANSFORMERS.arch_from_hf(config)
+    model = generic_check.random_model(arch.config)
+    assert model.model.layers[-1].self_attn.kv_shared_layer_index is not None
+    assert generic_check.differences(arch, model, generic_check.sample_batch(arch.vocab_size)) == []
+
+
 def gemma3n_first_block(clip_exceeded: bool):
     """Gemma 3n's first block as the executor runs it: its weights one flat slot, each bound as a
     leaf viewing it; with `clip_exceeded`, AltUp prediction coefficients beyond altup_coef_clip.
