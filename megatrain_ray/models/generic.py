@@ -175,7 +175,7 @@ def kv_sharing(config_json: str) -> tuple[tuple[str | None, str | int], ...]:
     by_index = any(getattr(a, "kv_shared_layer_index", None) is not None for a in attention)
     return tuple(("reuse" if getattr(a, "is_kv_shared_layer", False)
                   else "store" if getattr(a, "store_full_length_kv", False) else None,
-                  i if by_index else p.base.config.layer_types[i]) for i, a in enumerate(attention))
+                  i if by_index else getattr(a, "layer_type", None)) for i, a in enumerate(attention))
 
 
 @functools.lru_cache(maxsize=8)
