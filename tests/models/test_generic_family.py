@@ -604,6 +604,37 @@ def test_bf16_on_the_gpu_compiled_tracks_transformers_autocast(tmp_path, model_t
     assert_bf16_tracks(model_type, ours, theirs)
 
 
+def update_differences(export: Path, model, initial: dict) -> dict[str, float]:
+    """Per tensor, how far the export lies from transformers' trained weights, over how far those
+    moved: the norm of the difference over the norm of the update."""
+    ours = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
+    out = {}
+    for key, theirs in model.state_dict().items():
+        update = float((theirs - initial[key]).double().norm())
+        if update > 0:
+            out[key] = float((ours[key] - theirs).double().norm()) / update
+    return out
+
+
+@pytest.mark.gpu
+def test_gemma4_per_layer_inputs_on_the_gpu_in_fp32_update_as_transformers(tmp_path):
+    """Gemma 4 with per-layer inputs 16 wide from a table of the whole vocabulary, trained on the GPU
+    in fp32 as the plan runs it there (compiled blocks, the embedding's AdamW step on the device),
+    AdamW's eps 1e-8: every tensor's update, the embedding's included, within 10% of transformers'
+    + torch.optim.AdamW's on the CPU (the CPU path lands within 1e-3 of it). Once reported: the
+    embedding's 43% off, every other tensor within 1e-3, on a config like this one; not reproduced
+    on the CPU in any variant tried."""
+    model, arch, _config_file, config, data = prepared("gemma4_text:other", tmp_path)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    config = config.replace(optim=dataclasses.replace(config.optim, eps=1e-8),
+                            executor=dataclasses.replace(config.executor, device="cuda", compile=True))
+    _losses, export = steps_and_export(config, arch, config.model.path, data, tmp_path / "export")
+    train_transformers(model, config, data)
+    differences = update_differences(export, model, initial)
+    print(sorted(differences.items(), key=lambda kv: -kv[1])[:5])
+    assert max(differences.values()) < 0.1, {k: v for k, v in differences.items() if v >= 0.1}
+
+
 # ---------------------------------------------------------------------------------------------- dropout
 
 
