@@ -3,7 +3,7 @@
 # a step, at 131,072 and 262,144 tokens, the plan's step beside the measured one at each length, so
 # that attention's quadratic term (9 of its matmuls a token per layer over seq/2 keys: forward,
 # recompute, flash attention's backward) is checked where it is most of the step. The plan for these
-# (planning/plan.py, ATTENTION_*): 43 s and 149 s a step on the H100's rates, which the H200 shares;
+# (planning/prediction.py, ATTENTION_*): 43 s and 149 s a step on the H100's rates, which the H200 shares;
 # 524,288 tokens 547 s (it once said 403). 524,288 tokens does not fit this machine: 99 GiB of host
 # state beside 116 GiB of parked activations (the two-GPU machine's 256 GiB holds it: LENGTHS=524288
 # there, about 11 minutes, over one call's limit).

@@ -33,6 +33,16 @@ HOST_MEMORY_BYTES_PER_S = 100e9
 # one node (NVLink moves several times this, PCIe about half). It overlaps backward, so it binds
 # only far below these rates.
 GPU_LINK_BYTES_PER_S = 100e9
+# Causal attention's kernel (SDPA's flash attention) at long context. Its backward recomputes the
+# scores: 5 of its matmuls to the forward's 2, 2.5 forwards where the usual count (the families'
+# attention_flops_per_token, 6 = 2 forward + 4 backward) takes 2; and it runs below a decoder layer's
+# rate (LAYER_TFLOPS, measured at 4,096 tokens where the matmuls dominate). The share is fitted to the
+# H100 machine's long-context steps (examples/benchmarks/2026-11-22-h100.md): Qwen2.5-1.5B at 524,288
+# tokens, 226 s a step, nearly all attention (tests/planning/test_planner.py holds the plan to it and
+# to the 7B at 131,072 tokens). With the old count (2 backward passes at the layer's rate) the plan
+# took Qwen2.5-7B at 524,288 tokens for 403 s; it is 547 s.
+ATTENTION_BACKWARD_PASSES = 2.5
+ATTENTION_RATE_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,8 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     `kept` blocks that keep their graphs skip their share of the recompute (2 of the 8), unless
     the MLP runs in checkpointed chunks (they still recompute those: counted as recomputing
     whole), and the weights of those beyond the blocks resident across the turn cross PCIe once.
+    Attention runs its forward, its share of the recompute and a backward of ATTENTION_BACKWARD_PASSES
+    forwards, at ATTENTION_RATE_SHARE of the layer's rate: at long context nearly all of the step.
     The forward waits for the slowest of its compute, the host optimizer of the step before (over
     all parameters, layer by layer in the same order) and the weights coming over the network; the
     backward for the slowest of its compute, the weights coming again and the gradients leaving.
@@ -104,9 +116,11 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     chunked = mlp_chunk_tokens(arch, mb_tokens, config) < mb_tokens
     flops = 8 - (0 if chunked else 2 * min(kept, num_blocks(arch)) / num_blocks(arch))  # per block parameter and token
     head = arch.vocab_size * arch.hidden_size  # differentiated as it goes: never recomputed
-    attention = family(arch).attention_flops_per_token(arch, config.data.seq_len)  # forward 2 of its 6
-    step_flops = flops * (active - head) + 6 * head + attention * flops / 6  # per token
-    forward_share = (2 * active + attention / 3) / step_flops
+    # attention's forward (2 of the family's 6), its share of recompute, its backward; at its own rate
+    attention = family(arch).attention_flops_per_token(arch, config.data.seq_len) / 3
+    attention_passes = 1 + (flops - 6) / 2 + ATTENTION_BACKWARD_PASSES
+    step_flops = flops * (active - head) + 6 * head + attention * attention_passes / ATTENTION_RATE_SHARE
+    forward_share = (2 * active + attention / ATTENTION_RATE_SHARE) / step_flops  # in layer-rate FLOPs per token
     per_token = step_flops / (rates.layer_flops_per_s if rates else LAYER_TFLOPS)  # one GPU's seconds per token
     compute = per_token * tokens / num_gpus
     read = 2 * params - kept_reads_saved(arch, config, kept)

@@ -1,4 +1,4 @@
-"""Where N GPUs of one node stop scaling: the predicted step (planning/plan.py, predict_step) at the
+"""Where N GPUs of one node stop scaling: the predicted step (planning/prediction.py, predict_step) at the
 run's tokens per GPU with 1, 2, 4 and 8 GPUs, each reading every layer from one set of host stores.
 
 What N GPUs share: the stores' host memory, which every GPU's copies read (every layer twice a

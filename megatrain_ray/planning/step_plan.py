@@ -108,7 +108,7 @@ class StepPlan:
     rollout: GpuShare = GpuShare()  # a GRPO rollout's share of the GPU (planning/gpu_share.py)
     # layers whose weight gradient is summed in pinned host memory, one micro-batch's or loss chunk's share
     # on the device at a time (streaming/host_gradients.py): the vocabulary-sized ones, where their fp32
-    # accumulator on the device does not fit (planning/plan.py, host_gradient_layers)
+    # accumulator on the device does not fit (planning/memory.py, host_gradient_layers)
     host_gradients: tuple[int, ...] = ()
     # Muon blocks whose momentum update and Newton-Schulz iteration run on their owner's device in the
     # update phase (streaming/muon_step.py; `muon_on_device`), the others' on their store's cores
@@ -134,7 +134,7 @@ class StepPlan:
 
     def planned_config(self, config: Config) -> Config:
         """The settings as the planner's models read them (`planner_view`) with the chunk sizes and
-        weight slots it chose: for its predictions and reports (planning/plan.py), never a run's."""
+        weight slots it chose: for its predictions and reports (planning/prediction.py, report.py), never a run's."""
         view = planner_view(config, self.micro_batches, self.compile, self.rollout.trainer_cap)
         return view.replace(executor=dataclasses.replace(view.executor, loss_chunk_tokens=self.loss_chunk_tokens,
                                                          mlp_chunk_tokens=self.mlp_chunk_tokens,
@@ -145,7 +145,7 @@ class StepPlan:
 def planner_view(config: Config, micro_batches: int, compile_blocks: bool, cap: int | None) -> Config:
     """The planner's own copy of the settings, with what the step plan decided in them (a step's
     micro-batches, whether the blocks compile, the cap a rollout's share leaves the step), which its
-    memory and time models (planning/plan.py) read: it never leaves the planner as a run's config."""
+    memory and time models (planning/memory.py, prediction.py) read: it never leaves the planner as a run's config."""
     ex = config.executor
     gib = cap / GiB if cap is not None else ex.gpu_memory_gib
     return config.replace(train=dataclasses.replace(config.train, grad_accum=micro_batches),

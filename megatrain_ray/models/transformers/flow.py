@@ -32,15 +32,17 @@ def hidden_stack(config: dict[str, Any]) -> int:
 class SharedKV:
     """Keys and values that a layer stores for later layers to reuse (Gemma 3n/4's shared KV: the
     last layer of each attention type before the sharing ones stores them, the later layers of its
-    type read them): they flow behind the hidden states, per type its keys then its values, each
-    `widths` (key-value heads x head width) wide, zero until their layer stores them. A layer's own
-    copy says its `layer_type` and `mode` ("store", "reuse" or None)."""
+    type read them): they flow behind the hidden states, per storing layer its keys then its values,
+    each `widths` (key-value heads x head width) wide, zero until their layer stores them. `keys`:
+    what the layers name them by in their `shared_kv_states` (kv_sharing). A layer's own copy says
+    its `layer_type`, its `mode` ("store", "reuse" or None) and the `key` it stores under."""
 
-    types: tuple[str, ...]
     heads: tuple[int, ...]
     widths: tuple[int, ...]
+    keys: tuple[str | int, ...]
     layer_type: str | None = None
     mode: str | None = None
+    key: str | int | None = None
 
     @property
     def width(self) -> int:
@@ -50,33 +52,45 @@ class SharedKV:
         """(what flows before the keys and values, the keys and values)."""
         return x.split([x.shape[-1] - self.width, self.width], dim=-1)
 
-    def states(self, kv: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """The stored keys and values as the model's layers leave them: type -> ([B, heads, T, head
+    def states(self, kv: torch.Tensor) -> dict[str | int, tuple[torch.Tensor, torch.Tensor]]:
+        """The stored keys and values as the model's layers leave them: key -> ([B, heads, T, head
         width] keys, values)."""
         pieces = kv.split([w for w in self.widths for _ in (0, 1)], dim=-1)
-        return {t: tuple(piece.unflatten(-1, (h, -1)).transpose(-3, -2) for piece in pieces[2 * i:2 * i + 2])
-                for i, (t, h) in enumerate(zip(self.types, self.heads))}
+        return {k: tuple(piece.unflatten(-1, (h, -1)).transpose(-3, -2) for piece in pieces[2 * i:2 * i + 2])
+                for i, (k, h) in enumerate(zip(self.keys, self.heads))}
 
     def after(self, kv: torch.Tensor, states: dict) -> torch.Tensor:
-        """The keys and values that flow on: those this layer stored in its type's place."""
+        """The keys and values that flow on: those this layer stored in its own place."""
         if self.mode != "store":
             return kv
         pieces = list(kv.split([w for w in self.widths for _ in (0, 1)], dim=-1))
-        i = self.types.index(self.layer_type)
-        pieces[2 * i:2 * i + 2] = [t.transpose(-3, -2).flatten(-2) for t in states[self.layer_type]]
+        i = self.keys.index(self.key)
+        pieces[2 * i:2 * i + 2] = [t.transpose(-3, -2).flatten(-2) for t in states[self.key]]
         return torch.cat(pieces, dim=-1)
 
 
 @functools.lru_cache(maxsize=8)
-def shared_kv_of(config_json: str) -> SharedKV | None:
-    """The keys and values its layers share (config kv_sharing_modes), None where they share none:
-    their widths those of the storing layers' key projections."""
+def kv_sharing(config_json: str) -> tuple[tuple[str | None, str | int], ...]:
+    """Per layer, (its part in sharing keys and values: "store", "reuse" or None, the name its
+    `shared_kv_states` holds its keys and values under), as its attention module holds them: the
+    module's flags, which transformers sets in every version (its config's `kv_sharing_modes`, from
+    5.24 on, says the same). transformers 5.24 names them by the layer's type (Gemma 3n and 4); its
+    Gemma 3n before that by the storing layer's index, which a reusing layer holds in
+    `kv_shared_layer_index` (a KeyError otherwise: 5.17's)."""
     p = hm.parts_of(config_json)
-    cfg = p.base.config
-    try:
-        modes = list(getattr(cfg, "kv_sharing_modes", None) or ())
-    except Exception:  # a config that derives none
-        return None
+    attention = [getattr(layer, "self_attn", None) for layer in p.layers]
+    by_index = any(getattr(a, "kv_shared_layer_index", None) is not None for a in attention)
+    return tuple(("reuse" if getattr(a, "is_kv_shared_layer", False)
+                  else "store" if getattr(a, "store_full_length_kv", False) else None,
+                  i if by_index else getattr(a, "layer_type", None)) for i, a in enumerate(attention))
+
+
+@functools.lru_cache(maxsize=8)
+def shared_kv_of(config_json: str) -> SharedKV | None:
+    """The keys and values its layers share (kv_sharing), None where they share none: their
+    widths those of the storing layers' key projections."""
+    p = hm.parts_of(config_json)
+    modes = [mode for mode, _ in kv_sharing(config_json)]
     if "reuse" not in modes:
         return None
     stores = [i for i, mode in enumerate(modes) if mode == "store"]
@@ -87,7 +101,8 @@ def shared_kv_of(config_json: str) -> SharedKV | None:
     except AttributeError as e:
         raise hm.Unsupported(f"its layers share keys and values (kv_sharing_modes), but not through an attention "
                              f"module with a key projection (self_attn.k_proj): {e}") from None
-    return SharedKV(tuple(cfg.layer_types[i] for i in stores), heads, widths)
+    keys = [key for _, key in kv_sharing(config_json)]
+    return SharedKV(heads, widths, tuple(keys[i] for i in stores))
 
 
 def layer_kv(config_json: str, index: int) -> SharedKV | None:
@@ -95,8 +110,9 @@ def layer_kv(config_json: str, index: int) -> SharedKV | None:
     kv = shared_kv_of(config_json)
     if kv is None:
         return None
-    cfg = hm.parts_of(config_json).base.config
-    return dataclasses.replace(kv, layer_type=cfg.layer_types[index], mode=cfg.kv_sharing_modes[index])
+    mode, key = kv_sharing(config_json)[index]
+    return dataclasses.replace(kv, layer_type=hm.parts_of(config_json).base.config.layer_types[index], mode=mode,
+                               key=key if mode == "store" else None)
 
 
 @functools.lru_cache(maxsize=8)
