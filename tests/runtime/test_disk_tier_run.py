@@ -6,7 +6,7 @@ the tier's files are gone when the run ends.
 One end-to-end run, in the 6-byte mode (bf16 master, int8 moments, bf16 compute): every state mode
 steps bit for bit on disk as in RAM at the store (tests/host/test_disk_tier.py), and the exact mode
 (fp32 master and moments on disk) runs through Ray bit for bit in
-tests/runtime/test_multinode.py (RAM nodes with a disk tier each)."""
+tests/runtime/test_multinode.py::test_ram_nodes_with_a_disk_tier_train_like_one_node."""
 
 import dataclasses
 
