@@ -51,7 +51,7 @@ def test_the_readme_image_text_recipe_runs_as_written(tmp_path):
     missing = [(n, image) for n, row in enumerate(rows, 1) for image in row["images"]
                if not (tmp_path / made / image).exists()]
     assert missing == [(len(rows), missing[0][1])] and all(row["messages"] for row in rows), missing
-    assert f"bad row: {made / 'rows.jsonl'} row {len(rows)} (line {len(rows)}, counting from 1): cannot read " \
+    assert f"bad row: {tmp_path / made / 'rows.jsonl'} row {len(rows)} (line {len(rows)}, counting from 1): cannot read " \
            f"image {missing[0][1]}" in done.stdout, done.stdout[-3000:]
     assert f"{len(rows) - 1} trainable rows" in done.stdout
 

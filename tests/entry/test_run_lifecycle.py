@@ -88,7 +88,10 @@ COLUMNS = 150
 
 
 def run_on_a_terminal(argv: list[str], env: dict, cwd: Path, timeout: float = 300) -> tuple[int, str]:
-    """argv with a pseudo-terminal of COLUMNS columns as its stdout and stderr; (exit status, what it wrote)."""
+    """argv with a pseudo-terminal of COLUMNS columns as its stdout and stderr; (exit status, what it wrote).
+    The terminal's own size rules: COLUMNS and LINES in the environment (which a test runner may set)
+    would override it."""
+    env = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES")}
     pid, fd = pty.fork()
     if pid == 0:  # the child: exec at once
         os.chdir(cwd)

@@ -149,8 +149,9 @@ def test_gpu_memory_gib_is_validated():
 
 
 def largest_named(text: str) -> dict[str, str]:
-    """The largest-model line of `plan --cluster`: the preset named for each mode."""
-    found = re.findall(r"optim\.master=(\w+) optim\.moments=(\w+): ([\w.\-]+) \(\d+\.\d B params\): peak", text)
+    """The largest-model line of `plan --cluster`: the preset named for each of AdamW's modes (Muon's,
+    `optim.name=muon optim.master=...`, left out)."""
+    found = re.findall(r"(?<!muon )optim\.master=(\w+) optim\.moments=(\w+): ([\w.\-]+) \(\d+\.\d B params\): peak", text)
     return {f"{master}/{moments}": name for master, moments, name in found}
 
 
