@@ -84,7 +84,7 @@ EOF
     echo "plan: $layers blocks fit (/dev/shm has $(shm_room) GiB free)"
     grep -E "largest|B params|store on|disk tier|predicted step|tokens per step" "$out/b-plan-$layers.log"
   fi
-  timeout "${BENCH_S:-540}" mr bench --model mistral-large-123b --layers "$layers" --optim-modes bf16/int8 \
+  timeout "${BENCH_S:-540}" megatrain-ray bench --model mistral-large-123b --layers "$layers" --optim-modes bf16/int8 \
     --disk-dir "$disk" --num-gpus 1 --seq-len 4096 --micro-batch 1 --grad-accum "$ga" --steps 1 --warmup 0 \
     --json "$out/b-bench.json" >"$out/b-bench.log" 2>&1
   echo "bench exit $? after $SECONDS s of the script"
@@ -114,7 +114,7 @@ EOF
   mr plan "$cfg" --set model.preset="$model" --set optim.master="${mode%/*}" --set optim.moments="${mode#*/}" \
     >"$out/c-plan-$model.log" 2>&1
   grep -E "store on|disk tier|predicted step|tokens per step|fits|does not" "$out/c-plan-$model.log"
-  timeout "${BENCH_S:-480}" mr bench --model "$model" --optim-modes "$mode" --gpu-memory-gib 10 --store-memory-gib 64 \
+  timeout "${BENCH_S:-480}" megatrain-ray bench --model "$model" --optim-modes "$mode" --gpu-memory-gib 10 --store-memory-gib 64 \
     --disk-dir "$disk" --num-gpus 1 --seq-len 4096 --micro-batch 1 --grad-accum "$ga" --steps 1 --warmup 1 \
     --json "$out/c-bench.json" >"$out/c-bench.log" 2>&1
   echo "bench exit $? after $SECONDS s of the script"
