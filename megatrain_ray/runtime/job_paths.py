@@ -41,15 +41,17 @@ def in_job_copy(cwd: Path) -> bool:
     return "working_dir_files" in cwd.parts or any(part.startswith("_ray_pkg_") for part in cwd.parts)
 
 
-def outputs_moved(config: Config, in_job: bool) -> Config:
-    """The config with a relative output and checkpoint directory under the run home when `in_job`."""
-    if not in_job:
-        return config
+def relative(value: str | None) -> bool:
+    return bool(value) and not Path(value).expanduser().is_absolute()
+
+
+def outputs_under(config: Config, base: Path) -> Config:
+    """The config with a relative output and checkpoint directory under `base`."""
     train, checkpoint = config.train, config.checkpoint
-    if not Path(train.output_dir).expanduser().is_absolute():
-        train = replace(train, output_dir=str(run_home() / train.output_dir))
-    if checkpoint.dir and not Path(checkpoint.dir).expanduser().is_absolute():
-        checkpoint = replace(checkpoint, dir=str(run_home() / checkpoint.dir))
+    if relative(train.output_dir):
+        train = replace(train, output_dir=str(base / train.output_dir))
+    if relative(checkpoint.dir):
+        checkpoint = replace(checkpoint, dir=str(base / checkpoint.dir))
     return replace(config, train=train, checkpoint=checkpoint)
 
 
@@ -63,8 +65,7 @@ def input_paths(config: Config) -> dict[str, str]:
 def check_job_inputs(config: Config, cwd: Path) -> None:
     """Refuse a relative input path that Ray's copy of the working directory does not hold."""
     for key, value in input_paths(config).items():
-        path = Path(value).expanduser()
-        if path.is_absolute() or (cwd / path).exists() or glob.glob(str(cwd / value)):
+        if not relative(value) or found_under(value, cwd):
             continue
         raise ConfigError(
             f"{key} {value!r} is not in the job's working directory ({cwd}). Under `ray job submit` a relative "
@@ -75,25 +76,23 @@ def check_job_inputs(config: Config, cwd: Path) -> None:
         )
 
 
+def found_under(value: str, cwd: Path) -> bool:
+    """A relative input path (or glob) that names something under `cwd`."""
+    return (cwd / value).exists() or bool(glob.glob(str(cwd / value)))
+
+
 def absolute_here(config: Config, cwd: Path) -> Config:
     """The config with its relative output directories, and the relative inputs found here, under `cwd`."""
-    def under_cwd(value: str | None) -> str | None:
-        return str(cwd / value) if value and not Path(value).expanduser().is_absolute() else value
+    found = {key for key, value in input_paths(config).items() if relative(value) and found_under(value, cwd)}
 
-    found = {key for key, value in input_paths(config).items()
-             if not Path(value).expanduser().is_absolute() and ((cwd / value).exists() or glob.glob(str(cwd / value)))}
-    data, model, evaluation = config.data, config.model, config.eval
-    if "data.source" in found:
-        data = replace(data, source=under_cwd(data.source))
-    if "data.tokenizer" in found:
-        data = replace(data, tokenizer=under_cwd(data.tokenizer))
-    if "eval.source" in found:
-        evaluation = replace(evaluation, source=under_cwd(evaluation.source))
-    if "model.path" in found:
-        model = replace(model, path=under_cwd(model.path))
-    train = replace(config.train, output_dir=under_cwd(config.train.output_dir))
-    checkpoint = replace(config.checkpoint, dir=under_cwd(config.checkpoint.dir))
-    return replace(config, data=data, model=model, eval=evaluation, train=train, checkpoint=checkpoint)
+    def here(key: str, value: str | None) -> str | None:
+        return str(cwd / value) if key in found else value
+
+    data = replace(config.data, source=here("data.source", config.data.source),
+                   tokenizer=here("data.tokenizer", config.data.tokenizer))
+    evaluation = replace(config.eval, source=here("eval.source", config.eval.source))
+    model = replace(config.model, path=here("model.path", config.model.path))
+    return outputs_under(replace(config, data=data, model=model, eval=evaluation), cwd)
 
 
 def for_this_run(config: Config, in_job: bool) -> Config:
@@ -101,7 +100,7 @@ def for_this_run(config: Config, in_job: bool) -> Config:
     outputs under the run home and inputs checked in a job, paths made absolute outside one."""
     if in_job:
         check_job_inputs(config, Path.cwd())
-        return outputs_moved(config, in_job)
+        return outputs_under(config, run_home())
     return absolute_here(config, Path.cwd())
 
 
