@@ -312,12 +312,11 @@ class Session:
         share = self.plan.rollout
         if self.config.grpo.rollout_gpu == "own":
             options["num_gpus"] = int(self.placement.use_cuda)
-            return [ray.remote(RolloutActor).options(**options).remote(self.arch, self.config,
-                                                                       resident_layers=share.resident_layers)
-                    for _ in range(share.samplers)]
-        return [ray.remote(RolloutActor).options(**options).remote(
-            self.arch, self.config, self.gpu_ids[rank % len(self.gpu_ids)], share.resident_layers)
-            for rank in range(share.samplers)]
+            shown = [[] for _ in range(share.samplers)]  # each sees the GPU Ray gives it
+        else:
+            shown = [self.gpu_ids[rank % len(self.gpu_ids)] for rank in range(share.samplers)]
+        return [ray.remote(RolloutActor).options(**options).remote(self.arch, self.config, gpus, share.resident_layers)
+                for gpus in shown]
 
     def refresh_rollouts(self) -> None:
         """The rollout actors load the weights of every update so far, from the stores themselves."""
