@@ -24,6 +24,12 @@ updated in fp32 as above and narrowed in the loop that updates its master (int8 
 quantized by a second loop over the block, once its scales are known), the master rounded at random
 from its element's noise. Every loop vectorises; one pass over memory still, reading and writing 10
 (6-byte mode) to 20 (10-byte mode) bytes a parameter where the exact mode moves 28.
+
+A third op applies Muon's orthogonalized update (host/muon.py, `apply_update`: W <- W decay + alpha O)
+in the same way, in one pass over the same tiles: 12 bytes a parameter with an fp32 master and bf16
+update and copy, where torch's ops take four passes and an fp32 temporary of the bf16 update
+(measured on the development machine, 2 shared cores, one 3,584 x 18,944 matrix: 0.155 s with torch's
+ops, 0.028 s in one pass, against AdamW's 0.047 s here).
 """
 
 from __future__ import annotations
@@ -361,6 +367,60 @@ void with_moments(const Master& P, const G* g, const at::Tensor& m, const at::Te
   }
 }
 
+// ---- Muon's application of an orthogonalized update (host/muon.py, apply_update) ----
+//
+// W <- W * decay + alpha * O per element, as torch's `mul_(decay)` then `add_(O, alpha=alpha)` (its
+// vectorised add is a fused multiply-add), the new weight published into the compute copy (fp32
+// master) or rounded at random into the bf16 master from its element's noise (as
+// precision.stochastic_round_bf16 from `origin`, the tensor's first index in its layer). One pass over
+// 12 bytes a parameter (fp32 master, bf16 update and copy) where the torch ops take four with an fp32
+// temporary for the bf16 update. O is read before W's copy is written over it (they may share a buffer).
+
+template <typename O, typename W>
+void apply_f32(float* p, const O* o, W* w, int64_t lo, int64_t hi, float decay, float alpha) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const float pi = std::fma(alpha, load(o, i), p[i] * decay);
+    p[i] = pi;
+    store(w, i, pi);
+  }
+}
+
+template <typename O>
+void apply_bf16(uint16_t* p, const O* o, int64_t lo, int64_t hi, float decay, float alpha, uint32_t key,
+                int64_t origin) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const float pi = std::fma(alpha, load(o, i), load(p, i) * decay);
+    const int64_t j = origin + i;
+    p[i] = round_stochastic(pi, uint32_t(j), block_key(key, j));
+  }
+}
+
+template <typename F>
+void over_tiles(int64_t n, const F& f) {  // tiles handed out as threads become free, as `step`
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tiles, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) f(t * kTile, std::min(n, (t + 1) * kTile));
+  });
+}
+
+template <typename O>
+void apply_update_from(const at::Tensor& master, const O* o, const c10::optional<at::Tensor>& weights, int64_t n,
+                       float decay, float alpha, int64_t rounding_key, int64_t origin) {
+  if (master.scalar_type() == at::kBFloat16) {
+    uint16_t* p = reinterpret_cast<uint16_t*>(master.data_ptr<at::BFloat16>());
+    over_tiles(n, [&](int64_t lo, int64_t hi) { apply_bf16(p, o, lo, hi, decay, alpha, uint32_t(rounding_key), origin); });
+  } else if (weights->scalar_type() == at::kBFloat16) {
+    float* p = master.data_ptr<float>();
+    uint16_t* w = reinterpret_cast<uint16_t*>(weights->data_ptr<at::BFloat16>());
+    over_tiles(n, [&](int64_t lo, int64_t hi) { apply_f32(p, o, w, lo, hi, decay, alpha); });
+  } else {
+    float* p = master.data_ptr<float>();
+    float* w = weights->data_ptr<float>();
+    over_tiles(n, [&](int64_t lo, int64_t hi) { apply_f32(p, o, w, lo, hi, decay, alpha); });
+  }
+}
+
 }  // namespace
 
 void check_state(const at::Tensor& t, int64_t n, std::initializer_list<at::ScalarType> dtypes, const char* what) {
@@ -436,6 +496,27 @@ void adamw_step(const at::Tensor& master, const at::Tensor& exp_avg, const at::T
   }
 }
 
+// master: fp32 (publishing into `weights`, the compute copy) or bf16 (itself the copy: no weights);
+// update: the orthogonalized update, bf16 or fp32.
+void muon_apply(const at::Tensor& master, const at::Tensor& update, const c10::optional<at::Tensor>& weights,
+                double decay, double alpha, int64_t rounding_key, int64_t origin) {
+  const int64_t n = master.numel();
+  check_state(master, n, {at::kFloat, at::kBFloat16}, "the master");
+  check_state(update, n, {at::kFloat, at::kBFloat16}, "the update");
+  if (master.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(!weights && origin >= 0, "a bf16 master is its own compute copy: no weights");
+  } else {
+    TORCH_CHECK(weights.has_value(), "an fp32 master publishes into a compute copy");
+    check_state(*weights, n, {at::kFloat, at::kBFloat16}, "the compute copy");
+  }
+  if (update.scalar_type() == at::kBFloat16) {
+    apply_update_from(master, reinterpret_cast<const uint16_t*>(update.data_ptr<at::BFloat16>()), weights, n,
+                      float(decay), float(alpha), rounding_key, origin);
+  } else {
+    apply_update_from(master, update.data_ptr<float>(), weights, n, float(decay), float(alpha), rounding_key, origin);
+  }
+}
+
 TORCH_LIBRARY(megatrain, library) {
   library.def("adamw_step(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!) grad_weights, "
               "int[] ends, float[] decays, float grad_scale, float beta1, float beta2, float bias2_sqrt, "
@@ -444,6 +525,8 @@ TORCH_LIBRARY(megatrain, library) {
               "Tensor(d!)? exp_avg_scale, Tensor(e!)? exp_avg_sq_scale, Tensor(f!) grad, Tensor(g!)? weights, "
               "int[] ends, float[] decays, float grad_scale, float beta1, float beta2, float bias2_sqrt, "
               "float eps, float step_size, int rounding_key, int origin) -> ()", &adamw_step_lean);
+  library.def("muon_apply(Tensor(a!) master, Tensor update, Tensor(b!)? weights, float decay, float alpha, "
+              "int rounding_key, int origin) -> ()", &muon_apply);
 }
 """
 
@@ -527,7 +610,7 @@ def start_native_kernel() -> None:
 
 
 def native_kernel():
-    """torch.ops.megatrain (adamw_step, adamw_step_lean) for this node (built once, then loaded from
+    """torch.ops.megatrain (adamw_step, adamw_step_lean, muon_apply) for this node (built once, then loaded from
     the cache), or None; waits for the build `start_native_kernel` began, or runs it now."""
     return _THIS_PROCESS.result()
 

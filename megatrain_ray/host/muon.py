@@ -143,11 +143,19 @@ def orthogonalize(grad: torch.Tensor, momentum: torch.Tensor, shape: tuple[int, 
     return buf, out
 
 
+def apply_factors(shape: tuple[int, ...], step: MuonStep) -> tuple[float, float]:
+    """(decay, alpha) of W <- W decay + alpha O: (1 - lr wd, -lr') for a tensor of `shape` (its
+    matrices share lr', stacked experts included)."""
+    return 1 - step.lr * step.weight_decay, -adjusted_lr(step.lr, step.adjust_lr, shape)
+
+
 def apply_update(weights: torch.Tensor, update: torch.Tensor, shape: tuple[int, ...], step: MuonStep) -> None:
-    """W <- W (1 - lr wd) - lr' O on one tensor's fp32 weights, in place, as torch.optim.Muon applies it."""
-    weights.mul_(1 - step.lr * step.weight_decay)
+    """W <- W (1 - lr wd) - lr' O on one tensor's fp32 weights, in place, as torch.optim.Muon applies it
+    (torch's ops; the store runs the same arithmetic in one pass, host/adamw_kernel.py's `muon_apply`)."""
+    decay, alpha = apply_factors(shape, step)
+    weights.mul_(decay)
     for w, o in zip(matrices(weights, shape), matrices(update, shape)):
-        w.add_(o, alpha=-adjusted_lr(step.lr, step.adjust_lr, shape))
+        w.add_(o, alpha=alpha)
 
 
 def host_orthogonalized(hp):

@@ -6,15 +6,19 @@ import torch
 
 from megatrain_ray.host import precision
 from megatrain_ray.host.adamw import AdamWStep, adamw_update, lean_update
-from megatrain_ray.host.muon import adamw_segments, apply_update, muon_slots, orthogonalize
+from megatrain_ray.host.adamw_kernel import native_kernel
+from megatrain_ray.host.muon import adamw_segments, apply_factors, apply_update, muon_slots, orthogonalize
 
 
-def muon_layer_update(state, hp: AdamWStep, rounding_key: int) -> None:
+def muon_layer_update(state, hp: AdamWStep, rounding_key: int, one_pass: bool = True) -> None:
     """One Muon block's step on the host (host/store.py, LayerState): each matrix from its
     orthogonalized update (made here, or already in the gradient's buffer: MuonStep.orthogonalized),
-    each other trained tensor by AdamW from its packed second moment; the compute copy published."""
+    each other trained tensor by AdamW from its packed second moment; the compute copy published.
+    The update is applied in one pass on the store's optimizer threads (host/adamw_kernel.py,
+    `muon_apply`), or by torch's ops where the kernel could not be built (or `one_pass` is False)."""
     layout, step = state.layout, hp.muon
     bf16_master = state.master.dtype == torch.bfloat16
+    kernel = native_kernel() if one_pass else None
     for slot in muon_slots(layout, "muon"):
         s = slice(slot.offset, slot.offset + slot.numel)
         if step.orthogonalized:
@@ -22,6 +26,10 @@ def muon_layer_update(state, hp: AdamWStep, rounding_key: int) -> None:
         else:
             buf, update = orthogonalize(state.grad[s], state.exp_avg[s], slot.shape, hp.grad_scale, step)
             state.exp_avg[s].copy_(buf)
+        if kernel is not None:
+            kernel.muon_apply(state.master[s], update, None if bf16_master else state.compute[s],
+                              *apply_factors(slot.shape, step), rounding_key, slot.offset)
+            continue
         weights = state.master[s].float() if bf16_master else state.master[s]
         apply_update(weights, update, slot.shape, step)
         if bf16_master:

@@ -13,10 +13,15 @@ it runs where the layers' updates are sent (StreamingExecutor.train_step), one b
    gradient, and the store is sent the step with `MuonStep.orthogonalized`: it only applies the
    update to its master (and steps the block's other tensors, its norms and biases, by AdamW).
 
-A matrix's copies overlap the previous matrix's iterations (the copies run on their own streams; two
-matrices on the device at once bound the memory the phase takes, below what the backward freed: its
-activations, kept graphs and gradient accumulator), and a block's message to its store leaves once
-its own results have landed, so the store applies block i while the device iterates block i+1. The store's marker of the layer (host/store.py, held_marker) reads IN_FLUX
+The matrices flow through three stages on three streams: matrix k+2's gradient and momentum upload
+while matrix k+1 iterates and matrix k's results come back (the copies of a Qwen2.5-7B matrix take
+about as long over PCIe as its iterations, so fewer than three in flight leave the GPU waiting on a
+copy every other matrix). Three matrices on the device at once, counted across the blocks (the host
+waits for matrix k to land before it uploads matrix k+3), bound the memory the phase takes below what
+the backward freed (its activations, kept graphs and gradient accumulator). A block's message to its
+store leaves once its own results have landed, so the store applies block i while the device iterates
+block i+1. Nothing else waits: the clip factor is a number the step already has, and the host's
+buffers are page-locked (host/remote_sources.py), so every copy is asynchronous. The store's marker of the layer (host/store.py, held_marker) reads IN_FLUX
 from before the momentum is written until the store has applied that step: a checkpoint written from
 the stores alone after a worker died in between refuses that state (runtime/session.py).
 
@@ -39,7 +44,7 @@ from megatrain_ray.host.store import IN_FLUX
 from megatrain_ray.models.layout import LayerLayout
 from megatrain_ray.streaming.streams import Streams
 
-IN_FLIGHT = 2  # matrices on the device at once: one's copies overlap the other's iterations
+IN_FLIGHT = 3  # matrices on the device at once: one uploading, one iterating, one coming back
 
 
 @dataclass
@@ -62,6 +67,7 @@ class MuonStepSource:
         self.layouts = layouts
         self.streams = Streams(device)
         self.sent: Sent | None = None
+        self.in_flight: deque = deque()  # the events at which the matrices on the device land, oldest first
         self.orthogonalized = 0  # blocks done here (what a test checks ran)
 
     def __getattr__(self, name: str):
@@ -84,6 +90,7 @@ class MuonStepSource:
         self.sent = Sent(layer, host_orthogonalized(hp), landed)
         if layer == max(self.momenta):  # its message cannot wait for another update or read
             self._send()
+            self.in_flight.clear()  # all landed
 
     def drain(self) -> None:
         self._send()
@@ -103,14 +110,15 @@ class MuonStepSource:
     def _orthogonalize(self, layer: int, hp: AdamWStep, gradient_landed):
         """Queue the block's trip a matrix at a time (a stacked tensor of experts: the tensor): in on
         the copy-in stream, the arithmetic on the compute stream, out on the copy-out stream, with at
-        most IN_FLIGHT of them on the device (the host waits for the oldest to land before the next
-        starts: a Qwen2.5-7B MLP matrix takes about 1.4 GB there, a block whole would take 4.7);
-        returns the event at which the block's results have all landed."""
+        most IN_FLIGHT of them on the device, this block's and the one's before (the host waits for
+        the oldest to land before the next starts: a Qwen2.5-7B MLP matrix takes about 1.4 GB there
+        while it iterates, a block whole would take 4.7); returns the event at which the block's
+        results have all landed."""
         s = self.streams
         momentum, held = self.momenta[layer]
         grad = self.inner.grad_buffer(layer)
         held.fill_(IN_FLUX)  # the store's last update of it has landed: the executor read its weights since
-        in_flight: deque = deque()
+        in_flight = self.in_flight
         for slot in muon_slots(self.layouts[layer], "muon"):
             if len(in_flight) == IN_FLIGHT:
                 in_flight.popleft().synchronize()
