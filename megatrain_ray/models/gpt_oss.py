@@ -29,7 +29,7 @@ from megatrain_ray.models import moe
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import Weights
 from megatrain_ray.models.hf_adapter import DECODER_FIELDS, HfField, read_fields, with_defaults
-from megatrain_ray.models.layout import ParamSlot, Shapes
+from megatrain_ray.models.layout import Shapes
 from megatrain_ray.models.llama import _apply_rope, _linear, packed_causal_mask
 from megatrain_ray.models.mixtral import MixtralFamily, attention_shapes
 from megatrain_ray.models.moe import MOE_FIELDS, MoeArch
@@ -228,6 +228,7 @@ class GptOssFamily(MixtralFamily):
     # kept GPT-OSS block fed F.grouped_mm group sizes its CUDA kernel asserts on (torch 2.11, the GPU
     # case of tests/models/test_moe_parity.py); Mixtral and Qwen3-MoE ran.
     kept_activation_budget = None
+    stored_names = {}  # its files hold the stacked tensors under their in-memory names
 
     # -- shapes and names ------------------------------------------------------------------------
     def arch_from_hf(self, config: dict[str, Any]) -> GptOssArch:
@@ -273,9 +274,6 @@ class GptOssFamily(MixtralFamily):
         return shapes + [("mlp.router.weight", (e, h)), ("mlp.router.bias", (e,)),
                          ("mlp.experts.gate_up_proj", (e, h, 2 * i)), ("mlp.experts.gate_up_proj_bias", (e, 2 * i)),
                          ("mlp.experts.down_proj", (e, i, h)), ("mlp.experts.down_proj_bias", (e, h))]
-
-    def stored(self, arch: GptOssArch, slot: ParamSlot) -> ParamSlot:
-        return slot
 
     # -- the stateless templates -----------------------------------------------------------------
     def context(self, arch: GptOssArch, position_ids: torch.Tensor, dtype: torch.dtype,

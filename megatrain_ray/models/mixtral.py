@@ -64,6 +64,14 @@ class MixtralFamily(ModelFamily):
     hf_class = "MixtralForCausalLM"
     hf_fields = with_defaults(DECODER_FIELDS, rms_norm_eps=1e-5) + MOE_FIELDS
     fixed_fields: dict[str, Any] = {}  # arch fields its config.json does not say (a family's constants)
+    # a layer tensor's name in memory -> the name checkpoint files store it under, or the names of
+    # its pieces per expert e (one tensor per expert, its rows cut in order)
+    stored_names: dict[str, str | tuple[str, ...]] = {
+        "mlp.gate.weight": "block_sparse_moe.gate.weight",
+        "mlp.experts.gate_up_proj": ("block_sparse_moe.experts.{e}.w1.weight",
+                                     "block_sparse_moe.experts.{e}.w3.weight"),
+        "mlp.experts.down_proj": ("block_sparse_moe.experts.{e}.w2.weight",),
+    }
     presets: dict[str, ModelArch] = {
         "tiny-mixtral": MoeArch("mixtral", 256, 64, 128, 2, 4, 2, 16, rms_norm_eps=1e-5, rope_theta=1e6,
                                 num_experts=4, num_experts_per_tok=2),
@@ -102,15 +110,13 @@ class MixtralFamily(ModelFamily):
         return attention_shapes(arch) + swiglu_expert_shapes(arch)
 
     def stored(self, arch: MoeArch, slot: ParamSlot) -> ParamSlot:
-        """Checkpoint names (see the module docstring)."""
-        if slot.name == "mlp.gate.weight":
-            return moe.stored_as(slot, "block_sparse_moe.gate.weight")
-        if slot.name == "mlp.experts.gate_up_proj":
-            return moe.stored_per_expert(slot, lambda e: [f"block_sparse_moe.experts.{e}.w1.weight",
-                                                          f"block_sparse_moe.experts.{e}.w3.weight"])
-        if slot.name == "mlp.experts.down_proj":
-            return moe.stored_per_expert(slot, lambda e: [f"block_sparse_moe.experts.{e}.w2.weight"])
-        return slot
+        """Checkpoint names (see the module docstring), by the family's table (stored_names)."""
+        names = self.stored_names.get(slot.name)
+        if names is None:
+            return slot
+        if isinstance(names, str):
+            return moe.stored_as(slot, names)
+        return moe.stored_per_expert(slot, lambda e: [name.format(e=e) for name in names])
 
     def dense_equivalent(self, arch: MoeArch) -> ModelArch:
         return arch.dense_equivalent()

@@ -20,7 +20,7 @@ from megatrain_ray.models import moe
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import Weights
 from megatrain_ray.models.hf_adapter import DECODER_FIELDS, HfField, without
-from megatrain_ray.models.layout import ParamSlot, Shapes
+from megatrain_ray.models.layout import Shapes
 from megatrain_ray.models.llama import WORKING_SET_PER_TOKEN as DENSE_WORKING_SET
 from megatrain_ray.models.mixtral import MixtralFamily, attention_shapes, refuse_sliding_window, swiglu_expert_shapes
 from megatrain_ray.models.moe import MOE_FIELDS, MoeArch
@@ -45,6 +45,10 @@ class Qwen3MoeFamily(MixtralFamily):
         HfField("mlp_only_layers", "mlp_only_layers", tuple, fallback=lambda read: (), write=list),
     )
     fixed_fields = {"qk_norm": True}
+    stored_names = {
+        "mlp.experts.gate_up_proj": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+        "mlp.experts.down_proj": ("mlp.experts.{e}.down_proj.weight",),
+    }
     presets: dict[str, ModelArch] = {
         "tiny-qwen3-moe": MoeArch("qwen3_moe", 256, 64, 128, 2, 4, 2, 16, qk_norm=True, rope_theta=1e6,
                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,)),
@@ -69,14 +73,6 @@ class Qwen3MoeFamily(MixtralFamily):
         h, i = arch.hidden_size, arch.intermediate_size
         return attention_shapes(arch) + [("mlp.gate_proj.weight", (i, h)), ("mlp.up_proj.weight", (i, h)),
                                          ("mlp.down_proj.weight", (h, i))]
-
-    def stored(self, arch: MoeArch, slot: ParamSlot) -> ParamSlot:
-        if slot.name == "mlp.experts.gate_up_proj":
-            return moe.stored_per_expert(slot, lambda e: [f"mlp.experts.{e}.gate_proj.weight",
-                                                          f"mlp.experts.{e}.up_proj.weight"])
-        if slot.name == "mlp.experts.down_proj":
-            return moe.stored_per_expert(slot, lambda e: [f"mlp.experts.{e}.down_proj.weight"])
-        return slot
 
     def route(self, arch: MoeArch, w: Weights, flat: torch.Tensor):
         logits = F.linear(flat, w["mlp.gate.weight"])
