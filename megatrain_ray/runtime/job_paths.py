@@ -110,7 +110,9 @@ def where(out: Path) -> str:
 
 
 def resume_moved(resume: str | None, in_job: bool) -> str | None:
-    """--resume PATH, relative, under a job: a checkpoint of an earlier job's run, under the run home."""
-    if not in_job or resume in (None, "latest") or Path(resume).expanduser().is_absolute():
+    """--resume PATH, relative: under a job, a checkpoint of an earlier job's run, under the run home;
+    outside one, the current directory's, made absolute like the config's paths (the stores that read
+    it work in another directory)."""
+    if resume in (None, "latest") or not relative(resume):
         return resume
-    return str(run_home() / resume)
+    return str((run_home() if in_job else Path.cwd()) / resume)

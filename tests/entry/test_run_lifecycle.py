@@ -300,6 +300,7 @@ def test_signals_stop_at_a_step_with_its_checkpoint_and_resume_is_exact(head, wh
     stops, step = [], 0
     for signum in (signal.SIGINT, signal.SIGTERM):
         args, step = stopped_by(signum, args, step, out, shm_dir, tmp_path, head)
+        args[-1] = os.path.relpath(args[-1], tmp_path)  # --resume PATH relative to where it runs (not the stores')
         stops.append(f"step-{step:08d}")
         assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == stops  # checkpoint.every=0
     assert (out / "notes.txt").read_text() == "the user's own file"
