@@ -15,7 +15,8 @@ it runs where the layers' updates are sent (StreamingExecutor.train_step), one b
 
 The matrices flow through three stages on three streams of this source's own: matrix k+2's gradient
 and momentum upload while matrix k+1 iterates (on a stream of its own, not the compute stream the
-executor's layers run on, and before them where both wait for the device) and matrix k's results come
+executor's layers run on, and at its priority: train_step's end waits for the compute stream, where
+the embedding's step on the device runs, streaming/device_step.py, which a higher one would hold back) and matrix k's results come
 back (the copies of a Qwen2.5-7B matrix take about as long over PCIe as its iterations, so fewer than
 three in flight leave the GPU waiting on a copy every other matrix). They pass through IN_FLIGHT
 staging buffers on the device (`Staging`, each the size of the largest matrix), used in turn across
@@ -55,7 +56,6 @@ from megatrain_ray.models.layout import LayerLayout
 from megatrain_ray.streaming.streams import Streams
 
 IN_FLIGHT = 3  # matrices on the device at once: one uploading, one iterating, one coming back
-ITERATE_FIRST = -1  # the iterating stream's priority: its kernels before the next forward's (streams.py, `side`)
 
 
 @dataclass
@@ -78,7 +78,7 @@ class MuonStepSource:
         self.momenta = momenta
         self.layouts = layouts
         self.streams = Streams(device)
-        self.iterating = self.streams.side(ITERATE_FIRST)
+        self.iterating = self.streams.side()  # the iterations' stream, beside the executor's
         self.largest = max((slot.numel for layer in momenta for slot in muon_slots(layouts[layer], "muon")), default=0)
         self.staging: list[Staging] = []  # IN_FLIGHT of them during a step's update phase
         self.turn = 0  # the staging buffer the next matrix takes

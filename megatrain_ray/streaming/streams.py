@@ -41,10 +41,9 @@ class Streams:
         else:
             self.compute = self.h2d = self.d2h = None
 
-    def side(self, priority: int = 0):
-        """One more stream on the device, none of the three (None on the CPU); a lower `priority` runs
-        first where kernels of several streams wait for the device (CUDA's order: -1 before 0)."""
-        return torch.cuda.Stream(self.device, priority=priority) if self.cuda else None
+    def side(self):
+        """One more stream on the device, none of the three (None on the CPU)."""
+        return torch.cuda.Stream(self.device) if self.cuda else None
 
     def event(self, timing: bool = False):
         if self.cuda:
