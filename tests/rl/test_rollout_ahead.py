@@ -81,3 +81,5 @@ def test_the_next_steps_completions_survive_a_checkpoint():
     assert np.array_equal(again.completions[0], sampled.completions[0]) and again.completions[0].dtype == np.int64
     assert np.array_equal(again.logprobs[0], sampled.logprobs[0]) and again.logprobs[0].dtype == np.float32
     assert (again.seconds, again.refresh_seconds, again.copies) == (1.5, 0.25, sampled.copies)
+    older = {k: v for k, v in sampled.to_dict().items() if k != "copies"} | {"seconds": 1.5}  # before copies were timed
+    assert Sampled.from_dict(sampled.prompts, older).seconds == 1.5
