@@ -3,15 +3,20 @@
 # one GPU, then on every GPU of the machine (1, 2, 4 or 8 of them: a step's 8 micro-batches split
 # evenly), in one call: the rollout samples on each training GPU (grpo.rollout_gpus null: one copy a
 # worker, the step's prompts split between them), so sampling, most of a GRPO step, scales with the
-# GPUs. Prints each run's seconds a step and generated tokens/s, and the all-GPU run against the one.
+# GPUs. Prints each run's seconds a step and generated tokens/s, and the all-GPU run against the one;
+# and each rollout copy's sampling (seconds, tokens, ms a decode step) and how much of the longest
+# copy's time all copies sampled together (overlap: 100% where they run side by side), so a run that
+# does not scale shows whether the copies ran one after another or each decoded slower; and the CPU
+# share of each copy's decode loop (near 100%: its steps wait on the host's kernel launches, and
+# copies slow each other where they share the host's cores).
 #   bash examples/benchmarks/grpo-gpus.sh [OUT_DIR] [STEPS]
-# About 3.5 minutes for one H200 and 2.5 for two (each run builds its 99 GiB host state and writes a
+# About 4.5 minutes for one H200 and 3.5 for two at 5 steps (each run builds its 99 GiB host state and writes a
 # final checkpoint, which the script deletes before the next run for the disk's sake).
 # TINY=1: a tiny model on the CPU (two CPU workers for the GPUs): the script's own check.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-grpo-gpus-results}
-steps=${2:-3}
+steps=${2:-5}  # the rollout's rate still rises over the first steps (634, 1,840, 2,191 tok/s on one H200)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,6 +38,7 @@ for n in $(if (( all > 1 )); then echo 1 "$all"; else echo 1; fi); do
 done
 python - "$out" "$all" <<'PY'
 import json, statistics, sys
+from megatrain_ray.rl.rollout import CopyTiming
 out, all_gpus = sys.argv[1], int(sys.argv[2])
 
 def figures(n):
@@ -41,18 +47,25 @@ def figures(n):
     except OSError:
         return None
     later = rows[1:] or rows
-    return {k: statistics.median(r[k] for r in later) for k in ("step_seconds", "rollout_tokens_per_s", "rollout_seconds",
-                                                                "train_seconds")}
+    f = {k: statistics.median(r[k] for r in later) for k in ("step_seconds", "rollout_tokens_per_s", "rollout_seconds",
+                                                             "train_seconds", "rollout_overlap")}
+    copies = [CopyTiming(**c) for r in later for c in r["rollout_copies"]]
+    ms = [c.ms_per_decode_step for c in copies]
+    return {**f, "copies": len(later[-1]["rollout_copies"]), "ms_step": statistics.median(ms), "ms_step_max": max(ms),
+            "prefill": statistics.median(c.prefill_seconds for c in copies),
+            "cpu": statistics.median(c.cpu_share for c in copies)}
 
-print("\n| GPUs | s a step | generated tokens/s | rollout s | update s | step speed-up vs one GPU |")
-print("|---|---|---|---|---|---|")
+print("\n| GPUs | s a step | generated tokens/s | rollout s | update s | step speed-up vs one GPU "
+      "| copies | ms a decode step (median, slowest) | prompts' forward s | copies' overlap | decode loop's CPU share |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 one = figures(1)
 for n in sorted({1, all_gpus}):
     f = figures(n)
     if f is None:
-        print(f"| {n} | no metrics: see {out}/{n}gpu/train.log | | | | |")
+        print(f"| {n} | no metrics: see {out}/{n}gpu/train.log | | | | | | | | | |")
         continue
     speed = f"{one['step_seconds'] / f['step_seconds']:.2f}x" if one else "-"
     print(f"| {n} | {f['step_seconds']:.1f} | {f['rollout_tokens_per_s']:,.0f} | {f['rollout_seconds']:.1f} | "
-          f"{f['train_seconds']:.1f} | {speed} |")
+          f"{f['train_seconds']:.1f} | {speed} | {f['copies']} | {f['ms_step']:.1f}, {f['ms_step_max']:.1f} | "
+          f"{f['prefill']:.2f} | {100 * f['rollout_overlap']:.0f}% | {100 * f['cpu']:.0f}% |")
 PY

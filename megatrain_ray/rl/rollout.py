@@ -141,6 +141,46 @@ def prompt_parts(prompts: int, copies: int) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class CopyTiming:
+    """One rollout copy's sampling of its share of a step: when it started and ended (the node's
+    clock, time.time(): the copies of one node compare), the completion tokens it sampled, the
+    prompts' forward's seconds, the decode steps after it and the CPU seconds of the thread that
+    ran them (the Python loop that launches the kernels); so a log shows whether several copies
+    sampled side by side, what a decode step took on each, and whether the host's CPU bound it (a
+    CPU share near 1: each step waits for its kernels' launches, not for the GPU)."""
+
+    start: float
+    end: float
+    tokens: int
+    prefill_seconds: float
+    decode_steps: int
+    cpu_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def cpu_share(self) -> float:
+        return self.cpu_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def ms_per_decode_step(self) -> float:
+        return 1000 * (self.seconds - self.prefill_seconds) / max(1, self.decode_steps)
+
+    def to_dict(self) -> dict:
+        return {"start": self.start, "end": self.end, "tokens": self.tokens, "prefill_seconds": self.prefill_seconds,
+                "decode_steps": self.decode_steps, "cpu_seconds": self.cpu_seconds}
+
+
+def overlap(copies: list[CopyTiming]) -> float:
+    """The share of the longest copy's sampling during which every copy sampled (1: side by side
+    throughout; 0 or less: one after another)."""
+    longest = max(c.seconds for c in copies)
+    return (min(c.end for c in copies) - max(c.start for c in copies)) / longest if longest > 0 else 1.0
+
+
+@dataclass(frozen=True)
 class Sampling:
     max_new_tokens: int
     temperature: float = 1.0
@@ -223,23 +263,26 @@ class Rollout:
     def sample(self, prompts: list[np.ndarray], group_size: int, s: Sampling) -> tuple[list[np.ndarray], float]:
         """`group_size` completions of every prompt, prompt by prompt (completion i of the result
         follows prompt i // group_size), decoded as one batch; and the seconds it took."""
-        completions, _, seconds = self.sample_scored(prompts, group_size, s, scored=False)
-        return completions, seconds
+        completions, _, (timing,) = self.sample_scored(prompts, group_size, s, scored=False)
+        return completions, timing.seconds
 
     def sample_scored(self, prompts: list[np.ndarray], group_size: int, s: Sampling, scored: bool = True,
-                      part: tuple[int, int] | None = None) -> tuple[list[np.ndarray], list[np.ndarray] | None, float]:
+                      part: tuple[int, int] | None = None
+                      ) -> tuple[list[np.ndarray], list[np.ndarray] | None, list[CopyTiming]]:
         """As `sample`, with each completion token's log-probability under the copy (fp32, of its
-        logits untempered: the policy's, as the loss takes it); None where not `scored`. `part`:
-        (the first prompt's place, the step's prompts) where `prompts` are this copy's share of a
-        step's (`prompt_parts`); None: all of them."""
-        t0 = time.perf_counter()
+        logits untempered: the policy's, as the loss takes it); None where not `scored`; and the
+        copy's timing (one: this copy's; rl/step.py joins several copies' lists). `part`: (the first
+        prompt's place, the step's prompts) where `prompts` are this copy's share of a step's
+        (`prompt_parts`); None: all of them."""
+        start, cpu = time.time(), time.thread_time()
         first, total = part or (0, len(prompts))
         try:
-            completions, logprobs = self._decode([p for p in prompts for _ in range(group_size)], s, scored,
-                                                 (first * group_size, total * group_size))
+            completions, logprobs, prefill_s, steps = self._decode([p for p in prompts for _ in range(group_size)], s,
+                                                                   scored, (first * group_size, total * group_size))
         finally:
             self.free_cache()  # after the decoding's tensors are gone
-        return completions, logprobs, time.perf_counter() - t0
+        return completions, logprobs, [CopyTiming(start, time.time(), sum(len(c) for c in completions), prefill_s,
+                                                  steps, time.thread_time() - cpu)]
 
     def start_sampling(self, prompts: list[np.ndarray], group_size: int, s: Sampling):
         """`sample_scored` for a step that waits for it later: in process there is nothing to overlap,
@@ -249,9 +292,11 @@ class Rollout:
 
     @torch.no_grad()
     def _decode(self, rows: list[np.ndarray], s: Sampling, scored: bool,
-                place: tuple[int, int]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+                place: tuple[int, int]) -> tuple[list[np.ndarray], list[np.ndarray] | None, float, int]:
         """`place`: (the first row's place, the step's rows): every copy draws the step's numbers,
-        one a row and token, and takes its rows' (`sample_tokens`)."""
+        one a row and token, and takes its rows' (`sample_tokens`). Also the seconds until the
+        prompts' forward's logits were made and the decode steps (forwards) after it."""
+        t0 = time.perf_counter()
         first, total = place
         uniforms = torch.rand(total, s.max_new_tokens, generator=self.generator,
                               device=self.generator.device)[first:first + len(rows)].to(self.device)
@@ -260,6 +305,9 @@ class Rollout:
 
         cache = DynamicCache(config=self.model.config)
         logits = self.prompts_forward(ids, mask, positions, cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # once a sampling: the prompts' forward's seconds
+        prefill_s = time.perf_counter() - t0
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         new, scores, position = [], [], positions[:, -1:]
         for k in range(s.max_new_tokens):
@@ -277,9 +325,9 @@ class Rollout:
                                 use_cache=True, **{self.cache_kw: cache}).logits[:, -1]
         completions = [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
         if not scored:
-            return completions, None
+            return completions, None, prefill_s, len(new) - 1
         logprobs = torch.stack(scores, dim=1).cpu().numpy()
-        return completions, [row[:len(c)] for row, c in zip(logprobs, completions)]
+        return completions, [row[:len(c)] for row, c in zip(logprobs, completions)], prefill_s, len(new) - 1
 
     @torch.no_grad()
     def prompts_forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:

@@ -26,7 +26,7 @@ from megatrain_ray.rl.batch import placed_logprobs, policy_micro_batches, with_l
 from megatrain_ray.rl.loss import group_advantages
 from megatrain_ray.rl.prompts import Prompt, PromptOrder, Tokens
 from megatrain_ray.rl.rewards import RewardBatch, Rewards
-from megatrain_ray.rl.rollout import Rollout, Sampling, prompt_parts
+from megatrain_ray.rl.rollout import CopyTiming, Rollout, Sampling, overlap, prompt_parts
 
 
 class Policy(Protocol):
@@ -51,20 +51,26 @@ class Sampled:
     prompts: list[Prompt]
     completions: list[np.ndarray]
     logprobs: list[np.ndarray] | None
-    seconds: float  # the sampling's
+    copies: list[CopyTiming]  # each rollout copy's sampling of its share
     refresh_seconds: float  # the weights' load before it
+
+    @property
+    def seconds(self) -> float:
+        """The sampling's: its slowest copy's."""
+        return max(c.seconds for c in self.copies)
 
     def to_dict(self) -> dict:
         """The completions of a step to come, for its checkpoint (the prompts are the data position's)."""
         return {"completions": [c.tolist() for c in self.completions],
                 "logprobs": [[float(x) for x in lp] for lp in self.logprobs or []],
-                "seconds": self.seconds, "refresh_seconds": self.refresh_seconds}
+                "copies": [c.to_dict() for c in self.copies], "refresh_seconds": self.refresh_seconds}
 
     @classmethod
     def from_dict(cls, prompts: list[Prompt], d: dict) -> "Sampled":
+        copies = [CopyTiming(**c) for c in d["copies"]] if "copies" in d else \
+            [CopyTiming(0.0, d["seconds"], sum(map(len, d["completions"])), 0.0, 0, 0.0)]  # a checkpoint before the copies' timing
         return cls(prompts, [np.asarray(c, dtype=np.int64) for c in d["completions"]],
-                   [np.asarray(lp, dtype=np.float32) for lp in d["logprobs"]] or None, d["seconds"],
-                   d["refresh_seconds"])
+                   [np.asarray(lp, dtype=np.float32) for lp in d["logprobs"]] or None, copies, d["refresh_seconds"])
 
 
 @dataclass
@@ -98,9 +104,9 @@ class GrpoStep:
         refresh_s = time.perf_counter() - t1
         finish = self.rollout.start_sampling([p.ids for p in next_prompts], self.settings.group_size, self.sampling())
         results, metrics = self.update(policy, current, t0)
-        completions, logprobs, seconds = finish()
+        completions, logprobs, copies = finish()
         return results, {**metrics, "step_seconds": time.perf_counter() - t0}, \
-            Sampled(next_prompts, completions, logprobs, seconds, refresh_s)
+            Sampled(next_prompts, completions, logprobs, copies, refresh_s)
 
     def sample(self, policy: Policy, prompts: list[Prompt], scored: bool = False) -> Sampled:
         """Completions of the prompts from the current policy (with their log-probabilities: `scored`)."""
@@ -108,10 +114,7 @@ class GrpoStep:
         self.rollout.refresh(policy)
         refresh_s = time.perf_counter() - t0
         ids, g = [p.ids for p in prompts], self.settings
-        if scored:
-            return Sampled(prompts, *self.rollout.sample_scored(ids, g.group_size, self.sampling()), refresh_s)
-        completions, seconds = self.rollout.sample(ids, g.group_size, self.sampling())
-        return Sampled(prompts, completions, None, seconds, refresh_s)
+        return Sampled(prompts, *self.rollout.sample_scored(ids, g.group_size, self.sampling(), scored), refresh_s)
 
     def update(self, policy: Policy, sampled: Sampled, t0: float) -> tuple[list, dict[str, Any]]:
         """Rewards, advantages and the updates on `sampled`; the metrics (the step's seconds from `t0`)."""
@@ -129,7 +132,7 @@ class GrpoStep:
         elif g.updates_per_rollout > 1:
             mbs = with_logprobs(mbs, "old_logprobs", policy.token_logprobs(mbs))
         results = [policy.train_step(mbs) for _ in range(g.updates_per_rollout)]
-        metrics = step_metrics(totals, each, completions, results, sampled.seconds, time.perf_counter() - t0)
+        metrics = step_metrics(totals, each, completions, results, sampled.copies, time.perf_counter() - t0)
         return results, {**metrics, "refresh_seconds": sampled.refresh_seconds}
 
 
@@ -140,11 +143,14 @@ def reward_batch(rows: list[Prompt], completions: list[np.ndarray], tokens: Toke
 
 
 def step_metrics(totals: list[float], each: dict[str, list[float]], completions: list[np.ndarray], results: list,
-                 rollout_s: float, step_s: float) -> dict[str, Any]:
+                 copies: list[CopyTiming], step_s: float) -> dict[str, Any]:
     """What metrics.jsonl and the progress line say of a GRPO step: rewards (the total's mean and
     std, each reward's mean), completion lengths, the updates' clip fraction, KL and entropy per
     completion token, and the rollout's and the training's tokens per second (besides the seconds
-    of the rollout, the updates, the whole step and, from the caller, the weights' refresh)."""
+    of the rollout (its slowest copy's), the updates, the whole step and, from the caller, the
+    weights' refresh); each rollout copy's seconds, tokens, prompts' forward and decode steps, and
+    how much of the longest copy's time they all sampled together (`overlap`)."""
+    rollout_s = max(c.seconds for c in copies)
     rewards, lengths = np.asarray(totals, dtype=np.float64), np.asarray([len(c) for c in completions])
     sums = {k: sum(r.policy[k] for r in results) for k in results[0].policy}
     tokens = max(1.0, sums["policy_tokens"])
@@ -159,6 +165,7 @@ def step_metrics(totals: list[float], each: dict[str, list[float]], completions:
         "train_tokens_per_s": sum(r.tokens for r in results) / train_s if train_s else 0.0,
         "rollout_seconds": rollout_s, "train_seconds": train_s, "step_seconds": step_s,
         "updates": len(results),
+        "rollout_copies": [c.to_dict() for c in copies], "rollout_overlap": overlap(copies),
     }
 
 
@@ -199,13 +206,9 @@ class RemoteRollout:
                 for actor, (start, end) in zip(self.actors, prompt_parts(len(prompts), len(self.actors)))
                 if end > start]
 
-    def sample(self, prompts: list, group_size: int, sampling: Sampling):
-        completions, _, seconds = joined(self.session.wait(self._calls(prompts, group_size, sampling, False),
-                                                           "sampling the completions"))
-        return completions, seconds
-
-    def sample_scored(self, prompts: list, group_size: int, sampling: Sampling):
-        return joined(self.session.wait(self._calls(prompts, group_size, sampling, True), "sampling the completions"))
+    def sample_scored(self, prompts: list, group_size: int, sampling: Sampling, scored: bool = True):
+        """As Rollout.sample_scored: the copies' completions in order, and each copy's timing."""
+        return joined(self.session.wait(self._calls(prompts, group_size, sampling, scored), "sampling the completions"))
 
     def start_sampling(self, prompts: list, group_size: int, sampling: Sampling):
         """The actors sample while the step trains; the call returned waits for them."""
@@ -220,11 +223,11 @@ class RemoteRollout:
         self.session.wait([a.set_sampler_state.remote(state) for a in self.actors], "the sampler's state")
 
 
-def joined(parts: list[tuple]) -> tuple[list[np.ndarray], list[np.ndarray] | None, float]:
-    """The copies' (completions, log-probabilities, seconds) as one: in order, the slowest's seconds."""
+def joined(parts: list[tuple]) -> tuple[list[np.ndarray], list[np.ndarray] | None, list[CopyTiming]]:
+    """The copies' (completions, log-probabilities, timings) as one, in order."""
     completions = [c for part in parts for c in part[0]]
     logprobs = None if parts[0][1] is None else [lp for part in parts for lp in part[1]]
-    return completions, logprobs, max(part[2] for part in parts)
+    return completions, logprobs, [t for part in parts for t in part[2]]
 
 
 class GrpoSteps:

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from typing import TextIO
 
+from megatrain_ray.rl.rollout import CopyTiming
 from megatrain_ray.streaming.step_result import EvalResult, StepResult
 
 ERASE_TO_END = "\x1b[K"
@@ -48,7 +49,19 @@ def rl_parts(m: dict) -> list[str]:
     """A GRPO step's part of the line (rl/step.py, step_metrics)."""
     return [f"reward {m['reward_mean']:.3f}±{m['reward_std']:.3f}", f"len {m['completion_length']:.0f}",
             f"clip {m['clip_fraction']:.3f}", f"kl {m['kl']:.4f}", f"entropy {m['entropy']:.2f}",
-            f"rollout {m['rollout_tokens_per_s']:,.0f} tok/s", f"train {m['train_tokens_per_s']:,.0f} tok/s"]
+            f"rollout {m['rollout_tokens_per_s']:,.0f} tok/s", *copies_part(m),
+            f"train {m['train_tokens_per_s']:,.0f} tok/s"]
+
+
+def copies_part(m: dict) -> list[str]:
+    """Each rollout copy's sampling (seconds, tokens, ms a decode step, its loop's CPU share) and,
+    with several, the share of the longest one during which they all sampled: copies that overlap
+    fully say 100%."""
+    copies = [CopyTiming(**c) for c in m.get("rollout_copies") or []]
+    each = ", ".join(f"{c.seconds:.1f} s {c.tokens:,} tok {c.ms_per_decode_step:.0f} ms/step cpu {100 * c.cpu_share:.0f}%"
+                     for c in copies)
+    together = f" overlap {100 * m['rollout_overlap']:.0f}%" if len(copies) > 1 else ""
+    return [f"copies [{each}]{together}"] if copies else []
 
 
 class ProgressLine:

@@ -10,7 +10,7 @@ from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.rl.batch import policy_micro_batches
 from megatrain_ray.rl.prompts import Prompt
 from megatrain_ray.rl.rewards import Rewards
-from megatrain_ray.rl.rollout import Rollout
+from megatrain_ray.rl.rollout import CopyTiming, Rollout
 from megatrain_ray.rl.step import GrpoStep, Sampled
 from megatrain_ray.runtime.local import LocalTrainer
 from helpers.grpo import TokenIds
@@ -76,8 +76,10 @@ def test_the_rollout_samples_the_next_step_from_the_weights_before_the_update(on
 
 def test_the_next_steps_completions_survive_a_checkpoint():
     sampled = Sampled([Prompt(np.array([1, 2]), "", {})], [np.array([5, 6, 7])], [np.array([-0.1, -2.5, -1e-7], np.float32)],
-                      1.5, 0.25)
+                      [CopyTiming(10.0, 11.5, 3, 0.5, 2, 1.2)], 0.25)
     again = Sampled.from_dict(sampled.prompts, sampled.to_dict())
     assert np.array_equal(again.completions[0], sampled.completions[0]) and again.completions[0].dtype == np.int64
     assert np.array_equal(again.logprobs[0], sampled.logprobs[0]) and again.logprobs[0].dtype == np.float32
-    assert (again.seconds, again.refresh_seconds) == (1.5, 0.25)
+    assert (again.seconds, again.refresh_seconds, again.copies) == (1.5, 0.25, sampled.copies)
+    older = {k: v for k, v in sampled.to_dict().items() if k != "copies"} | {"seconds": 1.5}  # before copies were timed
+    assert Sampled.from_dict(sampled.prompts, older).seconds == 1.5

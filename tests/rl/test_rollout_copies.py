@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from megatrain_ray.rl.rollout import Rollout, Sampling, prompt_parts
+from megatrain_ray.rl.rollout import CopyTiming, Rollout, Sampling, overlap, prompt_parts
 from megatrain_ray.rl.step import RemoteRollout
 from helpers.threads import one_thread  # noqa: F401 (a fixture)
 
@@ -62,10 +62,13 @@ def test_three_copies_sample_what_one_samples():
         copies = RemoteRollout(Copies(actors, weights))
         copies.refresh(None)
         for prompts, (completions, logprobs, _) in zip(steps, expected, strict=True):
-            got, scores, seconds = copies.sample_scored(prompts, 3, sampling)
+            got, scores, times = copies.sample_scored(prompts, 3, sampling)
             assert [c.tolist() for c in got] == [c.tolist() for c in completions]
             assert all(np.abs(a - b).max() < 1e-5 for a, b in zip(scores, logprobs, strict=True))
-            assert seconds > 0
+            # each copy's timing, in the copies' order: its share's tokens, decode steps within the longest
+            shares = [got[3 * start:3 * end] for start, end in prompt_parts(len(prompts), 3)]
+            assert [t.tokens for t in times] == [sum(map(len, share)) for share in shares]
+            assert all(t.seconds > t.prefill_seconds > 0 and 1 <= t.decode_steps <= 7 and 0 < t.cpu_share for t in times)
         assert any(len(c) < 8 for c in got) and any(len(c) == 8 for c in got)  # some ended at the EOS
         assert copies.sampler_state() == one.sampler_state()
         assert len({ray.get(a.sampler_state.remote()) for a in actors}) == 1
@@ -74,8 +77,34 @@ def test_three_copies_sample_what_one_samples():
         again.load(weights)
         copies.set_sampler_state(again.sampler_state())
         copies.actors = actors[:2]
-        got, _ = copies.sample(steps[0][:3], 2, sampling)
+        got, _, times = copies.sample_scored(steps[0][:3], 2, sampling, scored=False)
+        assert len(times) == 2
         assert [c.tolist() for c in got] == [c.tolist() for c in again.sample(steps[0][:3], 2, sampling)[0]]
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
+def test_overlap_is_the_share_of_the_longest_copy_they_all_sampled():
+    assert overlap([CopyTiming(0.0, 4.0, 1, 0.0, 1, 0.0)]) == 1.0
+    assert overlap([CopyTiming(0.0, 4.0, 1, 0.0, 1, 0.0), CopyTiming(1.0, 3.0, 1, 0.0, 1, 0.0)]) == 0.5
+    assert overlap([CopyTiming(0.0, 2.0, 1, 0.0, 1, 0.0), CopyTiming(2.0, 4.0, 1, 0.0, 1, 0.0)]) == 0.0  # one after the other
+    assert CopyTiming(0.0, 2.5, 1, 0.5, 4, 2.0).ms_per_decode_step == 500.0
+    assert CopyTiming(0.0, 2.5, 1, 0.5, 4, 2.0).cpu_share == 0.8
+
+
+@pytest.mark.usefixtures("local_ray", "one_thread")
+def test_copies_in_actors_sample_side_by_side():
+    """Two copies' shares of a step sample at the same time, each in its own process, not one after
+    the other (RemoteRollout submits every copy's call, then waits for them all)."""
+    arch, weights = tiny_weights()
+    actors = [ray.remote(num_cpus=0)(Rollout).remote(arch, torch.float32, torch.device("cpu"), 11) for _ in range(2)]
+    try:
+        copies = RemoteRollout(Copies(actors, weights))
+        copies.refresh(None)
+        prompts = [np.random.default_rng(i).integers(0, 96, 6) for i in range(8)]
+        _, _, times = copies.sample_scored(prompts, 8, Sampling(max_new_tokens=96))
+        assert overlap(times) > 0.5, times
     finally:
         for actor in actors:
             ray.kill(actor)

@@ -46,3 +46,15 @@ def test_the_time_left_waits_for_steady_steps_and_ignores_a_slow_one(monkeypatch
         etas.append(line.text(step, step_result(1.0)).rsplit("ETA ", 1)[1])
     left = [progress.clock(1.0 * (100 - step)) for step in range(1, 8)]
     assert etas[:3] == ["?", "?", "?"] and etas[3:] == left[3:], etas
+
+
+def test_a_grpo_step_shows_each_rollout_copys_sampling_and_their_overlap():
+    copy = {"start": 100.0, "end": 108.0, "tokens": 16384, "prefill_seconds": 0.32, "decode_steps": 511, "cpu_seconds": 7.6}
+    rl = {"reward_mean": 0.5, "reward_std": 0.1, "completion_length": 512, "clip_fraction": 0.0, "kl": 0.0,
+          "entropy": 2.0, "rollout_tokens_per_s": 3900.0, "train_tokens_per_s": 5678.9, "rollout_overlap": 0.75,
+          "rollout_copies": [copy, {**copy, "start": 102.0, "end": 110.4}]}
+    text = ProgressLine(6, stream=io.StringIO(), live=False).text(1, step_result(0.1), None, rl)
+    assert ("| rollout 3,900 tok/s | copies [8.0 s 16,384 tok 15 ms/step cpu 95%, 8.4 s 16,384 tok 16 ms/step cpu 90%] overlap 75% | "
+            "train 5,679 tok/s |") in text
+    one = ProgressLine(6, stream=io.StringIO(), live=False).text(1, step_result(0.1), None, {**rl, "rollout_copies": [copy]})
+    assert "| copies [8.0 s 16,384 tok 15 ms/step cpu 95%] | train" in one  # one copy: no overlap to say
