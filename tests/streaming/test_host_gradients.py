@@ -66,3 +66,19 @@ def test_on_the_gpu_the_vocabulary_accumulator_leaves_the_device():
         assert ra.loss == rb.loss and rb.grad_norm == pytest.approx(ra.grad_norm, rel=1e-6)
     for x, y in zip(wa, wb, strict=True):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_add_in_widened_pieces_is_torchs_mixed_add_bit_for_bit(dtype, monkeypatch):
+    """The staged share added a piece at a time, widened to fp32 first (host_gradients.add_widened),
+    against torch's own add of the compute-dtype tensor into the fp32 sum: the same bits, over
+    pieces that do not divide the length."""
+    from megatrain_ray.streaming import host_gradients
+
+    monkeypatch.setattr(host_gradients, "ADD_PIECE", 1000)
+    g = torch.Generator().manual_seed(0)
+    total = torch.randn(4321, generator=g)
+    part = (torch.randn(4321, generator=g) * 1e-3).to(dtype)
+    expected = total.clone().add_(part)
+    host_gradients.add_widened(total, part)
+    assert torch.equal(total, expected)
