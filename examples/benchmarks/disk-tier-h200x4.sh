@@ -114,6 +114,9 @@ EOF
   mr plan "$cfg" --set model.preset="$model" --set optim.master="${mode%/*}" --set optim.moments="${mode#*/}" \
     >"$out/c-plan-$model.log" 2>&1
   grep -E "store on|disk tier|predicted step|tokens per step|fits|does not" "$out/c-plan-$model.log"
+  # the host side of the gradients a 10 GiB GPU sums in host memory, on this CPU (a few seconds)
+  python3 examples/benchmarks/host_add_probe.py --model "$model" --repeats 2 >"$out/c-host-add.txt" 2>&1
+  cat "$out/c-host-add.txt"
   timeout "${BENCH_S:-480}" megatrain-ray bench --model "$model" --optim-modes "$mode" --gpu-memory-gib 10 --store-memory-gib 64 \
     --disk-dir "$disk" --num-gpus 1 --seq-len 4096 --micro-batch 1 --grad-accum "$ga" --steps 1 --warmup 1 \
     --json "$out/c-bench.json" >"$out/c-bench.log" 2>&1
