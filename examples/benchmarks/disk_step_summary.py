@@ -33,6 +33,9 @@ def summary(results: dict) -> str:
             f"{drain:.1f} s more after the backward; a step of a long run {full:.1f} s "
             f"({'the update of the step before waited for in it' if len(steps) > 1 else 'the step alone, with its update'}), "
             f"{last['tokens'] / full:.0f} tokens/s ({last['tokens']} tokens)")
+        if last.get("host_add_wait_s"):
+            lines.append(f"the host's adds of the gradients summed in host memory held the step {last['host_add_wait_s']:.1f} s "
+                         f"(in its compute; plan: {plan.get('host_summed_s', 0.0):.1f} s with their copies out)")
         if plan:
             lines.append(
                 f"plan: {plan['step_s']:.1f} s a step ({plan['tokens'] / plan['step_s']:.0f} tokens/s), compute "

@@ -335,7 +335,9 @@ def format_row(step: int, row: dict) -> str:
             f"compute {row['compute_s']:.2f} s, exposed wait {row['exposed_wait_s']:.2f} s "
             f"(before the first layer {row['wait_before_s']:.2f}, between layers {row['wait_between_s']:.2f}, after "
             f"the last {row['wait_after_s']:.2f}; the host blocked on the optimizer {row['prefetch_wait_s']:.2f} s), "
-            f"peak GPU {row['peak_gpu_gib']:.1f} GiB, "
+            + (f"blocked on the host's adds of the gradients summed there {row['host_add_wait_s']:.2f} s, "
+               if row.get("host_add_wait_s") else "")
+            + f"peak GPU {row['peak_gpu_gib']:.1f} GiB, "
             f"host available {row['driver_node_available_gib']:.1f} GiB")
 
 

@@ -64,7 +64,7 @@ class HostGradients:
         k = self.turn
         self.turn = (self.turn + 1) % STAGING
         if self.adding[k] is not None:
-            self.adding[k].result()  # the thread has added what this buffer held
+            self._wait_for(self.adding[k])  # the thread has added what this buffer held
         staging = layout.views(self.staging[k][:layout.numel])
         s = self.streams
         computed = s.record(s.compute)
@@ -88,8 +88,14 @@ class HostGradients:
     def wait(self) -> None:
         for k, future in enumerate(self.adding):
             if future is not None:
-                future.result()
+                self._wait_for(future)
                 self.adding[k] = None
+
+    def _wait_for(self, future: concurrent.futures.Future) -> None:
+        """An add's end, the time blocked counted (the step's `host_add_wait_s`)."""
+        t0 = time.perf_counter()
+        future.result()
+        self.stats.host_add_wait_s += time.perf_counter() - t0
 
     def finish(self, layout: LayerLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's complete fp32 sum (host memory, valid until the next layer's first add) and

@@ -36,6 +36,7 @@ def test_the_embedding_and_head_summed_in_host_memory_give_the_device_paths_upda
     assert host[0].d2h_bytes > device[0].d2h_bytes  # each chunk's and micro-batch's share crossed
     for ra, rb in zip(device, host, strict=True):
         assert ra.loss == rb.loss and rb.grad_norm == pytest.approx(ra.grad_norm, rel=1e-6)
+        assert rb.host_add_wait_s > 0 == ra.host_add_wait_s  # the step says how long it waited for the host's adds
     for x, y in zip(wa, wb, strict=True):
         assert torch.equal(x, y)  # unclipped, the same gradients make the same weights, bit for bit
 
