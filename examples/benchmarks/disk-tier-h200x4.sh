@@ -16,7 +16,8 @@
 #      Ray; the bench stops at BENCH_S (default 540 s) so that its log and summary still come back.
 #   c  a home machine: the GPU capped at 10 GiB, the stores at 64 GiB, the tier on: the largest preset
 #      `plan` says trains there (the 6-byte and the 8-byte fp32-master/int8 modes; the larger of the
-#      two), 2 steps (1 warm-up, 1 timed), tokens/s beside plan's (disk_step_summary.py). Runs on any of
+#      two), 2 steps (1 warm-up, 1 timed), tokens/s beside plan's (disk_step_summary.py; before the bench,
+#      host_add_probe.py times the host's add of one vocabulary-sized gradient share, ~15 s). Runs on any of
 #      these machines, the one-GPU H200 (128 GiB RAM, 64 GiB disk) too: the compute copy and the gradient
 #      stay in RAM (4 bytes a parameter in the 6-byte mode), so 64 GiB holds about 14 B parameters, whose
 #      moments take about 28 GB of disk (2 bytes a parameter). Sizes: two plans (a few seconds each at
@@ -114,6 +115,9 @@ EOF
   mr plan "$cfg" --set model.preset="$model" --set optim.master="${mode%/*}" --set optim.moments="${mode#*/}" \
     >"$out/c-plan-$model.log" 2>&1
   grep -E "store on|disk tier|predicted step|tokens per step|fits|does not" "$out/c-plan-$model.log"
+  # the host side of the gradients a 10 GiB GPU sums in host memory, on this CPU (a few seconds)
+  python3 examples/benchmarks/host_add_probe.py --model "$model" --repeats 1 >"$out/c-host-add.txt" 2>&1
+  cat "$out/c-host-add.txt"
   timeout "${BENCH_S:-480}" megatrain-ray bench --model "$model" --optim-modes "$mode" --gpu-memory-gib 10 --store-memory-gib 64 \
     --disk-dir "$disk" --num-gpus 1 --seq-len 4096 --micro-batch 1 --grad-accum "$ga" --steps 1 --warmup 1 \
     --json "$out/c-bench.json" >"$out/c-bench.log" 2>&1

@@ -1,8 +1,13 @@
 """A disk-tier bench run's step with its update, from `megatrain-ray bench --json` (one shape, steps
 timed without warm-up or with it): the step's forward and backward, the update that ran after its
 backward (the final drain: with the disk tier, the disk's reads and writes of the layers on disk
-beside AdamW), the two together as one full step and its tokens/s, beside `plan`'s prediction, and
+beside AdamW), the step as a long run pays it and its tokens/s, beside `plan`'s prediction, and
 how long the stores waited for the disk's reads.
+
+The step a long run pays: a step after another one (a warm-up) already waited in its forward for the
+update of the step before, layer by layer (the plan's "host optimizer ... not hidden"), so its own
+seconds are the steady state, and its own update (the drain) is the next step's wait, not a second
+cost. Only a run of one step alone has no wait in it: its seconds and its drain together.
 
 Usage: python3 examples/benchmarks/disk_step_summary.py BENCH_JSON
 """
@@ -20,13 +25,17 @@ def summary(results: dict) -> str:
             continue
         last = steps[-1]
         drain = median["final_drain_s"]
-        full = last["seconds"] + drain
+        full = last["seconds"] if len(steps) > 1 else last["seconds"] + drain
         disk = median.get("disk") or {}
         plan = median.get("predicted") or {}
         lines.append(
             f"last step: forward and backward {last['seconds']:.1f} s (compute {last['compute_s']:.1f} s), its update "
-            f"{drain:.1f} s more after the backward; the step with its update {full:.1f} s, "
+            f"{drain:.1f} s more after the backward; a step of a long run {full:.1f} s "
+            f"({'the update of the step before waited for in it' if len(steps) > 1 else 'the step alone, with its update'}), "
             f"{last['tokens'] / full:.0f} tokens/s ({last['tokens']} tokens)")
+        if last.get("host_add_wait_s"):
+            lines.append(f"the host's adds of the gradients summed in host memory held the step {last['host_add_wait_s']:.1f} s "
+                         f"(in its compute; plan: {plan.get('host_summed_s', 0.0):.1f} s with their copies out)")
         if plan:
             lines.append(
                 f"plan: {plan['step_s']:.1f} s a step ({plan['tokens'] / plan['step_s']:.0f} tokens/s), compute "

@@ -230,7 +230,8 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
               flush=True)
     disk = [d for d in probe.disk_stats() if d]
     if disk:
-        summary["disk"] = disk_summary(disk, len(rows), wall / len(timed))
+        summary["disk"] = disk_summary(disk, len(rows), wall / len(timed),
+                                       sum(store.disk_bytes for store in session.placement.stores))
         print(disk_line(summary["disk"]), flush=True)
     if bytes_in:
         print(f"from RAM nodes: {summary['remote_gb_in_per_step']:.2f} GB of weights in and "
@@ -239,13 +240,14 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
     return {"steps": rows, "median": summary}
 
 
-def disk_summary(stats: list[dict], steps: int, step_s: float) -> dict:
-    """The stores' disk tiers over the steps run (warm-up included: the counts are since the start):
-    bytes a step each way, the seconds a step the stores waited for reads (the most any could add
-    to a step), and the rate the tier moved bytes at over the timed steps' wall time."""
-    read = sum(d["read_bytes"] for d in stats) / steps
-    written = sum(d["written_bytes"] for d in stats) / steps
-    return {"read_gb_per_step": read / 1e9, "written_gb_per_step": written / 1e9,
+def disk_summary(stats: list[dict], steps: int, step_s: float, planned: int) -> dict:
+    """The stores' disk tiers: the last step's bytes each way (its updates' reads and writes, the
+    first weights' and a checkpoint's left out: the figure `plan` gives, `planned` bytes each way),
+    the seconds a step the stores waited for reads over the steps run (the most any could add to a
+    step), and the rate the tier moved bytes at over the timed steps' wall time."""
+    read = sum(d["step_read_bytes"] for d in stats)
+    written = sum(d["step_written_bytes"] for d in stats)
+    return {"read_gb_per_step": read / 1e9, "written_gb_per_step": written / 1e9, "plan_gb_per_step": planned / 1e9,
             "read_wait_s_per_step": max(d["read_wait_s"] for d in stats) / steps,
             "file_gib": sum(d["file_bytes"] for d in stats) / 2**30,
             "window_gib": sum(d["window_bytes"] for d in stats) / 2**30,
@@ -255,7 +257,7 @@ def disk_summary(stats: list[dict], steps: int, step_s: float) -> dict:
 def disk_line(d: dict) -> str:
     return (f"disk tier: {d['file_gib']:.1f} GiB of files ({'O_DIRECT' if d['direct_io'] else 'buffered'}), a window "
             f"of {d['window_gib']:.2f} GiB; {d['read_gb_per_step']:.1f} GB read and {d['written_gb_per_step']:.1f} GB "
-            f"written a step ({d['gb_per_s_over_step']:.2f} GB/s over the step's time); the stores waited "
+            f"written a step (plan: {d['plan_gb_per_step']:.1f} GB each way; {d['gb_per_s_over_step']:.2f} GB/s over the step's time); the stores waited "
             f"{d['read_wait_s_per_step']:.2f} s a step for reads")
 
 
@@ -333,7 +335,9 @@ def format_row(step: int, row: dict) -> str:
             f"compute {row['compute_s']:.2f} s, exposed wait {row['exposed_wait_s']:.2f} s "
             f"(before the first layer {row['wait_before_s']:.2f}, between layers {row['wait_between_s']:.2f}, after "
             f"the last {row['wait_after_s']:.2f}; the host blocked on the optimizer {row['prefetch_wait_s']:.2f} s), "
-            f"peak GPU {row['peak_gpu_gib']:.1f} GiB, "
+            + (f"blocked on the host's adds of the gradients summed there {row['host_add_wait_s']:.2f} s, "
+               if row.get("host_add_wait_s") else "")
+            + f"peak GPU {row['peak_gpu_gib']:.1f} GiB, "
             f"host available {row['driver_node_available_gib']:.1f} GiB")
 
 

@@ -28,6 +28,13 @@ the layer's read (issued ahead when a buffer was free), then issues the reads of
 follow it in the store's order, into buffers whose layers were released; `release` issues the
 write. A read into a buffer waits for that buffer's write first (the pool takes jobs in order, so
 the write's pieces have all started by then). Every call comes from the store's one thread.
+
+A layer whose file was never written (a new run's, before its first update or its first weights)
+is not read: its buffer is cleared, which is what the read would bring (posix_fallocate's blocks
+read as zeros). So a step moves each layer on disk once each way, the bytes `megatrain-ray plan`
+counts (planning/placement.py, `StorePlan.disk_bytes`): its update reads it (ahead, into the window)
+and writes it behind; the counters (`bytes_read`, `bytes_written`, and `mark_step` at each step's
+first update) say what a step moved.
 """
 
 from __future__ import annotations
@@ -152,6 +159,8 @@ class DiskTier:
         self.direct = True
         self.read_seconds = 0.0  # the store's thread waiting for reads: the tier's exposed time
         self.bytes_read = self.bytes_written = 0
+        self.step_marks: list[tuple[int, int]] = []  # (bytes_read, bytes_written) at each step's first update
+        self.written: set[int] = set()  # layers whose file holds state (the others read as zeros)
         self._clock = 0
         try:
             for i in self.order:
@@ -215,6 +224,18 @@ class DiskTier:
         if dirty:
             slot.writes = self._pieces(os.pwritev, slot, index)
             self.bytes_written += file_bytes(self.parts[index])
+            self.written.add(index)
+
+    def mark_step(self) -> None:
+        """A step's first update begins: the counts so far, for `step_bytes`."""
+        self.step_marks.append((self.bytes_read, self.bytes_written))
+
+    def step_bytes(self) -> tuple[int, int]:
+        """(read, written) bytes since the last step's first update (`mark_step`): that step's, whole
+        once its updates are done (its reads include the next step's first layers read ahead, as the
+        step before read its own)."""
+        read, written = self.step_marks[-1] if self.step_marks else (0, 0)
+        return self.bytes_read - read, self.bytes_written - written
 
     def flush(self) -> None:
         """Every write issued is done (raises DiskTierError for one that failed)."""
@@ -250,9 +271,12 @@ class DiskTier:
     def _read(self, slot: Slot, index: int) -> None:
         before = slot.writes
         slot.layer, slot.failed = index, False
-        slot.reads = self._pieces(os.preadv, slot, index, after=before)
+        if index in self.written:
+            slot.reads = self._pieces(os.preadv, slot, index, after=before)
+            self.bytes_read += file_bytes(self.parts[index])
+        else:  # never written: the file reads as zeros
+            slot.reads = [self.pool.submit(_clear, slot.buffer[:file_bytes(self.parts[index])], before)]
         slot.writes = []
-        self.bytes_read += file_bytes(self.parts[index])
 
     def _read_ahead(self, index: int) -> None:
         at = self.order.index(index)
@@ -316,6 +340,13 @@ class DiskTier:
             path.unlink(missing_ok=True)
         self.fds.clear()
         self.paths.clear()
+
+
+def _clear(buffer: torch.Tensor, after: list[Future]) -> None:
+    """On the pool: the buffer zeroed once its last write (`after`) is done."""
+    for f in after:
+        f.result()
+    buffer.zero_()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -166,6 +166,7 @@ class ShardStore:
             raise ValueError(f"layers {sorted(set(disk_layers) & set(shared_state))} cannot be both on disk and "
                              "stepped by a GPU worker")
         self.disk: DiskTier | None = None
+        self._disk_step: int | None = None  # the update count at the disk tier's last step mark
         if disk_layers:
             self.disk = DiskTier(disk_dir, run_id, {i: layouts[i] for i in disk_layers}, state_format)
         self.layers: dict[int, LayerState] = {i: self._allocate(layouts[i], i in disk_layers) for i in layers}
@@ -246,7 +247,9 @@ class ShardStore:
         """The disk tier's bytes moved and the seconds the store waited for its reads (none: no tier)."""
         if self.disk is None:
             return {}
+        step_read, step_written = self.disk.step_bytes()
         return {"read_bytes": self.disk.bytes_read, "written_bytes": self.disk.bytes_written,
+                "step_read_bytes": step_read, "step_written_bytes": step_written,
                 "read_wait_s": self.disk.read_seconds, "file_bytes": self.disk.file_bytes(),
                 "window_bytes": self.disk.resident_bytes(), "direct_io": self.disk.direct}
 
@@ -383,6 +386,9 @@ class ShardStore:
         own = self.layers[index].updates
         if all(state.updates <= own for i, state in self.layers.items() if i != index):
             self.disk.flush()
+            if self._disk_step != own:  # a step's first update (a skipped step's count with the one before)
+                self._disk_step = own
+                self.disk.mark_step()
 
     def begin_update(self, index: int, hp: AdamWStep | None) -> None:
         """Count the layer's update (not a skipped one): its bias correction and rounding key. Its

@@ -145,8 +145,10 @@ def fit_auto_settings(arch: ModelArch, config: Config, budget: int, num_gpus: in
     """`config` with the settings the user left on auto (null) chosen: their defaults, or, where the
     step does not fit the GPU's `budget` even with its activations parked and no graph kept, the
     loss chunk halved first (down to SMALLEST_LOSS_CHUNK), then the MLP chunk (down to
-    SMALLEST_MLP_CHUNK), then one weight slot fewer (down to FEWEST_SLOTS). A value the user set
-    stays as set."""
+    SMALLEST_MLP_CHUNK), then one weight slot fewer (down to FEWEST_SLOTS); then the loss chunk
+    doubled back as far as what the later ones gave up leaves room for (each loss chunk runs the
+    head's whole weight once more, and sends its gradient to the host once more where it is summed
+    there). A value the user set stays as set."""
     planned = with_auto_settings(config)
     for knob in ("loss_chunk_tokens", "mlp_chunk_tokens", "num_slots"):
         if getattr(config.executor, knob) is not None:
@@ -156,6 +158,13 @@ def fit_auto_settings(arch: ModelArch, config: Config, budget: int, num_gpus: in
             if less is None:
                 break
             planned = planned.replace(executor=dataclasses.replace(planned.executor, **{knob: less}))
+    if config.executor.loss_chunk_tokens is None:
+        while planned.executor.loss_chunk_tokens < loss_chunk_setting(config):
+            more = planned.replace(executor=dataclasses.replace(planned.executor,
+                                                                loss_chunk_tokens=2 * planned.executor.loss_chunk_tokens))
+            if not fits_leanest(arch, more, budget, num_gpus, embedding_on_device, measured):
+                break
+            planned = more
     return planned
 
 

@@ -12,8 +12,8 @@ from megatrain_ray.config import Config
 from megatrain_ray.host.muon import newton_schulz_flops
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import family, model_layouts, num_params
-from megatrain_ray.planning.memory import (block_numels, dtype_bytes, host_gradient_layers, loss_chunk_setting,
-                                           mlp_chunk_tokens, num_blocks, num_slots_setting)
+from megatrain_ray.planning.memory import (block_numels, boundary_bytes, dtype_bytes, host_gradient_layers,
+                                           loss_chunk_setting, mlp_chunk_tokens, num_blocks, num_slots_setting)
 
 # Rates measured on the H100 machine (examples/benchmarks/, `megatrain-ray bench --parts`).
 LAYER_TFLOPS = 620e12  # one decoder layer's fwd+bwd, compiled
@@ -99,7 +99,10 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     The forward waits for the slowest of its compute, the host optimizer of the step before (over
     all parameters, layer by layer in the same order) and the weights coming over the network; the
     backward for the slowest of its compute, the weights coming again and the gradients leaving.
-    All weights cross PCIe twice (the kept blocks once), overlapped with everything.
+    All weights cross PCIe twice (the kept blocks once), overlapped with everything; boundary
+    activations parked in host memory (executor.offload_activations "on", as the step plan's
+    planned_config says) cross it too, each layer's input of each micro-batch out in the forward and
+    back in the backward (parked_link_bytes), beside the weights.
     `optimizer_s`: the slowest store machine's AdamW time (default: the whole model on one).
     `rates`: the GPU's (planning/rates.py; default: the H100 machine's, the constants above).
 
@@ -124,7 +127,8 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     per_token = step_flops / (rates.layer_flops_per_s if rates else LAYER_TFLOPS)  # one GPU's seconds per token
     compute = per_token * tokens / num_gpus
     read = 2 * params - kept_reads_saved(arch, config, kept)
-    h2d = read * d / (rates.h2d_bytes_per_s if rates else H2D_BYTES_PER_S)  # weights in twice, some kept blocks once
+    link = rates.h2d_bytes_per_s if rates else H2D_BYTES_PER_S
+    h2d = (read * d + parked_link_bytes(arch, config, num_gpus)) / link  # weights in twice (some kept blocks once), parked inputs back
     host_read = num_gpus * read * d
     host_memory = (host_read + params * d) / HOST_MEMORY_BYTES_PER_S
     reduce = 4 * params / GPU_LINK_BYTES_PER_S if num_gpus > 1 else 0.0
@@ -156,6 +160,14 @@ def predict_step(arch: ModelArch, config: Config, network: NetworkTimes | None =
     return StepPrediction(compute, h2d, optimizer, exposed, step, bound, network_exposed, num_gpus, tokens,
                           host_read, host_memory, reduce, math.ceil(num_gpus * busy_per_gpu), fwd_compute, summed,
                           newton_schulz)
+
+
+def parked_link_bytes(arch: ModelArch, config: Config, num_gpus: int = 1) -> int:
+    """Bytes one GPU's parked boundary activations move each way over its host link a step: every
+    layer's input (the head's too) for each of its micro-batches (0: they stay on the device)."""
+    if config.executor.offload_activations != "on":
+        return 0
+    return boundary_bytes(arch, config, len(model_layouts(arch)) - 1, num_gpus)
 
 
 def muon_seconds(arch: ModelArch, config: Config, rates=None) -> float:

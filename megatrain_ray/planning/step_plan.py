@@ -139,7 +139,8 @@ class StepPlan:
         return view.replace(executor=dataclasses.replace(view.executor, loss_chunk_tokens=self.loss_chunk_tokens,
                                                          mlp_chunk_tokens=self.mlp_chunk_tokens,
                                                          num_slots=self.num_slots,
-                                                         host_gradients=bool(self.host_gradients)))
+                                                         host_gradients=bool(self.host_gradients),
+                                                         offload_activations="on" if self.offload else "off"))
 
 
 def planner_view(config: Config, micro_batches: int, compile_blocks: bool, cap: int | None) -> Config:

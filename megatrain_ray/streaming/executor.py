@@ -535,6 +535,7 @@ class StreamingExecutor:
             wait_before_s=before,
             wait_between_s=between,
             wait_after_s=after,
+            host_add_wait_s=st.host_add_wait_s,
         )
 
 

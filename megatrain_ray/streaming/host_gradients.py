@@ -21,6 +21,11 @@ from megatrain_ray.models.layout import LayerLayout
 from megatrain_ray.streaming.streams import Streams, TransferStats
 
 STAGING = 2  # pinned staging buffers: one filling from the device while the thread adds the other
+# elements of a staged share widened to fp32 at a time before their add: the widened piece (4 MiB)
+# stays in the caches, so the add moves the share's bytes and the sum's through memory once, where
+# torch's add of a compute-dtype tensor into an fp32 one converts element by element at a third of
+# the speed (one core: 0.33 G elements/s mixed, 0.99 in pieces, measured on the CPU)
+ADD_PIECE = 1 << 20
 NORM_PIECE = 1 << 24  # elements a partial sum of squares covers, summed in fp64
 
 
@@ -59,7 +64,7 @@ class HostGradients:
         k = self.turn
         self.turn = (self.turn + 1) % STAGING
         if self.adding[k] is not None:
-            self.adding[k].result()  # the thread has added what this buffer held
+            self._wait_for(self.adding[k])  # the thread has added what this buffer held
         staging = layout.views(self.staging[k][:layout.numel])
         s = self.streams
         computed = s.record(s.compute)
@@ -83,8 +88,14 @@ class HostGradients:
     def wait(self) -> None:
         for k, future in enumerate(self.adding):
             if future is not None:
-                future.result()
+                self._wait_for(future)
                 self.adding[k] = None
+
+    def _wait_for(self, future: concurrent.futures.Future) -> None:
+        """An add's end, the time blocked counted (the step's `host_add_wait_s`)."""
+        t0 = time.perf_counter()
+        future.result()
+        self.stats.host_add_wait_s += time.perf_counter() - t0
 
     def finish(self, layout: LayerLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's complete fp32 sum (host memory, valid until the next layer's first add) and
@@ -105,4 +116,18 @@ def _accumulate(sums: dict[str, torch.Tensor], staging: dict[str, torch.Tensor],
     """On the thread: the staged gradients into the layer's fp32 sums (the first of a whole layer
     copied, as the device path's first is)."""
     for name in names:
-        sums[name].copy_(staging[name]) if whole else sums[name].add_(staging[name])
+        sums[name].copy_(staging[name]) if whole else add_widened(sums[name].view(-1), staging[name].view(-1))
+
+
+def add_widened(total: torch.Tensor, part: torch.Tensor) -> None:
+    """`total` (fp32) += `part` (the compute dtype) exactly as torch's mixed add rounds it (the part
+    widened exactly, one fp32 rounding), a piece of ADD_PIECE elements at a time (see ADD_PIECE)."""
+    if part.dtype == total.dtype:
+        total.add_(part)
+        return
+    wide = torch.empty(min(ADD_PIECE, part.numel()), dtype=total.dtype)
+    for lo in range(0, part.numel(), ADD_PIECE):
+        hi = min(part.numel(), lo + ADD_PIECE)
+        piece = wide[: hi - lo]
+        piece.copy_(part[lo:hi])
+        total[lo:hi].add_(piece)

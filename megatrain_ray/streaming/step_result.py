@@ -26,6 +26,7 @@ class StepResult:
     wait_before_s: float = 0.0  # of the exposed wait: before the first layer computed
     wait_between_s: float = 0.0  # between layers
     wait_after_s: float = 0.0  # after the last layer computed
+    host_add_wait_s: float = 0.0  # of `seconds`: blocked on the host's adds of gradients summed in host memory
     policy: dict | None = None  # a policy loss's sums over its completion tokens (rl/loss.py, PolicyMetrics)
 
 
@@ -45,7 +46,7 @@ def combine_results(results: list[StepResult]) -> StepResult:
         compute_s=slowest("compute_s"), weight_copies=total("weight_copies"),
         peak_device_bytes=slowest("peak_device_bytes"), lr=first.lr, num_gpus=len(results),
         wait_before_s=slowest("wait_before_s"), wait_between_s=slowest("wait_between_s"),
-        wait_after_s=slowest("wait_after_s"),
+        wait_after_s=slowest("wait_after_s"), host_add_wait_s=slowest("host_add_wait_s"),
         policy=None if first.policy is None else {k: sum(r.policy[k] for r in results) for k in first.policy},
     )
 

@@ -87,3 +87,4 @@ class TransferStats:
     first_compute: object = None  # when the first unit's compute began, likewise
     last_compute: object = None  # when the last unit's compute ended, likewise
     compute_seconds: float = 0.0  # measured directly on the CPU
+    host_add_wait_s: float = 0.0  # the executor blocked on the host's adds of gradients summed there (host_gradients.py)

@@ -23,7 +23,7 @@ from megatrain_ray.host.adamw import AdamWStep
 from megatrain_ray.host.disk import ALIGN, DiskTierError, layer_parts
 from megatrain_ray.host.memory import SEGMENT
 from megatrain_ray.host.precision import StateFormat
-from megatrain_ray.host.store import ShardStore
+from megatrain_ray.host.store import ShardStore, layer_bytes
 from megatrain_ray.models.registry import PRESETS, model_layouts
 
 MODES = [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "int8"), ("bf16", "int8"), ("bf16", "fp32"), ("bf16", "bf16")]
@@ -118,7 +118,7 @@ def test_a_disk_too_small_is_refused_at_the_start_with_the_figure(tmp_path):
         import resource, signal, torch
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
-        from megatrain_ray.host.store import ShardStore
+        from megatrain_ray.host.store import ShardStore, layer_bytes
         from megatrain_ray.models.registry import PRESETS
         ShardStore(PRESETS["tiny-llama"], list(range(4)), torch.bfloat16, disk_dir={str(tmp_path)!r}, disk_layers=(1, 2, 3))
     """)
@@ -159,7 +159,7 @@ def test_a_killed_runs_files_are_removed_by_the_next_store_and_never_read(tmp_pa
     removes a dead run's shared-memory segments."""
     code = textwrap.dedent(f"""
         import os, torch
-        from megatrain_ray.host.store import ShardStore
+        from megatrain_ray.host.store import ShardStore, layer_bytes
         from megatrain_ray.models.registry import PRESETS
         s = ShardStore(PRESETS["tiny-llama"], list(range(4)), torch.bfloat16, disk_dir={str(tmp_path)!r},
                        disk_layers=(1, 2, 3), run_id="dead")
@@ -213,7 +213,7 @@ def test_a_store_killed_while_writing_its_checkpoint_leaves_only_the_last_comple
         import os, torch
         from pathlib import Path
         from megatrain_ray.files import checkpoint as ckpt, shard
-        from megatrain_ray.host.store import ShardStore
+        from megatrain_ray.host.store import ShardStore, layer_bytes
         from megatrain_ray.models.registry import PRESETS
         store = ShardStore(PRESETS["tiny-llama"], list(range(4)), torch.bfloat16, disk_dir={str(tmp_path / "tier")!r},
                            disk_layers=(1, 2, 3))
@@ -242,3 +242,43 @@ def test_a_store_killed_while_writing_its_checkpoint_leaves_only_the_last_comple
     assert (half / "shard-000.safetensors").stat().st_size > 0 and not (half / ckpt.MANIFEST).exists()
     with pytest.raises(ckpt.CheckpointError, match="not a complete checkpoint"):
         ckpt.resolve(str(half), root)
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_a_step_moves_the_bytes_the_plan_counts_and_a_new_file_is_never_read(master, tmp_path):
+    """The plan's layers on disk and its bytes a step (planning/placement.py); a store with those
+    layers on disk, its first weights drawn, then three steps: the first weights read nothing but the
+    first step's first layers ahead (a new file reads as zeros: cleared, not read), and each step reads and writes exactly the plan's bytes
+    (the tier's own counters, from each step's first update to the next's)."""
+    from megatrain_ray.config import config_from_dict
+    from megatrain_ray.planning.placement import NodeInfo, plan_placement
+
+    fmt, arch = StateFormat(master, "int8"), ARCH.replace(num_layers=12)  # 14 layers: a window of 3 saves RAM
+    layers = list(range(arch.num_layers + 2))
+    all_in_ram = sum(layer_bytes(layout, torch.bfloat16, fmt) for layout in model_layouts(arch))
+    config = config_from_dict({"model": {"preset": "tiny-llama", "overrides": {"num_layers": 12}, "compute_dtype": "bfloat16"},
+                               "optim": {"master": master, "moments": "int8"},
+                               "runtime": {"disk_dir": str(tmp_path), "store_memory_gib": 0.8 * all_in_ram / 2**30}})
+    node = NodeInfo("gpu", "10.0.0.1", 1.0, False, 2**40, disk_bytes=2**40, disk_read_gbs=1.0, disk_write_gbs=1.0)
+    plan, = plan_placement(arch, config, [node], "gpu").stores
+    assert 0 < len(plan.disk_layers) < len(layers), plan.disk_layers
+    store = ShardStore(arch, layers, torch.bfloat16, state_format=fmt, seed=3, disk_dir=str(tmp_path),
+                       disk_layers=plan.disk_layers)
+    try:
+        store.init_random(seed=5, std=0.02)
+        ahead = sum(disk_module.disk_bytes(model_layouts(arch)[i], fmt) for i in plan.disk_layers[:disk_module.WINDOW - 1])
+        assert store.disk.bytes_read == (ahead if master == "fp32" else 0)  # only the first step's first layers, read ahead
+        assert store.disk.bytes_written == (plan.disk_bytes if master == "fp32" else 0)
+        moved = []
+        for step in range(3):
+            hp = AdamWStep(step + 1, 3e-3, 0.7, BETAS, EPS, 0.1)
+            for i in layers:
+                store.layers[i].grad.normal_(generator=torch.Generator().manual_seed(10 * step + i))
+                store.step_layer(i, hp)
+            moved.append(store.disk.step_bytes())
+        # a bf16 master's first step reads nothing of its own (its files never written) but the next step's first layers
+        first_read = plan.disk_bytes if master == "fp32" else ahead
+        assert moved == [(first_read, plan.disk_bytes)] + [(plan.disk_bytes, plan.disk_bytes)] * 2
+        assert store.disk_stats()["step_read_bytes"] == plan.disk_bytes
+    finally:
+        store.close()

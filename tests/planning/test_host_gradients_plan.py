@@ -66,3 +66,28 @@ def test_a_setting_no_layer_can_follow_is_refused():
     tied = load_config(EXAMPLES / "qwen2.5-7b-10g.yaml", ["model.preset=qwen2.5-1.5b", "executor.host_gradients=true"])
     with pytest.raises(PlanError, match="executor.host_gradients is true but.*untied LM head"):
         plan_step(model_arch(tied.model), tied, card(9.5))
+
+
+def test_a_capped_step_s_prediction_counts_its_parked_activations_and_its_smaller_loss_chunks():
+    """What the plan decided for a 10 GB card costs time in its own prediction: the parked layer
+    inputs cross the host link beside the weights (each layer's, each micro-batch's: exactly their
+    bytes at the link's rate), and a loss chunk half as long sends the head's summed share twice as
+    often (the embedding's stays one a micro-batch)."""
+    arch, config = qwen7b("train.grad_accum=8")
+    step = plan_step(arch, config, card(9.5))
+    planned = step.planned_config(config)
+    chunk = planned.executor.loss_chunk_tokens
+    assert step.offload and planned.executor.offload_activations == "on" and chunk < 4096
+    rates = named_rates("rtx3080")
+    parked = predict_step(arch, planned, rates=rates)
+    on_device = predict_step(arch, planned.replace(executor=dataclasses.replace(planned.executor, offload_activations="off")),
+                             rates=rates)
+    inputs = (len(model_layouts(arch)) - 1) * 8 * 4096 * arch.hidden_size * 2  # every layer's input, 8 micro-batches, bf16
+    assert parked.h2d_s - on_device.h2d_s == pytest.approx(inputs / rates.h2d_bytes_per_s, rel=1e-12)
+    halved = predict_step(arch, planned.replace(executor=dataclasses.replace(planned.executor, loss_chunk_tokens=chunk // 2)),
+                          rates=rates)
+    layouts = model_layouts(arch)
+    embedding, head = layouts[0].numel, layouts[-1].numel
+    shares = lambda chunk: 8 * (embedding + 4096 // chunk * head)  # noqa: E731 - params crossing a step
+    assert halved.host_summed_s / parked.host_summed_s == pytest.approx(shares(chunk // 2) / shares(chunk), rel=1e-12)
+    assert halved.step_s > parked.step_s

@@ -36,6 +36,7 @@ def test_the_embedding_and_head_summed_in_host_memory_give_the_device_paths_upda
     assert host[0].d2h_bytes > device[0].d2h_bytes  # each chunk's and micro-batch's share crossed
     for ra, rb in zip(device, host, strict=True):
         assert ra.loss == rb.loss and rb.grad_norm == pytest.approx(ra.grad_norm, rel=1e-6)
+        assert rb.host_add_wait_s > 0 == ra.host_add_wait_s  # the step says how long it waited for the host's adds
     for x, y in zip(wa, wb, strict=True):
         assert torch.equal(x, y)  # unclipped, the same gradients make the same weights, bit for bit
 
@@ -66,3 +67,19 @@ def test_on_the_gpu_the_vocabulary_accumulator_leaves_the_device():
         assert ra.loss == rb.loss and rb.grad_norm == pytest.approx(ra.grad_norm, rel=1e-6)
     for x, y in zip(wa, wb, strict=True):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_add_in_widened_pieces_is_torchs_mixed_add_bit_for_bit(dtype, monkeypatch):
+    """The staged share added a piece at a time, widened to fp32 first (host_gradients.add_widened),
+    against torch's own add of the compute-dtype tensor into the fp32 sum: the same bits, over
+    pieces that do not divide the length."""
+    from megatrain_ray.streaming import host_gradients
+
+    monkeypatch.setattr(host_gradients, "ADD_PIECE", 1000)
+    g = torch.Generator().manual_seed(0)
+    total = torch.randn(4321, generator=g)
+    part = (torch.randn(4321, generator=g) * 1e-3).to(dtype)
+    expected = total.clone().add_(part)
+    host_gradients.add_widened(total, part)
+    assert torch.equal(total, expected)
