@@ -19,18 +19,14 @@ from megatrain_ray.streaming.data_parallel import Group
 from megatrain_ray.host.sources import LayerSource
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 from megatrain_ray.streaming.host_gradients import HostGradients
+from megatrain_ray.streaming.layer_traffic import LayerTraffic
 from megatrain_ray.streaming.streams import Streams
 
 
-class GradientSink:
+class GradientSink(LayerTraffic):
     def __init__(self, layouts, source: LayerSource, streams: Streams, dtype, stats, group: Group | None = None,
                  hooks: StepHooks = NO_HOOKS, host_layers: tuple[int, ...] = ()):
-        self.layouts = layouts
-        self.source = source
-        self.streams = streams
-        self.dtype = dtype
-        self.stats = stats
-        self.hooks = hooks
+        super().__init__(layouts, source, streams, dtype, stats, hooks)
         self.group = group or Group.solo(len(layouts))
         self.acc: dict[int, torch.Tensor] = {}
         self.landed: dict[int, object] = {}

@@ -11,6 +11,7 @@ import torch
 
 from megatrain_ray.host.sources import LayerSource
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
+from megatrain_ray.streaming.layer_traffic import LayerTraffic
 from megatrain_ray.streaming.streams import Streams
 
 
@@ -23,7 +24,7 @@ class Slot:
     free: object = None  # event: the last compute that read the buffer finished
 
 
-class Prefetcher:
+class Prefetcher(LayerTraffic):
     """Keeps the next layers of the step's order copying into free slots while the current computes.
 
     A slot is chosen Belady-style: the one whose resident layer is needed furthest in the future
@@ -33,12 +34,7 @@ class Prefetcher:
 
     def __init__(self, layouts, source: LayerSource, streams: Streams, dtype, num_slots: int, stats,
                  hooks: StepHooks = NO_HOOKS):
-        self.layouts = layouts
-        self.source = source
-        self.streams = streams
-        self.dtype = dtype
-        self.stats = stats
-        self.hooks = hooks
+        super().__init__(layouts, source, streams, dtype, stats, hooks)
         self.pools: dict[int, list[Slot]] = {}
         counts: dict[int, int] = {}
         for layout in layouts:
