@@ -26,7 +26,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, measured_facts
 from megatrain_ray.rl.rollout import Rollout, rollout_device
-from megatrain_ray.runtime.worker import Rendezvous, Worker, assemble_worker, reference_source
+from megatrain_ray.runtime.worker import Rendezvous, Worker, assemble_worker
 from megatrain_ray.streaming.executor import pick_device
 from megatrain_ray.streaming.step_result import EvalResult, StepResult
 
@@ -127,7 +127,6 @@ class GpuWorker:
         self.window: WindowSource | None = None
         self.kinds: list[str] = []  # how it reaches each store: "shm" or "stream"
         self.facts: DeviceFacts | None = None
-        self.reference = None  # a GRPO run's reference weights (reference_logprobs), read at first use
 
     def gpu_ids(self) -> list[str]:
         """The GPU Ray gave this actor (none on the CPU path)."""
@@ -225,7 +224,7 @@ class GpuWorker:
         the updates this worker sent (for the others; none when alone)."""
         self._expect(updates_elsewhere)
         worker = self.worker
-        result = worker.executor.train_step(micro_batches, worker.lr_schedule.next, step_target_tokens)
+        result = worker.train_step(micro_batches, step_target_tokens)
         if self.world == 1:
             return result, {}
         return result, worker.source.updates_in_flight(i for i in range(len(worker.group.owners)) if worker.group.owns(i))
@@ -233,19 +232,16 @@ class GpuWorker:
     def eval_loss(self, micro_batches: list[dict], updates_elsewhere: dict | None = None) -> EvalResult:
         """Validation on this worker's share, with every update so far (the others' too)."""
         self._expect(updates_elsewhere)
-        return self.worker.executor.eval_loss(micro_batches)
+        return self.worker.eval_loss(micro_batches)
 
     def token_logprobs(self, micro_batches: list[dict], updates_elsewhere: dict | None = None) -> list:
         """Each label's log-probability on this worker's share, with every update so far."""
         self._expect(updates_elsewhere)
-        return self.worker.executor.token_logprobs(micro_batches)
+        return self.worker.token_logprobs(micro_batches)
 
     def reference_logprobs(self, micro_batches: list[dict]) -> list:
-        """Each label's log-probability under the reference policy (model.path), streamed through
-        this worker's slots from its copy in host memory (runtime/worker.py, reference_source)."""
-        if self.reference is None:
-            self.reference = reference_source(self.arch, self.config, self.device)
-        return self.worker.executor.token_logprobs(micro_batches, self.reference)
+        """Each label's log-probability under the reference policy (model.path): Worker.reference_logprobs."""
+        return self.worker.reference_logprobs(micro_batches)
 
     def drain(self) -> int:
         """Wait until every optimizer step this worker sent or expects has landed; returns the LR

@@ -17,7 +17,7 @@ from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.registry import model_layouts
 from megatrain_ray.planning.placement import split_by_capacity
 from megatrain_ray.planning.step_plan import measured_facts, plan_step
-from megatrain_ray.runtime.worker import assemble_worker, reference_source
+from megatrain_ray.runtime.worker import assemble_worker
 from megatrain_ray.streaming.executor import pick_device
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 from megatrain_ray.streaming.step_result import EvalResult, StepResult
@@ -39,22 +39,18 @@ class LocalTrainer:
         self.plan = plan_step(arch, config, measured_facts(device, arch, config))
         self.worker = assemble_worker(arch, config, self.plan, LocalSource(self.stores), device, hooks=hooks)
         self.source, self.executor, self.lr_schedule = self.worker.source, self.worker.executor, self.worker.lr_schedule
-        self.reference = None  # a GRPO run's reference weights, read at first use
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
-        return self.executor.train_step(micro_batches, self.lr_schedule.next)
+        return self.worker.train_step(micro_batches)
 
     def eval_loss(self, micro_batches: list[dict]) -> EvalResult:
-        return self.executor.eval_loss(micro_batches)
+        return self.worker.eval_loss(micro_batches)
 
     def token_logprobs(self, micro_batches: list[dict]) -> list:
-        return self.executor.token_logprobs(micro_batches)
+        return self.worker.token_logprobs(micro_batches)
 
     def reference_logprobs(self, micro_batches: list[dict]) -> list:
-        """Under model.path's weights, streamed from host memory (runtime/worker.py, reference_source)."""
-        if self.reference is None:
-            self.reference = reference_source(self.arch, self.config, self.executor.device)
-        return self.executor.token_logprobs(micro_batches, self.reference)
+        return self.worker.reference_logprobs(micro_batches)
 
     def rollout_weights(self):
         """(layer, weights) for the rollout's copy, once every update has landed (rl/step.py,

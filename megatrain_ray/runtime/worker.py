@@ -7,7 +7,9 @@ through `assemble_worker`; none of them wires these pieces itself."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +26,7 @@ from megatrain_ray.streaming.device_step import DeviceStepSource
 from megatrain_ray.streaming.executor import StreamingExecutor
 from megatrain_ray.streaming.muon_step import MuonStepSource
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
+from megatrain_ray.streaming.step_result import EvalResult, StepResult
 
 
 @dataclass(frozen=True)
@@ -39,14 +42,38 @@ class Rendezvous:
 @dataclass
 class Worker:
     """What a worker steps with; `layers` is its way to the stores before the embedding's step is
-    wrapped around it (kept for a rebuild on the same stores)."""
+    wrapped around it (kept for a rebuild on the same stores).
+
+    Its methods are the policy's operations on one worker, written once for the two trainers that
+    hold a worker (runtime/local.py in process, runtime/actors.py's GpuWorker in a Ray actor); the
+    run's Session fans them out over its workers. Together they give rl/step.py's `Policy`."""
 
     layers: LayerSource
     source: LayerSource
     executor: StreamingExecutor
     lr_schedule: LrSchedule
     group: Group
+    read_reference: Callable[[], FrozenSource]  # model.path's weights, for a GRPO run's KL
     seconds: dict[str, float] = field(default_factory=dict)  # what its assembly took, part by part
+    reference: FrozenSource | None = None  # read at first use
+
+    def train_step(self, micro_batches: list[dict], step_target_tokens: int | None = None) -> StepResult:
+        """One optimizer step on this worker's micro-batches, the LR from its schedule."""
+        return self.executor.train_step(micro_batches, self.lr_schedule.next, step_target_tokens)
+
+    def eval_loss(self, micro_batches: list[dict]) -> EvalResult:
+        return self.executor.eval_loss(micro_batches)
+
+    def token_logprobs(self, micro_batches: list[dict]) -> list:
+        """Each label's log-probability under the current weights."""
+        return self.executor.token_logprobs(micro_batches)
+
+    def reference_logprobs(self, micro_batches: list[dict]) -> list:
+        """The same under the reference policy (model.path), streamed through this worker's slots
+        from its one copy in host memory (`reference_source`)."""
+        if self.reference is None:
+            self.reference = self.read_reference()
+        return self.executor.token_logprobs(micro_batches, self.reference)
 
 
 def assemble_worker(arch: ModelArch, config: Config, plan: StepPlan, layers: LayerSource, device: torch.device,
@@ -72,7 +99,8 @@ def assemble_worker(arch: ModelArch, config: Config, plan: StepPlan, layers: Lay
         source = with_muon_step(source, layers, arch, plan, device, group)
     with timed(seconds, "the executor"):
         executor = build_executor(arch, config, plan, source, device, group, hooks)
-    return Worker(layers, source, executor, LrSchedule(config.optim, plan.schedule_steps, updates_done), group, seconds)
+    return Worker(layers, source, executor, LrSchedule(config.optim, plan.schedule_steps, updates_done), group,
+                  functools.partial(reference_source, arch, config, device), seconds)
 
 
 @contextlib.contextmanager

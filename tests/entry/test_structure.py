@@ -190,6 +190,37 @@ def test_one_function_assembles_every_worker():
         assert "assemble_worker" in calls(PACKAGE / name), f"{name} does not assemble through assemble_worker"
 
 
+def executor_policy_calls(path: Path) -> list[int]:
+    """Lines where the file calls a policy operation on an executor itself (`<x>.executor.token_logprobs(...)`,
+    `self.executor.train_step(...)`) or reads the reference weights (`reference_source`)."""
+    ops = {"train_step", "eval_loss", "token_logprobs"}
+    lines = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Attribute) and f.attr in ops and isinstance(f.value, ast.Attribute) and f.value.attr == "executor":
+            lines.append(n.lineno)
+        if getattr(f, "id", getattr(f, "attr", None)) == "reference_source":
+            lines.append(n.lineno)
+    return lines
+
+
+def test_the_trainers_share_one_policy_surface():
+    """The policy's operations on a worker (a step, validation, token and reference log-probabilities)
+    are written once, on runtime/worker.py's Worker: the in-process trainer and the GPU actor call it
+    and never the executor's own (the Session fans the actor's out over the workers)."""
+    for name in ("runtime/actors.py", "runtime/local.py"):
+        assert not executor_policy_calls(PACKAGE / name), f"{name} calls the executor's policy operations itself"
+
+
+def test_the_policy_call_finder_finds_them(tmp_path):
+    copy = tmp_path / "copy.py"
+    copy.write_text("def f(self, mbs):\n    self.reference = reference_source(1, 2, 3)\n"
+                    "    return self.worker.executor.token_logprobs(mbs, self.reference)\n")
+    assert executor_policy_calls(copy) == [2, 3]
+
+
 def test_the_run_s_actors_inherit_nothing_from_the_benchmark():
     from megatrain_ray.runtime.actors import GpuWorker, ShardStoreActor
 
