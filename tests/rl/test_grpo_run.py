@@ -51,11 +51,17 @@ def grpo_raw(root: Path, run: str, optim: dict | None = None) -> dict:
     }
 
 
+MUON = {"name": "muon", "muon_lr": 0.02}
+
+
 @pytest.fixture(scope="module")
 def runs(local_ray, tmp_path_factory) -> Path:
     # the run "whole" streams one of its two decoder layers at every forward; the resumed "split" does
-    # not, and samples with two copies of the rollout, a step's two prompts split between them
-    return whole_then_split(tmp_path_factory.mktemp("grpo"), {"rollout_resident_layers": 1}, {"rollout_gpus": 2})
+    # not, and samples with two copies of the rollout, a step's two prompts split between them. Both
+    # with optim.name muon (the rollout's streaming and copies do not depend on the optimizer; AdamW's
+    # GRPO resume is the `ahead` runs'): one pair of runs for both, not two
+    return whole_then_split(tmp_path_factory.mktemp("grpo"), {"rollout_resident_layers": 1}, {"rollout_gpus": 2},
+                            MUON)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +70,6 @@ def ahead(local_ray, tmp_path_factory) -> Path:
     run's in two processes of their own)."""
     return whole_then_split(tmp_path_factory.mktemp("grpo-ahead"), {"rollout_gpu": "own"},
                             {"rollout_gpu": "own", "rollout_gpus": 2})
-
-
-@pytest.fixture(scope="module")
-def muon(local_ray, tmp_path_factory) -> Path:
-    """The same runs with optim.name muon."""
-    return whole_then_split(tmp_path_factory.mktemp("grpo-muon"), {}, {}, {"name": "muon", "muon_lr": 0.02})
 
 
 def whole_then_split(root: Path, whole_grpo: dict, split_grpo: dict, optim: dict | None = None) -> Path:
@@ -139,7 +139,7 @@ def test_the_config_a_grpo_run_carries_is_the_one_read(runs):
     """Nothing writes the config after it is read: a step's micro-batches, the LR schedule's length
     and the rollout's resident layers are the step plan's, so the config each checkpoint records (the
     session's, which its workers and the rollout got) is the user's."""
-    raw = grpo_raw(runs, "whole")
+    raw = grpo_raw(runs, "whole", MUON)
     raw["checkpoint"]["every"] = 2
     raw["grpo"]["rollout_resident_layers"] = 1
     read = json.loads(json.dumps(config_from_dict(raw).to_dict()))
@@ -179,11 +179,11 @@ def assert_resumed_bit_for_bit(runs: Path, prompts: int = 8) -> None:
     assert [[r[k] for k in keys] for r in records(runs, "whole")] == [[r[k] for k in keys] for r in records(runs, "split")]
 
 
-def test_a_grpo_run_with_muon_resumes_bit_for_bit(muon):
+def test_a_grpo_run_with_muon_resumes_bit_for_bit(runs):
     """GRPO's updates with optim.name muon: its blocks' momentum in the checkpoint, and 4 steps equal 2 +
     resume + 2 bit for bit."""
-    assert_resumed_bit_for_bit(muon)
-    last = ckpt.list_checkpoints(muon / "whole" / "checkpoints")[-1]
+    assert_resumed_bit_for_bit(runs)
+    last = ckpt.list_checkpoints(runs / "whole" / "checkpoints")[-1]
     meta = json.loads((last / ckpt.META).read_text())
     assert meta["config"]["optim"]["name"] == "muon"
     files = ckpt.shard_files_by_layer(last, json.loads((last / ckpt.MANIFEST).read_text()))
