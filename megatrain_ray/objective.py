@@ -158,9 +158,9 @@ class Grpo(Objective):
         return None, (grpo_data(self.config, arch), None)
 
     def steps(self, session, data, meta: dict | None, bad_rows):
-        from megatrain_ray.rl.step import GrpoSteps
-
-        return GrpoSteps(session, self.config, data, meta.get("data_position") if meta else None)
+        """The session's GRPO steps (runtime/grpo_steps.py): its rollout actors sample, the policy it
+        fans out over its workers trains."""
+        return session.grpo_steps(self.config, data, meta.get("data_position") if meta else None)
 
 
 OBJECTIVES = {"lm": Objective, "grpo": Grpo}

@@ -286,7 +286,7 @@ class Rollout:
 
     def start_sampling(self, prompts: list[np.ndarray], group_size: int, s: Sampling):
         """`sample_scored` for a step that waits for it later: in process there is nothing to overlap,
-        so it samples now (the rollout's actor samples while the caller goes on: rl/step.py, RemoteRollout)."""
+        so it samples now (the rollout's actor samples while the caller goes on: runtime/grpo_steps.py, RemoteRollout)."""
         result = self.sample_scored(prompts, group_size, s)
         return lambda: result
 

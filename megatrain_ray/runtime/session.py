@@ -20,6 +20,7 @@ from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.files.carried import carried_tensors, carry_into
 from megatrain_ray.runtime.actors import GpuWorker, RolloutActor, ShardStoreActor, store_weights
 from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, on_node
+from megatrain_ray.runtime.grpo_steps import GrpoSteps
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
 from megatrain_ray.config import Config
 from megatrain_ray.objective import objective_of
@@ -317,6 +318,10 @@ class Session:
             shown = [self.gpu_ids[rank % len(self.gpu_ids)] for rank in range(share.samplers)]
         return [ray.remote(RolloutActor).options(**options).remote(self.arch, self.config, gpus, share.resident_layers)
                 for gpus in shown]
+
+    def grpo_steps(self, config: Config, data, position: dict | None) -> GrpoSteps:
+        """A GRPO run's steps for the training loop, on this session's rollout actors and workers."""
+        return GrpoSteps(self, config, data, position)
 
     def refresh_rollouts(self) -> None:
         """The rollout actors load the weights of every update so far, from the stores themselves."""

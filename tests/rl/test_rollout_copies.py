@@ -1,4 +1,4 @@
-"""Several copies of the rollout in Ray actors (rl/step.py, RemoteRollout), a step's prompts split
+"""Several copies of the rollout in Ray actors (runtime/grpo_steps.py, RemoteRollout), a step's prompts split
 between them in order: every copy draws the step's random numbers and takes its rows', so they
 sample what one copy samples from all the prompts (the same tokens; log-probabilities within fp32's
 rounding, each copy's batch padded to its own longest prompt), step after step, and their
@@ -10,7 +10,7 @@ import ray
 import torch
 
 from megatrain_ray.rl.rollout import CopyTiming, Rollout, Sampling, overlap, prompt_parts
-from megatrain_ray.rl.step import RemoteRollout
+from megatrain_ray.runtime.grpo_steps import RemoteRollout
 from helpers.threads import one_thread  # noqa: F401 (a fixture)
 
 transformers = pytest.importorskip("transformers")
