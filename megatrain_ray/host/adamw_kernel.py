@@ -112,20 +112,24 @@ void update(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
 // none is left: a thread slowed by a neighbour (the GPU actor's copies, Ray) takes fewer tiles, where
 // equal static ranges would make the whole layer wait for it (on the H100 machine, 16 threads:
 // 5.6 G params/s against 5.2 static).
-template <typename T>
-void step(float* p, float* m, float* v, T* gw, int64_t n, c10::ArrayRef<int64_t> ends,
-          c10::ArrayRef<double> decays, Scalars s) {
+template <typename F>
+void over_tiles(int64_t n, const F& f) {  // f(lo, hi) for each tile [lo, hi) of [0, n)
   const int64_t tiles = (n + kTile - 1) / kTile;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(tiles, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) {
-      const int64_t lo = t * kTile, hi = std::min(n, lo + kTile);
-      int64_t start = 0;
-      for (size_t k = 0; k < ends.size(); start = ends[k++]) {  // the parameters this tile overlaps
-        const int64_t a = std::max(lo, start), b = std::min(hi, ends[k]);
-        if (a < b && s.bias2_sqrt == 1.0f) update<true>(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
-        else if (a < b) update<false>(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
-      }
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) f(t * kTile, std::min(n, (t + 1) * kTile));
+  });
+}
+
+template <typename T>
+void step(float* p, float* m, float* v, T* gw, int64_t n, c10::ArrayRef<int64_t> ends,
+          c10::ArrayRef<double> decays, Scalars s) {
+  over_tiles(n, [&](int64_t lo, int64_t hi) {
+    int64_t start = 0;
+    for (size_t k = 0; k < ends.size(); start = ends[k++]) {  // the parameters this tile overlaps
+      const int64_t a = std::max(lo, start), b = std::min(hi, ends[k]);
+      if (a < b && s.bias2_sqrt == 1.0f) update<true>(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
+      else if (a < b) update<false>(p + a, m + a, v + a, gw + a, b - a, float(decays[k]), s);
     }
   });
 }
@@ -343,13 +347,7 @@ void update_blocks(const Master& P, const Moments& M, const G* g, int64_t lo, in
 template <typename Master, typename Moments, typename G>
 void step_lean(const Master& P, const Moments& M, const G* g, int64_t n, c10::ArrayRef<int64_t> ends,
                c10::ArrayRef<double> decays, Scalars s) {
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(tiles, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) {
-      update_blocks(P, M, g, t * kTile, std::min(n, (t + 1) * kTile), ends, decays, s);
-    }
-  });
+  over_tiles(n, [&](int64_t lo, int64_t hi) { update_blocks(P, M, g, lo, hi, ends, decays, s); });
 }
 
 template <typename Master, typename G>
@@ -393,15 +391,6 @@ void apply_bf16(uint16_t* p, const O* o, int64_t lo, int64_t hi, float decay, fl
     const int64_t j = origin + i;
     p[i] = round_stochastic(pi, uint32_t(j), block_key(key, j));
   }
-}
-
-template <typename F>
-void over_tiles(int64_t n, const F& f) {  // tiles handed out as threads become free, as `step`
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(tiles, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) f(t * kTile, std::min(n, (t + 1) * kTile));
-  });
 }
 
 template <typename O>
