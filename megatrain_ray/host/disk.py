@@ -159,7 +159,7 @@ class DiskTier:
         self.direct = True
         self.read_seconds = 0.0  # the store's thread waiting for reads: the tier's exposed time
         self.bytes_read = self.bytes_written = 0
-        self.step_marks: list[tuple[int, int]] = []  # (bytes_read, bytes_written) at each step's first update
+        self.step_mark = (0, 0)  # (bytes_read, bytes_written) at the last step's first update
         self.written: set[int] = set()  # layers whose file holds state (the others read as zeros)
         self._clock = 0
         try:
@@ -228,13 +228,13 @@ class DiskTier:
 
     def mark_step(self) -> None:
         """A step's first update begins: the counts so far, for `step_bytes`."""
-        self.step_marks.append((self.bytes_read, self.bytes_written))
+        self.step_mark = (self.bytes_read, self.bytes_written)
 
     def step_bytes(self) -> tuple[int, int]:
         """(read, written) bytes since the last step's first update (`mark_step`): that step's, whole
         once its updates are done (its reads include the next step's first layers read ahead, as the
         step before read its own)."""
-        read, written = self.step_marks[-1] if self.step_marks else (0, 0)
+        read, written = self.step_mark
         return self.bytes_read - read, self.bytes_written - written
 
     def flush(self) -> None:

@@ -271,7 +271,7 @@ class Rollout:
                       ) -> tuple[list[np.ndarray], list[np.ndarray] | None, list[CopyTiming]]:
         """As `sample`, with each completion token's log-probability under the copy (fp32, of its
         logits untempered: the policy's, as the loss takes it); None where not `scored`; and the
-        copy's timing (one: this copy's; rl/step.py joins several copies' lists). `part`: (the first
+        copy's timing (one: this copy's; runtime/grpo_steps.py joins several copies' lists). `part`: (the first
         prompt's place, the step's prompts) where `prompts` are this copy's share of a step's
         (`prompt_parts`); None: all of them."""
         start, cpu = time.time(), time.thread_time()
