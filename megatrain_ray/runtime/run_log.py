@@ -7,7 +7,9 @@ directory was known is written first): plain lines, without colour codes or a te
 `| tee log` dead of the same Ctrl-C, a broken pipe, a closed terminal) drops that stream for the rest
 of the run, which goes on into the log file: the stop it is making still saves its checkpoint. The
 stream's descriptor then points at /dev/null, so that what writes to it past Python's streams (Ray's
-logger, the interpreter's last flush) cannot fail either.
+logger, the interpreter's last flush) cannot fail either. The file is line-buffered, so that a hard
+exit (Ray's, on a lost connection) keeps what was said before it, and an error that escapes the
+command leaves its traceback there as well as on stderr.
 
 Nesting is free: the CLI takes the output for the whole command (its last words, the resume command,
 go into the log too), and `run_training` within it finds it taken and attaches the file.
@@ -20,6 +22,7 @@ import os
 import re
 import sys
 import threading
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,7 +50,8 @@ class RunLog:
         with self.lock:
             if self.file is not None:
                 return
-            self.file, self.path = open(path, "a"), path
+            # line-buffered: what was said before a hard exit (a lost Ray connection's) is in the file
+            self.file, self.path = open(path, "a", buffering=1), path
             held, self.held = self.held or [], None
             for text in held:
                 self.file.write(text)
@@ -166,6 +170,10 @@ def run_output():
     sys.stdout, sys.stderr = LoggedStream(out, log), LoggedStream(err, log)
     try:
         yield log
+    except BaseException as e:  # its traceback goes where the user looks afterwards, the log too
+        if not isinstance(e, SystemExit):
+            log.write("".join(traceback.format_exception(e)))
+        raise
     finally:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()

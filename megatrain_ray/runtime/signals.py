@@ -27,6 +27,7 @@ them with SIGINT blocked: the stores outlive the hang-up and write the checkpoin
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 import threading
@@ -34,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+WAKEUP_BYTE_WAIT_S = 0.05  # a signal's byte, written by the interpreter microseconds after it marks the signal
 
 
 def tell(text: str) -> None:
@@ -139,14 +141,22 @@ class StopRequest:
             self._holding = holding
 
     def _deliveries(self, signum: int) -> list[int]:
-        """The signals delivered since the handler last ran, in order (see the module docstring)."""
-        data = b""
-        if self._wakeup is not None:
-            try:
-                data = os.read(self._wakeup[0], 1024)
-            except BlockingIOError:
-                pass
-        return [s for s in data if s in SIGNALS] or [signum]  # none: the bytes were read by the call before
+        """The signals delivered since the handler last ran, in order (see the module docstring). A
+        call that finds no byte waits for it briefly: the interpreter marks a signal before it writes
+        the byte, so a signal taken on another thread may be handled first; if none comes, an earlier
+        call read and counted it (two signals, two calls of the handler, the first of which read both)."""
+        if self._wakeup is None:
+            return [signum]
+        data = self._read_wakeup()
+        if not data and select.select([self._wakeup[0]], [], [], WAKEUP_BYTE_WAIT_S)[0]:
+            data = self._read_wakeup()
+        return [s for s in data if s in SIGNALS]
+
+    def _read_wakeup(self) -> bytes:
+        try:
+            return os.read(self._wakeup[0], 1024)
+        except BlockingIOError:
+            return b""
 
     def _handle(self, signum: int, frame) -> None:
         for delivered in self._deliveries(signum):
