@@ -120,7 +120,7 @@ SMALL = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "num_expert_group": 1, "topk_group": 1, "sliding_window": 8,
-    "attention_chunk_size": 8,
+    "attention_chunk_size": 8, "ffn_dim": 64, "dff": 64, "n_inner": 64, "rotary_dim": 8,
     "num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 16, "num_heads": 8,
     "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8, "laurel_rank": 8,
     "unpadded_vocab_size": 128,  # the rows a checkpoint holds, padded to vocab_size on load (Inkling 2)
@@ -137,7 +137,7 @@ OTHER_PROPORTIONS = dict(
     num_experts_per_token=3, sliding_window=6, attention_chunk_size=6, linear_num_heads=3, linear_head_dim=20,
     num_heads=6, vocab_size_per_layer_input=160, hidden_size_per_layer_input=16, laurel_rank=4,
     unpadded_vocab_size=160, mamba_d_state=8, mamba_n_heads=12, mamba_chunk_size=8, chunk_size=8, mamba_d_ssm=96,
-    mamba_num_heads=16, ssm_state_size=8)
+    mamba_num_heads=16, ssm_state_size=8, ffn_dim=80, dff=80, n_inner=80, rotary_dim=4)
 
 
 def small_config(config: dict[str, Any], kinds: tuple[int, ...], sizes: dict[str, int] = SMALL) -> dict[str, Any]:
@@ -230,7 +230,9 @@ def small_sizes(config: dict[str, Any], outer: dict[str, Any] | None = None,
     intermediate_size); a layer's own config (`outer` the model's) with its key-value heads as
     small_kv_heads makes them, its heads read from the model's where it leaves them unset."""
     small = dict(config)
+    names = own_names(config)
     for key, value in sizes.items():
+        key = names.get(key, key)
         if isinstance(small.get(key), int) and not isinstance(small[key], bool) and small[key] > value:
             small[key] = value
         elif isinstance(small.get(key), list) and small[key] and all(type(v) is int for v in small[key]):
@@ -238,6 +240,18 @@ def small_sizes(config: dict[str, Any], outer: dict[str, Any] | None = None,
     if outer is not None:
         small.update(small_kv_heads(config, outer, sizes))
     return small
+
+
+def own_names(config: dict[str, Any]) -> dict[str, str]:
+    """The config's own names for the common ones (GPT-J's n_embd for hidden_size, XGLM's d_model): its
+    class's attribute_map, whose keys a config.json does not hold."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        mapping = getattr(CONFIG_MAPPING[config.get("model_type")], "attribute_map", {}) or {}
+    except KeyError:
+        return {}
+    return {common: own for common, own in mapping.items() if common not in config and own in config}
 
 
 def small_kv_heads(config: dict[str, Any], outer: dict[str, Any] | None = None,
