@@ -242,16 +242,21 @@ def small_sizes(config: dict[str, Any], outer: dict[str, Any] | None = None,
     return small
 
 
+RENAMED_WIDTHS = ("hidden_size", "num_attention_heads")  # what a class may call otherwise; not head_dim,
+# which some derive from them (Zamba's attention_head_dim: twice the hidden size over the heads)
+
+
 def own_names(config: dict[str, Any]) -> dict[str, str]:
-    """The config's own names for the common ones (GPT-J's n_embd for hidden_size, XGLM's d_model): its
-    class's attribute_map, whose keys a config.json does not hold."""
+    """The config's own names for the hidden size and the heads (GPT-J's n_embd and n_head, XGLM's
+    d_model): its class's attribute_map, whose keys a config.json does not hold."""
     from transformers import CONFIG_MAPPING
 
     try:
         mapping = getattr(CONFIG_MAPPING[config.get("model_type")], "attribute_map", {}) or {}
     except KeyError:
         return {}
-    return {common: own for common, own in mapping.items() if common not in config and own in config}
+    return {common: own for common, own in mapping.items()
+            if common in RENAMED_WIDTHS and common not in config and own in config}
 
 
 def small_kv_heads(config: dict[str, Any], outer: dict[str, Any] | None = None,
