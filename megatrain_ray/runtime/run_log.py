@@ -171,7 +171,7 @@ def run_output():
     try:
         yield log
     except BaseException as e:  # its traceback goes where the user looks afterwards, the log too
-        if not isinstance(e, SystemExit):
+        if not isinstance(e, SystemExit) or e.code not in (0, None):  # a library's exit (Ray's on a SIGTERM) too
             log.write("".join(traceback.format_exception(e)))
         raise
     finally:

@@ -26,3 +26,14 @@ def test_a_line_is_in_the_file_as_soon_as_it_is_said(tmp_path):
         assert path.read_text() == ""
         print(" | loss 1.0")
         assert path.read_text() == "step 1/9 | loss 1.0\n"
+
+
+def test_an_exit_that_a_library_makes_mid_run_leaves_its_traceback_in_the_log(tmp_path):
+    """As Ray's handler of a SIGTERM in a process that started a Ray of its own: sys.exit(1)."""
+    path = tmp_path / "train.log"
+    with pytest.raises(SystemExit):
+        with run_output() as log:
+            log.attach(path)
+            raise SystemExit(1)
+    assert path.read_text().startswith("Traceback (most recent call last):\n")
+    assert path.read_text().endswith("SystemExit: 1\n")
