@@ -40,6 +40,7 @@ def one_type(model_type: str, sizes: str = "small") -> dict:
 
     from megatrain_ray.config import ConfigError, ModelConfig
     from megatrain_ray.models.transformers import modules as hm
+    from megatrain_ray.models.transformers.check import worst_relative_difference
     from megatrain_ray.models.registry import model_arch
 
     config = {k: v for k, v in AutoConfig.for_model(model_type).to_dict().items()
@@ -66,22 +67,10 @@ def one_type(model_type: str, sizes: str = "small") -> dict:
             return {"result": "failed", "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         transformers_steps(model, model_dir)
         ours = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
-        worst = worst_difference(ours, model.state_dict())
+        worst = worst_relative_difference(ours, model.state_dict())
     if worst[0] > RTOL:
         return {"result": "differs", "why": f"after {STEPS} steps {worst[1]} differs by {worst[0]:.1e} (relative)"}
     return {"result": "trains", "why": f"{STEPS} steps equal to transformers + AdamW (worst {worst[0]:.0e})"}
-
-
-def worst_difference(ours: dict, theirs: dict) -> tuple[float, str]:
-    """The largest difference of a tensor, relative to its norm or, where that is under 1e-3 of the
-    whole model's, to that (the suite's rule for gradients, tests/helpers/hf_parity.py): a bias that
-    softmax ignores (a key projection's) has a true gradient of zero, so AdamW moves it by rounding
-    noise alone, which no two orders of summation share."""
-    import torch
-
-    total = float(torch.sqrt(sum(v.double().pow(2).sum() for v in theirs.values())))
-    return max(((float((ours[k].double() - v.double()).norm()) / max(float(v.double().norm()), 1e-3 * total, 1e-30), k)
-                for k, v in theirs.items()), default=(0.0, ""))
 
 
 def image_text_row(config: dict) -> dict:

@@ -162,6 +162,17 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def worst_relative_difference(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest |ours - theirs| of a tensor, relative to its norm or, where that is under 1e-3 of
+    all of `theirs`, to that, in float64, and the tensor's name: a tensor whose true gradient is zero
+    (a key projection's bias, which softmax ignores; the pad token's embedding row) holds only the
+    rounding noise of its path, and AdamW steps on that noise, which no two orders of summation share.
+    The tests' comparison of gradients and the model table's of trained weights."""
+    total = float(torch.sqrt(sum(t.double().pow(2).sum() for t in theirs.values())))
+    return max(((float((ours[k].double() - t.double()).norm()) / max(float(t.double().norm()), 1e-3 * total, 1e-30), k)
+                for k, t in theirs.items()), default=(0.0, ""))
+
+
 @functools.lru_cache(maxsize=16)
 def check_config(config_json: str) -> str | None:
     """The reason the two paths differ on a small instance of this config, or None."""
