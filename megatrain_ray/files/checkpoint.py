@@ -291,7 +291,7 @@ def checkpoint_bytes(config: Config, arch: ModelArch) -> int:
     and meta.json add kilobytes; the final checkpoint's Hugging Face export (hf/) is not counted."""
     fmt = format_of(config.optim)
     return sum(fmt.held_bytes(layout.numel, layout.trained_numel, second_moment_numel(layout, fmt.optimizer))
-               for layout in model_layouts(arch))
+               for layout in model_layouts(arch, config.model.train_vision))
 
 
 def checkpoint_root(config: Config) -> Path:

@@ -133,6 +133,7 @@ class ShardStore:
         disk_dir: str | None = None,
         disk_layers: tuple[int, ...] = (),
         shared_momentum: tuple[int, ...] = (),
+        train_vision: bool = False,
     ):
         """`seed`: train.seed, the stochastic rounding's (a bf16 master's) stream. `shared_state`: layers
         whose master and moments a GPU worker on this node steps (the step plan's embedding on the
@@ -140,7 +141,8 @@ class ShardStore:
         layers whose optimizer state lives in files under `disk_dir` (the plan's: host/disk.py).
         `shared_momentum`: Muon blocks whose momentum a GPU worker on this node updates and
         orthogonalizes (the plan's, streaming/muon_step.py): that buffer in shared memory, with the
-        layer's marker (`held_marker`)."""
+        layer's marker (`held_marker`). `train_vision`: model.train_vision (an image-text model's
+        frozen vision tower holds no moments: registry.model_layouts)."""
         start_native_kernel()  # a first build on this node (tens of seconds) beside the run's start, not in its first step
         self.arch = arch
         self.compute_dtype = compute_dtype
@@ -161,7 +163,7 @@ class ShardStore:
             if files:
                 print(f"removed {files} shared-memory segment(s) ({nbytes / 2**30:.2f} GiB) of runs that died "
                       f"without cleaning up, from {self._shm_dir}", flush=True)
-        layouts = model_layouts(arch)
+        layouts = model_layouts(arch, train_vision)
         if set(disk_layers) & set(shared_state):
             raise ValueError(f"layers {sorted(set(disk_layers) & set(shared_state))} cannot be both on disk and "
                              "stepped by a GPU worker")

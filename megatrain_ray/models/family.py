@@ -83,9 +83,11 @@ class ModelFamily(abc.ABC):
         counts them per layer for the probe's FLOPs."""
         return 0
 
-    def trains_vision(self, arch: ModelArch) -> bool:
-        """Whether an image-text model's vision tower trains (model.train_vision), for the plan's line."""
-        return False
+    def vision_tensors(self, arch: ModelArch) -> frozenset[str]:
+        """An image-text model's vision tower and projector: the local names of their tensors in the
+        embedding layer, which registry.model_layouts marks frozen unless model.train_vision; none
+        for a decoder alone."""
+        return frozenset()
 
     def dense_equivalent(self, arch: ModelArch) -> ModelArch | None:
         """A dense model with as many active parameters as a mixture of experts (the benchmark's
@@ -198,9 +200,10 @@ class ModelFamily(abc.ABC):
     def aux_loss_on(self, arch: ModelArch) -> bool:
         return False
 
-    def vision_bytes(self, arch: ModelArch, tokens: int, dtype_bytes: int) -> int:
+    def vision_bytes(self, arch: ModelArch, tokens: int, dtype_bytes: int, trained: bool) -> int:
         """An image-text model's vision tower and projector on the device for a micro-batch of
-        `tokens` positions (planning/memory.py's line for it): none for a decoder alone."""
+        `tokens` positions, `trained` (model.train_vision) or frozen (planning/memory.py's line for
+        it): none for a decoder alone."""
         return 0
 
     def compiled_variants(self, arch: ModelArch) -> int:

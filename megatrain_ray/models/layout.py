@@ -30,8 +30,8 @@ class ParamSlot:
     # their own (local) names, shapes and offsets in the layer, e.g. the stacked experts of a
     # mixture-of-experts layer stored one tensor per expert. Empty: stored as itself.
     stored_as: tuple["ParamSlot", ...] = ()
-    # False: frozen (an image-text model's vision tower unless model.train_vision): the step gives
-    # it no gradient and AdamW no weight decay, so it stays as it is
+    # False: frozen (an image-text model's vision tower unless model.train_vision: registry.model_layouts
+    # marks it): the step gives it no gradient and AdamW no weight decay, so it stays as it is
     trained: bool = True
     # False: no gradient ever reaches it in transformers' training forward: a persistent buffer
     # (MiniMax's decay factors, a router's score bias), which checkpoints hold and which streams with
@@ -86,6 +86,11 @@ class LayerLayout:
             return self.numel
         return min(frozen)
 
+    @property
+    def frozen_names(self) -> frozenset[str]:
+        """The local names of its frozen parameters (ParamSlot.trained): the executor detaches them."""
+        return frozenset(p.name for p in self.params if not p.trained)
+
     def hf_name(self, local: str) -> str:
         return self.prefix + local
 
@@ -108,6 +113,27 @@ class LayerLayout:
     def segments(self) -> list[tuple[int, int, bool]]:
         """(start, end, decays) of each parameter, for the optimizer's weight decay."""
         return [(p.offset, p.offset + p.numel, p.decays) for p in self.params]
+
+
+def marked_slots(layout: LayerLayout, names: frozenset[str], **fields) -> LayerLayout:
+    """The layout with the named tensors' slots given `fields` (ParamSlot's: trained, gets_gradient)."""
+    if not names & {s.name for s in layout.params}:
+        return layout
+    params = tuple(dataclasses.replace(s, **fields) if s.name in names else s for s in layout.params)
+    return dataclasses.replace(layout, params=params)
+
+
+def frozen_slots(layout: LayerLayout, names: frozenset[str]) -> LayerLayout:
+    """The layout with the named tensors marked untrained (ParamSlot.trained): an image-text model's
+    vision tower, at the embedding layer's end whether it trains or not (the same offsets either
+    way), then holds no optimizer state (LayerLayout.trained_numel)."""
+    return marked_slots(layout, names, trained=False)
+
+
+def detached(w: dict[str, torch.Tensor], names: frozenset[str]) -> dict[str, torch.Tensor]:
+    """The weights with the named ones detached: no gradient reaches them (a frozen parameter, a
+    persistent buffer), and AdamW, given zero, leaves them as they are."""
+    return {k: (v.detach() if k in names else v) for k, v in w.items()} if names else w
 
 
 def shared_part(own: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

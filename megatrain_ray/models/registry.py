@@ -20,7 +20,7 @@ from megatrain_ray.models.hf_adapter import overridable_keys
 from megatrain_ray.models.transformers.family import TRANSFORMERS
 from megatrain_ray.models.transformers.arch import TransformersArch
 from megatrain_ray.models.transformers.modules import is_image_text, of_image_text_model
-from megatrain_ray.models.layout import LayerLayout, ParamSlot
+from megatrain_ray.models.layout import LayerLayout, ParamSlot, frozen_slots
 from megatrain_ray.models.gpt_oss import GPT_OSS
 from megatrain_ray.models.llama import LLAMA
 from megatrain_ray.models.mixtral import MIXTRAL
@@ -53,13 +53,14 @@ def implementation_of(arch: ModelArch) -> str:
     return "transformers" if isinstance(arch, TransformersArch) else "native"
 
 
-def how_it_runs(arch: ModelArch) -> str:
+def how_it_runs(arch: ModelArch, train_vision: bool) -> str:
     """For the model line printed at start: a model run through transformers' modules says so, and
-    that its check against transformers (model_arch: models/transformers/check.py) passed."""
+    that its check against transformers (model_arch: models/transformers/check.py) passed; an
+    image-text model whether its vision tower trains (`train_vision`: model.train_vision)."""
     if implementation_of(arch) == "native":
         return ""
     if is_image_text(arch.config):
-        vision = "trained (model.train_vision)" if arch.train_vision else "frozen (model.train_vision: false)"
+        vision = "trained (model.train_vision)" if train_vision else "frozen (model.train_vision: false)"
         return (f" through transformers' own modules, an image-text model of a type tested against transformers "
                 f"with images; its vision tower and projector {vision}")
     return (" through transformers' own modules (its check against transformers' model passed: a small random "
@@ -67,8 +68,15 @@ def how_it_runs(arch: ModelArch) -> str:
 
 
 @lru_cache(maxsize=32)
-def model_layouts(arch: ModelArch) -> tuple[LayerLayout, ...]:
-    return family(arch).layouts(arch)
+def model_layouts(arch: ModelArch, train_vision: bool = False) -> tuple[LayerLayout, ...]:
+    """The model's streamed layers, with what trains: an image-text model's vision tower and projector
+    (ModelFamily.vision_tensors) frozen unless `train_vision` (the run's model.train_vision, which
+    the arch, the model's shape, does not hold). The one place that setting marks the layouts: the
+    stores, the executor and the plan read what trains from these (ParamSlot.trained)."""
+    layouts = family(arch).layouts(arch)
+    if train_vision:
+        return layouts
+    return (frozen_slots(layouts[0], family(arch).vision_tensors(arch)), *layouts[1:])
 
 
 def num_params(arch: ModelArch) -> int:
@@ -131,9 +139,10 @@ def arch_to_hf_config(arch: ModelArch, torch_dtype: str = "float32") -> dict[str
 
 
 def arch_from_dict(fields: dict[str, Any]) -> ModelArch:
-    """An arch as a checkpoint's meta.json (ModelArch.to_dict) recorded it."""
+    """An arch as a checkpoint's meta.json (ModelArch.to_dict) recorded it (one written while
+    model.train_vision lived on the arch records it there too: the meta's config holds it)."""
     if "hf_config" in fields:
-        return TransformersArch.from_dict(fields)
+        return TransformersArch.from_dict({k: v for k, v in fields.items() if k != "train_vision"})
     return family_of(fields["model_type"]).arch_type.from_dict(fields)
 
 
@@ -173,12 +182,10 @@ def model_arch(cfg: ModelConfig) -> ModelArch:
             from megatrain_ray.models.transformers.check import checked
 
             arch = checked(with_config_overrides(arch, cfg.overrides, cfg.router_aux_loss_coef))
-            return with_train_vision(arch, cfg.train_vision)
+            return with_vision_tower_checked(arch, cfg.train_vision)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
-    if cfg.train_vision:
-        raise ConfigError(f"model.train_vision: {arch.model_type} has no vision tower (image-text models only)")
-    arch = with_router_aux_loss(arch, cfg.router_aux_loss_coef)
+    arch = with_router_aux_loss(with_vision_tower_checked(arch, cfg.train_vision), cfg.router_aux_loss_coef)
     if not cfg.overrides:
         return arch
     names = [f.name for f in dataclasses.fields(arch)]
@@ -219,13 +226,12 @@ def with_config_overrides(arch: TransformersArch, overrides: dict[str, Any], aux
     return transformers_arch(config)
 
 
-def with_train_vision(arch: TransformersArch, train: bool) -> TransformersArch:
-    """model.train_vision: an image-text model's vision tower and projector train (else frozen)."""
-    if not train:
-        return arch
-    if not is_image_text(arch.config):
+def with_vision_tower_checked(arch: ModelArch, train_vision: bool) -> ModelArch:
+    """The arch, where model.train_vision asks for a vision tower that it has; the setting stays the
+    run's (model_layouts takes it), not the arch's."""
+    if train_vision and not family(arch).vision_tensors(arch):
         raise ConfigError(f"model.train_vision: {arch.model_type} has no vision tower (image-text models only)")
-    return arch.replace(train_vision=True)
+    return arch
 
 
 def with_router_aux_loss(arch: ModelArch, coef: float | None) -> ModelArch:

@@ -194,9 +194,9 @@ def gpu_plan(arch: ModelArch, config: Config, offload: bool = False, num_gpus: i
     per_logit = POLICY_LOSS_BYTES_PER_LOGIT if objective_of(config).head_loss.policy else LOSS_BYTES_PER_LOGIT
     plan.by_use["loss chunk"] = chunk * arch.vocab_size * per_logit
     plan.by_use["RoPE tables"] = 2 * micro_batches_per_gpu(config, num_gpus) * mb_tokens * arch.head_dim * d
-    vision = family(arch).vision_bytes(arch, mb_tokens, d)
+    vision = family(arch).vision_bytes(arch, mb_tokens, d, config.model.train_vision)
     if vision:
-        plan.by_use[vision_line(arch)] = vision
+        plan.by_use[vision_line(config.model.train_vision)] = vision
     plan.by_use[KEPT] = kept * kept_graph_bytes(arch, config, num_gpus, measured)
     if embedding_on_device:
         n = layouts[0].numel
@@ -236,8 +236,8 @@ TRAINED_VISION = ("vision tower and projector: pixels, forward, and what its bac
                   "(one micro-batch, every token an image token at most)")
 
 
-def vision_line(arch: ModelArch) -> str:
-    return TRAINED_VISION if family(arch).trains_vision(arch) else FROZEN_VISION
+def vision_line(train_vision: bool) -> str:
+    return TRAINED_VISION if train_vision else FROZEN_VISION
 
 
 # The new weights stay on the device between steps (two copies at the turn: the last step's and

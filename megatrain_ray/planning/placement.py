@@ -81,6 +81,7 @@ class Placement:
     state_format: StateFormat = StateFormat()  # optim.master, optim.moments
     compute_bytes: int = 2  # a weight of the compute copy
     idle_gpus: int = 0  # the node's GPUs no worker takes: a step's micro-batches split evenly over fewer
+    train_vision: bool = False  # model.train_vision: an image-text model's vision tower holds moments too (the model line)
 
     def remote_layers(self) -> list[int]:
         """Layers of stores on other nodes than the GPU worker's: they stream over the network."""
@@ -99,7 +100,7 @@ class Placement:
 
     def describe(self, arch: ModelArch) -> str:
         lines = [
-            f"model: {arch.model_type}{how_it_runs(arch)}, {arch.num_layers} blocks, {params_text(num_params(arch))}, "
+            f"model: {arch.model_type}{how_it_runs(arch, self.train_vision)}, {arch.num_layers} blocks, {params_text(num_params(arch))}, "
             f"{self.bytes_per_param:.4g} host bytes/param ({self.state_format.describe()})",
             f"executor on node {node_name(self.gpu)}, GPUs there: {self.gpu.gpus:g}; "
             f"{self.num_gpus} {'GPU' if self.use_cuda else 'CPU'} worker(s), data parallel" + (
@@ -136,7 +137,7 @@ class Placement:
 
 def disk_line(arch: ModelArch, s: StorePlan, placement: Placement) -> str:
     """A store's disk tier as the plan prints it: what lives where, and what it costs a step."""
-    layouts = model_layouts(arch)
+    layouts = model_layouts(arch, placement.train_vision)
     params = sum(layouts[i].numel for i in s.layers)
     on_disk = sum(layouts[i].numel for i in s.disk_layers)
     esize = placement.compute_bytes
@@ -342,7 +343,7 @@ def fewer_bytes_text(fmt: StateFormat) -> str:
 def mean_bytes_per_param(arch: ModelArch, config: Config, fmt: StateFormat) -> float:
     """Host bytes a parameter of this model in `fmt`, over all its layers: with Muon a block matrix's
     and the AdamW tensors' (the embedding, the head) differ, so the mean is the model's."""
-    layouts = model_layouts(arch)
+    layouts = model_layouts(arch, config.model.train_vision)
     dtype = dtype_of(config.model.compute_dtype)
     return sum(layer_bytes(layout, dtype, fmt) for layout in layouts) / sum(layout.numel for layout in layouts)
 
@@ -391,7 +392,8 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
     fmt = format_of(config.optim)
     bpp = (mean_bytes_per_param(arch, config, fmt) if fmt.optimizer == "muon"
            else bytes_per_param(dtype_of(config.model.compute_dtype), fmt))
-    held = [layer_bytes(layout, dtype_of(config.model.compute_dtype), fmt) for layout in model_layouts(arch)]
+    held = [layer_bytes(layout, dtype_of(config.model.compute_dtype), fmt)
+            for layout in model_layouts(arch, config.model.train_vision)]
     esize = element_size(dtype_of(config.model.compute_dtype))
     stated = rt.store_memory_gib is not None
     sharing = Counter(n.ip for n in holders)
@@ -423,7 +425,7 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
     if rt.disk_dir is not None:
         stores = with_disk_tier(stores, arch, config, held, gpu.ip, workers)
     placement = Placement(gpu, use_cuda, stores, bpp, num_gpus=workers, stated_memory=stated, state_format=fmt,
-                          compute_bytes=esize, idle_gpus=room.idle_gpus)
+                          compute_bytes=esize, idle_gpus=room.idle_gpus, train_vision=config.model.train_vision)
     spare = USABLE * room.machines[gpu.ip] - workers * GPU_NODE_RESERVE - placement.gpu_machine_state()
     return dataclasses.replace(placement, gpu_spare=spare)
 
@@ -436,7 +438,7 @@ def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Confi
     later; without the tier a model either fits with room to spare or is refused). Refuses, with the
     figures, a store whose RAM is short even with all of them there, and a disk that cannot hold
     its files (where its free bytes are known)."""
-    layouts = model_layouts(arch)
+    layouts = model_layouts(arch, config.model.train_vision)
     fmt = format_of(config.optim)
     keep = (TURN_LAYER,) if fmt.exact and config.executor.embedding_step != "host" else ()  # it may step on a GPU
     out = []

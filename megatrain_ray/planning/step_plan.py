@@ -201,7 +201,7 @@ def plan_step(arch: ModelArch, config: Config, facts: DeviceFacts | list[DeviceF
     config = planner_view(config, objective.micro_batches, compile_blocks, share.trainer_cap)
     measured = max(f.measured_working_set for f in facts)
     where = f"the {tightest.name} of node {placement.gpu.ip}" if placement is not None else tightest.name
-    embedding = model_layouts(arch)[0]
+    embedding = model_layouts(arch, config.model.train_vision)[0]
     on_device = embedding_step_on_device(config.executor.embedding_step, tightest.kind, workers,
                                          placement is None or 0 not in placement.remote_layers(),
                                          format_of(config.optim).exact, embedding.trained_numel < embedding.numel)

@@ -31,7 +31,7 @@ class LocalTrainer:
         self.arch = arch
         layers = split_by_capacity([layout.numel for layout in model_layouts(arch)], [1.0] * num_stores)
         self.stores = [ShardStore(arch, ids, dtype_of(config.model.compute_dtype), state_format=format_of(config.optim),
-                                  seed=config.train.seed) for ids in layers]
+                                  seed=config.train.seed, train_vision=config.model.train_vision) for ids in layers]
         for store in self.stores:
             store.init_random(config.train.seed, config.model.init_std)
         device = pick_device(config.executor.device)

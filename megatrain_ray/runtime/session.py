@@ -154,7 +154,7 @@ class Session:
                                   shared_state=(0,) if self.plan.embedding_on_device and 0 in plan.layers else (),
                                   disk_dir=config.runtime.disk_dir, disk_layers=plan.disk_layers,
                                   shared_momentum=tuple(i for i in self.plan.muon_on_device if i in plan.layers),
-                                  serve=plan.node.node_id != p.gpu.node_id)
+                                  train_vision=config.model.train_vision, serve=plan.node.node_id != p.gpu.node_id)
             for store, plan in zip(self.stores, p.stores)], "starting the stores")
 
     # -- the first weights -------------------------------------------------------------------------

@@ -117,6 +117,7 @@ def build_executor(arch: ModelArch, config: Config, plan: StepPlan, source: Laye
         arch, source, device, dtype_of(config.model.compute_dtype), plan.num_slots, plan.loss_chunk_tokens,
         compile_blocks=plan.compile, mlp_chunk_tokens=plan.mlp_chunk_tokens, offload_activations=plan.offload,
         group=group, keep_graphs=plan.kept, hooks=hooks, head_loss=plan.head_loss, host_gradients=plan.host_gradients,
+        train_vision=config.model.train_vision,
     )
 
 
@@ -151,7 +152,7 @@ def with_embedding_step(layers: LayerSource, arch: ModelArch, config: Config, de
     where this worker owns the embedding (its store's state as this process reaches it, and the store
     told of its update count), else on its owner's, whose new weights reach this worker over `group`."""
     dtype = dtype_of(config.model.compute_dtype)
-    layout = model_layouts(arch)[0]
+    layout = model_layouts(arch, config.model.train_vision)[0]
     if group.owns(0):
         state = layers.shared_state(0, layout.segments())
         return DeviceStepSource(layers, {0: state}, device, dtype, layers.report_updates, group)

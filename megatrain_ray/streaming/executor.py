@@ -40,7 +40,7 @@ from megatrain_ray.streaming.gradient_sink import GradientSink
 from megatrain_ray.streaming.hooks import NO_HOOKS, StepHooks
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.family import IGNORE_INDEX
-from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout, shared_part
+from megatrain_ray.models.layout import EMBED, HEAD, LayerLayout, detached, shared_part
 from megatrain_ray.models.ops import packs_documents
 from megatrain_ray.models.registry import family, model_layouts
 from megatrain_ray.rl.loss import PolicyLoss, PolicyMetrics, TokenLoss, label_logprobs, token_losses
@@ -132,6 +132,7 @@ class StreamingExecutor:
         hooks: StepHooks = NO_HOOKS,
         head_loss: TokenLoss | PolicyLoss = TokenLoss(),
         host_gradients: tuple[int, ...] = (),
+        train_vision: bool = False,
     ):
         self.arch = arch
         self.head_loss = head_loss  # the objective's (objective.py): the token cross-entropy or the policy loss
@@ -140,7 +141,8 @@ class StreamingExecutor:
         self.dtype = compute_dtype
         self.loss_chunk_tokens = loss_chunk_tokens
         self.family = family(arch)
-        self.layouts: tuple[LayerLayout, ...] = model_layouts(arch)
+        # what trains (model.train_vision): the embedding's frozen tensors are detached (_embed)
+        self.layouts: tuple[LayerLayout, ...] = model_layouts(arch, train_vision)
         self.units = model_units(arch)
         self.streams = Streams(device)
         self.stats = TransferStats()
@@ -377,13 +379,18 @@ class StreamingExecutor:
         if draws is not None and self.replay:
             draws[(unit.layers[0], mb)] = rng.capture(self.device)
         if unit.kind == EMBED:
-            return self.family.embed(self.arch, w, x)
+            return self._embed(w, x)
         y = self._block(w, x, self.family.layer_context(self.arch, ctx, unit.layers[0]))
         if self.aux:
             y, stats = y
             if aux is not None:
                 aux.count(mb, stats)
         return y
+
+    def _embed(self, w: dict, x):
+        """The embedding's template, its frozen tensors (an image-text model's vision tower unless
+        model.train_vision: LayerLayout.frozen_names) detached: no gradient reaches them."""
+        return self.family.embed(self.arch, detached(w, self.layouts[0].frozen_names), x)
 
     def _bind_leaves(self, buffer: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         """Each parameter a separate autograd leaf viewing the slot: gradients come back per
@@ -456,7 +463,7 @@ class StreamingExecutor:
             with rng.replayed(draws.pop((layer, mb), None), self.device):
                 if unit.kind == EMBED:
                     w = self._bind_leaves(slots[0].buffer, layer)
-                    y = self.family.embed(self.arch, w, x)
+                    y = self._embed(w, x)
                     grads = torch.autograd.grad(y, list(w.values()), dy, allow_unused=True, materialize_grads=True)
                     self.grads.add(layer, dict(zip(w, grads)))
                     del grads  # one micro-batch's weight gradient alive at a time

@@ -13,7 +13,7 @@ from megatrain_ray.host.adamw import AdamWStep, adamw_step, segments_within
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.host.transport import piece_bounds
-from megatrain_ray.models.transformers.names import frozen_slots
+from megatrain_ray.models.layout import frozen_slots
 from megatrain_ray.models.registry import PRESETS
 from helpers.kernel import path_of
 from helpers.threads import three_threads  # noqa: F401 (a fixture)

@@ -71,6 +71,9 @@ def test_a_transformers_arch_survives_a_checkpoint_and_a_measurement(tmp_path):
     arch = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers"))
     meta = {"arch": json.loads(json.dumps(arch.to_dict()))}
     assert arch_from_dict(meta["arch"]) == arch
+    older = {"arch": {**meta["arch"], "train_vision": False}}  # written while model.train_vision lived on the arch
+    assert arch_from_dict(older["arch"]) == arch
+    check_compatible(older, arch, tmp_path)
     other = model_arch(ModelConfig(preset="tiny-qwen2", implementation="transformers", overrides={"num_layers": 1}))
     with pytest.raises(CheckpointError, match="from another model"):
         check_compatible(meta, other, tmp_path)

@@ -8,6 +8,7 @@ export read back by transformers, which generates."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -225,7 +226,7 @@ def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
     assert embedding.trained_numel == embedding.numel - vision
     data = the_runs_batches(config, arch.vocab_size)
     whole = LocalTrainer(config, arch)
-    trained = LocalTrainer(config, arch.replace(train_vision=True))
+    trained = LocalTrainer(dataclasses.replace(config, model=dataclasses.replace(config.model, train_vision=True)), arch)
     try:
         assert whole.stores[0].layers[0].exp_avg.numel() == embedding.trained_numel
         assert trained.stores[0].host_bytes() - whole.stores[0].host_bytes() == 8 * vision
@@ -241,7 +242,7 @@ def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
         files = save(first, tmp_path / "ckpt")
     finally:
         first.close()
-    unfrozen = ShardStore(arch.replace(train_vision=True), list(files), torch.float32)
+    unfrozen = ShardStore(arch, list(files), torch.float32, train_vision=True)
     with pytest.raises(CheckpointError, match="saved with another model.train_vision"):
         shard.load_layers(unfrozen, files)
     second = LocalTrainer(config, arch)
@@ -350,7 +351,7 @@ def test_the_plan_counts_the_vision_tower_by_its_patches_and_whether_it_trains(t
             fields["data"]["seq_len"], fields["model"]["train_vision"] = seq_len, trained
             config = config_from_dict(fields)
             arch = model_arch(config.model)
-            lines[seq_len, trained] = gpu_plan(arch, config).by_use[vision_line(arch)]
+            lines[seq_len, trained] = gpu_plan(arch, config).by_use[vision_line(trained)]
     assert lines[80, False] == 2 * lines[40, False] and lines[80, True] == 2 * lines[40, True]
     assert lines[40, True] > lines[40, False]
     with pytest.raises(PlanError, match=r"the vision tower frozen \(model.train_vision: false"):
@@ -366,7 +367,7 @@ def test_the_plan_counts_the_vision_tower_by_its_patches_and_whether_it_trains(t
     config_file.write_text(yaml.safe_dump(fields))
     assert cli.main(["plan", str(config_file), "--cluster", "examples/cluster-h100-128g.yaml"]) == 0
     out = capsys.readouterr().out
-    assert f"{vision_line(arch)}: " in out, out
+    assert f"{vision_line(config.model.train_vision)}: " in out, out
 
 
 def test_a_paligemma_row_attends_causally_from_its_answer_on(tmp_path):

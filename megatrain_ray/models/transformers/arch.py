@@ -28,15 +28,10 @@ class TransformersArch(ModelArch):
     whole config.json as canonical JSON (its class's defaults filled in): it decides the model."""
 
     hf_config: str = "{}"
-    # An image-text model's vision tower and projector train (model.train_vision); else frozen
-    train_vision: bool = False
 
     @property
     def config(self) -> dict[str, Any]:
         return json.loads(self.hf_config)
-
-    def model_fields(self) -> list[str]:
-        return [name for name in super().model_fields() if name != "train_vision"]
 
     @property
     def per_layer_input_width(self) -> int:

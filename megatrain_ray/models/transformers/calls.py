@@ -18,7 +18,7 @@ from megatrain_ray.models.transformers.arch import TransformersArch, parts
 from megatrain_ray.models.transformers.flow import (PerLayerInput, SharedKV, common_input_of, hidden_stack, index_on,
                                                     layer_kv)
 from megatrain_ray.models.transformers.names import input_embedding_name, output_embedding_name
-from megatrain_ray.models.transformers.recording import (buffer_names, buffers_on, frozen, recording_decoder,
+from megatrain_ray.models.transformers.recording import (buffer_names, buffers_on, recording_decoder,
                                                          stand_ins_on, template_frozen, written_in_place)
 from megatrain_ray.models.transformers.router import routers_in
 

@@ -29,7 +29,8 @@ from megatrain_ray.models.transformers.calls import (HeadCall, LayerCall, bound_
                                                      head_call, layer_calls)
 from megatrain_ray.models.transformers.forward import (block_forward, block_with_router_stats, chunk_loss,
                                                        embed_forward, head_logits, head_state)
-from megatrain_ray.models.transformers.names import MTP_MODULE, layouts_of, mtp_layer_of, mtp_layers, renamed_in_files
+from megatrain_ray.models.transformers.names import (MTP_MODULE, layouts_of, mtp_layer_of, mtp_layers, renamed_in_files,
+                                                     vision_names)
 from megatrain_ray.models.transformers.router import aux_settings, router_aux_term
 
 
@@ -143,9 +144,9 @@ class TransformersFamily(ModelFamily):
     def aux_loss_term(self, arch: TransformersArch, stats: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
         return router_aux_term(arch, stats, totals)
 
-    def vision_bytes(self, arch: TransformersArch, tokens: int, dtype_bytes: int) -> int:
+    def vision_bytes(self, arch: TransformersArch, tokens: int, dtype_bytes: int, trained: bool) -> int:
         config = arch.config
-        return tower_bytes(config, tokens, dtype_bytes, arch.train_vision) if hm.is_image_text(config) else 0
+        return tower_bytes(config, tokens, dtype_bytes, trained) if hm.is_image_text(config) else 0
 
     def compiled_variants(self, arch: TransformersArch) -> int:
         """Its layers' templates, told apart further by what of their call the block branches on:
@@ -190,8 +191,8 @@ class TransformersFamily(ModelFamily):
     def layer_inactive_params(self, arch: TransformersArch, layout: LayerLayout) -> int:
         return inactive_in(arch, layout)
 
-    def trains_vision(self, arch: TransformersArch) -> bool:
-        return arch.train_vision
+    def vision_tensors(self, arch: TransformersArch) -> frozenset[str]:
+        return vision_names(parts(arch))
 
     def working_set_bytes(self, arch: TransformersArch, tokens: int, mlp_tokens: int, dtype_bytes: int) -> int:
         per_h, per_i = WORKING_SET_PER_TOKEN

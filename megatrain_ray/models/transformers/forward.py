@@ -10,13 +10,13 @@ import torch.nn.functional as F
 
 from megatrain_ray.models.family import IGNORE_INDEX, Weights
 from megatrain_ray.models.image_text import vision_kwargs
+from megatrain_ray.models.layout import detached
 from megatrain_ray.models.transformers import modules as hm
 from megatrain_ray.models.transformers.arch import TransformersArch, parts
 from megatrain_ray.models.transformers.calls import (HeadCall, LayerCall, head_call, per_layer_position,
                                                      refuse_per_layer_inputs)
 from megatrain_ray.models.transformers.flow import common_input_of, side_by_side, stacked
-from megatrain_ray.models.transformers.names import vision_names
-from megatrain_ray.models.transformers.recording import (buffer_names, buffers_on, frozen, own_copies,
+from megatrain_ray.models.transformers.recording import (buffer_names, buffers_on, own_copies,
                                                          recording_decoder)
 from megatrain_ray.models.transformers.router import aux_settings, router_recorder
 
@@ -34,7 +34,7 @@ def embed_forward(arch: TransformersArch, w: Weights, inputs) -> torch.Tensor:
     width = arch.per_layer_input_width
     decoder, calls, entered = recording_decoder(arch.hf_config, len(p.layers) - 1 if width else 0)
     calls.clear()
-    w = frozen(w, buffer_names(p.root) | (frozenset() if arch.train_vision else vision_names(p)))
+    w = detached(w, buffer_names(p.root))  # a frozen vision tower: the executor detaches it (LayerLayout.frozen_names)
     inputs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}  # ids alone: positions from 0
     kwargs = vision_kwargs(inputs, w) if p.decoder_in_root else inputs
     device = kwargs["input_ids"].device
@@ -80,7 +80,7 @@ def block_forward(w: Weights, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
     of them (in place of the recorded stand-in), one with deepstack features adds its own to its
     output, and either hands them all on behind its output; one whose layers share keys and values
     has its layer read them and store its own; stacked hidden states (AltUp) go in stacked."""
-    state = own_copies(frozen(w, call.frozen), call.written)
+    state = own_copies(detached(w, call.frozen), call.written)
     if call.buffers:
         state = {**state, **call.buffers}
     hidden, args, kwargs, inputs, kv, states = x, call.args, call.kwargs, None, None, None
@@ -126,7 +126,7 @@ def block_with_router_stats(arch: TransformersArch, w: Weights, x: torch.Tensor,
 
 
 def head_state(head_call: HeadCall, head: Weights, embed: Weights | None) -> dict[str, torch.Tensor]:
-    head = frozen(head, head_call.frozen)
+    head = detached(head, head_call.frozen)
     if head_call.stand_ins:  # the decoder's weights before its layers, read on a stand-in input
         some = next(iter(head.values()))
         zero = torch.zeros((), dtype=some.dtype, device=some.device)

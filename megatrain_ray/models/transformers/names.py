@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, lay_out
+from megatrain_ray.models.layout import BLOCK, EMBED, HEAD, LayerLayout, lay_out, marked_slots
 from megatrain_ray.models.moe import stored_as, stored_in_rows, stored_per_expert
 from megatrain_ray.models.transformers import modules as hm
 from megatrain_ray.models.transformers.arch import TransformersArch, expert_counts, parts
@@ -35,11 +35,10 @@ def layouts_of(arch: TransformersArch) -> tuple[LayerLayout, ...]:
     # tower and projector too), as named under the module that runs it
     embed = _local_shapes(hm.persistent_tensors(p.root), lambda n: not n.startswith((in_layers, *after)))
     vision = vision_names(p)
-    embed = [s for s in embed if s[0] not in vision] + [s for s in embed if s[0] in vision]  # the vision tower last
-    frozen_names = frozenset() if arch.train_vision else vision
-    embedding = lay_out(0, EMBED, p.root_prefix, embed)
+    # the vision tower last: frozen (registry.model_layouts, unless model.train_vision), it holds no moments
+    embed = [s for s in embed if s[0] not in vision] + [s for s in embed if s[0] in vision]
     ungraded = ungraded_tensors(arch, p)
-    layouts = [marked_slots(frozen_slots(embedding, frozen_names), ungraded[0], gets_gradient=False)]
+    layouts = [marked_slots(lay_out(0, EMBED, p.root_prefix, embed), ungraded[0], gets_gradient=False)]
     for i, layer in enumerate(p.layers):
         # a block that several layers share lies in the first of them (modules.shared_tensors)
         shared = p.shared_names[i]
@@ -76,13 +75,6 @@ def vision_names(p: hm.Parts) -> frozenset[str]:
     return frozenset(n for n in hm.persistent_tensors(p.root) if not n.startswith(p.decoder_in_root))
 
 
-def frozen_slots(layout: LayerLayout, names: frozenset[str]) -> LayerLayout:
-    """The layout with the named tensors marked untrained (ParamSlot.trained): the vision tower, at
-    the embedding layer's end whether it trains or not (the same offsets either way), then holds no
-    optimizer state (LayerLayout.trained_numel)."""
-    return marked_slots(layout, names, trained=False)
-
-
 def ungraded_tensors(arch: TransformersArch, p: hm.Parts) -> list[frozenset[str]]:
     """Per layer (the embedding, each block, the head), the local names of its tensors that no
     gradient reaches (ParamSlot.gets_gradient): its persistent buffers, and in a decoder its
@@ -102,14 +94,6 @@ def ungraded_tensors(arch: TransformersArch, p: hm.Parts) -> list[frozenset[str]
 @functools.lru_cache(maxsize=8)
 def _ungraded_parameters(config_json: str, kinds: tuple[int, ...]) -> frozenset[str]:
     return hm.ungraded_parameters(hm.build_small(hm.small_config(json.loads(config_json), kinds)))
-
-
-def marked_slots(layout: LayerLayout, names: frozenset[str], **fields) -> LayerLayout:
-    """The layout with the named tensors' slots given `fields` (ParamSlot's: trained, gets_gradient)."""
-    if not names & {s.name for s in layout.params}:
-        return layout
-    params = tuple(dataclasses.replace(s, **fields) if s.name in names else s for s in layout.params)
-    return dataclasses.replace(layout, params=params)
 
 
 def with_stored_names(arch: TransformersArch, p: hm.Parts, layouts: tuple[LayerLayout, ...]) -> tuple[LayerLayout, ...]:

@@ -9,7 +9,6 @@ import functools
 
 import torch
 
-from megatrain_ray.models.family import Weights
 from megatrain_ray.models.transformers import modules as hm
 
 
@@ -17,13 +16,6 @@ def buffer_names(module: torch.nn.Module) -> frozenset[str]:
     """Local names of a module's persistent buffers (in checkpoints, not parameters)."""
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     return frozenset(n for n in hm.persistent_tensors(module) if n not in params)
-
-
-def frozen(w: Weights, names: frozenset[str]) -> Weights:
-    """The weights with the model's persistent buffers (a router's score bias, an activation's
-    constants) detached: checkpoints hold them and they stream with their layer, but they are no
-    parameters, so no gradient reaches them and AdamW, given zero, leaves them as they are."""
-    return {k: (v.detach() if k in names else v) for k, v in w.items()} if names else w
 
 
 @functools.lru_cache(maxsize=64)
