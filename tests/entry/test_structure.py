@@ -299,7 +299,7 @@ def family_class_tests(path: Path, arch_classes: set[str]) -> list[int]:
     probe a family for a hook it may not have (getattr of a ModelFamily member by name)."""
     from megatrain_ray.models.family import ModelFamily
 
-    hooks = {name for name in dir(ModelFamily) if not name.startswith("_")} | {"train_vision"}
+    hooks = {name for name in dir(ModelFamily) if not name.startswith("_")}
     lines = []
     for n in ast.walk(ast.parse(path.read_text())):
         if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "isinstance" and len(n.args) == 2:
@@ -328,6 +328,70 @@ def test_no_caller_outside_models_tells_a_family_by_its_class():
         if part_of(module_name(path)) != "models":
             found = family_class_tests(path, arch_classes)
             assert not found, f"{module_name(path)} tells a family by its class at lines {found}"
+
+
+def run_settings() -> set[str]:
+    """The names of every setting of the config (model.train_vision, executor.compile, ...)."""
+    import dataclasses
+    import typing
+
+    from megatrain_ray.config import Config
+
+    sections = typing.get_type_hints(Config).values()
+    return {f.name for section in sections if dataclasses.is_dataclass(section) for f in dataclasses.fields(section)}
+
+
+def arch_shape_breaches(families, settings: set[str]) -> list[str]:
+    """What makes an arch more than the model's shape: a field named after a setting of the run that
+    its family's config.json table (ModelFamily.hf_fields) does not read, and a transformers-family
+    arch field beside config.json itself (hf_config) and the shared fields read from it."""
+    import dataclasses
+
+    from megatrain_ray.models.arch import ModelArch
+    from megatrain_ray.models.transformers.arch import TransformersArch
+
+    read_from_config_json = {f.name for f in dataclasses.fields(ModelArch)} | {"hf_config"}
+    breaches = []
+    for fam in families:
+        arch, names = fam.arch_type.__name__, sorted(f.name for f in dataclasses.fields(fam.arch_type))
+        breaches += [f"{arch}.{name} is a setting of the run" for name in names
+                     if name in settings and name not in {f.arch for f in fam.hf_fields}]
+        if issubclass(fam.arch_type, TransformersArch):
+            breaches += [f"{arch}.{name} is not read from config.json" for name in names
+                         if name not in read_from_config_json]
+    return breaches
+
+
+def test_an_arch_holds_the_model_s_shape_only():
+    """An arch (ModelArch, each family's subclass) is what a checkpoint's config.json says. A setting
+    of the run reaches the code that needs it as an argument: model.train_vision (whether an
+    image-text model's vision tower trains) is registry.model_layouts's, which marks the layouts
+    that the stores, the executor and the plan read; no arch holds it. model.router_aux_loss_coef is
+    config.json's too (the MoE families' tables read and write it)."""
+    from megatrain_ray.models.registry import FAMILIES
+    from megatrain_ray.models.transformers.family import TRANSFORMERS
+
+    settings = run_settings()
+    assert {"train_vision", "compute_dtype", "compile"} <= settings
+    assert not arch_shape_breaches((*FAMILIES, TRANSFORMERS), settings)
+
+
+def test_the_arch_check_finds_a_setting_on_an_arch():
+    """The check above fails where a transformers-family arch holds model.train_vision, as it once did."""
+    import dataclasses
+
+    from megatrain_ray.models.transformers.arch import TransformersArch
+    from megatrain_ray.models.transformers.family import TransformersFamily
+
+    @dataclasses.dataclass(frozen=True)
+    class WithSetting(TransformersArch):
+        train_vision: bool = False
+
+    class Family(TransformersFamily):
+        arch_type = WithSetting
+
+    assert arch_shape_breaches([Family()], run_settings()) == ["WithSetting.train_vision is a setting of the run",
+                                                               "WithSetting.train_vision is not read from config.json"]
 
 
 def test_every_step_decision_is_made_in_the_step_plan():
