@@ -113,28 +113,33 @@ def steps_in_process(model_type: str, tmp_path: Path, train_vision: bool = False
     check_export(export, model, exact_model, initial, set() if train_vision else vision_of(model))
 
 
-def test_train_command_trains_as_transformers_and_skips_an_unreadable_image(local_ray, tmp_path, capsys):
+@pytest.mark.parametrize("train_vision", [False, True])
+def test_train_command_trains_as_transformers_and_skips_an_unreadable_image(local_ray, tmp_path, capsys, train_vision):
     """`megatrain-ray train CONFIG` on the module's Ray cluster: the unreadable image's row is
-    counted and skipped at start, the metrics' losses and the export are transformers'."""
-    model, config = prepared("qwen2_5_vl", tmp_path)
+    counted and skipped at start, the metrics' losses and the export are transformers', the vision
+    tower frozen or, with model.train_vision, trained (the stores' actors and the GPU worker are
+    handed the setting)."""
+    model, config = prepared("qwen2_5_vl", tmp_path, train_vision)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     (tmp_path / "shm").mkdir()
-    fields = {**run_dict(Path(config.model.path), Path(config.data.source), tmp_path / "run"),
+    fields = {**run_dict(Path(config.model.path), Path(config.data.source), tmp_path / "run", train_vision),
               "runtime": {"shm_dir": str(tmp_path / "shm")}}
     config_file = tmp_path / "run.yaml"
     config_file.write_text(yaml.safe_dump(fields))
 
     assert cli.main(["train", str(config_file)]) == 0
     out = capsys.readouterr().out
-    assert "1 unreadable image" in out and "its vision tower and projector frozen" in out
+    tower = "trained (model.train_vision)" if train_vision else "frozen (model.train_vision: false)"
+    assert "1 unreadable image" in out and f"its vision tower and projector {tower}" in out
     data = the_runs_batches(config, model.config.text_config.vocab_size)
     exact_model = exact_copy(model)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["loss"] for r in records] == pytest.approx(transformers_losses(model, config, data, False), rel=RTOL)
-    transformers_losses(exact_model, config, data, False)
+    assert [r["loss"] for r in records] == pytest.approx(transformers_losses(model, config, data, train_vision),
+                                                         rel=RTOL)
+    transformers_losses(exact_model, config, data, train_vision)
     final = tmp_path / "run" / "checkpoints" / f"step-{STEPS:08d}" / "hf"
     assert (final / "preprocessor_config.json").is_file(), "the export carries the processor"
-    check_export(final, model, exact_model, initial, vision_of(model))
+    check_export(final, model, exact_model, initial, set() if train_vision else vision_of(model))
 
 
 @pytest.mark.parametrize("model_type", WITH_PROCESSOR)
