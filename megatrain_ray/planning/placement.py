@@ -81,7 +81,7 @@ class Placement:
     state_format: StateFormat = StateFormat()  # optim.master, optim.moments
     compute_bytes: int = 2  # a weight of the compute copy
     idle_gpus: int = 0  # the node's GPUs no worker takes: a step's micro-batches split evenly over fewer
-    train_vision: bool = False  # model.train_vision: an image-text model's vision tower holds moments too (the model line)
+    train_vision: bool = False  # model.train_vision: an image-text model's vision tower trains (the model line)
 
     def remote_layers(self) -> list[int]:
         """Layers of stores on other nodes than the GPU worker's: they stream over the network."""
@@ -100,7 +100,8 @@ class Placement:
 
     def describe(self, arch: ModelArch) -> str:
         lines = [
-            f"model: {arch.model_type}{how_it_runs(arch, self.train_vision)}, {arch.num_layers} blocks, {params_text(num_params(arch))}, "
+            f"model: {arch.model_type}{how_it_runs(arch, self.train_vision)}, {arch.num_layers} blocks, "
+            f"{params_text(num_params(arch))}, "
             f"{self.bytes_per_param:.4g} host bytes/param ({self.state_format.describe()})",
             f"executor on node {node_name(self.gpu)}, GPUs there: {self.gpu.gpus:g}; "
             f"{self.num_gpus} {'GPU' if self.use_cuda else 'CPU'} worker(s), data parallel" + (

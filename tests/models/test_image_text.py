@@ -8,7 +8,6 @@ export read back by transformers, which generates."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from pathlib import Path
 
@@ -231,7 +230,8 @@ def test_a_frozen_tower_holds_no_optimizer_state_and_resumes_exactly(tmp_path):
     assert embedding.trained_numel == embedding.numel - vision
     data = the_runs_batches(config, arch.vocab_size)
     whole = LocalTrainer(config, arch)
-    trained = LocalTrainer(dataclasses.replace(config, model=dataclasses.replace(config.model, train_vision=True)), arch)
+    trained = LocalTrainer(config_from_dict(run_dict(Path(config.model.path), Path(config.data.source),
+                                                    tmp_path / "run", train_vision=True)), arch)
     try:
         assert whole.stores[0].layers[0].exp_avg.numel() == embedding.trained_numel
         assert trained.stores[0].host_bytes() - whole.stores[0].host_bytes() == 8 * vision
