@@ -41,10 +41,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -71,6 +74,7 @@ class Part:
     dtype: torch.dtype
     numel: int
     offset: int  # bytes, a multiple of ALIGN
+    on_file: bool = True  # False: in the window's buffer only (a gradient, which its update consumes)
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +106,24 @@ def layer_parts(layout: LayerLayout, fmt: StateFormat) -> tuple[Part, ...]:
     return tuple(parts)
 
 
+def compute_parts(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> tuple[Part, ...]:
+    """The file of a layer whose compute copy is on disk too (`StorePlan.disk_compute_layers`): the
+    copy; a bf16 master's gradient buffer follows it in the window's buffer only (it lands there and
+    its update consumes it: no file holds it). With an fp32 master the gradient lands over the copy."""
+    n = layout.numel
+    parts = (Part("compute", compute_dtype, n, 0),)
+    if fmt.master == "bf16":
+        parts += (Part("grad", torch.bfloat16, n, aligned(n * compute_dtype.itemsize), on_file=False),)
+    return parts
+
+
 def file_bytes(parts: tuple[Part, ...]) -> int:
+    """Bytes of a layer's file: what a read or a write moves."""
+    return buffer_bytes(tuple(p for p in parts if p.on_file))
+
+
+def buffer_bytes(parts: tuple[Part, ...]) -> int:
+    """Bytes of a window buffer that holds the layer (its parts on file, and those only in the buffer)."""
     return aligned(parts[-1].offset + parts[-1].nbytes) if parts else 0
 
 
@@ -145,15 +166,21 @@ class DiskTier:
     """The files of a store's layers on disk and its window of buffers."""
 
     def __init__(self, directory: str | Path, run_id: str, layouts: dict[int, LayerLayout], fmt: StateFormat,
-                 window: int | None = None, threads: int = IO_THREADS):
+                 window: int | None = None, threads: int = IO_THREADS,
+                 parts_of: Callable[[LayerLayout], tuple[Part, ...]] | None = None, key: str = "disk",
+                 read_ahead: bool = True):
+        """`parts_of`: a layer's parts (default its cold state, `layer_parts`); `key`: its files' (segment
+        names); `read_ahead`: False where the caller reads ahead itself (the GPU worker's window
+        asks for a layer's compute copy ahead of its use: `HeldWindow`)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         files, nbytes = remove_dead_segments(self.directory)
         if files:
             print(f"removed {files} disk-tier file(s) ({nbytes / 2**30:.2f} GiB) of runs that died, from "
                   f"{self.directory}", flush=True)
-        self.parts = {i: layer_parts(layout, fmt) for i, layout in layouts.items()}
+        self.parts = {i: (parts_of or (lambda l: layer_parts(l, fmt)))(layout) for i, layout in layouts.items()}
         self.order = sorted(layouts)
+        self.ahead = read_ahead
         self.paths: dict[int, Path] = {}
         self.fds: dict[int, int] = {}
         self.direct = True
@@ -164,16 +191,16 @@ class DiskTier:
         self._clock = 0
         try:
             for i in self.order:
-                self._create(i, run_id)
+                self._create(i, run_id, key)
         except BaseException:
             self.close()
             raise
-        largest = max((file_bytes(p) for p in self.parts.values()), default=0)
+        largest = max((buffer_bytes(p) for p in self.parts.values()), default=0)
         self.slots = [self._slot(largest) for _ in range(min(window or WINDOW, len(self.order)) if largest else 0)]
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="disk-tier")
 
-    def _create(self, index: int, run_id: str) -> None:
-        path = self.directory / segment_name(run_id, index, "disk")
+    def _create(self, index: int, run_id: str, key: str) -> None:
+        path = self.directory / segment_name(run_id, index, key)
         fd, direct = open_file(path)
         self.paths[index], self.fds[index] = path, fd
         self.direct = self.direct and direct
@@ -212,7 +239,8 @@ class DiskTier:
         t0 = time.perf_counter()
         self._wait(slot.reads, index, "reading")
         self.read_seconds += time.perf_counter() - t0
-        self._read_ahead(index)
+        if self.ahead:
+            self._read_ahead(index)
         return self.views(slot, index)
 
     def release(self, index: int, dirty: bool = True) -> None:
@@ -225,6 +253,22 @@ class DiskTier:
             slot.writes = self._pieces(os.pwritev, slot, index)
             self.bytes_written += file_bytes(self.parts[index])
             self.written.add(index)
+
+    def forget(self, index: int) -> None:
+        """The layer's buffer (released, not written back) no longer stands for it: the next acquire reads the file."""
+        slot = self._slot_of(index)
+        if slot is not None and not slot.in_use and not slot.failed:
+            slot.layer = None
+
+    def settle(self, index: int) -> None:
+        """The layer's buffer's writes are done: the buffer may change again."""
+        slot = self._slot_of(index)
+        if slot is not None:
+            self._wait(slot.writes, index, "writing")
+
+    def has_room(self, index: int) -> bool:
+        """Whether `acquire(index)` finds a buffer now: the layer's own, or one not in use."""
+        return any(s.layer == index or (not s.in_use and not s.failed) for s in self.slots)
 
     def mark_step(self) -> None:
         """A step's first update begins: the counts so far, for `step_bytes`."""
@@ -340,6 +384,74 @@ class DiskTier:
             path.unlink(missing_ok=True)
         self.fds.clear()
         self.paths.clear()
+
+
+class HeldWindow:
+    """A DiskTier of compute copies (`compute_parts`) that several threads use at once: the store's
+    link serving weights and taking gradients (host/transport.py, LayerServer), and its updates. A
+    layer is held by any number of them, read into a buffer by the first (the GPU worker's window
+    asks for it ahead of its use: that is the read ahead), and released when the last lets go,
+    written back if one of them changed it. A thread that needs a buffer while all are held waits
+    for one: holds end without one of their own (a send ends; an update needs only its own layer's),
+    so every wait ends. A gradient's hold (`gradient`) lasts until its update (`drop_gradient`)."""
+
+    def __init__(self, tier: DiskTier):
+        self.tier = tier
+        self.cond = threading.Condition()  # an RLock's: `gradient` holds inside it
+        self.holders: Counter = Counter()
+        self.changed: set[int] = set()  # held layers a holder changed: written back when the last lets go
+        self.gradients: dict[int, dict[str, torch.Tensor]] = {}  # layers whose gradient is landing or landed
+
+    def numel(self, index: int) -> int:
+        return self.tier.parts[index][0].numel
+
+    def hold(self, index: int) -> dict[str, torch.Tensor]:
+        """The layer's buffer's tensors by name (compute, and a bf16 master's grad), held until `let_go`."""
+        with self.cond:
+            if self.holders[index]:
+                views = self.tier.views(self.tier._slot_of(index), index)
+            else:
+                self.cond.wait_for(lambda: self.tier.has_room(index))
+                views = self.tier.acquire(index)
+            self.holders[index] += 1
+            return views
+
+    def let_go(self, index: int, dirty: bool = False, keep: bool = True) -> None:
+        """One hold ends (`dirty`: it changed the layer); the last writes the layer back if any holder
+        changed it. `keep` False: the buffer holds what no file should (a gradient over an fp32
+        master's copy whose update never came): dropped, unwritten."""
+        with self.cond:
+            if dirty:
+                self.changed.add(index)
+            self.holders[index] -= 1
+            if self.holders[index] == 0:
+                del self.holders[index]
+                write = index in self.changed and keep
+                self.changed.discard(index)
+                self.tier.release(index, write)
+                if not keep:
+                    self.tier.forget(index)
+                self.cond.notify_all()
+
+    def gradient(self, index: int) -> torch.Tensor:
+        """Where the layer's gradient lands (a bf16 master's grad buffer, else over the copy), held
+        until its update (`drop_gradient`): the first call for a gradient takes the hold, and waits
+        for the buffer's last write (the gradient may land over the bytes it writes)."""
+        with self.cond:
+            if index not in self.gradients:
+                self.gradients[index] = self.hold(index)
+                self.tier.settle(index)
+            views = self.gradients[index]
+            return views.get("grad", views["compute"])
+
+    def drop_gradient(self, index: int, updated: bool = True) -> None:
+        """The layer's update consumed its gradient (`updated` False: it never ran)."""
+        with self.cond:
+            if self.gradients.pop(index, None) is not None:
+                self.let_go(index, keep=updated)
+
+    def resident_bytes(self) -> int:
+        return self.tier.resident_bytes()
 
 
 def _clear(buffer: torch.Tensor, after: list[Future]) -> None:

@@ -58,6 +58,7 @@ class StorePlan:
     threads: int | None = None  # its host optimizer's (store_threads); None: a described node whose cores are not known
     disk_layers: tuple[int, ...] = ()  # layers whose optimizer state lives in the disk tier (host/disk.py)
     disk_bytes: int = 0  # their files' bytes under runtime.disk_dir
+    disk_compute_layers: tuple[int, ...] = ()  # of those, the layers whose compute copy is on disk too (streamed over the store's link)
 
     def disk_seconds(self) -> float:
         """A step's disk time: every layer on disk read once before its update and written once after."""
@@ -83,8 +84,9 @@ class Placement:
     idle_gpus: int = 0  # the node's GPUs no worker takes: a step's micro-batches split evenly over fewer
 
     def remote_layers(self) -> list[int]:
-        """Layers of stores on other nodes than the GPU worker's: they stream over the network."""
-        return [i for s in self.stores if s.node.node_id != self.gpu.node_id for i in s.layers]
+        """Layers the GPU worker streams through its window over a store's link: those of stores on
+        other nodes, and those whose compute copy is on disk (a store on its own node serves them too)."""
+        return [i for s in self.stores for i in (s.layers if s.node.node_id != self.gpu.node_id else s.disk_compute_layers)]
 
     def disk_seconds(self) -> float:
         """The slowest store's disk time a step (stores on one machine share its disk: summed)."""

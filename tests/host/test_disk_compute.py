@@ -1,0 +1,80 @@
+"""Layers fully on disk (host/disk.py, compute_parts and HeldWindow): a store whose layers keep their
+compute copy and gradient in files too, beside their optimizer state, steps bit for bit as the same
+store in RAM, in every state mode, over steps that cycle its layers through windows smaller than
+them; its shard is the same checkpoint and loads back; RAM drops by their copies (and gradients) less
+the window's buffers."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatrain_ray.files import shard
+from megatrain_ray.host import disk as disk_module
+from megatrain_ray.host.adamw import AdamWStep
+from megatrain_ray.host.precision import StateFormat
+from megatrain_ray.host.store import ShardStore
+from test_disk_tier import ARCH, BETAS, EPS, LAYERS, MODES
+
+FULLY = (1, 2, 3)  # the blocks and the head: through a window of 2 buffers
+
+
+def store_of(fmt: StateFormat, disk_dir=None, disk_layers=(), fully=()) -> ShardStore:
+    store = ShardStore(ARCH, LAYERS, torch.bfloat16 if fmt.master == "bf16" else torch.float32, state_format=fmt,
+                       seed=3, disk_dir=str(disk_dir) if disk_dir else None, disk_layers=tuple(disk_layers),
+                       disk_compute_layers=tuple(fully))
+    store.init_random(seed=5, std=0.02)
+    store.fault_in_moments()
+    return store
+
+
+def train(store: ShardStore, steps: int) -> None:
+    """As tests/host/test_disk_tier.py's, each gradient written where the store says it lands."""
+    for step in range(steps):
+        hp = AdamWStep(step + 1, 3e-3, 0.7, BETAS, EPS, 0.1) if step < steps - 1 else None
+        for i in LAYERS:
+            grad = store.gradient_buffer(i)
+            grad.copy_(torch.randn(grad.numel(), generator=torch.Generator().manual_seed(100 * step + i)))
+            store.step_layer(i, hp)
+
+
+def every_tensor(store: ShardStore) -> dict[str, torch.Tensor]:
+    tensors, _ = shard.state_tensors(store)
+    for i in store.layers:
+        with store.resident(i, dirty=False) as state:
+            tensors[f"compute{i}"] = state.compute.clone()
+    return tensors
+
+
+@pytest.mark.parametrize("master,moments", MODES)
+def test_a_store_with_layers_fully_on_disk_steps_bit_for_bit_as_in_ram(master, moments, tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_module, "WINDOW", 2)
+    fmt = StateFormat(master, moments)
+    ram = store_of(fmt)
+    on_disk = store_of(fmt, tmp_path / "tier", disk_layers=LAYERS[1:], fully=FULLY)
+    assert len(on_disk.hot.tier.slots) == 2 < len(FULLY)
+    train(ram, 4)
+    train(on_disk, 4)
+    a, b = every_tensor(ram), every_tensor(on_disk)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert on_disk.hot.tier.bytes_written >= 4 * sum(disk_module.file_bytes(on_disk.hot.tier.parts[i]) for i in FULLY)
+    in_ram = {id(t): t.numel() * t.element_size() for i in FULLY for t in (ram.layers[i].compute, ram.layers[i].grad)}
+    cold_only = store_of(fmt, tmp_path / "cold", disk_layers=LAYERS[1:])
+    assert (cold_only.host_bytes() - cold_only.disk.resident_bytes()
+            - (on_disk.host_bytes() - on_disk.disk.resident_bytes() - on_disk.hot.resident_bytes())) == sum(in_ram.values())
+    assert on_disk.hot.resident_bytes() == 2 * max(disk_module.buffer_bytes(on_disk.hot.tier.parts[i]) for i in FULLY)
+
+    shard.save_shard(ram, str(tmp_path), "ram.safetensors")  # the same checkpoint, which loads back
+    shard.save_shard(on_disk, str(tmp_path), "disk.safetensors")
+    x, y = load_file(tmp_path / "ram.safetensors"), load_file(tmp_path / "disk.safetensors")
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    back = store_of(fmt, tmp_path / "back", disk_layers=LAYERS[1:], fully=FULLY[1:])
+    shard.load_layers(back, {i: str(tmp_path / "disk.safetensors") for i in LAYERS})
+    train(back, 2)
+    train(ram, 2)
+    a, b = every_tensor(ram), every_tensor(back)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for store in (ram, on_disk, cold_only, back):
+        store.close()
+    assert not list((tmp_path / "tier").iterdir())
