@@ -5,7 +5,23 @@ come, and goes back behind it.
 What goes to disk, per layer the plan names (planning/placement.py, `StorePlan.disk_layers`): the
 two AdamW moments (and their int8 block scales), and with an fp32 master the master too: the
 optimizer alone reads them. The compute copy, which the GPU streams in the forward and the backward
-and the gradient lands in, stays in RAM (so does a bf16 master, which is that copy).
+and the gradient lands in, stays in RAM (so does a bf16 master, which is that copy), except in the
+layers of `StorePlan.disk_compute_layers`, where RAM is still short: those are fully on disk.
+
+Fully on disk (`compute_parts`, `HeldWindow`): a second file per layer holds the compute copy (a bf16
+master: the master itself) and, with a bf16 master, its gradient buffer; with an fp32 master the
+gradient lands over the copy, which the update rewrites from the master. The GPU worker reaches such
+a layer as it reaches a RAM node's, through its window of pinned slots (host/window.py, which asks
+for each layer ahead of its forward and again ahead of its backward unless it kept it) over the
+store's link (host/transport.py), even from a store on its own node: the store's server reads the
+file into a buffer of a second window (WINDOW buffers of the largest such file) when the request
+comes, and sends the copy from there; the gradient lands in a buffer holding the layer and goes to
+the file (a step's updates all come after its last gradient: the gradients' norm decides them, so
+RAM could not hold them in a bounded window); the update reads the file and writes the new copy. So
+RAM holds nothing of the layer but these buffers; a step reads its file up to four times (for the
+forward, the backward, the gradient's landing and the update, each spared where a buffer still held
+the layer) and writes it twice (after the gradient and after the update): `StorePlan.disk_step_bytes`
+counts it so. The server serves a version only once its update is applied.
 
 One file per layer, named as the store's shared-memory segments are (host/memory.py, key "disk"),
 so that the next store on the machine removes a killed run's files as it removes its segments. Its
@@ -45,6 +61,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -74,7 +91,6 @@ class Part:
     dtype: torch.dtype
     numel: int
     offset: int  # bytes, a multiple of ALIGN
-    on_file: bool = True  # False: in the window's buffer only (a gradient, which its update consumes)
 
     @property
     def nbytes(self) -> int:
@@ -108,22 +124,17 @@ def layer_parts(layout: LayerLayout, fmt: StateFormat) -> tuple[Part, ...]:
 
 def compute_parts(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> tuple[Part, ...]:
     """The file of a layer whose compute copy is on disk too (`StorePlan.disk_compute_layers`): the
-    copy; a bf16 master's gradient buffer follows it in the window's buffer only (it lands there and
-    its update consumes it: no file holds it). With an fp32 master the gradient lands over the copy."""
+    copy, and a bf16 master's gradient buffer after it. With an fp32 master the gradient lands over
+    the copy, which its update rewrites from the master. The gradient is in the file from its landing
+    to its update: a step's updates come after its last gradient (the gradients' norm decides them)."""
     n = layout.numel
     parts = (Part("compute", compute_dtype, n, 0),)
     if fmt.master == "bf16":
-        parts += (Part("grad", torch.bfloat16, n, aligned(n * compute_dtype.itemsize), on_file=False),)
+        parts += (Part("grad", torch.bfloat16, n, aligned(n * compute_dtype.itemsize)),)
     return parts
 
 
 def file_bytes(parts: tuple[Part, ...]) -> int:
-    """Bytes of a layer's file: what a read or a write moves."""
-    return buffer_bytes(tuple(p for p in parts if p.on_file))
-
-
-def buffer_bytes(parts: tuple[Part, ...]) -> int:
-    """Bytes of a window buffer that holds the layer (its parts on file, and those only in the buffer)."""
     return aligned(parts[-1].offset + parts[-1].nbytes) if parts else 0
 
 
@@ -135,6 +146,20 @@ def disk_bytes(layout: LayerLayout, fmt: StateFormat) -> int:
 def window_bytes(layouts: list[LayerLayout], fmt: StateFormat, window: int = WINDOW) -> int:
     """RAM the tier's buffers take for these layers on disk."""
     return window * max((disk_bytes(layout, fmt) for layout in layouts), default=0) if layouts else 0
+
+
+def compute_window_bytes(layouts: list[LayerLayout], fmt: StateFormat, compute_dtype: torch.dtype,
+                         window: int = WINDOW) -> int:
+    """RAM the buffers of the compute copies on disk take (HeldWindow's): as many as the store has
+    such layers, `window` at most, each the size of the largest's."""
+    largest = max((file_bytes(compute_parts(layout, fmt, compute_dtype)) for layout in layouts), default=0)
+    return min(window, len(layouts)) * largest
+
+
+def compute_bytes(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> int:
+    """RAM a layer's compute copy (and a bf16 master's gradient buffer) takes, which its compute
+    copy on disk saves; its file's bytes are `file_bytes(compute_parts(...))`."""
+    return sum(p.nbytes for p in compute_parts(layout, fmt, compute_dtype))
 
 
 def open_file(path: Path) -> tuple[int, bool]:
@@ -195,7 +220,7 @@ class DiskTier:
         except BaseException:
             self.close()
             raise
-        largest = max((buffer_bytes(p) for p in self.parts.values()), default=0)
+        largest = max((file_bytes(p) for p in self.parts.values()), default=0)
         self.slots = [self._slot(largest) for _ in range(min(window or WINDOW, len(self.order)) if largest else 0)]
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="disk-tier")
 
@@ -388,70 +413,68 @@ class DiskTier:
 
 class HeldWindow:
     """A DiskTier of compute copies (`compute_parts`) that several threads use at once: the store's
-    link serving weights and taking gradients (host/transport.py, LayerServer), and its updates. A
+    link serving weights and landing gradients (host/transport.py, LayerServer), and its updates. A
     layer is held by any number of them, read into a buffer by the first (the GPU worker's window
     asks for it ahead of its use: that is the read ahead), and released when the last lets go,
     written back if one of them changed it. A thread that needs a buffer while all are held waits
-    for one: holds end without one of their own (a send ends; an update needs only its own layer's),
-    so every wait ends. A gradient's hold (`gradient`) lasts until its update (`drop_gradient`)."""
+    for one: every hold ends on its own (a send, a gradient's landing, an update: none waits for
+    another layer), so every wait ends."""
 
     def __init__(self, tier: DiskTier):
         self.tier = tier
-        self.cond = threading.Condition()  # an RLock's: `gradient` holds inside it
+        self.cond = threading.Condition()
         self.holders: Counter = Counter()
         self.changed: set[int] = set()  # held layers a holder changed: written back when the last lets go
-        self.gradients: dict[int, dict[str, torch.Tensor]] = {}  # layers whose gradient is landing or landed
 
     def numel(self, index: int) -> int:
         return self.tier.parts[index][0].numel
 
     def hold(self, index: int) -> dict[str, torch.Tensor]:
-        """The layer's buffer's tensors by name (compute, and a bf16 master's grad), held until `let_go`."""
+        """The layer's buffer's tensors by name (compute, and a bf16 master's grad), held until
+        `let_go`. The first holder also waits for the buffer's last write: it may change the bytes."""
         with self.cond:
             if self.holders[index]:
                 views = self.tier.views(self.tier._slot_of(index), index)
             else:
                 self.cond.wait_for(lambda: self.tier.has_room(index))
                 views = self.tier.acquire(index)
+                self.tier.settle(index)
             self.holders[index] += 1
             return views
 
-    def let_go(self, index: int, dirty: bool = False, keep: bool = True) -> None:
-        """One hold ends (`dirty`: it changed the layer); the last writes the layer back if any holder
-        changed it. `keep` False: the buffer holds what no file should (a gradient over an fp32
-        master's copy whose update never came): dropped, unwritten."""
+    def let_go(self, index: int, dirty: bool = False) -> None:
+        """One hold ends (`dirty`: it changed the layer); the last writes the layer back if any holder did."""
         with self.cond:
             if dirty:
                 self.changed.add(index)
             self.holders[index] -= 1
             if self.holders[index] == 0:
                 del self.holders[index]
-                write = index in self.changed and keep
+                self.tier.release(index, index in self.changed)
                 self.changed.discard(index)
-                self.tier.release(index, write)
-                if not keep:
-                    self.tier.forget(index)
                 self.cond.notify_all()
 
-    def gradient(self, index: int) -> torch.Tensor:
-        """Where the layer's gradient lands (a bf16 master's grad buffer, else over the copy), held
-        until its update (`drop_gradient`): the first call for a gradient takes the hold, and waits
-        for the buffer's last write (the gradient may land over the bytes it writes)."""
-        with self.cond:
-            if index not in self.gradients:
-                self.gradients[index] = self.hold(index)
-                self.tier.settle(index)
-            views = self.gradients[index]
-            return views.get("grad", views["compute"])
+    @contextmanager
+    def held(self, index: int, dirty: bool = False):
+        views = self.hold(index)
+        try:
+            yield views
+        finally:
+            self.let_go(index, dirty)
 
-    def drop_gradient(self, index: int, updated: bool = True) -> None:
-        """The layer's update consumed its gradient (`updated` False: it never ran)."""
-        with self.cond:
-            if self.gradients.pop(index, None) is not None:
-                self.let_go(index, keep=updated)
+    @contextmanager
+    def gradient(self, index: int):
+        """Where the layer's gradient lands (a bf16 master's grad, else over the copy), held while it
+        lands and written to the file after."""
+        with self.held(index, dirty=True) as views:
+            yield views.get("grad", views["compute"])
 
     def resident_bytes(self) -> int:
         return self.tier.resident_bytes()
+
+    def mark_step(self) -> None:
+        with self.cond:
+            self.tier.mark_step()
 
 
 def _clear(buffer: torch.Tensor, after: list[Future]) -> None:

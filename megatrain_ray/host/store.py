@@ -287,11 +287,13 @@ class ShardStore:
         """The disk tier's bytes moved and the seconds the store waited for its reads (none: no tier)."""
         if self.disk is None:
             return {}
-        step_read, step_written = self.disk.step_bytes()
-        return {"read_bytes": self.disk.bytes_read, "written_bytes": self.disk.bytes_written,
-                "step_read_bytes": step_read, "step_written_bytes": step_written,
-                "read_wait_s": self.disk.read_seconds, "file_bytes": self.disk.file_bytes(),
-                "window_bytes": self.disk.resident_bytes(), "direct_io": self.disk.direct}
+        tiers = [self.disk] + ([self.hot.tier] if self.hot is not None else [])
+        steps = [tier.step_bytes() for tier in tiers]
+        return {"read_bytes": sum(t.bytes_read for t in tiers), "written_bytes": sum(t.bytes_written for t in tiers),
+                "step_read_bytes": sum(r for r, _ in steps), "step_written_bytes": sum(w for _, w in steps),
+                "read_wait_s": sum(t.read_seconds for t in tiers), "file_bytes": sum(t.file_bytes() for t in tiers),
+                "window_bytes": sum(t.resident_bytes() for t in tiers), "direct_io": all(t.direct for t in tiers),
+                "compute_file_bytes": self.hot.tier.file_bytes() if self.hot is not None else 0}
 
     # ---- initial weights -------------------------------------------------------------------
     def init_random(self, seed: int, std: float, layers: list[int] | None = None) -> None:
@@ -336,11 +338,11 @@ class ShardStore:
         with self.resident(index, dirty=False) as state:
             return state.master.clone()
 
-    def gradient_buffer(self, index: int) -> torch.Tensor:
-        """Where the layer's gradient lands for its update (`step_layer`): its grad buffer, or for a
-        compute copy on disk one of the window's, held until the update."""
+    def landing_gradient(self, index: int):
+        """Where the layer's gradient lands for its update (`step_layer`), while it lands: its grad
+        buffer, or for a compute copy on disk a buffer of the window, written to the file after."""
         state = self.layers[index]
-        return self.hot.gradient(index) if state.compute_on_disk else state.grad
+        return self.hot.gradient(index) if state.compute_on_disk else nullcontext(state.grad)
 
     def gradient_paths(self) -> dict[int, str]:
         """Shared-memory gradient buffers of their own (a bf16 master's), by layer; else none."""
@@ -420,13 +422,7 @@ class ShardStore:
         with self.resident(index):
             self.begin_update(index, hp)
             self.update_piece(index, hp, 0, self.layers[index].layout.numel)
-            self.gradient_consumed(index)
         return index
-
-    def gradient_consumed(self, index: int, updated: bool = True) -> None:
-        """The layer's update has read its gradient (`gradient_buffer`): a window buffer's hold ends."""
-        if self.layers[index].compute_on_disk:
-            self.hot.drop_gradient(index, updated)
 
     def settle_disk(self, index: int) -> None:
         """Before the first update of a step (no other layer of the store has more updates than this
@@ -442,6 +438,8 @@ class ShardStore:
             if self._disk_step != own:  # a step's first update (a skipped step's count with the one before)
                 self._disk_step = own
                 self.disk.mark_step()
+                if self.hot is not None:
+                    self.hot.mark_step()
 
     def begin_update(self, index: int, hp: AdamWStep | None) -> None:
         """Count the layer's update (not a skipped one): its bias correction and rounding key. Its

@@ -122,7 +122,7 @@ class LayerServer:
                  held=None):
         """`buffers`: each layer's weights; `grads`: where its gradient lands (default: over the weights).
         `held`: a store's compute copies on disk (host/disk.py, HeldWindow): each such layer is sent from
-        a buffer of its window, held while it is sent, and its gradient lands in one held until its update."""
+        a buffer of its window, held while it is sent, and its gradient lands in one, written to its file after."""
         self.buffers = buffers
         self.grads = grads or buffers
         self.held = held
@@ -217,19 +217,21 @@ class LayerServer:
         finally:
             self.held.let_go(layer)
 
-    def _gradient(self, layer: int) -> torch.Tensor:
-        return self.grads[layer] if layer in self.grads else self.held.gradient(layer)
+    def _gradient(self, layer: int):
+        """Where the layer's gradient lands, while it lands: its buffer, or a held one of the window."""
+        return nullcontext(self.grads[layer]) if layer in self.grads else self.held.gradient(layer)
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         try:
             while (header := recv_struct(conn, GRADIENT)) is not None:
                 layer, piece = header
-                for view in piece_views(self._gradient(layer), self._pieces(layer, piece)):
-                    if not recv_exact(conn, chunk(view, k, self.streams)):
-                        raise ConnectionError("gradient cut short")
-                    with self.cond:
-                        self.arrived[layer, k] += 1
-                        self.cond.notify_all()
+                with self._gradient(layer) as grad:
+                    for view in piece_views(grad, self._pieces(layer, piece)):
+                        if not recv_exact(conn, chunk(view, k, self.streams)):
+                            raise ConnectionError("gradient cut short")
+                        with self.cond:
+                            self.arrived[layer, k] += 1
+                            self.cond.notify_all()
         finally:
             with self.cond:
                 self.gradients_cut = True

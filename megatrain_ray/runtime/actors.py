@@ -96,20 +96,9 @@ class ShardStoreActor(ShardStore):
         updated piece's new weights may leave at once."""
         self.settle_disk(index)
         with self.resident(index):  # a layer in the disk tier (host/disk.py) in memory for its pieces
-            try:
-                self.server.step(index, lambda: self.begin_update(index, hp),
-                                 lambda lo, hi: self._update_streamed(index, hp, lo, hi))
-            except ConnectionError:
-                self.gradient_consumed(index, updated=False)
-                raise
+            self.server.step(index, lambda: self.begin_update(index, hp),
+                             lambda lo, hi: self.update_piece(index, hp, lo, hi))
         return index
-
-    def _update_streamed(self, index: int, hp: AdamWStep | None, lo: int, hi: int) -> None:
-        """A piece's update; after the last, the gradient's buffer is free before the new weights may
-        leave (a compute copy on disk: the next step's gradient takes a hold of its own)."""
-        self.update_piece(index, hp, lo, hi)
-        if hi == self.layers[index].layout.numel:
-            self.gradient_consumed(index)
 
     def close(self) -> None:
         if self.server is not None:

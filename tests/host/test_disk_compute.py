@@ -32,8 +32,8 @@ def train(store: ShardStore, steps: int) -> None:
     for step in range(steps):
         hp = AdamWStep(step + 1, 3e-3, 0.7, BETAS, EPS, 0.1) if step < steps - 1 else None
         for i in LAYERS:
-            grad = store.gradient_buffer(i)
-            grad.copy_(torch.randn(grad.numel(), generator=torch.Generator().manual_seed(100 * step + i)))
+            with store.landing_gradient(i) as grad:
+                grad.copy_(torch.randn(grad.numel(), generator=torch.Generator().manual_seed(100 * step + i)))
             store.step_layer(i, hp)
 
 
@@ -63,7 +63,7 @@ def test_a_store_with_layers_fully_on_disk_steps_bit_for_bit_as_in_ram(master, m
     cold_only = store_of(fmt, tmp_path / "cold", disk_layers=LAYERS[1:])
     assert (cold_only.host_bytes() - cold_only.disk.resident_bytes()
             - (on_disk.host_bytes() - on_disk.disk.resident_bytes() - on_disk.hot.resident_bytes())) == sum(in_ram.values())
-    assert on_disk.hot.resident_bytes() == 2 * max(disk_module.buffer_bytes(on_disk.hot.tier.parts[i]) for i in FULLY)
+    assert on_disk.hot.resident_bytes() == 2 * max(disk_module.file_bytes(on_disk.hot.tier.parts[i]) for i in FULLY)
 
     shard.save_shard(ram, str(tmp_path), "ram.safetensors")  # the same checkpoint, which loads back
     shard.save_shard(on_disk, str(tmp_path), "disk.safetensors")
