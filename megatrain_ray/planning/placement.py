@@ -521,13 +521,15 @@ def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Confi
 def with_window(placement: Placement, arch: ModelArch, config: Config, parked_bytes: int = 0) -> Placement:
     """The placement with each worker's window for the layers on other nodes, sized in what the GPU
     machine has spare beside `parked_bytes` (parked activations, all its workers'): the step plan's
-    decision (planning/step_plan.py)."""
+    decision (planning/step_plan.py). Where layers are fully on disk (RAM is short), the least window:
+    a larger one would hold in RAM the compute copies the plan just put on disk."""
     numels = [layout.numel for layout in model_layouts(arch)]
     remote = [numels[i] for i in placement.remote_layers()]
     if not remote:
         return placement
     workers, esize = placement.num_gpus, placement.compute_bytes
-    slots = window_slots(remote, (placement.gpu_spare - parked_bytes) / workers, esize, config)  # a window a worker
+    grow = not any(s.disk_compute_layers for s in placement.stores)
+    slots = window_slots(remote, (placement.gpu_spare - parked_bytes) / workers, esize, config, grow)  # a window a worker
     return dataclasses.replace(placement, window_slots=slots, window_bytes=workers * window_bytes(remote, slots, esize))
 
 
@@ -536,13 +538,14 @@ def least_slots(config: Config) -> int:
     return config.runtime.remote_window or num_slots_setting(config) + 1
 
 
-def window_slots(remote: list[int], spare: float, esize: int, config: Config) -> int:
+def window_slots(remote: list[int], spare: float, esize: int, config: Config, grow: bool = True) -> int:
     """runtime.remote_window, or the largest window (up to a mirror of the remote layers) that
-    takes at most WINDOW_SHARE of the GPU machine's spare memory, and never less than least_slots."""
+    takes at most WINDOW_SHARE of the GPU machine's spare memory (`grow` False: the least), and never
+    less than least_slots."""
     deepest = max(Counter(remote).values())
     least = min(least_slots(config), deepest)
     slots = least
-    if not config.runtime.remote_window:
+    if not config.runtime.remote_window and grow:
         slots = max([k for k in range(least, deepest + 1)
                      if window_bytes(remote, k, esize) <= WINDOW_SHARE * spare], default=least)
     need = window_bytes(remote, slots, esize)
