@@ -76,3 +76,35 @@ def test_layers_fully_on_disk_train_as_in_ram_bit_for_bit_and_resume_exactly(loc
             assert after == expected_losses[1:]
             for name, tensor in expected.items():
                 assert torch.equal(state[name], tensor), name
+
+
+def test_two_workers_with_layers_fully_on_disk_train_as_two_in_ram(local_ray, tmp_path):
+    """Two data-parallel workers, each streaming the layers fully on disk through its own window and
+    link from the store on their node: a layer's update sent by its owner is a version the other asks
+    the store for. Bit for bit the same two workers with every layer in RAM (6-byte mode)."""
+    arch = PRESETS["tiny-llama"].replace(num_layers=BLOCKS)
+    data = random_micro_batches(arch, 3, 4, batch=2, seq=12, seed=2)
+    ram, tier = configs(tmp_path, ("bf16", "int8"), "bfloat16")
+
+    def two(config):
+        config = config.replace(train=dataclasses.replace(config.train, grad_accum=4),
+                                runtime=dataclasses.replace(config.runtime, num_gpus=2, worker_threads=1))
+        session = Session(config, arch)
+        try:
+            fully = session.placement.stores[0].disk_compute_layers
+            session.init_weights()
+            session.start_executor()
+            losses = [session.train_step(step).loss for step in data]
+            session.drain("the last updates")
+            state, _ = ray.get(session.stores[0].state_tensors.remote())
+        finally:
+            session.close()
+        return fully, losses, state
+
+    _, expected_losses, expected = two(ram)
+    fully, losses, state = two(tier.replace(runtime=dataclasses.replace(tier.runtime,
+                                                                         store_memory_gib=CAPS["bf16", "int8"] / 2**30)))
+    assert fully
+    assert losses == expected_losses
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), name
