@@ -10,10 +10,9 @@ from safetensors.torch import load_file
 
 from megatrain_ray.files import shard
 from megatrain_ray.host import disk as disk_module
-from megatrain_ray.host.adamw import AdamWStep
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
-from test_disk_tier import ARCH, BETAS, EPS, LAYERS, MODES
+from test_disk_tier import ARCH, LAYERS, MODES, every_tensor, train, trained_alike
 
 FULLY = (1, 2, 3)  # the blocks and the head: through a window of 2 buffers
 
@@ -27,24 +26,6 @@ def store_of(fmt: StateFormat, disk_dir=None, disk_layers=(), fully=()) -> Shard
     return store
 
 
-def train(store: ShardStore, steps: int) -> None:
-    """As tests/host/test_disk_tier.py's, each gradient written where the store says it lands."""
-    for step in range(steps):
-        hp = AdamWStep(step + 1, 3e-3, 0.7, BETAS, EPS, 0.1) if step < steps - 1 else None
-        for i in LAYERS:
-            with store.landing_gradient(i) as grad:
-                grad.copy_(torch.randn(grad.numel(), generator=torch.Generator().manual_seed(100 * step + i)))
-            store.step_layer(i, hp)
-
-
-def every_tensor(store: ShardStore) -> dict[str, torch.Tensor]:
-    tensors, _ = shard.state_tensors(store)
-    for i in store.layers:
-        with store.resident(i, dirty=False) as state:
-            tensors[f"compute{i}"] = state.compute.clone()
-    return tensors
-
-
 @pytest.mark.parametrize("master,moments", MODES)
 def test_a_store_with_layers_fully_on_disk_steps_bit_for_bit_as_in_ram(master, moments, tmp_path, monkeypatch):
     monkeypatch.setattr(disk_module, "WINDOW", 2)
@@ -52,12 +33,7 @@ def test_a_store_with_layers_fully_on_disk_steps_bit_for_bit_as_in_ram(master, m
     ram = store_of(fmt)
     on_disk = store_of(fmt, tmp_path / "tier", disk_layers=LAYERS[1:], fully=FULLY)
     assert len(on_disk.hot.tier.slots) == 2 < len(FULLY)
-    train(ram, 4)
-    train(on_disk, 4)
-    a, b = every_tensor(ram), every_tensor(on_disk)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    trained_alike(ram, on_disk)
     assert on_disk.hot.tier.bytes_written >= 4 * sum(disk_module.file_bytes(on_disk.hot.tier.parts[i]) for i in FULLY)
     in_ram = {id(t): t.numel() * t.element_size() for i in FULLY for t in (ram.layers[i].compute, ram.layers[i].grad)}
     cold_only = store_of(fmt, tmp_path / "cold", disk_layers=LAYERS[1:])

@@ -14,7 +14,7 @@ import torch
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.runtime.session import Session, place
 from helpers.reference_training import random_micro_batches
-from test_disk_tier_run import BLOCKS, configs, run_in_ram
+from test_disk_tier_run import BLOCKS, configs, resumes_exactly, run_in_ram
 
 CAPS = {("bf16", "int8"): 1.5e6, ("fp32", "fp32"): 2.4e6}  # bytes: the optimizer state on disk alone needs 2.3 MB and 3.9 MB
 
@@ -64,19 +64,7 @@ def test_layers_fully_on_disk_train_as_in_ram_bit_for_bit_and_resume_exactly(loc
         assert stats["step_read_bytes"] <= read
 
         if master == "bf16":  # resume from step 1's checkpoint: the rest of the run exactly
-            resumed = Session(tier, arch, updates_done=1)
-            try:
-                resumed.restore(path)
-                resumed.start_executor()
-                after = [resumed.train_step(step).loss for step in data[1:]]
-                resumed.drain("the last updates")
-                state, _ = ray.get(resumed.stores[0].state_tensors.remote())
-            finally:
-                resumed.close()
-            assert after == expected_losses[1:]
-            for name, tensor in expected.items():
-                assert torch.equal(state[name], tensor), name
-
+            resumes_exactly(tier, arch, path, data, expected_losses, expected)
 
 def test_two_workers_with_layers_fully_on_disk_train_as_two_in_ram(local_ray, tmp_path):
     """Two data-parallel workers, each streaming the layers fully on disk through its own window and
