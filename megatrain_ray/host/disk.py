@@ -429,16 +429,22 @@ class HeldWindow:
     def numel(self, index: int) -> int:
         return self.tier.parts[index][0].numel
 
-    def hold(self, index: int) -> dict[str, torch.Tensor]:
+    def hold(self, index: int, to_change: bool = True) -> dict[str, torch.Tensor]:
         """The layer's buffer's tensors by name (compute, and a bf16 master's grad), held until
-        `let_go`. The first holder also waits for the buffer's last write: it may change the bytes."""
+        `let_go`. The first holder also waits for the buffer's last write: it may change the bytes.
+        `to_change` as DiskTier.acquire's: False (a checkpoint's read) goes on past a failed write."""
         with self.cond:
             if self.holders[index]:
                 views = self.tier.views(self.tier._slot_of(index), index)
             else:
                 self.cond.wait_for(lambda: self.tier.has_room(index))
-                views = self.tier.acquire(index)
-                self.tier.settle(index)
+                views = self.tier.acquire(index, to_change)
+                if to_change:
+                    try:
+                        self.tier.settle(index)
+                    except BaseException:  # its last write failed: the buffer keeps the only copy
+                        self.tier.release(index, dirty=False)
+                        raise
             self.holders[index] += 1
             return views
 

@@ -240,7 +240,7 @@ class ShardStore:
     @contextmanager
     def _compute_resident(self, state: LayerState, dirty: bool):
         index = state.layout.index
-        views = self.hot.hold(index)
+        views = self.hot.hold(index, to_change=dirty)
         state.compute = views["compute"]
         state.grad = views.get("grad", state.compute)
         if self.format.master == "bf16":

@@ -4,12 +4,17 @@ store in RAM, in every state mode, over steps that cycle its layers through wind
 them; its shard is the same checkpoint and loads back; RAM drops by their copies (and gradients) less
 the window's buffers."""
 
+import errno
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from megatrain_ray.files import shard
 from megatrain_ray.host import disk as disk_module
+from megatrain_ray.host.adamw import AdamWStep
+from megatrain_ray.host.disk import DiskTierError
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
 from test_disk_tier import ARCH, LAYERS, MODES, every_tensor, train, trained_alike
@@ -54,3 +59,33 @@ def test_a_store_with_layers_fully_on_disk_steps_bit_for_bit_as_in_ram(master, m
     for store in (ram, on_disk, cold_only, back):
         store.close()
     assert not list((tmp_path / "tier").iterdir())
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_a_failed_write_of_a_compute_copy_stops_the_next_update_and_keeps_the_state(master, tmp_path, monkeypatch):
+    """A compute copy's file that cannot be written (a full disk) as a gradient lands: the layer's
+    update raises the disk's error before it changes anything, so does any other layer's, and the
+    layer's state (a bf16 master: the copy itself) is still read for a checkpoint, from its buffer."""
+    fmt = StateFormat(master, "int8")
+    on_disk = store_of(fmt, tmp_path, disk_layers=LAYERS[1:], fully=FULLY)
+    train(on_disk, 2)
+    expected = shard.layer_tensors(on_disk, 1, copy=True)
+    real, hot = os.pwritev, set(on_disk.hot.tier.fds.values())
+
+    def full(fd, buffers, offset):
+        if fd in hot:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with on_disk.landing_gradient(1) as grad:
+        grad.zero_()  # written behind, and failing
+    monkeypatch.setattr(os, "pwritev", real)
+    updates = on_disk.update_counts()
+    for layer in (1, 2):
+        with pytest.raises(DiskTierError, match="No space left on device.*while writing"):
+            on_disk.step_layer(layer, AdamWStep(9, 1e-3, 1.0, (0.9, 0.95), 1e-8, 0.0))
+    assert on_disk.update_counts() == updates
+    got = shard.layer_tensors(on_disk, 1, copy=True)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    on_disk.close()
