@@ -163,7 +163,7 @@ class RuntimeConfig:
     num_gpus: int | None = None  # GPU workers, data parallel; None: every GPU of the GPU node (1 on a node without GPUs)
     worker_threads: int | None = None  # CPU threads of each GPU worker; default: the node's cores / the workers
     store_memory_gib: float | None = None  # host memory a store may take on its node; None: the node's MemAvailable at start
-    disk_dir: str | None = None  # a directory on a local SSD for the disk tier: the optimizer state (AdamW moments; an fp32 master too) of the layers RAM cannot hold lives in files there, streamed in and out around each update; null: none
+    disk_dir: str | None = None  # a directory on a local SSD for the disk tier: the optimizer state (AdamW moments; an fp32 master too) of the layers RAM cannot hold lives in files there, streamed in and out around each update, and where RAM is still short some layers' compute copy too; null: none
 
 
 @dataclass(frozen=True)

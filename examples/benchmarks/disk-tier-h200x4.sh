@@ -25,11 +25,21 @@
 #      (28 GB), the first weights, the warm-up step (compilation) and the timed one, then the update's
 #      drain (28 GB read and written at ~2.2 GB/s, ~25 s): about 5 minutes; the bench stops at BENCH_S
 #      (default 480 s) so that its log and summary come back within one 550 s call.
-# Usage from the repository root: bash examples/benchmarks/disk-tier-h200x4.sh a|b|c OUT_DIR [DISK_DIR]
+#   d  layers fully on disk (their compute copy and gradient too: StorePlan.disk_compute_layers), where the
+#      store's RAM is short even with every layer's optimizer state on disk: MODEL (default qwen2.5-7b) in
+#      the 6-byte mode, the GPU capped at 10 GiB, the stores at STORE_GIB (default 16: the 7B's 4 bytes a
+#      parameter with its moments on disk are 28 GiB), `plan` first (its "keep their compute copy there
+#      too" line, the GB read and written a step), then 2 steps (1 warm-up, 1 timed) with tokens/s beside
+#      plan's. Defaults sized for the one-GPU H200 (64 GiB of disk): `plan` (described: 60 GiB of disk at 2.2
+#      GB/s) puts 21 of the 7B's 30 layers fully on disk, 32.6 GiB of files, 93.8 GB read and 54.6 GB
+#      written a step, 67 s of disk a step, 73 s predicted at GA=8: some 5 minutes in all. The 30B-class home machine on the
+#      4-GPU one (235 GiB of disk): MODEL=qwen2.5-32b STORE_GIB=64 (about 200 GB of files; a step reads
+#      several hundred GB, so it may need BENCH_S beyond one call's 600 s: run plan's figures first).
+# Usage from the repository root: bash examples/benchmarks/disk-tier-h200x4.sh a|b|c|d OUT_DIR [DISK_DIR]
 # DISK_DIR: a directory on the machine's local disk (default /var/tmp/megatrain-disk-tier); GA=16 for
 # more tokens a step (b prints the tokens a step that hide the disk: "hidden from N tokens a step").
 set -uo pipefail
-part=${1:?a, b or c}
+part=${1:?a, b, c or d}
 out=${2:?OUT_DIR}
 disk=${3:-/var/tmp/megatrain-disk-tier}
 mkdir -p "$out" "$disk"
@@ -125,6 +135,28 @@ EOF
   grep -E "^bench:|disk tier|predicted step|executor device|^step |timed:|tokens/s|Error|refused" "$out/c-bench.log" | tail -20
   [ -f "$out/c-bench.json" ] && python3 examples/benchmarks/disk_step_summary.py "$out/c-bench.json"
   ;;
+d)
+  model=${MODEL:-qwen2.5-7b}
+  store=${STORE_GIB:-16}
+  cfg="$out/d.yaml"
+  cat >"$cfg" <<EOF
+model: {preset: $model, compute_dtype: bfloat16}
+data: {source: synthetic, seq_len: 4096}
+optim: {master: bf16, moments: int8}
+train: {steps: 2, micro_batch_size: 1, grad_accum: $ga}
+executor: {gpu_memory_gib: 10}
+runtime: {disk_dir: $disk, store_memory_gib: $store, num_gpus: 1}
+EOF
+  mr plan "$cfg" >"$out/d-plan.log" 2>&1
+  grep -E "store on|disk tier|compute copy there too|predicted step|tokens per step|fits|does not|refused" "$out/d-plan.log"
+  if ! tail -1 "$out/d-plan.log" | grep -qx fits; then echo "plan: $model does not fit"; tail -5 "$out/d-plan.log"; exit 1; fi
+  timeout "${BENCH_S:-540}" megatrain-ray bench --model "$model" --optim-modes bf16/int8 --gpu-memory-gib 10 \
+    --store-memory-gib "$store" --disk-dir "$disk" --num-gpus 1 --seq-len 4096 --micro-batch 1 \
+    --grad-accum "$ga" --steps 1 --warmup 1 --json "$out/d-bench.json" >"$out/d-bench.log" 2>&1
+  echo "bench exit $? after $SECONDS s of the script"
+  grep -E "^bench:|disk tier|compute copy|predicted step|executor device|^step |timed:|tokens/s|Error|refused" "$out/d-bench.log" | tail -20
+  [ -f "$out/d-bench.json" ] && python3 examples/benchmarks/disk_step_summary.py "$out/d-bench.json"
+  ;;
 *)
-  echo "part a, b or c"; exit 2 ;;
+  echo "part a, b, c or d"; exit 2 ;;
 esac

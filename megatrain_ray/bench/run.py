@@ -230,8 +230,9 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
               flush=True)
     disk = [d for d in probe.disk_stats() if d]
     if disk:
+        planned = [store.disk_step_bytes() for store in session.placement.stores]
         summary["disk"] = disk_summary(disk, len(rows), wall / len(timed),
-                                       sum(store.disk_bytes for store in session.placement.stores))
+                                       (sum(r for r, _ in planned), sum(w for _, w in planned)))
         print(disk_line(summary["disk"]), flush=True)
     if bytes_in:
         print(f"from RAM nodes: {summary['remote_gb_in_per_step']:.2f} GB of weights in and "
@@ -240,14 +241,16 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
     return {"steps": rows, "median": summary}
 
 
-def disk_summary(stats: list[dict], steps: int, step_s: float, planned: int) -> dict:
+def disk_summary(stats: list[dict], steps: int, step_s: float, planned: tuple[int, int]) -> dict:
     """The stores' disk tiers: the last step's bytes each way (its updates' reads and writes, the
-    first weights' and a checkpoint's left out: the figure `plan` gives, `planned` bytes each way),
+    first weights' and a checkpoint's left out: the figure `plan` gives, `planned` (read, written);
+    with layers fully on disk, the plan's reads are the most a step makes),
     the seconds a step the stores waited for reads over the steps run (the most any could add to a
     step), and the rate the tier moved bytes at over the timed steps' wall time."""
     read = sum(d["step_read_bytes"] for d in stats)
     written = sum(d["step_written_bytes"] for d in stats)
-    return {"read_gb_per_step": read / 1e9, "written_gb_per_step": written / 1e9, "plan_gb_per_step": planned / 1e9,
+    return {"read_gb_per_step": read / 1e9, "written_gb_per_step": written / 1e9,
+            "plan_read_gb_per_step": planned[0] / 1e9, "plan_written_gb_per_step": planned[1] / 1e9,
             "read_wait_s_per_step": max(d["read_wait_s"] for d in stats) / steps,
             "file_gib": sum(d["file_bytes"] for d in stats) / 2**30,
             "window_gib": sum(d["window_bytes"] for d in stats) / 2**30,
@@ -257,7 +260,8 @@ def disk_summary(stats: list[dict], steps: int, step_s: float, planned: int) -> 
 def disk_line(d: dict) -> str:
     return (f"disk tier: {d['file_gib']:.1f} GiB of files ({'O_DIRECT' if d['direct_io'] else 'buffered'}), a window "
             f"of {d['window_gib']:.2f} GiB; {d['read_gb_per_step']:.1f} GB read and {d['written_gb_per_step']:.1f} GB "
-            f"written a step (plan: {d['plan_gb_per_step']:.1f} GB each way; {d['gb_per_s_over_step']:.2f} GB/s over the step's time); the stores waited "
+            f"written a step (plan: {d['plan_read_gb_per_step']:.1f} and {d['plan_written_gb_per_step']:.1f} GB; "
+            f"{d['gb_per_s_over_step']:.2f} GB/s over the step's time); the stores waited "
             f"{d['read_wait_s_per_step']:.2f} s a step for reads")
 
 

@@ -51,6 +51,8 @@ def shard_entries(store: ShardStore) -> list[tuple[str, torch.dtype, int]]:
         shapes = {key: (t.dtype, t.numel()) for key, t in state.tensors().items()}
         if state.on_disk:
             shapes.update({p.name: (p.dtype, p.numel) for p in store.disk.parts[i]})
+        if state.compute_on_disk and store.format.master == "bf16":  # the master is the copy, in its own file
+            shapes["master"] = (store.compute_dtype, state.layout.numel)
         out += [(checkpoint.tensor_name(i, key), dtype, n) for key, (dtype, n) in shapes.items()]
     return out
 
@@ -95,7 +97,8 @@ def load_hf(store: ShardStore, model_dir: str, layers: list[int] | None = None, 
     """The store's layers (or those of `layers`) from a Hugging Face directory, read over the store's
     threads (every tensor checked; `checked`: the directory passed check_hf already)."""
     layers = list(store.layers) if layers is None else layers
-    in_memory = [i for i in layers if not store.layers[i].on_disk or store.format.master == "bf16"]
+    in_memory = [i for i in layers if not store.layers[i].on_disk
+                 or (store.format.master == "bf16" and not store.layers[i].compute_on_disk)]
     if in_memory or not checked:
         load_hf_weights(model_dir, store.arch, store.master, layers=in_memory, threads=torch.get_num_threads(),
                         checked=checked)

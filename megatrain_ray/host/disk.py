@@ -5,7 +5,23 @@ come, and goes back behind it.
 What goes to disk, per layer the plan names (planning/placement.py, `StorePlan.disk_layers`): the
 two AdamW moments (and their int8 block scales), and with an fp32 master the master too: the
 optimizer alone reads them. The compute copy, which the GPU streams in the forward and the backward
-and the gradient lands in, stays in RAM (so does a bf16 master, which is that copy).
+and the gradient lands in, stays in RAM (so does a bf16 master, which is that copy), except in the
+layers of `StorePlan.disk_compute_layers`, where RAM is still short: those are fully on disk.
+
+Fully on disk (`compute_parts`, `HeldWindow`): a second file per layer holds the compute copy (a bf16
+master: the master itself) and, with a bf16 master, its gradient buffer; with an fp32 master the
+gradient lands over the copy, which the update rewrites from the master. The GPU worker reaches such
+a layer as it reaches a RAM node's, through its window of pinned slots (host/window.py, which asks
+for each layer ahead of its forward and again ahead of its backward unless it kept it) over the
+store's link (host/transport.py), even from a store on its own node: the store's server reads the
+file into a buffer of a second window (WINDOW buffers of the largest such file) when the request
+comes, and sends the copy from there; the gradient lands in a buffer holding the layer and goes to
+the file (a step's updates all come after its last gradient: the gradients' norm decides them, so
+RAM could not hold them in a bounded window); the update reads the file and writes the new copy. So
+RAM holds nothing of the layer but these buffers; a step reads its file up to four times (for the
+forward, the backward, the gradient's landing and the update, each spared where a buffer still held
+the layer) and writes it twice (after the gradient and after the update): `StorePlan.disk_step_bytes`
+counts it so. The server serves a version only once its update is applied.
 
 One file per layer, named as the store's shared-memory segments are (host/memory.py, key "disk"),
 so that the next store on the machine removes a killed run's files as it removes its segments. Its
@@ -41,10 +57,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -102,6 +122,18 @@ def layer_parts(layout: LayerLayout, fmt: StateFormat) -> tuple[Part, ...]:
     return tuple(parts)
 
 
+def compute_parts(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> tuple[Part, ...]:
+    """The file of a layer whose compute copy is on disk too (`StorePlan.disk_compute_layers`): the
+    copy, and a bf16 master's gradient buffer after it. With an fp32 master the gradient lands over
+    the copy, which its update rewrites from the master. The gradient is in the file from its landing
+    to its update: a step's updates come after its last gradient (the gradients' norm decides them)."""
+    n = layout.numel
+    parts = (Part("compute", compute_dtype, n, 0),)
+    if fmt.master == "bf16":
+        parts += (Part("grad", torch.bfloat16, n, aligned(n * compute_dtype.itemsize)),)
+    return parts
+
+
 def file_bytes(parts: tuple[Part, ...]) -> int:
     return aligned(parts[-1].offset + parts[-1].nbytes) if parts else 0
 
@@ -114,6 +146,20 @@ def disk_bytes(layout: LayerLayout, fmt: StateFormat) -> int:
 def window_bytes(layouts: list[LayerLayout], fmt: StateFormat, window: int = WINDOW) -> int:
     """RAM the tier's buffers take for these layers on disk."""
     return window * max((disk_bytes(layout, fmt) for layout in layouts), default=0) if layouts else 0
+
+
+def compute_window_bytes(layouts: list[LayerLayout], fmt: StateFormat, compute_dtype: torch.dtype,
+                         window: int = WINDOW) -> int:
+    """RAM the buffers of the compute copies on disk take (HeldWindow's): as many as the store has
+    such layers, `window` at most, each the size of the largest's."""
+    largest = max((file_bytes(compute_parts(layout, fmt, compute_dtype)) for layout in layouts), default=0)
+    return min(window, len(layouts)) * largest
+
+
+def compute_bytes(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> int:
+    """RAM a layer's compute copy (and a bf16 master's gradient buffer) takes, which its compute
+    copy on disk saves; its file's bytes are `file_bytes(compute_parts(...))`."""
+    return sum(p.nbytes for p in compute_parts(layout, fmt, compute_dtype))
 
 
 def open_file(path: Path) -> tuple[int, bool]:
@@ -145,15 +191,21 @@ class DiskTier:
     """The files of a store's layers on disk and its window of buffers."""
 
     def __init__(self, directory: str | Path, run_id: str, layouts: dict[int, LayerLayout], fmt: StateFormat,
-                 window: int | None = None, threads: int = IO_THREADS):
+                 window: int | None = None, threads: int = IO_THREADS,
+                 parts_of: Callable[[LayerLayout], tuple[Part, ...]] | None = None, key: str = "disk",
+                 read_ahead: bool = True):
+        """`parts_of`: a layer's parts (default its cold state, `layer_parts`); `key`: its files' (segment
+        names); `read_ahead`: False where the caller reads ahead itself (the GPU worker's window
+        asks for a layer's compute copy ahead of its use: `HeldWindow`)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         files, nbytes = remove_dead_segments(self.directory)
         if files:
             print(f"removed {files} disk-tier file(s) ({nbytes / 2**30:.2f} GiB) of runs that died, from "
                   f"{self.directory}", flush=True)
-        self.parts = {i: layer_parts(layout, fmt) for i, layout in layouts.items()}
+        self.parts = {i: (parts_of or (lambda l: layer_parts(l, fmt)))(layout) for i, layout in layouts.items()}
         self.order = sorted(layouts)
+        self.ahead = read_ahead
         self.paths: dict[int, Path] = {}
         self.fds: dict[int, int] = {}
         self.direct = True
@@ -164,7 +216,7 @@ class DiskTier:
         self._clock = 0
         try:
             for i in self.order:
-                self._create(i, run_id)
+                self._create(i, run_id, key)
         except BaseException:
             self.close()
             raise
@@ -172,8 +224,8 @@ class DiskTier:
         self.slots = [self._slot(largest) for _ in range(min(window or WINDOW, len(self.order)) if largest else 0)]
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="disk-tier")
 
-    def _create(self, index: int, run_id: str) -> None:
-        path = self.directory / segment_name(run_id, index, "disk")
+    def _create(self, index: int, run_id: str, key: str) -> None:
+        path = self.directory / segment_name(run_id, index, key)
         fd, direct = open_file(path)
         self.paths[index], self.fds[index] = path, fd
         self.direct = self.direct and direct
@@ -212,7 +264,8 @@ class DiskTier:
         t0 = time.perf_counter()
         self._wait(slot.reads, index, "reading")
         self.read_seconds += time.perf_counter() - t0
-        self._read_ahead(index)
+        if self.ahead:
+            self._read_ahead(index)
         return self.views(slot, index)
 
     def release(self, index: int, dirty: bool = True) -> None:
@@ -225,6 +278,22 @@ class DiskTier:
             slot.writes = self._pieces(os.pwritev, slot, index)
             self.bytes_written += file_bytes(self.parts[index])
             self.written.add(index)
+
+    def forget(self, index: int) -> None:
+        """The layer's buffer (released, not written back) no longer stands for it: the next acquire reads the file."""
+        slot = self._slot_of(index)
+        if slot is not None and not slot.in_use and not slot.failed:
+            slot.layer = None
+
+    def settle(self, index: int) -> None:
+        """The layer's buffer's writes are done: the buffer may change again."""
+        slot = self._slot_of(index)
+        if slot is not None:
+            self._wait(slot.writes, index, "writing")
+
+    def has_room(self, index: int) -> bool:
+        """Whether `acquire(index)` finds a buffer now: the layer's own, or one not in use."""
+        return any(s.layer == index or (not s.in_use and not s.failed) for s in self.slots)
 
     def mark_step(self) -> None:
         """A step's first update begins: the counts so far, for `step_bytes`."""
@@ -340,6 +409,78 @@ class DiskTier:
             path.unlink(missing_ok=True)
         self.fds.clear()
         self.paths.clear()
+
+
+class HeldWindow:
+    """A DiskTier of compute copies (`compute_parts`) that several threads use at once: the store's
+    link serving weights and landing gradients (host/transport.py, LayerServer), and its updates. A
+    layer is held by any number of them, read into a buffer by the first (the GPU worker's window
+    asks for it ahead of its use: that is the read ahead), and released when the last lets go,
+    written back if one of them changed it. A thread that needs a buffer while all are held waits
+    for one: every hold ends on its own (a send, a gradient's landing, an update: none waits for
+    another layer), so every wait ends."""
+
+    def __init__(self, tier: DiskTier):
+        self.tier = tier
+        self.cond = threading.Condition()
+        self.holders: Counter = Counter()
+        self.changed: set[int] = set()  # held layers a holder changed: written back when the last lets go
+
+    def numel(self, index: int) -> int:
+        return self.tier.parts[index][0].numel
+
+    def hold(self, index: int, to_change: bool = True) -> dict[str, torch.Tensor]:
+        """The layer's buffer's tensors by name (compute, and a bf16 master's grad), held until
+        `let_go`. The first holder also waits for the buffer's last write: it may change the bytes.
+        `to_change` as DiskTier.acquire's: False (a checkpoint's read) goes on past a failed write."""
+        with self.cond:
+            if self.holders[index]:
+                views = self.tier.views(self.tier._slot_of(index), index)
+            else:
+                self.cond.wait_for(lambda: self.tier.has_room(index))
+                views = self.tier.acquire(index, to_change)
+                if to_change:
+                    try:
+                        self.tier.settle(index)
+                    except BaseException:  # its last write failed: the buffer keeps the only copy
+                        self.tier.release(index, dirty=False)
+                        raise
+            self.holders[index] += 1
+            return views
+
+    def let_go(self, index: int, dirty: bool = False) -> None:
+        """One hold ends (`dirty`: it changed the layer); the last writes the layer back if any holder did."""
+        with self.cond:
+            if dirty:
+                self.changed.add(index)
+            self.holders[index] -= 1
+            if self.holders[index] == 0:
+                del self.holders[index]
+                self.tier.release(index, index in self.changed)
+                self.changed.discard(index)
+                self.cond.notify_all()
+
+    @contextmanager
+    def held(self, index: int, dirty: bool = False):
+        views = self.hold(index)
+        try:
+            yield views
+        finally:
+            self.let_go(index, dirty)
+
+    @contextmanager
+    def gradient(self, index: int):
+        """Where the layer's gradient lands (a bf16 master's grad, else over the copy), held while it
+        lands and written to the file after."""
+        with self.held(index, dirty=True) as views:
+            yield views.get("grad", views["compute"])
+
+    def resident_bytes(self) -> int:
+        return self.tier.resident_bytes()
+
+    def mark_step(self) -> None:
+        with self.cond:
+            self.tier.mark_step()
 
 
 def _clear(buffer: torch.Tensor, after: list[Future]) -> None:

@@ -17,14 +17,14 @@ from __future__ import annotations
 import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatrain_ray.host import precision
-from megatrain_ray.host.disk import DiskTier
+from megatrain_ray.host.disk import DiskTier, HeldWindow, compute_parts
 from megatrain_ray.host.memory import element_size, pinned_empty, remove_dead_segments, segment_name, shm_tensor, zeroed
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.models.arch import ModelArch
@@ -68,6 +68,7 @@ class LayerState:
     updates: int = 0  # AdamW updates applied: this layer's bias correction, and what a checkpoint keeps
     held: torch.Tensor | None = None  # stepped by a GPU worker: the update count its state holds (`held_marker`)
     on_disk: bool = False  # its cold state (host/disk.py, cold_keys) lives in the disk tier: empty here but while resident
+    compute_on_disk: bool = False  # its compute copy and gradient too (host/disk.py, compute_parts; HeldWindow)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state a checkpoint holds, as it is held (no compute copy: it follows the master)."""
@@ -133,12 +134,15 @@ class ShardStore:
         disk_dir: str | None = None,
         disk_layers: tuple[int, ...] = (),
         shared_momentum: tuple[int, ...] = (),
+        disk_compute_layers: tuple[int, ...] = (),
         train_vision: bool = False,
     ):
         """`seed`: train.seed, the stochastic rounding's (a bf16 master's) stream. `shared_state`: layers
         whose master and moments a GPU worker on this node steps (the step plan's embedding on the
         device), in shared memory from the start (`share_state`, with nothing to copy). `disk_layers`:
-        layers whose optimizer state lives in files under `disk_dir` (the plan's: host/disk.py).
+        layers whose optimizer state lives in files under `disk_dir` (the plan's: host/disk.py);
+        `disk_compute_layers`, some of them, whose compute copy does too (a GPU worker reaches them
+        through the store's link, `open_link` in runtime/actors.py, as a RAM node's).
         `shared_momentum`: Muon blocks whose momentum a GPU worker on this node updates and
         orthogonalizes (the plan's, streaming/muon_step.py): that buffer in shared memory, with the
         layer's marker (`held_marker`). `train_vision`: model.train_vision (an image-text model's
@@ -167,11 +171,20 @@ class ShardStore:
         if set(disk_layers) & set(shared_state):
             raise ValueError(f"layers {sorted(set(disk_layers) & set(shared_state))} cannot be both on disk and "
                              "stepped by a GPU worker")
+        if not set(disk_compute_layers) <= set(disk_layers):
+            raise ValueError(f"layers {sorted(set(disk_compute_layers) - set(disk_layers))} would have their compute "
+                             "copy on disk but not their optimizer state")
         self.disk: DiskTier | None = None
+        self.hot: HeldWindow | None = None  # the compute copies on disk (disk_compute_layers)
         self._disk_step: int | None = None  # the update count at the disk tier's last step mark
         if disk_layers:
             self.disk = DiskTier(disk_dir, run_id, {i: layouts[i] for i in disk_layers}, state_format)
-        self.layers: dict[int, LayerState] = {i: self._allocate(layouts[i], i in disk_layers) for i in layers}
+        if disk_compute_layers:
+            self.hot = HeldWindow(DiskTier(disk_dir, run_id, {i: layouts[i] for i in disk_compute_layers},
+                                           state_format, parts_of=lambda l: compute_parts(l, state_format, compute_dtype),
+                                           key="diskcompute", read_ahead=False))
+        self.layers: dict[int, LayerState] = {i: self._allocate(layouts[i], i in disk_layers, i in disk_compute_layers)
+                                              for i in layers}
         for i in shared_state:
             self._share(i, copy=False)
         for i in self.shared_momentum & set(layers):
@@ -186,8 +199,11 @@ class ShardStore:
         paths[index] = str(path)
         return shm_tensor(path, n, dtype, create=True)
 
-    def _allocate(self, layout: LayerLayout, on_disk: bool = False) -> LayerState:
+    def _allocate(self, layout: LayerLayout, on_disk: bool = False, compute_on_disk: bool = False) -> LayerState:
         n, fmt = layout.numel, self.format
+        if compute_on_disk:
+            return LayerState(layout, master=ABSENT, exp_avg=ABSENT, exp_avg_sq=ABSENT, compute=ABSENT, grad=ABSENT,
+                              scales=(ABSENT, ABSENT) if fmt.quantized else None, on_disk=True, compute_on_disk=True)
         compute = self._shared(layout.index, n, self.compute_dtype, None, self.shm_paths)
         if fmt.master == "bf16":
             master, grad = compute, self._shared(layout.index, n, torch.bfloat16, "grad", self.grad_shm_paths)
@@ -214,11 +230,34 @@ class ShardStore:
     def resident(self, index: int, dirty: bool = True):
         """The layer's state, all of it in memory while the block runs: a layer in the disk tier
         (host/disk.py) is read into a buffer of its window (ahead of time, where it came in the
-        order), and written back after unless `dirty` is False."""
+        order), and written back after unless `dirty` is False; so is a compute copy on disk."""
         state = self.layers[index]
         if not state.on_disk:
             yield state
             return
+        with self._compute_resident(state, dirty) if state.compute_on_disk else nullcontext():
+            with self._cold_resident(state, dirty):
+                yield state
+
+    @contextmanager
+    def _compute_resident(self, state: LayerState, dirty: bool):
+        index = state.layout.index
+        views = self.hot.hold(index, to_change=dirty)
+        state.compute = views["compute"]
+        state.grad = views.get("grad", state.compute)
+        if self.format.master == "bf16":
+            state.master = state.compute
+        try:
+            yield
+        finally:
+            state.compute = state.grad = ABSENT
+            if self.format.master == "bf16":
+                state.master = ABSENT
+            self.hot.let_go(index, dirty)
+
+    @contextmanager
+    def _cold_resident(self, state: LayerState, dirty: bool):
+        index = state.layout.index
         views = self.disk.acquire(index, to_change=dirty)
         for key, t in views.items():
             if key in precision.SCALE_KEYS:
@@ -227,7 +266,7 @@ class ShardStore:
         if state.scales is not None:
             state.scales = tuple(views[key] for key in precision.SCALE_KEYS)
         try:
-            yield state
+            yield
         finally:
             for key in views:
                 if key not in precision.SCALE_KEYS:
@@ -243,17 +282,20 @@ class ShardStore:
         for s in self.layers.values():
             for t in (*s.tensors().values(), s.compute, s.grad):
                 seen[t.data_ptr()] = t.numel() * t.element_size()
-        return sum(seen.values()) + (self.disk.resident_bytes() if self.disk is not None else 0)
+        return (sum(seen.values()) + (self.disk.resident_bytes() if self.disk is not None else 0)
+                + (self.hot.resident_bytes() if self.hot is not None else 0))
 
     def disk_stats(self) -> dict[str, float]:
         """The disk tier's bytes moved and the seconds the store waited for its reads (none: no tier)."""
         if self.disk is None:
             return {}
-        step_read, step_written = self.disk.step_bytes()
-        return {"read_bytes": self.disk.bytes_read, "written_bytes": self.disk.bytes_written,
-                "step_read_bytes": step_read, "step_written_bytes": step_written,
-                "read_wait_s": self.disk.read_seconds, "file_bytes": self.disk.file_bytes(),
-                "window_bytes": self.disk.resident_bytes(), "direct_io": self.disk.direct}
+        tiers = [self.disk] + ([self.hot.tier] if self.hot is not None else [])
+        steps = [tier.step_bytes() for tier in tiers]
+        return {"read_bytes": sum(t.bytes_read for t in tiers), "written_bytes": sum(t.bytes_written for t in tiers),
+                "step_read_bytes": sum(r for r, _ in steps), "step_written_bytes": sum(w for _, w in steps),
+                "read_wait_s": sum(t.read_seconds for t in tiers), "file_bytes": sum(t.file_bytes() for t in tiers),
+                "window_bytes": sum(t.resident_bytes() for t in tiers), "direct_io": all(t.direct for t in tiers),
+                "compute_file_bytes": self.hot.tier.file_bytes() if self.hot is not None else 0}
 
     # ---- initial weights -------------------------------------------------------------------
     def init_random(self, seed: int, std: float, layers: list[int] | None = None) -> None:
@@ -261,7 +303,7 @@ class ShardStore:
         optimizer threads), then published by torch's own."""
         with ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="init") as pool:
             for i in (self.layers if layers is None else layers):
-                with self.resident(i, dirty=self.format.master == "fp32") as state:
+                with self.resident(i, dirty=self.format.master == "fp32" or self.layers[i].compute_on_disk) as state:
                     if state.master.dtype == torch.float32:
                         init_layer_weights(family(self.arch), state.layout, state.master, seed, std, pool)
                     else:  # drawn in fp32 as an exact run draws them, then rounded as its compute copy is
@@ -292,10 +334,17 @@ class ShardStore:
 
     def master(self, index: int) -> torch.Tensor:
         """The layer's master weights (a copy, of a master in the disk tier)."""
-        if not self.layers[index].on_disk or self.format.master == "bf16":
-            return self.layers[index].master
+        state = self.layers[index]
+        if not state.on_disk or (self.format.master == "bf16" and not state.compute_on_disk):
+            return state.master
         with self.resident(index, dirty=False) as state:
             return state.master.clone()
+
+    def landing_gradient(self, index: int):
+        """Where the layer's gradient lands for its update (`step_layer`), while it lands: its grad
+        buffer, or for a compute copy on disk a buffer of the window, written to the file after."""
+        state = self.layers[index]
+        return self.hot.gradient(index) if state.compute_on_disk else nullcontext(state.grad)
 
     def gradient_paths(self) -> dict[int, str]:
         """Shared-memory gradient buffers of their own (a bf16 master's), by layer; else none."""
@@ -391,6 +440,8 @@ class ShardStore:
             if self._disk_step != own:  # a step's first update (a skipped step's count with the one before)
                 self._disk_step = own
                 self.disk.mark_step()
+                if self.hot is not None:
+                    self.hot.mark_step()
 
     def begin_update(self, index: int, hp: AdamWStep | None) -> None:
         """Count the layer's update (not a skipped one): its bias correction and rounding key. Its
@@ -453,6 +504,9 @@ class ShardStore:
         if getattr(self, "disk", None) is not None:
             self.disk.close()
             self.disk = None
+        if getattr(self, "hot", None) is not None:
+            self.hot.tier.close()
+            self.hot = None
         for path in [*self.shm_paths.values(), *self.grad_shm_paths.values(), *self.extra_shm_paths,
                      *getattr(self, "momentum_shm_paths", {}).values()]:
             Path(path).unlink(missing_ok=True)

@@ -33,6 +33,7 @@ import socket
 import struct
 import threading
 from collections import Counter
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -117,15 +118,22 @@ class LayerServer:
     through the update, which it counts: a checkpoint from the stores then refuses that step.)
     """
 
-    def __init__(self, buffers: dict[int, torch.Tensor], host: str, grads: dict[int, torch.Tensor] | None = None):
-        """`buffers`: each layer's weights; `grads`: where its gradient lands (default: over the weights)."""
+    def __init__(self, buffers: dict[int, torch.Tensor], host: str, grads: dict[int, torch.Tensor] | None = None,
+                 held=None):
+        """`buffers`: each layer's weights; `grads`: where its gradient lands (default: over the weights).
+        `held`: a store's compute copies on disk (host/disk.py, HeldWindow): each such layer is sent from
+        a buffer of its window, held while it is sent, and its gradient lands in one, written to its file after."""
         self.buffers = buffers
         self.grads = grads or buffers
-        self.applied = {i: 0 for i in buffers}
-        self.done = {i: 0 for i in buffers}  # pieces updated, over all updates
+        self.held = held
+        numels = {i: t.numel() for i, t in buffers.items()}
+        numels.update({i: held.numel(i) for i in held.tier.parts} if held is not None else {})
+        self.numels = numels
+        self.applied = {i: 0 for i in numels}
+        self.done = {i: 0 for i in numels}  # pieces updated, over all updates
         self.arrived: Counter = Counter()  # (layer, stream): gradient pieces landed on that stream, over all
         self.piece: dict[int, int] = {}  # each layer's piece elements, from the first message naming it
-        self.bounds = {i: piece_bounds(t.numel(), 0) for i, t in buffers.items()}
+        self.bounds = {i: piece_bounds(n, 0) for i, n in numels.items()}
         self.streams = 1
         self.gradients_cut = False  # a gradient connection closed: no gradient still missing will come
         self.closed = False  # close(): a request still waiting for its version is given up
@@ -141,7 +149,7 @@ class LayerServer:
             if self.piece.setdefault(layer, piece) != piece:
                 raise ConnectionError(f"layer {layer} asked for in pieces of {piece} elements, not the "
                                       f"{self.piece[layer]} it travels in")
-            self.bounds[layer] = piece_bounds(self.buffers[layer].numel(), piece)
+            self.bounds[layer] = piece_bounds(self.numels[layer], piece)
             return self.bounds[layer]
 
     def _landed(self, layer: int) -> int:
@@ -181,23 +189,49 @@ class LayerServer:
             layer, version, piece = request
             bounds = self._pieces(layer, piece)
             before = (version - 1) * len(bounds)  # pieces updated before this version's
-            for p, view in enumerate(piece_views(self.buffers[layer], bounds)):
-                with self.cond:
-                    self.cond.wait_for(lambda: self.done[layer] > before + p or self.closed)
-                    if self.closed:
+            if not self._wait_updated(layer, before):  # the first piece's update, before a held buffer is taken
+                return
+            with self._weights(layer) as weights:
+                for p, view in enumerate(piece_views(weights, bounds)):
+                    if not self._wait_updated(layer, before + p):
                         return
-                conn.sendall(chunk(view, k, self.streams))
+                    conn.sendall(chunk(view, k, self.streams))
+
+    def _wait_updated(self, layer: int, pieces: int) -> bool:
+        """Until more than `pieces` pieces of the layer are updated; False: the server closed first."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.done[layer] > pieces or self.closed)
+            return not self.closed
+
+    def _weights(self, layer: int):
+        """The layer's weights while they are sent: its buffer, or a held one of the window."""
+        if layer in self.buffers:
+            return nullcontext(self.buffers[layer])
+        return self._held_weights(layer)
+
+    @contextmanager
+    def _held_weights(self, layer: int):
+        views = self.held.hold(layer)
+        try:
+            yield views["compute"]
+        finally:
+            self.held.let_go(layer)
+
+    def _gradient(self, layer: int):
+        """Where the layer's gradient lands, while it lands: its buffer, or a held one of the window."""
+        return nullcontext(self.grads[layer]) if layer in self.grads else self.held.gradient(layer)
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         try:
             while (header := recv_struct(conn, GRADIENT)) is not None:
                 layer, piece = header
-                for view in piece_views(self.grads[layer], self._pieces(layer, piece)):
-                    if not recv_exact(conn, chunk(view, k, self.streams)):
-                        raise ConnectionError("gradient cut short")
-                    with self.cond:
-                        self.arrived[layer, k] += 1
-                        self.cond.notify_all()
+                with self._gradient(layer) as grad:
+                    for view in piece_views(grad, self._pieces(layer, piece)):
+                        if not recv_exact(conn, chunk(view, k, self.streams)):
+                            raise ConnectionError("gradient cut short")
+                        with self.cond:
+                            self.arrived[layer, k] += 1
+                            self.cond.notify_all()
         finally:
             with self.cond:
                 self.gradients_cut = True

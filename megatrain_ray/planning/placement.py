@@ -14,6 +14,8 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
+
 from megatrain_ray.config import Config, ConfigError, RuntimeConfig, check_divisible
 from megatrain_ray.host.memory import dtype_of, element_size
 from megatrain_ray.models.arch import ModelArch
@@ -22,7 +24,8 @@ from megatrain_ray.objective import objective_of
 from megatrain_ray.host.precision import StateFormat, format_of
 from megatrain_ray.host.store import bytes_per_param, layer_bytes
 from megatrain_ray.host.window import window_bytes
-from megatrain_ray.host.disk import disk_bytes, layer_parts, window_bytes as disk_window_bytes
+from megatrain_ray.host.disk import (compute_bytes, compute_parts, compute_window_bytes, disk_bytes, file_bytes,
+                                     layer_parts, window_bytes as disk_window_bytes)
 from megatrain_ray.host.transport import TURN_LAYER
 from megatrain_ray.planning.memory import host_parking, num_slots_setting
 from megatrain_ray.planning.prediction import TRANSPORT_CORES
@@ -57,14 +60,22 @@ class StorePlan:
     capacity: float = 0.0  # bytes the store may take on its node (stated, or its share of the machine's usable memory)
     threads: int | None = None  # its host optimizer's (store_threads); None: a described node whose cores are not known
     disk_layers: tuple[int, ...] = ()  # layers whose optimizer state lives in the disk tier (host/disk.py)
-    disk_bytes: int = 0  # their files' bytes under runtime.disk_dir
+    disk_bytes: int = 0  # their files' bytes under runtime.disk_dir (the compute copies' among them)
+    disk_compute_layers: tuple[int, ...] = ()  # of those, the layers whose compute copy is on disk too (streamed over the store's link)
+    disk_compute_bytes: int = 0  # the compute copies' files
+
+    def disk_step_bytes(self) -> tuple[int, int]:
+        """(read, written) bytes a step: every file read once before its layer's update and written
+        once after; a compute copy's file read three times more, for the forward, the backward and
+        its gradient's landing, and written once more after that (at most: a buffer of the window
+        that still holds the layer spares a read)."""
+        return self.disk_bytes + 3 * self.disk_compute_bytes, self.disk_bytes + self.disk_compute_bytes
 
     def disk_seconds(self) -> float:
-        """A step's disk time: every layer on disk read once before its update and written once after."""
-        if not self.disk_bytes:
-            return 0.0
-        return (self.disk_bytes / ((self.node.disk_read_gbs or DISK_GBS) * 1e9)
-                + self.disk_bytes / ((self.node.disk_write_gbs or DISK_GBS) * 1e9))
+        """A step's disk time: its reads and writes (`disk_step_bytes`) at the disk's speeds."""
+        read, written = self.disk_step_bytes()
+        return (read / ((self.node.disk_read_gbs or DISK_GBS) * 1e9)
+                + written / ((self.node.disk_write_gbs or DISK_GBS) * 1e9))
 
 
 @dataclass(frozen=True)
@@ -84,8 +95,9 @@ class Placement:
     train_vision: bool = False  # model.train_vision: an image-text model's vision tower trains (the model line)
 
     def remote_layers(self) -> list[int]:
-        """Layers of stores on other nodes than the GPU worker's: they stream over the network."""
-        return [i for s in self.stores if s.node.node_id != self.gpu.node_id for i in s.layers]
+        """Layers the GPU worker streams through its window over a store's link: those of stores on
+        other nodes, and those whose compute copy is on disk (a store on its own node serves them too)."""
+        return [i for s in self.stores for i in (s.layers if s.node.node_id != self.gpu.node_id else s.disk_compute_layers)]
 
     def disk_seconds(self) -> float:
         """The slowest store's disk time a step (stores on one machine share its disk: summed)."""
@@ -111,12 +123,14 @@ class Placement:
         ]
         for s in self.stores:
             role = ["the GPU node" if self.use_cuda else "the executor's node"] if s.node.node_id == self.gpu.node_id else ["RAM node"] if s.node.ram_node else []
+            streamed = (f", shared memory ({len(s.disk_compute_layers)} layers streamed over its link: their compute "
+                        "copy is on disk)" if s.disk_compute_layers else ", shared memory")
             lines.append(
                 f"store on {node_name(s.node, role)}: "
                 f"layers {s.layers[0]}-{s.layers[-1]} ({len(s.layers)}), {s.host_bytes / GiB:.2f} GiB "
                 + (f"of {s.capacity / GiB:.1f} GiB stated (runtime.store_memory_gib)" if self.stated_memory
                    else f"of {s.node.free_bytes / GiB:.1f} GiB free")
-                + (", streamed over TCP" if s.node.node_id != self.gpu.node_id else ", shared memory")
+                + (", streamed over TCP" if s.node.node_id != self.gpu.node_id else streamed)
                 + (f", AdamW on {s.threads} thread{'s' if s.threads > 1 else ''}" if s.threads else "")
             )
             if s.disk_layers:
@@ -148,10 +162,18 @@ def disk_line(arch: ModelArch, s: StorePlan, placement: Placement) -> str:
     speed = (f"{s.node.disk_read_gbs:.2f} GB/s read, {s.node.disk_write_gbs:.2f} GB/s write" if known else
              f"{DISK_GBS:g} GB/s read and write assumed (not known)")
     room = f" of {s.node.disk_bytes / GiB:.1f} GiB free" if s.node.disk_bytes is not None else ""
+    read, written = s.disk_step_bytes()
+    fully = ""
+    if s.disk_compute_layers:
+        layout = layouts[s.disk_compute_layers[-1]]
+        dtype = torch.float32 if esize == 4 else torch.bfloat16
+        fully = (f"; {len(s.disk_compute_layers)} of them ({sum(layouts[i].numel for i in s.disk_compute_layers) / 1e9:.2f} "
+                 f"B params) keep their compute copy there too: a parameter of those holds 0 bytes in RAM (but the "
+                 f"windows) and {(disk_bytes(layout, fmt) + file_bytes(compute_parts(layout, fmt, dtype))) / layout.numel:.4g} on disk")
     return (f"  disk tier (runtime.disk_dir): {len(s.disk_layers)} of its {len(s.layers)} layers ({on_disk / 1e9:.2f} of "
             f"{params / 1e9:.2f} B params) keep their optimizer state on disk, {s.disk_bytes / GiB:.2f} GiB{room}; "
-            f"a parameter there holds {ram_bpp:.4g} bytes in RAM and {fmt.bytes_per_param(esize) - ram_bpp:.4g} on disk; "
-            f"disk {speed}: {s.disk_bytes / 1e9:.1f} GB read and written a step, {s.disk_seconds():.2f} s")
+            f"a parameter there holds {ram_bpp:.4g} bytes in RAM and {fmt.bytes_per_param(esize) - ram_bpp:.4g} on disk{fully}; "
+            f"disk {speed}: {read / 1e9:.1f} GB read and {written / 1e9:.1f} GB written a step, {s.disk_seconds():.2f} s")
 
 
 def disk_layers_for(layers: list[int], layouts, held: list[float], capacity: float, fmt: StateFormat,
@@ -160,14 +182,31 @@ def disk_layers_for(layers: list[int], layouts, held: list[float], capacity: flo
     (the tier's window of buffers counted), the smallest first, then from the last layer back; never those of `keep`
     (the embedding where a GPU may step it). () when none needs to go; all the others when even that
     is short (the caller refuses with the figure)."""
-    ram = sum(held[i] for i in layers)
+    saved = {i: sum(p.nbytes for p in layer_parts(layouts[i], fmt)) for i in layers if i not in keep}
+    return fewest_on_disk(saved, sum(held[i] for i in layers), capacity,
+                          lambda chosen: tier_window_bytes(chosen, layouts, fmt))
+
+
+def disk_compute_layers_for(layers: tuple[int, ...], layouts, ram: float, capacity: float, fmt: StateFormat,
+                            dtype) -> tuple[int, ...]:
+    """Of a store's layers whose optimizer state is on disk (`layers`), the fewest whose compute copy
+    (and a bf16 master's gradient buffer) goes there too for the rest, `ram` bytes, to fit `capacity`
+    with the windows' buffers; never the embedding (the step's turn: host/transport.py, TURN_LAYER)."""
+    saved = {i: compute_bytes(layouts[i], fmt, dtype) for i in layers if i != TURN_LAYER}
+    return fewest_on_disk(saved, ram, capacity,
+                          lambda chosen: compute_window_bytes([layouts[i] for i in chosen], fmt, dtype))
+
+
+def fewest_on_disk(saved: dict[int, float], ram: float, capacity: float, window_of) -> tuple[int, ...]:
+    """The fewest of these layers (`saved`: the RAM each frees on disk) that leave `ram` with the
+    window's buffers (`window_of(chosen)`) within `capacity`: the smallest first (the window's buffers
+    fit the largest), then from the last layer back; all of them when even that is short."""
     chosen: list[int] = []
-    cold = {i: disk_bytes(layouts[i], fmt) for i in layers if i not in keep}
-    for i in sorted(cold, key=lambda i: (cold[i], -i)):  # the smallest first: the window's buffers fit the largest
-        if ram + tier_window_bytes(chosen, layouts, fmt) <= capacity:
+    for i in sorted(saved, key=lambda i: (saved[i], -i)):
+        if ram + window_of(chosen) <= capacity:
             break
         chosen.append(i)
-        ram -= sum(p.nbytes for p in layer_parts(layouts[i], fmt))
+        ram -= saved[i]
     return tuple(sorted(chosen))
 
 
@@ -369,18 +408,19 @@ def largest_models(room: StoreRoom, config: Config) -> str:
 
 
 def with_disk_text(room: StoreRoom, config: Config, fmt: StateFormat, esize: int) -> str:
-    """What the disk tier adds to a mode's largest model: RAM then holds the compute copies of all
-    and the rest of the state of some, the disk the rest of it (its windows left out)."""
+    """What the disk tier adds to a mode's largest model: RAM and the disk together hold its state
+    (a layer's compute copy goes to disk too where RAM is short: `disk_compute_layers_for`); the
+    windows and the embedding's state left out. Without a known disk, the disk it would take to
+    double RAM's."""
     if config.runtime.disk_dir is None:
         return ""
     bpp = fmt.bytes_per_param(esize)
-    hot = esize if fmt.master == "fp32" else 4  # the compute copy (a bf16 master's, and its gradient buffer)
     ram = sum(room.capacities)
     disks = {n.ip: n.disk_bytes for n in room.holders}
     if any(d is None for d in disks.values()):
-        return f", {ram / hot / 1e9:.1f} B with the disk tier if its disk holds {(ram / hot * bpp - ram) / GiB:.0f} GiB"
+        return f", {2 * ram / bpp / 1e9:.1f} B with the disk tier if its disk holds {ram / GiB:.0f} GiB"
     disk = sum(disks.values())
-    return f", {min((ram + disk) / bpp, ram / hot) / 1e9:.1f} B with the disk tier ({disk / GiB:.0f} GiB free)"
+    return f", {(ram + disk) / bpp / 1e9:.1f} B with the disk tier ({disk / GiB:.0f} GiB free)"
 
 
 def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], driver_node: str) -> Placement:
@@ -434,13 +474,15 @@ def plan_placement(arch: ModelArch, config: Config, nodes: list[NodeInfo], drive
 def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Config, held: list[float],
                    gpu_ip: str, workers: int) -> tuple[StorePlan, ...]:
     """Each store with the layers whose optimizer state goes to the disk tier (runtime.disk_dir): the
-    fewest that bring its RAM within what it may take (`disk_layers_for`), a store on the GPU machine
+    fewest that bring its RAM within what it may take (`disk_layers_for`), and where RAM is still short
+    the compute copies of the fewest of those too (`disk_compute_layers_for`), a store on the GPU machine
     leaving room for the boundary activations the step may park there (the step plan decides that
     later; without the tier a model either fits with room to spare or is refused). Refuses, with the
     figures, a store whose RAM is short even with all of them there, and a disk that cannot hold
     its files (where its free bytes are known)."""
     layouts = model_layouts(arch, config.model.train_vision)
     fmt = format_of(config.optim)
+    dtype = dtype_of(config.model.compute_dtype)
     keep = (TURN_LAYER,) if fmt.exact and config.executor.embedding_step != "host" else ()  # it may step on a GPU
     out = []
     for s in stores:
@@ -449,18 +491,22 @@ def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Confi
             room = max(0.0, room - host_parking(arch, with_host_gradients_possible(config), offload=True,
                                                 num_gpus=workers))
         chosen = disk_layers_for(list(s.layers), layouts, held, room, fmt, keep)
-        ram = int(sum(held[i] for i in s.layers) - sum(p.nbytes for i in chosen for p in layer_parts(layouts[i], fmt))
-                  + tier_window_bytes(chosen, layouts, fmt))
+        ram = (sum(held[i] for i in s.layers) - sum(p.nbytes for i in chosen for p in layer_parts(layouts[i], fmt))
+               + tier_window_bytes(chosen, layouts, fmt))
+        fully = disk_compute_layers_for(chosen, layouts, ram, room, fmt, dtype) if ram > room else ()
+        ram = int(ram - sum(compute_bytes(layouts[i], fmt, dtype) for i in fully)
+                  + compute_window_bytes([layouts[i] for i in fully], fmt, dtype))
         if ram > s.capacity:
             raise ConfigError(
                 f"the store on {s.node.ip} needs {ram / GiB:.1f} GiB of RAM even with the optimizer state of every layer "
-                f"{'but the embedding ' if keep else ''}on disk (runtime.disk_dir; the compute copy, "
-                f"{ram_bytes_per_param(layouts[-1], fmt, element_size(dtype_of(config.model.compute_dtype))):.3g} bytes a "
-                f"parameter, stays in RAM) but may take {s.capacity / GiB:.1f} GiB: short by "
+                f"{'but the embedding ' if keep else ''}on disk, and the compute copy of every layer but the embedding "
+                f"(runtime.disk_dir; the disk tier's windows of buffers stay in RAM) but may take {s.capacity / GiB:.1f} GiB: short by "
                 f"{(ram - s.capacity) / GiB:.1f} GiB; give the stores more memory (runtime.store_memory_gib), add RAM "
                 "nodes, or choose a smaller model")
-        out.append(dataclasses.replace(s, host_bytes=ram, disk_layers=chosen,
-                                       disk_bytes=sum(disk_bytes(layouts[i], fmt) for i in chosen)))
+        hot = sum(file_bytes(compute_parts(layouts[i], fmt, dtype)) for i in fully)
+        out.append(dataclasses.replace(s, host_bytes=ram, disk_layers=chosen, disk_compute_layers=fully,
+                                       disk_compute_bytes=hot,
+                                       disk_bytes=sum(disk_bytes(layouts[i], fmt) for i in chosen) + hot))
     by_machine: dict[str, list[StorePlan]] = {}
     for s in out:
         by_machine.setdefault(s.node.ip, []).append(s)
@@ -478,13 +524,15 @@ def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Confi
 def with_window(placement: Placement, arch: ModelArch, config: Config, parked_bytes: int = 0) -> Placement:
     """The placement with each worker's window for the layers on other nodes, sized in what the GPU
     machine has spare beside `parked_bytes` (parked activations, all its workers'): the step plan's
-    decision (planning/step_plan.py)."""
+    decision (planning/step_plan.py). Where layers are fully on disk (RAM is short), the least window:
+    a larger one would hold in RAM the compute copies the plan just put on disk."""
     numels = [layout.numel for layout in model_layouts(arch)]
     remote = [numels[i] for i in placement.remote_layers()]
     if not remote:
         return placement
     workers, esize = placement.num_gpus, placement.compute_bytes
-    slots = window_slots(remote, (placement.gpu_spare - parked_bytes) / workers, esize, config)  # a window a worker
+    grow = not any(s.disk_compute_layers for s in placement.stores)
+    slots = window_slots(remote, (placement.gpu_spare - parked_bytes) / workers, esize, config, grow)  # a window a worker
     return dataclasses.replace(placement, window_slots=slots, window_bytes=workers * window_bytes(remote, slots, esize))
 
 
@@ -493,13 +541,14 @@ def least_slots(config: Config) -> int:
     return config.runtime.remote_window or num_slots_setting(config) + 1
 
 
-def window_slots(remote: list[int], spare: float, esize: int, config: Config) -> int:
+def window_slots(remote: list[int], spare: float, esize: int, config: Config, grow: bool = True) -> int:
     """runtime.remote_window, or the largest window (up to a mirror of the remote layers) that
-    takes at most WINDOW_SHARE of the GPU machine's spare memory, and never less than least_slots."""
+    takes at most WINDOW_SHARE of the GPU machine's spare memory (`grow` False: the least), and never
+    less than least_slots."""
     deepest = max(Counter(remote).values())
     least = min(least_slots(config), deepest)
     slots = least
-    if not config.runtime.remote_window:
+    if not config.runtime.remote_window and grow:
         slots = max([k for k in range(least, deepest + 1)
                      if window_bytes(remote, k, esize) <= WINDOW_SHARE * spare], default=least)
     need = window_bytes(remote, slots, esize)

@@ -54,11 +54,11 @@ class ShardStoreActor(ShardStore):
 
     def allocate(self, *args, serve: bool = False, **kwargs) -> StoreReach:
         """ShardStore's construction: its layers' buffers in host memory (arguments as ShardStore);
-        `serve`: a GPU worker on another node streams them (its link opens here). Returns how a worker
-        reaches them."""
+        `serve`: a GPU worker on another node streams them (its link opens here; it opens too where
+        compute copies are on disk, which every worker streams). Returns how a worker reaches them."""
         ShardStore.__init__(self, *args, **kwargs)
         return StoreReach(tuple(self.layers), dict(self.shm_paths), dict(self.grad_shm_paths), self.shared_states(),
-                          self.open_link() if serve else None, self.shared_momenta())
+                          self.open_link() if serve or self.hot is not None else None, self.shared_momenta())
 
     def layer_ids(self) -> list[int]:
         return list(self.layers)
@@ -86,8 +86,9 @@ class ShardStoreActor(ShardStore):
     def open_link(self) -> tuple[str, int]:
         """Where a GPU worker on another node connects to stream this store's layers."""
         if self.server is None:
-            self.server = LayerServer({i: s.compute for i, s in self.layers.items()}, ray.util.get_node_ip_address(),
-                                      grads={i: s.grad for i, s in self.layers.items()})
+            in_ram = {i: s for i, s in self.layers.items() if not s.compute_on_disk}
+            self.server = LayerServer({i: s.compute for i, s in in_ram.items()}, ray.util.get_node_ip_address(),
+                                      grads={i: s.grad for i, s in in_ram.items()}, held=self.hot)
         return self.server.address
 
     def step_streamed(self, index: int, hp: AdamWStep | None) -> int:
@@ -178,31 +179,34 @@ class GpuWorker:
         here = ray.get_runtime_context().get_node_id()
         dtype = dtype_of(self.config.model.compute_dtype)
         numels = [layout.numel for layout in model_layouts(self.arch)]
-        sources, routes = [], []
+        sources, routes, owners = [], [], []
         for store, node, r in zip(stores, store_nodes, reach):
+            streamed = [i for i in r.layers if node != here or i not in r.weights]  # compute copies on disk: streamed
+            if streamed:
+                owners.append((store, r.link, streamed))
             if node == here:
                 sources.append(SharedMemorySource(store, r.weights, {i: numels[i] for i in r.layers}, dtype,
                                                   register=self.device.type == "cuda", grad_paths=r.gradients,
                                                   states=r.states, updates_done=updates_done, momenta=r.momenta,
                                                   momentum_dtype=format_of(self.config.optim).moment_dtypes()[0]))
-                routes.append(list(r.layers))
-        owners = [(s, r) for s, node, r in zip(stores, store_nodes, reach) if node != here]
+                routes.append([i for i in r.layers if i not in streamed])
         self.window = self._window_source(owners, numels, dtype)
         if self.window is not None:
             sources.append(self.window)
-            routes.append([i for _, r in owners for i in r.layers])
+            routes.append([i for _, _, layers in owners for i in layers])
         self.kinds = ["shm" if node == here else "stream" for node in store_nodes]
         return RoutedSource(sources, routes)
 
     def _window_source(self, owners: list[tuple], numels: list[int], dtype: torch.dtype) -> WindowSource | None:
-        """One window of the plan's slots for every layer on other nodes, with a link to each of their stores."""
+        """One window of the plan's slots for every layer on other nodes (and every compute copy on
+        disk), with a link to each of their stores: (store, its link's address, those layers)."""
         if not owners:
             return None
         store_of, link_of, remote = {}, {}, {}
-        for store, r in owners:
-            link = LayerLink(r.link, self.config.runtime.transport_streams, f"{r.link[0]}",
+        for store, address, layers in owners:
+            link = LayerLink(address, self.config.runtime.transport_streams, f"{address[0]}",
                              turn_pieces(self.config.runtime.transport_piece_mib, dtype.itemsize))
-            for i in r.layers:
+            for i in layers:
                 store_of[i], link_of[i], remote[i] = store, link, numels[i]
         return WindowSource(store_of, link_of, remote, dtype, self.plan.window_slots)
 

@@ -153,6 +153,7 @@ class Session:
                                   config.runtime.shm_dir, run_id, format_of(config.optim), config.train.seed,
                                   shared_state=(0,) if self.plan.embedding_on_device and 0 in plan.layers else (),
                                   disk_dir=config.runtime.disk_dir, disk_layers=plan.disk_layers,
+                                  disk_compute_layers=plan.disk_compute_layers,
                                   shared_momentum=tuple(i for i in self.plan.muon_on_device if i in plan.layers),
                                   train_vision=config.model.train_vision, serve=plan.node.node_id != p.gpu.node_id)
             for store, plan in zip(self.stores, p.stores)], "starting the stores")
@@ -171,7 +172,7 @@ class Session:
             self.wait([store.check_hf.remote(path) for store in self.stores], f"checking {path}")
         here = self.placement.gpu.node_id
         for store, plan in zip(self.stores, self.placement.stores):
-            if wait or plan.node.node_id != here:
+            if wait or plan.node.node_id != here or plan.disk_compute_layers:  # streamed layers: filled in one call
                 self._filling.append(self._fill(store, None, checked=False))
             else:
                 self._first_reads.update({i: self._fill(store, [i], checked=True) for i in plan.layers})

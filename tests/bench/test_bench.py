@@ -229,5 +229,6 @@ def test_bench_with_a_disk_tier_reports_what_it_moved(tmp_path, bench):
     disk = json.loads(out.read_text())["runs"][0]["median"]["disk"]
     assert disk["file_gib"] > 0
     # the last step's reads and writes (the first weights' left out) are the plan's bytes, exactly
-    assert disk["read_gb_per_step"] == disk["written_gb_per_step"] == disk["plan_gb_per_step"] > 0
+    assert disk["read_gb_per_step"] == disk["written_gb_per_step"] == disk["plan_read_gb_per_step"] > 0
+    assert disk["plan_written_gb_per_step"] == disk["plan_read_gb_per_step"]  # none fully on disk: once each way
     assert "disk tier: " in proc.stdout and " a step for reads" in proc.stdout

@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from megatrain_ray.config import ConfigError, config_from_dict
-from megatrain_ray.host.disk import disk_bytes, layer_parts, window_bytes
+import torch
+
+from megatrain_ray.host.disk import compute_bytes, compute_window_bytes, disk_bytes, layer_parts, window_bytes
 from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.host.store import layer_bytes
@@ -68,11 +70,43 @@ def test_a_run_the_disk_cannot_hold_is_refused_with_the_figure():
     with pytest.raises(ConfigError, match=r"the disk tier needs 4\d\.\d GiB under runtime.disk_dir=/nvme/tier .* but "
                                           r"10\.0 GiB is free there: short by"):
         plan_placement(SEVEN_B, config(store_memory_gib=60), [node(512, disk_gib=10)], "gpu")
-    with pytest.raises(ConfigError, match=r"needs 3\d\.\d GiB of RAM even with the optimizer state of every layer "
-                                          r"but the embedding on disk .* may take 10\.0 GiB"):
+    with pytest.raises(ConfigError, match=r"needs 2\d\.\d GiB of RAM even with the optimizer state of every layer "
+                                          r"but the embedding on disk, and the compute copy of every layer but the "
+                                          r"embedding .* may take 10\.0 GiB"):
         plan_placement(SEVEN_B, config(store_memory_gib=10), [node(512)], "gpu")
     with pytest.raises(ConfigError, match=r"the model needs 99.3 GiB .* keep the optimizer state of some layers on a local SSD \(runtime.disk_dir\)"):  # no tier: refused as before
         plan_placement(SEVEN_B, config(store_memory_gib=60, disk_dir=None), [node(512)], "gpu")
+
+
+def test_where_ram_is_still_short_some_layers_go_fully_to_disk_and_no_more():
+    """The 7B in the 6-byte mode under 20 GiB: 4 bytes a parameter stay in RAM with only the optimizer
+    state on disk (28 GiB: refused before); the compute copies (and gradient buffers) of the fewest
+    layers go to disk too, and the disk's bytes a step count their reads for the forward and the
+    backward. A disk too small for it all is refused with the figure."""
+    cfg = config({"master": "bf16", "moments": "int8"}, store_memory_gib=20)
+    store, = plan_placement(SEVEN_B, cfg, [node(512)], "gpu").stores
+    layouts, fmt, dtype = model_layouts(SEVEN_B), format_of(cfg.optim), torch.bfloat16
+    fully = store.disk_compute_layers
+    assert fully and set(fully) < set(store.disk_layers) and 0 not in fully
+    compute_ram = sum(compute_bytes(layouts[i], fmt, dtype) for i in fully)
+    window = compute_window_bytes([layouts[i] for i in fully], fmt, dtype)
+    assert store.host_bytes == pytest.approx(ram_of(store, cfg) - compute_ram + window, abs=1)
+    assert store.host_bytes <= 20 * GiB < ram_of(store, cfg) - compute_ram + window + compute_bytes(layouts[fully[0]], fmt, dtype)
+    hot = sum(layouts[i].numel * 4 for i in fully)  # a bf16 copy and its gradient buffer on disk
+    assert store.disk_compute_bytes == pytest.approx(hot, rel=1e-3)
+    assert store.disk_bytes == sum(disk_bytes(layouts[i], fmt) for i in store.disk_layers) + store.disk_compute_bytes
+    assert store.disk_step_bytes() == (store.disk_bytes + 3 * store.disk_compute_bytes,
+                                       store.disk_bytes + store.disk_compute_bytes)
+    placed = plan_placement(SEVEN_B, cfg, [node(512)], "gpu")
+    assert placed.remote_layers() == list(fully)  # streamed over the store's link
+    text = placed.describe(SEVEN_B)
+    assert f"{len(fully)} layers streamed over its link" in text and "keep their compute copy there too" in text
+    read, written = store.disk_step_bytes()
+    assert f"{read / 1e9:.1f} GB read and {written / 1e9:.1f} GB written a step" in text
+    need = store.disk_bytes / GiB
+    with pytest.raises(ConfigError, match=rf"the disk tier needs {need:.1f} GiB under runtime.disk_dir=/nvme/tier .* "
+                                          r"but 20\.0 GiB is free there"):
+        plan_placement(SEVEN_B, cfg, [node(512, disk_gib=20)], "gpu")
 
 
 def test_the_disk_is_a_term_of_the_predicted_step_with_the_tokens_that_hide_it():
@@ -103,8 +137,8 @@ def test_the_largest_model_per_mode_counts_the_disk():
     cfg = config(store_memory_gib=64)
     text = largest_models(store_room(SEVEN_B, cfg, [node(512, disk_gib=200)], "gpu"), cfg)
     six = next(line for line in text.splitlines() if "master=bf16 optim.moments=int8" in line)
-    # RAM 64 GiB at 4 bytes a parameter (a bf16 master, its gradient), with 200 GiB of disk the 6.03 bytes of all
-    assert six.endswith(f", {min(264 * GiB / 6.03125, 64 * GiB / 4) / 1e9:.1f} B with the disk tier (200 GiB free)")
+    # RAM and 200 GiB of disk hold the 6.03 bytes of all (the compute copies on disk too where RAM is short)
+    assert six.endswith(f", {264 * GiB / 6.03125 / 1e9:.1f} B with the disk tier (200 GiB free)")
     without = largest_models(store_room(SEVEN_B, config(store_memory_gib=64, disk_dir=None), [node(512)], "gpu"),
                              config(store_memory_gib=64, disk_dir=None))
     assert "disk tier" not in without

@@ -80,7 +80,13 @@ def test_a_run_with_its_state_on_disk_is_the_ram_run_bit_for_bit_and_resumes_exa
     assert stats["read_bytes"] >= 2 * stats["file_bytes"] > 0  # the updates did read their state from disk
     assert not list((tmp_path / "tier").iterdir())  # the run's files are gone with it
 
-    resumed = Session(tier, arch, updates_done=1)
+    resumes_exactly(tier, arch, path, data, expected_losses, expected)
+
+
+def resumes_exactly(config, arch, path, data, expected_losses, expected) -> None:
+    """A run resumed from step 1's checkpoint at `path` takes the rest of `data`'s steps as the
+    whole run did: its losses and its store's state at the end."""
+    resumed = Session(config, arch, updates_done=1)
     try:
         resumed.restore(path)
         resumed.start_executor()

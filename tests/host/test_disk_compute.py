@@ -1,0 +1,91 @@
+"""Layers fully on disk (host/disk.py, compute_parts and HeldWindow): a store whose layers keep their
+compute copy and gradient in files too, beside their optimizer state, steps bit for bit as the same
+store in RAM, in every state mode, over steps that cycle its layers through windows smaller than
+them; its shard is the same checkpoint and loads back; RAM drops by their copies (and gradients) less
+the window's buffers."""
+
+import errno
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatrain_ray.files import shard
+from megatrain_ray.host import disk as disk_module
+from megatrain_ray.host.adamw import AdamWStep
+from megatrain_ray.host.disk import DiskTierError
+from megatrain_ray.host.precision import StateFormat
+from megatrain_ray.host.store import ShardStore
+from test_disk_tier import ARCH, LAYERS, MODES, every_tensor, train, trained_alike
+
+FULLY = (1, 2, 3)  # the blocks and the head: through a window of 2 buffers
+
+
+def store_of(fmt: StateFormat, disk_dir=None, disk_layers=(), fully=()) -> ShardStore:
+    store = ShardStore(ARCH, LAYERS, torch.bfloat16 if fmt.master == "bf16" else torch.float32, state_format=fmt,
+                       seed=3, disk_dir=str(disk_dir) if disk_dir else None, disk_layers=tuple(disk_layers),
+                       disk_compute_layers=tuple(fully))
+    store.init_random(seed=5, std=0.02)
+    store.fault_in_moments()
+    return store
+
+
+@pytest.mark.parametrize("master,moments", MODES)
+def test_a_store_with_layers_fully_on_disk_steps_bit_for_bit_as_in_ram(master, moments, tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_module, "WINDOW", 2)
+    fmt = StateFormat(master, moments)
+    ram = store_of(fmt)
+    on_disk = store_of(fmt, tmp_path / "tier", disk_layers=LAYERS[1:], fully=FULLY)
+    assert len(on_disk.hot.tier.slots) == 2 < len(FULLY)
+    trained_alike(ram, on_disk)
+    assert on_disk.hot.tier.bytes_written >= 4 * sum(disk_module.file_bytes(on_disk.hot.tier.parts[i]) for i in FULLY)
+    in_ram = {id(t): t.numel() * t.element_size() for i in FULLY for t in (ram.layers[i].compute, ram.layers[i].grad)}
+    cold_only = store_of(fmt, tmp_path / "cold", disk_layers=LAYERS[1:])
+    assert (cold_only.host_bytes() - cold_only.disk.resident_bytes()
+            - (on_disk.host_bytes() - on_disk.disk.resident_bytes() - on_disk.hot.resident_bytes())) == sum(in_ram.values())
+    assert on_disk.hot.resident_bytes() == 2 * max(disk_module.file_bytes(on_disk.hot.tier.parts[i]) for i in FULLY)
+
+    shard.save_shard(ram, str(tmp_path), "ram.safetensors")  # the same checkpoint, which loads back
+    shard.save_shard(on_disk, str(tmp_path), "disk.safetensors")
+    x, y = load_file(tmp_path / "ram.safetensors"), load_file(tmp_path / "disk.safetensors")
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    back = store_of(fmt, tmp_path / "back", disk_layers=LAYERS[1:], fully=FULLY[1:])
+    shard.load_layers(back, {i: str(tmp_path / "disk.safetensors") for i in LAYERS})
+    train(back, 2)
+    train(ram, 2)
+    a, b = every_tensor(ram), every_tensor(back)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for store in (ram, on_disk, cold_only, back):
+        store.close()
+    assert not list((tmp_path / "tier").iterdir())
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_a_failed_write_of_a_compute_copy_stops_the_next_update_and_keeps_the_state(master, tmp_path, monkeypatch):
+    """A compute copy's file that cannot be written (a full disk) as a gradient lands: the layer's
+    update raises the disk's error before it changes anything, so does any other layer's, and the
+    layer's state (a bf16 master: the copy itself) is still read for a checkpoint, from its buffer."""
+    fmt = StateFormat(master, "int8")
+    on_disk = store_of(fmt, tmp_path, disk_layers=LAYERS[1:], fully=FULLY)
+    train(on_disk, 2)
+    expected = shard.layer_tensors(on_disk, 1, copy=True)
+    real, hot = os.pwritev, set(on_disk.hot.tier.fds.values())
+
+    def full(fd, buffers, offset):
+        if fd in hot:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with on_disk.landing_gradient(1) as grad:
+        grad.zero_()  # written behind, and failing
+    monkeypatch.setattr(os, "pwritev", real)
+    updates = on_disk.update_counts()
+    for layer in (1, 2):
+        with pytest.raises(DiskTierError, match="No space left on device.*while writing"):
+            on_disk.step_layer(layer, AdamWStep(9, 1e-3, 1.0, (0.9, 0.95), 1e-8, 0.0))
+    assert on_disk.update_counts() == updates
+    got = shard.layer_tensors(on_disk, 1, copy=True)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    on_disk.close()
