@@ -64,12 +64,17 @@ class StorePlan:
     disk_compute_layers: tuple[int, ...] = ()  # of those, the layers whose compute copy is on disk too (streamed over the store's link)
     disk_compute_bytes: int = 0  # the compute copies' files
 
+    def disk_update_bytes(self) -> int:
+        """Bytes each way of a step's updates: every file read once before its layer's update and
+        written once after (at most: a buffer of the window that still holds the layer spares a read)."""
+        return self.disk_bytes
+
     def disk_step_bytes(self) -> tuple[int, int]:
-        """(read, written) bytes a step: every file read once before its layer's update and written
-        once after; a compute copy's file read three times more, for the forward, the backward and
-        its gradient's landing, and written once more after that (at most: a buffer of the window
-        that still holds the layer spares a read)."""
-        return self.disk_bytes + 3 * self.disk_compute_bytes, self.disk_bytes + self.disk_compute_bytes
+        """(read, written) bytes a step: the updates' (`disk_update_bytes`), and a compute copy's file
+        read three times more, for the forward, the backward and its gradient's landing, and written
+        once more after that."""
+        update = self.disk_update_bytes()
+        return update + 3 * self.disk_compute_bytes, update + self.disk_compute_bytes
 
     def disk_seconds(self) -> float:
         """A step's disk time: its reads and writes (`disk_step_bytes`) at the disk's speeds."""

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from megatrain_ray.bench.arguments import add_arguments
-from megatrain_ray.bench.run import bench_config, shapes_from
+from megatrain_ray.bench.run import bench_config, disk_line, disk_summary, shapes_from
 from megatrain_ray.cli import main
 from megatrain_ray.bench.workload import Shape
 from megatrain_ray.streaming.layer_order import layer_order
@@ -230,5 +230,21 @@ def test_bench_with_a_disk_tier_reports_what_it_moved(tmp_path, bench):
     assert disk["file_gib"] > 0
     # the last step's reads and writes (the first weights' left out) are the plan's bytes, exactly
     assert disk["read_gb_per_step"] == disk["written_gb_per_step"] == disk["plan_read_gb_per_step"] > 0
-    assert disk["plan_written_gb_per_step"] == disk["plan_read_gb_per_step"]  # none fully on disk: once each way
+    # none fully on disk: a step's disk traffic is its updates', once each way
+    assert disk["plan_written_gb_per_step"] == disk["plan_read_gb_per_step"] == disk["plan_update_gb_per_step"]
     assert "disk tier: " in proc.stdout and " a step for reads" in proc.stdout
+
+
+def test_with_layers_fully_on_disk_the_disk_line_sets_the_updates_bytes_beside_the_plans_update():
+    """The stores' per-step counters start at a step's first update: with layers fully on disk the
+    forward's and the backward's reads and the gradients' writes come before it, so what they count
+    is the updates' share, which the line sets beside the plan's share for the updates, and names
+    the whole step's planned bytes apart."""
+    stats = [{"step_read_bytes": 32.2e9, "step_written_bytes": 36.0e9, "read_wait_s": 123.6, "file_bytes": 35e9,
+              "window_bytes": 6e9, "direct_io": True}]
+    d = disk_summary(stats, 2, 67.2, (93.8e9, 54.6e9), 35.1e9)
+    assert (d["read_gb_per_step"], d["written_gb_per_step"], d["plan_update_gb_per_step"]) == pytest.approx((32.2, 36.0, 35.1))
+    assert d["read_wait_s_per_step"] == 61.8
+    line = disk_line(d)
+    assert "32.2 GB read and 36.0 GB written by a step's updates (plan: 35.1 GB each way; the whole step" in line
+    assert "93.8 and 54.6 GB" in line
