@@ -279,12 +279,6 @@ class DiskTier:
             self.bytes_written += file_bytes(self.parts[index])
             self.written.add(index)
 
-    def forget(self, index: int) -> None:
-        """The layer's buffer (released, not written back) no longer stands for it: the next acquire reads the file."""
-        slot = self._slot_of(index)
-        if slot is not None and not slot.in_use and not slot.failed:
-            slot.layer = None
-
     def settle(self, index: int) -> None:
         """The layer's buffer's writes are done: the buffer may change again."""
         slot = self._slot_of(index)
