@@ -211,11 +211,8 @@ class LayerServer:
 
     @contextmanager
     def _held_weights(self, layer: int):
-        views = self.held.hold(layer)
-        try:
+        with self.held.held(layer) as views:
             yield views["compute"]
-        finally:
-            self.held.let_go(layer)
 
     def _gradient(self, layer: int):
         """Where the layer's gradient lands, while it lands: its buffer, or a held one of the window."""
