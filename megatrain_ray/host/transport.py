@@ -33,7 +33,7 @@ import socket
 import struct
 import threading
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -204,15 +204,10 @@ class LayerServer:
             return not self.closed
 
     def _weights(self, layer: int):
-        """The layer's weights while they are sent: its buffer, or a held one of the window."""
+        """The layer's weights while they are sent: its buffer, or a held one of the window (its copy only read)."""
         if layer in self.buffers:
             return nullcontext(self.buffers[layer])
-        return self._held_weights(layer)
-
-    @contextmanager
-    def _held_weights(self, layer: int):
-        with self.held.held(layer) as views:
-            yield views["compute"]
+        return self.held.sending(layer)
 
     def _gradient(self, layer: int):
         """Where the layer's gradient lands, while it lands: its buffer, or a held one of the window."""
