@@ -17,6 +17,7 @@ from megatrain_ray.host.adamw import AdamWStep
 from megatrain_ray.host.disk import DiskTierError
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
+from megatrain_ray.models.registry import model_layouts
 from test_disk_tier import ARCH, LAYERS, MODES, every_tensor, train, trained_alike
 
 FULLY = (1, 2, 3)  # the blocks and the head: through a window of 2 buffers
@@ -170,3 +171,37 @@ def test_a_step_moves_the_plans_bytes_and_a_send_reads_the_copy_alone(master, mo
         link.close()
         store.close()
         ram.close()
+
+
+def test_a_send_reads_the_copy_alone_and_a_holder_that_wants_more_gets_the_rest_read(tmp_path):
+    """Two layers fully on disk (a bf16 master: the copy and its gradient buffer) through a window
+    of one buffer: a send reads the copy alone; a gradient's landing that meets it on the same layer
+    (HeldWindow's holders) gets the gradient buffer read, not the other layer's bytes the buffer held,
+    and its write keeps both; a later hold of the whole layer reads nothing more."""
+    fmt, dtype = StateFormat("bf16", "int8"), torch.bfloat16
+    layouts = {i: model_layouts(ARCH)[i] for i in (1, 2)}
+    tier = disk_module.DiskTier(tmp_path, "t", layouts, fmt, window=1, key="diskcompute", read_ahead=False,
+                                parts_of=lambda l: disk_module.compute_parts(l, fmt, dtype))
+    held = disk_module.HeldWindow(tier)
+    try:
+        for i in (1, 2):  # each layer's copy and gradient, written to its file; layer 2 left in the buffer
+            with held.held(i, dirty=True) as views:
+                views["compute"].fill_(i)
+                views["grad"].fill_(10 * i)
+        part = {p.name: disk_module.aligned(p.nbytes) for p in tier.parts[1]}
+        before = tier.bytes_read
+        with held.sending(1) as copy:
+            assert torch.equal(copy, torch.full_like(copy, 1)) and tier.bytes_read - before == part["compute"]
+            with held.gradient(1) as grad:  # lands while the send holds the layer
+                assert torch.equal(grad, torch.full_like(grad, 10)), "the gradient buffer was not read"
+                assert tier.bytes_read - before == part["compute"] + part["grad"]
+                grad.fill_(7)
+        with held.held(1) as views:  # the buffer holds the whole layer now: nothing read
+            assert tier.bytes_read - before == part["compute"] + part["grad"]
+        with held.sending(2):
+            pass
+        with held.held(1) as views:  # back from the file, whole: the landed gradient and the copy
+            assert torch.equal(views["grad"], torch.full_like(views["grad"], 7))
+            assert torch.equal(views["compute"], torch.full_like(views["compute"], 1))
+    finally:
+        tier.close()
