@@ -52,7 +52,7 @@ is not read: its buffer is cleared, which is what the read would bring (posix_fa
 read as zeros). So a step moves each layer on disk once each way, the bytes `megatrain-ray plan`
 counts (planning/placement.py, `StorePlan.disk_bytes`): its update reads it (ahead, into the window)
 and writes it behind; the counters (`bytes_read`, `bytes_written`, and `mark_step` at each step's
-first update) say what a step moved.
+first update, where the next step's sends begin) say what a whole step moved.
 """
 
 from __future__ import annotations
@@ -228,7 +228,8 @@ class DiskTier:
         self.direct = True
         self.read_seconds = 0.0  # the store's thread waiting for reads: the tier's exposed time
         self.bytes_read = self.bytes_written = 0
-        self.step_mark = (0, 0)  # (bytes_read, bytes_written) at the last step's first update
+        self.step_mark: tuple[int, int] | None = None  # (bytes_read, bytes_written) at the last step's first update
+        self.last_step = (0, 0)  # (read, written) between the last two marks: a whole step's (`step_bytes`)
         self.written: set[int] = set()  # layers whose file holds state (the others read as zeros)
         self._clock = 0
         try:
@@ -313,15 +314,19 @@ class DiskTier:
         return any(s.layer == index or (not s.in_use and not s.failed) for s in self.slots)
 
     def mark_step(self) -> None:
-        """A step's first update begins: the counts so far, for `step_bytes`."""
-        self.step_mark = (self.bytes_read, self.bytes_written)
+        """A step's first update begins, and with it the next step's traffic (each layer's next
+        forward send follows its update): the bytes since the mark before are a whole step's."""
+        now = (self.bytes_read, self.bytes_written)
+        if self.step_mark is not None:
+            self.last_step = (now[0] - self.step_mark[0], now[1] - self.step_mark[1])
+        self.step_mark = now
 
     def step_bytes(self) -> tuple[int, int]:
-        """(read, written) bytes since the last step's first update (`mark_step`): that step's, whole
-        once its updates are done (its reads include the next step's first layers read ahead, as the
-        step before read its own)."""
-        read, written = self.step_mark
-        return self.bytes_read - read, self.bytes_written - written
+        """(read, written) bytes of the last whole step: between the last two marks (`mark_step`), one
+        step's updates and the next step's forward, backward and gradients, each once, as
+        `StorePlan.disk_step_bytes` counts them ((0, 0) before a second mark). Its reads include
+        the next step's first layers read ahead, as the step before read its own."""
+        return self.last_step
 
     def flush(self) -> None:
         """Every write issued is done (raises DiskTierError for one that failed)."""

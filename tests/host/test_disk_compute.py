@@ -95,6 +95,14 @@ def test_a_failed_write_of_a_compute_copy_stops_the_next_update_and_keeps_the_st
 SHORT = {("bf16", "int8"): 0.6, ("fp32", "fp32"): 0.3}  # RAM the store may take, of what it needs all in RAM
 
 
+def landed(store, layer: int, count: int) -> None:
+    """Until the layer's `count`-th gradient has landed in the store and, held, let go (its write issued)."""
+    with store.server.cond:
+        store.server.cond.wait_for(lambda: store.server.received(layer) >= count)
+    with store.hot.cond:
+        store.hot.cond.wait_for(lambda: not store.hot.holders[layer])
+
+
 @pytest.mark.parametrize("master,moments", SHORT)
 def test_a_step_moves_the_plans_bytes_and_a_send_reads_the_copy_alone(master, moments, tmp_path):
     """The plan's layers on disk, some fully, for a store short of RAM, and its disk bytes a step
@@ -135,7 +143,7 @@ def test_a_step_moves_the_plans_bytes_and_a_send_reads_the_copy_alone(master, mo
     store = ShardStoreActor(threads=1)
     reach = store.allocate(arch, layers, dtype, state_format=fmt, seed=3, disk_dir=str(tmp_path),
                            disk_layers=plan.disk_layers, disk_compute_layers=fully)
-    link = LayerLink(reach.link, 1, "the store")
+    link = LayerLink(reach.link, 3, "the store")  # a layer in chunks over 3 connections, as a worker sends it
     try:
         for s in (ram, store):
             s.init_random(seed=5, std=0.02)
@@ -152,8 +160,7 @@ def test_a_step_moves_the_plans_bytes_and_a_send_reads_the_copy_alone(master, mo
                 grad = ram.layers[i].grad
                 grad.copy_(torch.randn(grad.numel(), generator=torch.Generator().manual_seed(100 * step + i)))
                 link.send(i, grad, []).wait()
-                with store.server.cond:
-                    store.server.cond.wait_for(lambda: store.server.received(i) > step)
+                landed(store, i, step + 1)
             hp = AdamWStep(step + 1, 3e-3, 0.7, BETAS, EPS, 0.1)
             for i in layers:
                 ram.step_layer(i, hp)
@@ -161,7 +168,10 @@ def test_a_step_moves_the_plans_bytes_and_a_send_reads_the_copy_alone(master, mo
             after = store.disk_stats()
             moved.append((after["read_bytes"] - before["read_bytes"], after["written_bytes"] - before["written_bytes"]))
         assert moved[1:] == [plan.disk_step_bytes()] * 3, moved  # the first step's first layers were new files
-        assert store.disk_stats()["file_bytes"] == plan.disk_bytes
+        stats = store.disk_stats()
+        assert stats["file_bytes"] == plan.disk_bytes
+        # the counters' last whole step (host/disk.py, step_bytes): step 3's updates, step 4's sends and gradients
+        assert (stats["step_read_bytes"], stats["step_written_bytes"]) == plan.disk_step_bytes()
         a, b = every_tensor(ram), every_tensor(store)
         assert all(torch.equal(a[k], b[k]) for k in a)
         print(f"{master}/{moments}: a step read {moved[-1][0]} and wrote {moved[-1][1]} bytes; plan "
