@@ -43,7 +43,9 @@ def summary(results: dict) -> str:
                 f"{plan['optimizer_exposed_s']:.1f} s); measured / plan: {plan['step_s'] / full:.2f} of plan's tokens/s")
         if disk:
             lines.append(
-                f"disk: {disk['read_gb_per_step']:.1f} GB read and {disk['written_gb_per_step']:.1f} GB written by a step's updates; the "
+                f"disk: {disk['read_gb_per_step']:.1f} GB read and {disk['written_gb_per_step']:.1f} GB written a step"
+                + (f" (plan: {disk['plan_read_gb_per_step']:.1f} and {disk['plan_written_gb_per_step']:.1f} GB)"
+                   if "plan_read_gb_per_step" in disk else "") + "; the "
                 f"stores waited {disk['read_wait_s_per_step']:.1f} s a step for reads; exposed beyond the compute: "
                 f"{max(0.0, full - last['compute_s']):.1f} s of the {full:.1f} s step "
                 f"({max(0.0, full - last['compute_s']) / full:.0%})")

@@ -233,8 +233,7 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
         stores = session.placement.stores
         planned = [store.disk_step_bytes() for store in stores]
         summary["disk"] = disk_summary(disk, len(rows), wall / len(timed),
-                                       (sum(r for r, _ in planned), sum(w for _, w in planned)),
-                                       sum(store.disk_update_bytes() for store in stores))
+                                       (sum(r for r, _ in planned), sum(w for _, w in planned)))
         print(disk_line(summary["disk"]), flush=True)
     if bytes_in:
         print(f"from RAM nodes: {summary['remote_gb_in_per_step']:.2f} GB of weights in and "
@@ -243,18 +242,16 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
     return {"steps": rows, "median": summary}
 
 
-def disk_summary(stats: list[dict], steps: int, step_s: float, planned: tuple[int, int], update: int) -> dict:
-    """The stores' disk tiers: the bytes each way from the last step's first update on (the counters'
-    step mark, host/disk.py): its updates' reads and writes, which `plan` gives as `update` each way
-    (the first weights' and a checkpoint's left out). With layers fully on disk a step also reads
-    their files in the forward and the backward and writes their gradients, before that mark: the
-    whole step's planned bytes are `planned` (read, written). Also the seconds a step the stores
+def disk_summary(stats: list[dict], steps: int, step_s: float, planned: tuple[int, int]) -> dict:
+    """The stores' disk tiers: the bytes each way of the last whole step (the counters' last two
+    marks, host/disk.py `step_bytes`: one step's updates and the next step's sends and gradients), and
+    the plan's for a whole step, `planned` (read, written: StorePlan.disk_step_bytes, the most it
+    reads, a read spared where a buffer still holds the layer). Also the seconds a step the stores
     waited for reads over the steps run (the most any could add to a step), and the rate the tier
-    moved the updates' bytes at over the timed steps' wall time."""
+    moved a step's bytes at over the timed steps' wall time."""
     read = sum(d["step_read_bytes"] for d in stats)
     written = sum(d["step_written_bytes"] for d in stats)
     return {"read_gb_per_step": read / 1e9, "written_gb_per_step": written / 1e9,
-            "plan_update_gb_per_step": update / 1e9,
             "plan_read_gb_per_step": planned[0] / 1e9, "plan_written_gb_per_step": planned[1] / 1e9,
             "read_wait_s_per_step": max(d["read_wait_s"] for d in stats) / steps,
             "file_gib": sum(d["file_bytes"] for d in stats) / 2**30,
@@ -263,12 +260,9 @@ def disk_summary(stats: list[dict], steps: int, step_s: float, planned: tuple[in
 
 
 def disk_line(d: dict) -> str:
-    whole = ("" if d["plan_read_gb_per_step"] == d["plan_written_gb_per_step"] == d["plan_update_gb_per_step"] else
-             f"; the whole step, with the forward's and the backward's reads of the layers fully on disk: "
-             f"{d['plan_read_gb_per_step']:.1f} and {d['plan_written_gb_per_step']:.1f} GB")
     return (f"disk tier: {d['file_gib']:.1f} GiB of files ({'O_DIRECT' if d['direct_io'] else 'buffered'}), a window "
             f"of {d['window_gib']:.2f} GiB; {d['read_gb_per_step']:.1f} GB read and {d['written_gb_per_step']:.1f} GB "
-            f"written by a step's updates (plan: {d['plan_update_gb_per_step']:.1f} GB each way{whole}; "
+            f"written a step (plan: {d['plan_read_gb_per_step']:.1f} and {d['plan_written_gb_per_step']:.1f} GB; "
             f"{d['gb_per_s_over_step']:.2f} GB/s over the step's time); the stores waited "
             f"{d['read_wait_s_per_step']:.2f} s a step for reads")
 

@@ -18,10 +18,12 @@ file into a buffer of a second window (WINDOW buffers of the largest such file) 
 comes, and sends the copy from there; the gradient lands in a buffer holding the layer and goes to
 the file (a step's updates all come after its last gradient: the gradients' norm decides them, so
 RAM could not hold them in a bounded window); the update reads the file and writes the new copy. So
-RAM holds nothing of the layer but these buffers; a step reads its file up to four times (for the
-forward, the backward, the gradient's landing and the update, each spared where a buffer still held
-the layer) and writes it twice (after the gradient and after the update): `StorePlan.disk_step_bytes`
-counts it so. The server serves a version only once its update is applied.
+RAM holds nothing of the layer but these buffers; a step reads its copy alone (SEND_PARTS) for the
+forward's send and the backward's, and its whole file for the gradient's landing and the update (a
+buffer tells which parts it holds: a later holder reads only those it lacks, and every read is spared
+where a buffer still holds what it wants), and writes the file twice (after the gradient and after
+the update): `StorePlan.disk_step_bytes` counts it so, `send_bytes` for a send. The server serves a
+version only once its update is applied.
 
 One file per layer, named as the store's shared-memory segments are (host/memory.py, key "disk"),
 so that the next store on the machine removes a killed run's files as it removes its segments. Its
@@ -50,7 +52,7 @@ is not read: its buffer is cleared, which is what the read would bring (posix_fa
 read as zeros). So a step moves each layer on disk once each way, the bytes `megatrain-ray plan`
 counts (planning/placement.py, `StorePlan.disk_bytes`): its update reads it (ahead, into the window)
 and writes it behind; the counters (`bytes_read`, `bytes_written`, and `mark_step` at each step's
-first update) say what a step moved.
+first update, where the next step's sends begin) say what a whole step moved.
 """
 
 from __future__ import annotations
@@ -156,6 +158,20 @@ def compute_window_bytes(layouts: list[LayerLayout], fmt: StateFormat, compute_d
     return min(window, len(layouts)) * largest
 
 
+SEND_PARTS = ("compute",)  # what a send of a layer fully on disk reads of its file: the copy (a bf16 master is it)
+
+
+def part_bytes(parts: tuple[Part, ...], names: frozenset[str] | tuple[str, ...]) -> int:
+    """Bytes the named parts take in the file, as they are read and written (each to an aligned end)."""
+    return sum(aligned(p.nbytes) for p in parts if p.name in names)
+
+
+def send_bytes(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> int:
+    """Bytes a send of a layer fully on disk reads of its file (SEND_PARTS; a landing and an update
+    read it whole): what `StorePlan.disk_step_bytes` counts for each of its forward's and backward's."""
+    return part_bytes(compute_parts(layout, fmt, compute_dtype), SEND_PARTS)
+
+
 def compute_bytes(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> int:
     """RAM a layer's compute copy (and a bf16 master's gradient buffer) takes, which its compute
     copy on disk saves; its file's bytes are `file_bytes(compute_parts(...))`."""
@@ -184,6 +200,7 @@ class Slot:
     in_use: bool = False  # acquired and not yet released
     ahead: bool = False  # read ahead, not yet acquired
     failed: bool = False  # its write failed: it holds the only copy of its layer's state
+    parts: frozenset[str] = frozenset()  # the layer's parts the buffer holds (a send reads the copy only)
     released_at: int = 0  # when its layer was last released (the least recent is reused first)
 
 
@@ -211,7 +228,8 @@ class DiskTier:
         self.direct = True
         self.read_seconds = 0.0  # the store's thread waiting for reads: the tier's exposed time
         self.bytes_read = self.bytes_written = 0
-        self.step_mark = (0, 0)  # (bytes_read, bytes_written) at the last step's first update
+        self.step_mark: tuple[int, int] | None = None  # (bytes_read, bytes_written) at the last step's first update
+        self.last_step = (0, 0)  # (read, written) between the last two marks: a whole step's (`step_bytes`)
         self.written: set[int] = set()  # layers whose file holds state (the others read as zeros)
         self._clock = 0
         try:
@@ -250,33 +268,39 @@ class DiskTier:
             "that less of the state goes to disk")
 
     # ---- the window ------------------------------------------------------------------------------
-    def acquire(self, index: int, to_change: bool = True) -> dict[str, torch.Tensor]:
+    def acquire(self, index: int, to_change: bool = True, parts: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """The layer's state on disk, in a buffer of the window, by name; its reads are done. Issues
         the reads of the layers after it. `to_change`: raises first for a write that failed (the run
-        stops); a read only (a checkpoint) goes on."""
+        stops); a read only (a checkpoint) goes on. `parts`: the names wanted (default all): only
+        those the buffer lacks are read (a send reads the copy alone, SEND_PARTS); acquired again
+        before its release (HeldWindow's holders), the layer's buffer gains the parts it lacks."""
         if to_change:
             self._raise_failed_writes()
+        names = self.names(index) if parts is None else frozenset(parts)
         slot = self._slot_of(index)
         if slot is None:
             slot = self._take_slot(index, wait_for_one=True)
-            self._read(slot, index)
+            self._read(slot, index, names)
+        elif not names <= slot.parts:
+            self._read_more(slot, index, names - slot.parts)
         slot.in_use, slot.ahead = True, False
         t0 = time.perf_counter()
         self._wait(slot.reads, index, "reading")
         self.read_seconds += time.perf_counter() - t0
         if self.ahead:
             self._read_ahead(index)
-        return self.views(slot, index)
+        return self.views(slot, index, names)
 
     def release(self, index: int, dirty: bool = True) -> None:
-        """The layer's buffer goes back to the window; `dirty`: its state changed, written behind."""
+        """The layer's buffer goes back to the window; `dirty`: its state changed, written behind (the
+        parts the buffer holds: all, for every holder that changes a layer acquires it whole)."""
         slot = self._slot_of(index)
         slot.in_use = False
         self._clock += 1
         slot.released_at = self._clock
         if dirty:
-            slot.writes = self._pieces(os.pwritev, slot, index)
-            self.bytes_written += file_bytes(self.parts[index])
+            slot.writes = self._pieces(os.pwritev, slot, index, slot.parts)
+            self.bytes_written += part_bytes(self.parts[index], slot.parts)
             self.written.add(index)
 
     def settle(self, index: int) -> None:
@@ -290,15 +314,19 @@ class DiskTier:
         return any(s.layer == index or (not s.in_use and not s.failed) for s in self.slots)
 
     def mark_step(self) -> None:
-        """A step's first update begins: the counts so far, for `step_bytes`."""
-        self.step_mark = (self.bytes_read, self.bytes_written)
+        """A step's first update begins, and with it the next step's traffic (each layer's next
+        forward send follows its update): the bytes since the mark before are a whole step's."""
+        now = (self.bytes_read, self.bytes_written)
+        if self.step_mark is not None:
+            self.last_step = (now[0] - self.step_mark[0], now[1] - self.step_mark[1])
+        self.step_mark = now
 
     def step_bytes(self) -> tuple[int, int]:
-        """(read, written) bytes since the last step's first update (`mark_step`): that step's, whole
-        once its updates are done (its reads include the next step's first layers read ahead, as the
-        step before read its own)."""
-        read, written = self.step_mark
-        return self.bytes_read - read, self.bytes_written - written
+        """(read, written) bytes of the last whole step: between the last two marks (`mark_step`), one
+        step's updates and the next step's forward, backward and gradients, each once, as
+        `StorePlan.disk_step_bytes` counts them ((0, 0) before a second mark). Its reads include
+        the next step's first layers read ahead, as the step before read its own."""
+        return self.last_step
 
     def flush(self) -> None:
         """Every write issued is done (raises DiskTierError for one that failed)."""
@@ -306,8 +334,13 @@ class DiskTier:
             if slot.layer is not None:
                 self._wait(slot.writes, slot.layer, "writing")
 
-    def views(self, slot: Slot, index: int) -> dict[str, torch.Tensor]:
-        return {p.name: slot.buffer[p.offset : p.offset + p.nbytes].view(p.dtype) for p in self.parts[index]}
+    def views(self, slot: Slot, index: int, names: frozenset[str]) -> dict[str, torch.Tensor]:
+        return {p.name: slot.buffer[p.offset : p.offset + p.nbytes].view(p.dtype) for p in self.parts[index]
+                if p.name in names}
+
+    def names(self, index: int) -> frozenset[str]:
+        """Every part of the layer's file."""
+        return frozenset(p.name for p in self.parts[index])
 
     def _slot_of(self, index: int) -> Slot | None:
         return next((s for s in self.slots if s.layer == index), None)
@@ -331,15 +364,25 @@ class DiskTier:
             return None
         return free[0]
 
-    def _read(self, slot: Slot, index: int) -> None:
+    def _read(self, slot: Slot, index: int, names: frozenset[str]) -> None:
+        """The layer's parts `names` into the buffer, after the buffer's write (of the layer it held)."""
         before = slot.writes
         slot.layer, slot.failed = index, False
         if index in self.written:
-            slot.reads = self._pieces(os.preadv, slot, index, after=before)
-            self.bytes_read += file_bytes(self.parts[index])
+            slot.reads = self._pieces(os.preadv, slot, index, names, after=before)
+            slot.parts = names
+            self.bytes_read += part_bytes(self.parts[index], names)
         else:  # never written: the file reads as zeros
             slot.reads = [self.pool.submit(_clear, slot.buffer[:file_bytes(self.parts[index])], before)]
+            slot.parts = self.names(index)
         slot.writes = []
+
+    def _read_more(self, slot: Slot, index: int, names: frozenset[str]) -> None:
+        """Parts the layer's buffer lacks (it was read for a send), after what the buffer still has
+        in flight: its reads (each after the write of the layer it held before) and its writes."""
+        slot.reads = slot.reads + self._pieces(os.preadv, slot, index, names, after=slot.reads + slot.writes)
+        slot.parts = slot.parts | names
+        self.bytes_read += part_bytes(self.parts[index], names)
 
     def _read_ahead(self, index: int) -> None:
         at = self.order.index(index)
@@ -351,13 +394,21 @@ class DiskTier:
             if slot is None:
                 return
             slot.ahead = True
-            self._read(slot, nxt)
+            self._read(slot, nxt, self.names(nxt))
 
-    def _pieces(self, call, slot: Slot, index: int, after: list[Future] = ()) -> list[Future]:
-        """The layer's file moved by `call` (os.preadv or os.pwritev) in pieces on the pool, each
-        after `after` (the buffer's write, for a read into it)."""
-        fd, total = self.fds[index], file_bytes(self.parts[index])
+    def _pieces(self, call, slot: Slot, index: int, names: frozenset[str], after: list[Future] = ()) -> list[Future]:
+        """The layer's parts `names` moved by `call` (os.preadv or os.pwritev) in pieces on the pool,
+        each after `after` (the buffer's write, for a read into it); adjacent parts in one span."""
+        fd = self.fds[index]
         view = memoryview(slot.memory)
+        spans: list[tuple[int, int]] = []
+        for p in self.parts[index]:
+            if p.name in names:
+                lo, hi = p.offset, p.offset + aligned(p.nbytes)
+                if spans and spans[-1][1] == lo:
+                    spans[-1] = (spans[-1][0], hi)
+                else:
+                    spans.append((lo, hi))
 
         def move(lo: int, hi: int) -> None:
             for f in after:
@@ -369,7 +420,7 @@ class DiskTier:
                     raise OSError(5, "short read or write")
                 done += n
 
-        return [self.pool.submit(move, lo, min(total, lo + IO_PIECE)) for lo in range(0, total, IO_PIECE)]
+        return [self.pool.submit(move, at, min(hi, at + IO_PIECE)) for lo, hi in spans for at in range(lo, hi, IO_PIECE)]
 
     def _wait(self, futures: list[Future], index: int, doing: str) -> None:
         for f in futures:
@@ -423,22 +474,22 @@ class HeldWindow:
     def numel(self, index: int) -> int:
         return self.tier.parts[index][0].numel
 
-    def hold(self, index: int, to_change: bool = True) -> dict[str, torch.Tensor]:
-        """The layer's buffer's tensors by name (compute, and a bf16 master's grad), held until
-        `let_go`. The first holder also waits for the buffer's last write: it may change the bytes.
-        `to_change` as DiskTier.acquire's: False (a checkpoint's read) goes on past a failed write."""
+    def hold(self, index: int, to_change: bool = True, parts: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """The layer's buffer's tensors by name (compute, and a bf16 master's grad; `parts`: only
+        those, as DiskTier.acquire's), held until `let_go`; a later holder that wants more reads what
+        the buffer lacks. The first holder also waits for the buffer's last write: it may change the
+        bytes. `to_change` as DiskTier.acquire's: False (a checkpoint's read) goes on past a failed write."""
         with self.cond:
-            if self.holders[index]:
-                views = self.tier.views(self.tier._slot_of(index), index)
-            else:
+            first = not self.holders[index]
+            if first:
                 self.cond.wait_for(lambda: self.tier.has_room(index))
-                views = self.tier.acquire(index, to_change)
-                if to_change:
-                    try:
-                        self.tier.settle(index)
-                    except BaseException:  # its last write failed: the buffer keeps the only copy
-                        self.tier.release(index, dirty=False)
-                        raise
+            views = self.tier.acquire(index, to_change, parts)
+            if first and to_change:
+                try:
+                    self.tier.settle(index)
+                except BaseException:  # its last write failed: the buffer keeps the only copy
+                    self.tier.release(index, dirty=False)
+                    raise
             self.holders[index] += 1
             return views
 
@@ -455,12 +506,18 @@ class HeldWindow:
                 self.cond.notify_all()
 
     @contextmanager
-    def held(self, index: int, dirty: bool = False):
-        views = self.hold(index)
+    def held(self, index: int, dirty: bool = False, parts: tuple[str, ...] | None = None):
+        views = self.hold(index, parts=parts)
         try:
             yield views
         finally:
             self.let_go(index, dirty)
+
+    @contextmanager
+    def sending(self, index: int):
+        """The layer's compute copy while a send reads it: its file's SEND_PARTS alone are read."""
+        with self.held(index, parts=SEND_PARTS) as views:
+            yield views["compute"]
 
     @contextmanager
     def gradient(self, index: int):

@@ -431,7 +431,9 @@ class ShardStore:
         one), every disk-tier write of the step before has finished: one that failed (a full disk)
         raises here, before any layer takes the new step, so that the store still holds the last
         finished step whole (the failed layer in its buffer) for the checkpoint the run stops with.
-        The writes have long finished by then (the next step's forward ran in between)."""
+        The writes have long finished by then (the next step's forward ran in between). It is also
+        where the tiers' counters mark a step (host/disk.py, `mark_step`): each layer's next sends
+        follow its update, so from one mark to the next a whole step's disk traffic goes by."""
         if self.disk is None:
             return
         own = self.layers[index].updates

@@ -136,6 +136,8 @@ class LayerServer:
         self.bounds = {i: piece_bounds(n, 0) for i, n in numels.items()}
         self.streams = 1
         self.gradients_cut = False  # a gradient connection closed: no gradient still missing will come
+        self.landing: dict[int, int] = {}  # held layers whose gradient is landing: the count `received` reaches at its end
+        self.landing_lock = threading.Lock()  # a gradient's hold taken by the first of its streams, let go by the last
         self.closed = False  # close(): a request still waiting for its version is given up
         self.cond = threading.Condition()
         self.listener = socket.create_server((host, 0))
@@ -204,19 +206,32 @@ class LayerServer:
             return not self.closed
 
     def _weights(self, layer: int):
-        """The layer's weights while they are sent: its buffer, or a held one of the window."""
+        """The layer's weights while they are sent: its buffer, or a held one of the window (its copy only read)."""
         if layer in self.buffers:
             return nullcontext(self.buffers[layer])
-        return self._held_weights(layer)
-
-    @contextmanager
-    def _held_weights(self, layer: int):
-        with self.held.held(layer) as views:
-            yield views["compute"]
+        return self.held.sending(layer)
 
     def _gradient(self, layer: int):
         """Where the layer's gradient lands, while it lands: its buffer, or a held one of the window."""
-        return nullcontext(self.grads[layer]) if layer in self.grads else self.held.gradient(layer)
+        return nullcontext(self.grads[layer]) if layer in self.grads else self._held_gradient(layer)
+
+    @contextmanager
+    def _held_gradient(self, layer: int):
+        """A held layer's gradient buffer while a stream lands its chunk. The gradient holds the layer
+        from its first chunk, on any stream, to its last: its file is written once, not once a stream."""
+        with self.landing_lock:
+            if layer not in self.landing:
+                self.held.hold(layer)
+                with self.cond:
+                    self.landing[layer] = self.received(layer) + 1
+        with self.held.gradient(layer) as grad:
+            yield grad
+        with self.landing_lock:
+            with self.cond:
+                whole = layer in self.landing and self.received(layer) >= self.landing[layer]
+            if whole:
+                del self.landing[layer]
+                self.held.let_go(layer, dirty=True)
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         try:

@@ -231,20 +231,19 @@ def test_bench_with_a_disk_tier_reports_what_it_moved(tmp_path, bench):
     # the last step's reads and writes (the first weights' left out) are the plan's bytes, exactly
     assert disk["read_gb_per_step"] == disk["written_gb_per_step"] == disk["plan_read_gb_per_step"] > 0
     # none fully on disk: a step's disk traffic is its updates', once each way
-    assert disk["plan_written_gb_per_step"] == disk["plan_read_gb_per_step"] == disk["plan_update_gb_per_step"]
+    assert disk["plan_written_gb_per_step"] == disk["plan_read_gb_per_step"]
     assert "disk tier: " in proc.stdout and " a step for reads" in proc.stdout
 
 
-def test_with_layers_fully_on_disk_the_disk_line_sets_the_updates_bytes_beside_the_plans_update():
-    """The stores' per-step counters start at a step's first update: with layers fully on disk the
-    forward's and the backward's reads and the gradients' writes come before it, so what they count
-    is the updates' share, which the line sets beside the plan's share for the updates, and names
-    the whole step's planned bytes apart."""
-    stats = [{"step_read_bytes": 32.2e9, "step_written_bytes": 36.0e9, "read_wait_s": 123.6, "file_bytes": 35e9,
+def test_the_disk_line_sets_a_whole_steps_bytes_beside_the_plans_whole_step():
+    """The stores' per-step counters cover a whole step (host/disk.py, step_bytes: one step's updates
+    and the next step's sends and gradients), which the line sets beside the plan's whole step, each way."""
+    stats = [{"step_read_bytes": 80.1e9, "step_written_bytes": 54.0e9, "read_wait_s": 123.6, "file_bytes": 35e9,
               "window_bytes": 6e9, "direct_io": True}]
-    d = disk_summary(stats, 2, 67.2, (93.8e9, 54.6e9), 35.1e9)
-    assert (d["read_gb_per_step"], d["written_gb_per_step"], d["plan_update_gb_per_step"]) == pytest.approx((32.2, 36.0, 35.1))
+    d = disk_summary(stats, 2, 67.2, (93.8e9, 54.6e9))
+    assert (d["read_gb_per_step"], d["written_gb_per_step"]) == pytest.approx((80.1, 54.0))
+    assert (d["plan_read_gb_per_step"], d["plan_written_gb_per_step"]) == pytest.approx((93.8, 54.6))
     assert d["read_wait_s_per_step"] == 61.8
     line = disk_line(d)
-    assert "32.2 GB read and 36.0 GB written by a step's updates (plan: 35.1 GB each way; the whole step" in line
-    assert "93.8 and 54.6 GB" in line
+    assert "80.1 GB read and 54.0 GB written a step (plan: 93.8 and 54.6 GB; 2.00 GB/s over the step's time)" in line
+    assert "updates" not in line

@@ -17,6 +17,7 @@ from megatrain_ray.host.adamw import AdamWStep
 from megatrain_ray.host.disk import DiskTierError
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
+from megatrain_ray.models.registry import model_layouts
 from test_disk_tier import ARCH, LAYERS, MODES, every_tensor, train, trained_alike
 
 FULLY = (1, 2, 3)  # the blocks and the head: through a window of 2 buffers
@@ -89,3 +90,128 @@ def test_a_failed_write_of_a_compute_copy_stops_the_next_update_and_keeps_the_st
     got = shard.layer_tensors(on_disk, 1, copy=True)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
     on_disk.close()
+
+
+SHORT = {("bf16", "int8"): 0.6, ("fp32", "fp32"): 0.3}  # RAM the store may take, of what it needs all in RAM
+
+
+def landed(store, layer: int, count: int) -> None:
+    """Until the layer's `count`-th gradient has landed in the store and, held, let go (its write issued)."""
+    with store.server.cond:
+        store.server.cond.wait_for(lambda: store.server.received(layer) >= count)
+    with store.hot.cond:
+        store.hot.cond.wait_for(lambda: not store.hot.holders[layer])
+
+
+@pytest.mark.parametrize("master,moments", SHORT)
+def test_a_step_moves_the_plans_bytes_and_a_send_reads_the_copy_alone(master, moments, tmp_path):
+    """The plan's layers on disk, some fully, for a store short of RAM, and its disk bytes a step
+    (StorePlan.disk_step_bytes); that store stepped as it serves a GPU worker, over its link
+    (host/transport.py): each step the layers fully on disk fetched for the forward and again for the
+    backward, every gradient landed and every layer updated as it lands (ShardStoreActor.step_streamed).
+    A send reads the compute copy alone (a bf16 master's gradient buffer stays on disk: half its
+    file), and the tiers read and write exactly the plan's bytes a step, while every weight sent and
+    every state equal a store's all in RAM. Each phase comes in layer order, so no layer comes back
+    while a buffer still holds it (the windows are smaller than the layers) and nothing is spared: a
+    real step's order spares some reads, which the plan's count is the most of."""
+    from megatrain_ray.config import config_from_dict
+    from megatrain_ray.host.disk import file_bytes, send_bytes
+    from megatrain_ray.host.store import layer_bytes
+    from megatrain_ray.host.transport import LayerLink
+    from megatrain_ray.models.registry import model_layouts
+    from megatrain_ray.planning.placement import NodeInfo, plan_placement
+    from megatrain_ray.runtime.actors import ShardStoreActor
+    from test_disk_tier import BETAS, EPS
+
+    fmt, arch, dtype = StateFormat(master, moments), ARCH.replace(num_layers=12), torch.bfloat16
+    layers, layouts = list(range(arch.num_layers + 2)), model_layouts(arch)
+    all_in_ram = sum(layer_bytes(layout, dtype, fmt) for layout in layouts)
+    config = config_from_dict({"model": {"preset": "tiny-llama", "overrides": {"num_layers": 12}, "compute_dtype": "bfloat16"},
+                               "optim": {"master": master, "moments": moments},
+                               "runtime": {"disk_dir": str(tmp_path), "store_memory_gib": SHORT[master, moments] * all_in_ram / 2**30}})
+    node = NodeInfo("gpu", "10.0.0.1", 1.0, False, 2**40, disk_bytes=2**40, disk_read_gbs=1.0, disk_write_gbs=1.0)
+    plan, = plan_placement(arch, config, [node], "gpu").stores
+    fully = plan.disk_compute_layers
+    assert len(fully) > disk_module.WINDOW and len(plan.disk_layers) > disk_module.WINDOW, plan
+    copies = sum(disk_module.aligned(layouts[i].numel * dtype.itemsize) for i in fully)  # what a send needs: the copy
+    assert plan.disk_send_bytes == sum(send_bytes(layouts[i], fmt, dtype) for i in fully) == copies
+    assert plan.disk_compute_bytes == copies * (2 if master == "bf16" else 1)  # a bf16 master's gradient buffer too
+    assert plan.disk_step_bytes() == (plan.disk_bytes + plan.disk_compute_bytes + 2 * plan.disk_send_bytes,
+                                      plan.disk_bytes + plan.disk_compute_bytes)
+
+    ram = ShardStore(arch, layers, dtype, state_format=fmt, seed=3)
+    store = ShardStoreActor(threads=1)
+    reach = store.allocate(arch, layers, dtype, state_format=fmt, seed=3, disk_dir=str(tmp_path),
+                           disk_layers=plan.disk_layers, disk_compute_layers=fully)
+    link = LayerLink(reach.link, 3, "the store")  # a layer in chunks over 3 connections, as a worker sends it
+    try:
+        for s in (ram, store):
+            s.init_random(seed=5, std=0.02)
+            s.fault_in_moments()
+        moved = []
+        for step in range(4):
+            before = store.disk_stats()
+            for _ in ("forward", "backward"):
+                for i in fully:
+                    sent = torch.empty(layouts[i].numel, dtype=dtype)
+                    link.fetch(i, store.server.applied[i], sent, []).wait()
+                    assert torch.equal(sent, ram.layers[i].compute), (step, i)
+            for i in layers:
+                grad = ram.layers[i].grad
+                grad.copy_(torch.randn(grad.numel(), generator=torch.Generator().manual_seed(100 * step + i)))
+                link.send(i, grad, []).wait()
+                landed(store, i, step + 1)
+            hp = AdamWStep(step + 1, 3e-3, 0.7, BETAS, EPS, 0.1)
+            for i in layers:
+                ram.step_layer(i, hp)
+                store.step_streamed(i, hp)
+            after = store.disk_stats()
+            moved.append((after["read_bytes"] - before["read_bytes"], after["written_bytes"] - before["written_bytes"]))
+        assert moved[1:] == [plan.disk_step_bytes()] * 3, moved  # the first step's first layers were new files
+        stats = store.disk_stats()
+        assert stats["file_bytes"] == plan.disk_bytes
+        # the counters' last whole step (host/disk.py, step_bytes): step 3's updates, step 4's sends and gradients
+        assert (stats["step_read_bytes"], stats["step_written_bytes"]) == plan.disk_step_bytes()
+        a, b = every_tensor(ram), every_tensor(store)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        print(f"{master}/{moments}: a step read {moved[-1][0]} and wrote {moved[-1][1]} bytes; plan "
+              f"{plan.disk_step_bytes()}; sends {2 * plan.disk_send_bytes} of it, whole files "
+              f"{2 * sum(file_bytes(store.hot.tier.parts[i]) for i in fully)}")
+    finally:
+        link.close()
+        store.close()
+        ram.close()
+
+
+def test_a_send_reads_the_copy_alone_and_a_holder_that_wants_more_gets_the_rest_read(tmp_path):
+    """Two layers fully on disk (a bf16 master: the copy and its gradient buffer) through a window
+    of one buffer: a send reads the copy alone; a gradient's landing that meets it on the same layer
+    (HeldWindow's holders) gets the gradient buffer read, not the other layer's bytes the buffer held,
+    and its write keeps both; a later hold of the whole layer reads nothing more."""
+    fmt, dtype = StateFormat("bf16", "int8"), torch.bfloat16
+    layouts = {i: model_layouts(ARCH)[i] for i in (1, 2)}
+    tier = disk_module.DiskTier(tmp_path, "t", layouts, fmt, window=1, key="diskcompute", read_ahead=False,
+                                parts_of=lambda l: disk_module.compute_parts(l, fmt, dtype))
+    held = disk_module.HeldWindow(tier)
+    try:
+        for i in (1, 2):  # each layer's copy and gradient, written to its file; layer 2 left in the buffer
+            with held.held(i, dirty=True) as views:
+                views["compute"].fill_(i)
+                views["grad"].fill_(10 * i)
+        part = {p.name: disk_module.aligned(p.nbytes) for p in tier.parts[1]}
+        before = tier.bytes_read
+        with held.sending(1) as copy:
+            assert torch.equal(copy, torch.full_like(copy, 1)) and tier.bytes_read - before == part["compute"]
+            with held.gradient(1) as grad:  # lands while the send holds the layer
+                assert torch.equal(grad, torch.full_like(grad, 10)), "the gradient buffer was not read"
+                assert tier.bytes_read - before == part["compute"] + part["grad"]
+                grad.fill_(7)
+        with held.held(1) as views:  # the buffer holds the whole layer now: nothing read
+            assert tier.bytes_read - before == part["compute"] + part["grad"]
+        with held.sending(2):
+            pass
+        with held.held(1) as views:  # back from the file, whole: the landed gradient and the copy
+            assert torch.equal(views["grad"], torch.full_like(views["grad"], 7))
+            assert torch.equal(views["compute"], torch.full_like(views["compute"], 1))
+    finally:
+        tier.close()

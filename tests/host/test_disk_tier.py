@@ -256,7 +256,7 @@ def test_a_step_moves_the_bytes_the_plan_counts_and_a_new_file_is_never_read(mas
     """The plan's layers on disk and its bytes a step (planning/placement.py); a store with those
     layers on disk, its first weights drawn, then three steps: the first weights read nothing but the
     first step's first layers ahead (a new file reads as zeros: cleared, not read), and each step reads and writes exactly the plan's bytes
-    (the tier's own counters, from each step's first update to the next's)."""
+    (the tier's own counters, from each step's first update to the next's: none before a second)."""
     from megatrain_ray.config import config_from_dict
     from megatrain_ray.planning.placement import NodeInfo, plan_placement
 
@@ -276,8 +276,8 @@ def test_a_step_moves_the_bytes_the_plan_counts_and_a_new_file_is_never_read(mas
         ahead = sum(disk_module.disk_bytes(model_layouts(arch)[i], fmt) for i in plan.disk_layers[:disk_module.WINDOW - 1])
         assert store.disk.bytes_read == (ahead if master == "fp32" else 0)  # only the first step's first layers, read ahead
         assert store.disk.bytes_written == (plan.disk_bytes if master == "fp32" else 0)
-        moved = []
-        for step in range(3):
+        moved = []  # after each step: the counters' last whole step, from one step's first update to the next's
+        for step in range(4):
             hp = AdamWStep(step + 1, 3e-3, 0.7, BETAS, EPS, 0.1)
             for i in layers:
                 store.layers[i].grad.normal_(generator=torch.Generator().manual_seed(10 * step + i))
@@ -285,7 +285,7 @@ def test_a_step_moves_the_bytes_the_plan_counts_and_a_new_file_is_never_read(mas
             moved.append(store.disk.step_bytes())
         # a bf16 master's first step reads nothing of its own (its files never written) but the next step's first layers
         first_read = plan.disk_bytes if master == "fp32" else ahead
-        assert moved == [(first_read, plan.disk_bytes)] + [(plan.disk_bytes, plan.disk_bytes)] * 2
+        assert moved == [(0, 0), (first_read, plan.disk_bytes)] + [(plan.disk_bytes, plan.disk_bytes)] * 2
         assert store.disk_stats()["step_read_bytes"] == plan.disk_bytes
     finally:
         store.close()

@@ -11,7 +11,7 @@ import pytest
 from megatrain_ray.config import ConfigError, config_from_dict
 import torch
 
-from megatrain_ray.host.disk import compute_bytes, compute_window_bytes, disk_bytes, layer_parts, window_bytes
+from megatrain_ray.host.disk import aligned, compute_bytes, compute_window_bytes, disk_bytes, layer_parts, window_bytes
 from megatrain_ray.host.memory import dtype_of
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.host.store import layer_bytes
@@ -95,7 +95,9 @@ def test_where_ram_is_still_short_some_layers_go_fully_to_disk_and_no_more():
     hot = sum(layouts[i].numel * 4 for i in fully)  # a bf16 copy and its gradient buffer on disk
     assert store.disk_compute_bytes == pytest.approx(hot, rel=1e-3)
     assert store.disk_bytes == sum(disk_bytes(layouts[i], fmt) for i in store.disk_layers) + store.disk_compute_bytes
-    assert store.disk_step_bytes() == (store.disk_bytes + 3 * store.disk_compute_bytes,
+    sends = sum(aligned(layouts[i].numel * 2) for i in fully)  # a send reads the bf16 copy alone
+    assert store.disk_send_bytes == sends
+    assert store.disk_step_bytes() == (store.disk_bytes + store.disk_compute_bytes + 2 * sends,
                                        store.disk_bytes + store.disk_compute_bytes)
     placed = plan_placement(SEVEN_B, cfg, [node(512)], "gpu")
     assert placed.remote_layers() == list(fully)  # streamed over the store's link
