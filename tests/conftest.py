@@ -4,6 +4,7 @@ Shared helpers (whole-model autograd training, small configs, the transformers c
 tests/helpers/, importable as `helpers.*`: pyproject's pytest `pythonpath` puts tests/ on the path."""
 
 import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -20,7 +21,37 @@ if torch.cuda.is_available():
     torch._dynamo.config.recompile_limit = 64
 
 
+# The seconds the longest test modules take on a 2-core box (the README's `-n 2 --dist loadfile`,
+# measured 2026-11-29 with --durations=0), longest first: each module runs in one process, and
+# xdist hands the next module to whichever process is free, so that the two end together only if
+# the long ones start first (xdist's own order, by count of tests, left the 146 s job_submit module
+# near the end). A schedule only: a module missing here, or a figure gone stale, changes the order,
+# never what runs. pytest_configure keeps xdist from reordering it.
+MODULE_SECONDS = {
+    "models/test_generic_family.py": 158, "runtime/test_job_submit.py": 146, "runtime/test_multinode.py": 129,
+    "runtime/test_faults.py": 120, "entry/test_quick_start.py": 97, "entry/test_run_lifecycle.py": 97,
+    "rl/test_grpo_run.py": 97, "runtime/test_stops_keep_steps.py": 88, "bench/test_bench.py": 66,
+    "streaming/test_data_parallel.py": 65, "models/test_image_text.py": 63, "runtime/test_ray_runtime.py": 59,
+    "entry/test_image_text_recipe.py": 57, "runtime/test_disk_tier_run.py": 55, "models/test_families_parity.py": 54,
+    "runtime/test_disk_compute_run.py": 52, "streaming/test_trainer_reference.py": 39,
+    "files/test_checkpoint_resume.py": 38, "runtime/test_step_plan.py": 34, "models/test_moe.py": 30,
+    "rl/test_rollout_copies.py": 30, "models/test_moe_parity.py": 25,
+}
+TESTS = Path(__file__).parent
+
+
+def module_seconds(item) -> int:
+    return MODULE_SECONDS.get(Path(item.fspath).relative_to(TESTS).as_posix(), 0)
+
+
+def pytest_configure(config):
+    """xdist's --no-loadscope-reorder, where xdist runs (not an addopts: the GPU machine has no xdist)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: -module_seconds(item))  # stable: a module's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
