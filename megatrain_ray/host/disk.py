@@ -286,7 +286,7 @@ class DiskTier:
             try:
                 self._unshare(index)
             except DiskTierError as e:  # as a write that failed: the buffer keeps the state, the next update raises
-                slot.writes = [failed(e)]
+                slot.writes, slot.failed = [failed(e)], True
             else:
                 slot.writes = self._pieces(os.pwritev, slot, index)
             self.bytes_written += file_bytes(self.parts[index])

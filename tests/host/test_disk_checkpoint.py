@@ -1,10 +1,12 @@
 """A checkpoint reuses the disk tier's files (files/shard.py, link_tier_files; host/disk.py, DiskTier.link):
 on the tier's file system they are hard-linked into it, not copied, and the tier never writes a linked
 file in place again (a fresh file takes its name first), so the checkpoint keeps its bytes while the run
-goes on: a resume from it after more steps is bit for bit the run that never stopped. A run killed while
+goes on: a resume from it after more steps is bit for bit the run that never stopped, and its Hugging
+Face export is the weights it was written with. A run killed while
 linking leaves no checkpoint that a resume takes; one killed while the next step writes leaves the
 checkpoint whole. On another file system the state is copied, into the same checkpoint as read."""
 
+import errno
 import json
 import os
 import shutil
@@ -17,12 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.files import shard
+from megatrain_ray.files.export import checkpoint_layers
+from megatrain_ray.files.hf import export_hf
+from megatrain_ray.host.adamw import AdamWStep
+from megatrain_ray.host.disk import DiskTierError
 from megatrain_ray.host.precision import StateFormat
 from test_disk_compute import store_of
-from test_disk_tier import LAYERS, every_tensor, saved_state, train
+from test_disk_tier import ARCH, LAYERS, every_tensor, saved_state, train
 
 FULLY = (2, 3)  # layer 1 has its optimizer state on disk, 2 and 3 their compute copies too
 HERE = Path(__file__).parent
@@ -62,6 +69,8 @@ def test_a_checkpoint_links_the_tiers_files_and_a_resume_after_more_steps_is_bit
     run = tier_store(fmt, tmp_path / "tier")
     train(run, 2)
     path = checkpoint(run, tmp_path / "ckpt", 2)
+    masters = {i: t.float().clone() for i in LAYERS for key, t in shard.layer_tensors(run, i, copy=True).items()
+               if key.endswith(".master")}
     linked = linked_files(path)
     assert len(linked) == 3 + (len(FULLY) if master == "bf16" else 0)  # a bf16 master's file: the compute copy's
     assert all(os.stat(f).st_nlink == 2 and os.stat(f).st_ino in tier_inodes(run) for f in linked)  # no copy
@@ -76,6 +85,9 @@ def test_a_checkpoint_links_the_tiers_files_and_a_resume_after_more_steps_is_bit
     train(run, 2)  # the run goes on: each linked file is replaced under the tier's name before its next write
     assert all(os.stat(f).st_nlink == 1 for f in linked) and not tier_inodes(run) & {os.stat(f).st_ino for f in linked}
     manifest, _ = ckpt.read_manifest(path, verify=True)  # the checkpoint's bytes as it was written
+    exported = load_file(export_hf(tmp_path / "hf", ARCH, checkpoint_layers(path, manifest)) / "model.safetensors")
+    expected = load_file(export_hf(tmp_path / "hf-expected", ARCH, masters.items()) / "model.safetensors")
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in exported)
     resumed = tier_store(fmt, tmp_path / "tier2")
     shard.load_layers(resumed, ckpt.shard_files_by_layer(path, manifest))
     train(resumed, 2)
@@ -174,3 +186,31 @@ def test_a_run_killed_while_the_next_step_writes_leaves_the_checkpoint_whole(tmp
     ckpt.read_manifest(path, verify=True)  # every file's hash as its manifest says
     got, expected = saved_state(path / "shard-000.safetensors"), expected_state(tmp_path)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_a_fresh_file_that_finds_no_room_stops_the_next_update_and_leaves_the_checkpoint_whole(tmp_path, monkeypatch):
+    """The step after a linked checkpoint needs fresh files; a full disk refuses one: the layer's new
+    state stays in its buffer (readable for a checkpoint, copied then), the next update raises the
+    disk's error, and the checkpoint's file is neither replaced nor written."""
+    fmt = StateFormat("fp32", "fp32")
+    run = tier_store(fmt, tmp_path / "tier")
+    train(run, 2)
+    path = checkpoint(run, tmp_path / "ckpt", 2)
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    hp = AdamWStep(3, 3e-3, 1.0, (0.9, 0.95), 1e-8, 0.1)
+    with run.landing_gradient(1) as grad:
+        grad.fill_(0.5)
+    run.step_layer(1, hp)
+    with pytest.raises(DiskTierError, match="No space left on device while allocating"):
+        run.step_layer(2, hp)
+    assert os.stat(run.disk.paths[1]).st_ino in {os.stat(f).st_ino for f in linked_files(path)}  # not replaced
+    ckpt.read_manifest(path, verify=True)  # nor written
+    updated = shard.layer_tensors(run, 1, copy=True)  # the new state, from its buffer
+    saved, _ = ckpt.read_layer_state(str(path / "shard-000.safetensors"), 1)
+    assert not torch.equal(updated["layers.1.master"], saved["master"])
+    assert not run.disk.link(1, tmp_path / "refused")  # a checkpoint copies it
+    run.close()
