@@ -2,7 +2,10 @@
 fsynced, renamed into place, and a manifest (with each file's hash) written last.
 
 Each store writes its own layers (master weights and AdamW moments, in the dtypes the run holds them:
-fp32, or bf16 and int8 with block scales in the lean modes) as safetensors; a store on a
+fp32, or bf16 and int8 with block scales in the lean modes) as safetensors; a store with a disk tier
+on the checkpoint's file system hard-links the tier's files beside its shard instead of copying the
+state in them (files/shard.py, host/disk.py: the tier never writes a linked file in place again), and
+its shard's metadata says which tensors lie where in them (`LINKED`); a store on a
 RAM node writes straight to the checkpoint path when that path is shared storage
 (`checkpoint.transport: shared`), or sends its tensors to the driver, which writes them
 (`checkpoint.transport: driver`). Loading picks each layer from whichever shard holds it, so a
@@ -21,6 +24,7 @@ import re
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -39,6 +43,8 @@ from megatrain_ray.models.registry import model_layouts
 MANIFEST = "MANIFEST.json"
 META = "meta.json"
 FORMAT_VERSION = 1
+LINKED_FORMAT = 2  # a checkpoint with files linked beside its shards: an older reader must refuse it
+LINKED = "linked"  # a shard's metadata: {layer: [{"file": name, "parts": [[key, dtype, numel, offset], ...]}]}
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -50,9 +56,17 @@ def tensor_name(layer: int, key: str) -> str:
     return f"layers.{layer}.{key}"
 
 
-def file_digest(path: Path) -> str:
+HASH_THREADS = 8  # files hashed at once (the disk tier's files linked into a checkpoint)
+
+
+def file_digest(path: Path, uncached: bool = False) -> str:
+    """The file's sha256; `uncached`: its pages leave the page cache after (the disk tier's files linked
+    into a checkpoint, which would otherwise take the RAM the tier spares)."""
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if uncached:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return digest
 
 
 def write_shard(directory: Path, name: str, tensors: dict[str, torch.Tensor], steps: dict[int, int]) -> dict:
@@ -71,13 +85,18 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 
 
 def write_shard_streamed(directory: Path, name: str, entries: list[tuple[str, torch.dtype, int]],
-                         parts: Iterable[Callable[[], dict[str, torch.Tensor]]], steps: dict[int, int]) -> dict:
+                         parts: Iterable[Callable[[], dict[str, torch.Tensor]]], steps: dict[int, int],
+                         linked: dict[int, list[dict]] | None = None) -> dict:
     """write_shard for a store whose state is not all in memory at once (a disk tier, host/disk.py):
     the safetensors header from `entries` (each tensor's name, dtype and length, in file order), then
     the tensors `parts` give, one group (a layer) at a time, in that order; fsynced. The same format
-    safetensors writes and reads (an 8-byte header length, the JSON header padded to 8 bytes, the data)."""
+    safetensors writes and reads (an 8-byte header length, the JSON header padded to 8 bytes, the data).
+    `linked`: the files linked beside it that hold the rest of its layers' state (`LINKED`), hashed
+    into the entry."""
     path = directory / name
     header, offset = {"__metadata__": {"layer_steps": json.dumps(steps)}}, 0
+    if linked:
+        header["__metadata__"][LINKED] = json.dumps(linked)
     for key, dtype, numel in entries:
         end = offset + numel * dtype.itemsize
         header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": [numel], "data_offsets": [offset, end]}
@@ -100,7 +119,19 @@ def write_shard_streamed(directory: Path, name: str, entries: list[tuple[str, to
     except OSError as e:  # a full disk: the error names the file
         raise OSError(e.errno, e.strerror, str(path)) from None
     fsync_path(path)
-    return {"file": name, "sha256": file_digest(path), "bytes": path.stat().st_size, "layers": sorted(steps)}
+    entry = {"file": name, "sha256": file_digest(path), "bytes": path.stat().st_size, "layers": sorted(steps)}
+    if linked:
+        paths = [directory / f["file"] for files in linked.values() for f in files]
+        with ThreadPoolExecutor(HASH_THREADS) as pool:  # hashlib lets go of the GIL: the disk's speed, not a core's
+            digests = list(pool.map(lambda path: file_digest(path, uncached=True), paths))
+        entry[LINKED] = [{"file": path.name, "sha256": digest, "bytes": path.stat().st_size}
+                         for path, digest in zip(paths, digests)]
+    return entry
+
+
+def shard_files(shards: list[dict]) -> list[dict]:
+    """The manifest's entries of every file: each shard's and those of the files linked beside it."""
+    return [f for shard in shards for f in (shard, *shard.get(LINKED, ()))]
 
 
 def os_error(e: Exception, path: Path) -> Exception:
@@ -123,8 +154,8 @@ def new_staging_dir(root: Path, step: int) -> Path:
 def commit(staging: Path, root: Path, step: int, shards: list[dict], meta: dict, keep: int) -> Path:
     """Metadata, then the manifest, then the rename: only a complete checkpoint gets a final name."""
     write_json(staging / META, meta)
-    manifest = {"format": FORMAT_VERSION, "step": step, "shards": shards, "meta_sha256": file_digest(staging / META),
-                "written_at": time.time()}
+    manifest = {"format": LINKED_FORMAT if any(LINKED in s for s in shards) else FORMAT_VERSION, "step": step,
+                "shards": shards, "meta_sha256": file_digest(staging / META), "written_at": time.time()}
     write_json(staging / MANIFEST, manifest)
     fsync_path(staging)
     final = root / f"step-{step:08d}"
@@ -206,10 +237,11 @@ def read_manifest(path: Path, verify: bool = True) -> tuple[dict, dict]:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: unreadable manifest ({e})") from None
-    if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r}; this version reads {FORMAT_VERSION}")
+    if manifest.get("format") not in (FORMAT_VERSION, LINKED_FORMAT):
+        raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r}; this version reads "
+                              f"{FORMAT_VERSION} and {LINKED_FORMAT}")
     if verify:
-        expected = [(s["file"], s["sha256"]) for s in manifest["shards"]] + [(META, manifest["meta_sha256"])]
+        expected = [(s["file"], s["sha256"]) for s in shard_files(manifest["shards"])] + [(META, manifest["meta_sha256"])]
         for name, digest in expected:
             file = path / name
             if not file.exists():
@@ -237,12 +269,37 @@ def shard_update_counts(directory: Path, shards: list[dict]) -> dict[int, int]:
 
 
 def read_layer_state(file: str, layer: int) -> tuple[dict[str, torch.Tensor], int]:
-    """A layer's master, moments and (int8 moments) their scales, as saved; and its update count."""
+    """A layer's master, moments and (int8 moments) their scales, as saved (in its shard, or in the
+    files linked beside it: `LINKED`); and its update count."""
     with safe_open(file, framework="pt") as f:
-        steps = json.loads(f.metadata()["layer_steps"])
+        metadata = f.metadata()
         present = set(f.keys())
-        keys = [*STATE_KEYS, *(k for k in SCALE_KEYS if tensor_name(layer, k) in present)]
-        return {key: f.get_tensor(tensor_name(layer, key)) for key in keys}, int(steps[str(layer)])
+        state = {key: f.get_tensor(tensor_name(layer, key)) for key in (*STATE_KEYS, *SCALE_KEYS)
+                 if tensor_name(layer, key) in present}
+    for linked in json.loads(metadata.get(LINKED, "{}")).get(str(layer), ()):
+        state.update(read_parts(Path(file).parent / linked["file"], linked["parts"]))
+    missing = [key for key in STATE_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint shard {file} holds no {', '.join(missing)} of layer {layer}")
+    return state, int(json.loads(metadata["layer_steps"])[str(layer)])
+
+
+DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def read_parts(path: Path, parts: list[list]) -> dict[str, torch.Tensor]:
+    """Tensors of a file linked beside a shard (a disk tier's: host/disk.py's parts), each [key, dtype
+    name, numel, byte offset]."""
+    out = {}
+    with open(path, "rb") as f:
+        for key, name, numel, offset in parts:
+            dtype = DTYPES_BY_NAME[name]
+            f.seek(offset)
+            data = f.read(numel * dtype.itemsize)
+            if len(data) != numel * dtype.itemsize:
+                raise CheckpointError(f"{path} ends before layer state {key} does (at byte {offset + len(data)})")
+            out[key] = torch.frombuffer(bytearray(data), dtype=dtype) if numel else torch.empty(0, dtype=dtype)
+    return out
 
 
 def saved_format(meta: dict) -> StateFormat:
@@ -361,7 +418,7 @@ def check_compatible(meta: dict, arch: ModelArch, path: Path, manifest: dict | N
 
 def check_shards_visible(staging: Path, shards: list[dict]) -> None:
     """With transport=shared a RAM node writes on its own disk: make sure the driver sees the same files."""
-    for shard in shards:
+    for shard in shard_files(shards):
         file = staging / shard["file"]
         if not file.exists() or file.stat().st_size != shard["bytes"]:
             raise CheckpointError(

@@ -36,10 +36,15 @@ Each file is allocated in full when the store starts (posix_fallocate): a disk t
 tier is refused then, with the figure, and a write into allocated blocks does not run out of room
 mid-run on a file system that overwrites in place (ext4, xfs).
 
-The files are scratch: they hold the state between two updates of a run, never a checkpoint's. A
-checkpoint copies the state out (files/shard.py), so a run killed while writing leaves nothing that
-a resume reads. A write that fails (the disk's error) keeps its buffer, which then holds the only
-copy of that layer's state: the store keeps it resident, and a checkpoint still reads it there.
+The files are the run's scratch, and a checkpoint on the same file system reuses them (`link`): once
+the layer's writes are done and on disk (fsync), its file is hard-linked into the checkpoint, and from
+then on the tier never writes that file in place: a file with a second link (`st_nlink`) gets a fresh
+file under the tier's name before its next write (`_unshare`: created, allocated, renamed over the old
+name), and the checkpoint's link keeps the old bytes. So a run killed at any point, during the
+checkpoint or during the steps after it, leaves the checkpoint's bytes as they were when it was
+written; a checkpoint elsewhere (another file system) copies the state out (files/shard.py). A write
+that fails (the disk's error) keeps its buffer, which then holds the only copy of that layer's state:
+the store keeps it resident, a checkpoint still reads it there, and `link` refuses that layer.
 
 The window: WINDOW (3) buffers each the size of the store's largest layer on disk. `acquire` waits for
 the layer's read (issued ahead when a buffer was free), then issues the reads of the layers that
@@ -57,6 +62,8 @@ first update, where the next step's sends begin) say what a whole step moved.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -75,6 +82,7 @@ from megatrain_ray.host.memory import remove_dead_segments, segment_name
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.models.layout import LayerLayout
 
+FRESH = ".new"  # a layer's fresh file (`DiskTier._unshare`) until it takes the layer's name
 ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffers (a page; also every NVMe's logical block)
 IO_PIECE = 8 * 2**20  # bytes one read or write call moves: a layer spreads over the pool's threads
 WINDOW = 3  # buffers per store: the layer updating, the one before it writing, the next read ahead
@@ -299,7 +307,15 @@ class DiskTier:
         self._clock += 1
         slot.released_at = self._clock
         if dirty:
-            slot.writes = self._pieces(os.pwritev, slot, index, slot.parts)
+            # every holder that changes a layer holds it whole (a send alone reads a part), so a write
+            # is of the whole file: what `_unshare`'s fresh file needs, for it holds nothing before
+            assert slot.parts == self.names(index), f"layer {index}: a change to a buffer holding {sorted(slot.parts)}"
+            try:
+                self._unshare(index)
+            except DiskTierError as e:  # as a write that failed: the buffer keeps the state, the next update raises
+                slot.writes, slot.failed = [failed(e)], True
+            else:
+                slot.writes = self._pieces(os.pwritev, slot, index, slot.parts)
             self.bytes_written += part_bytes(self.parts[index], slot.parts)
             self.written.add(index)
 
@@ -422,6 +438,53 @@ class DiskTier:
 
         return [self.pool.submit(move, at, min(hi, at + IO_PIECE)) for lo, hi in spans for at in range(lo, hi, IO_PIECE)]
 
+    # ---- a checkpoint's links to the files ----------------------------------------------------------
+    def link(self, index: int, target: Path, punch: tuple[int, int] | None = None) -> bool:
+        """Hard-link the layer's file as `target`, its writes done and on disk, so that `target` holds the
+        layer's state as it is now; the tier writes that file in place never again (`_unshare`). False,
+        and no link, where the state is not all in the file (a buffer whose write failed) or `target` is
+        on another file system (or one without hard links): the caller copies it then. The caller sees to
+        it that no update changes the layer meanwhile (the store's thread, or HeldWindow's lock).
+        `punch`: (offset, bytes) of the file that hold nothing the state needs (a gradient after its
+        update), freed first where the file system can, so that the checkpoint does not hold them."""
+        slot = self._slot_of(index)
+        if slot is not None and (slot.failed or any(f.exception() is not None for f in slot.writes)):
+            return False  # (Future.exception waits for the write)
+        fd = self.fds[index]
+        if punch is not None:
+            punch_hole(fd, *punch)
+        os.fsync(fd)
+        try:
+            os.link(self.paths[index], target)
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                return False
+            raise
+        return True
+
+    def _unshare(self, index: int) -> None:
+        """Before a write of the layer: a file another link shares (a checkpoint's, `link`) is replaced,
+        under the tier's name, by a fresh one, allocated in full, and the other link keeps the old bytes.
+        The old file stays the layer's until the new one has its name: a failure on the way leaves it
+        shared, so the next write tries again and none lands in it."""
+        if os.fstat(self.fds[index]).st_nlink <= 1:
+            return
+        path = self.paths[index]
+        fresh = path.with_name(path.name + FRESH)
+        fresh.unlink(missing_ok=True)
+        fd, direct = open_file(fresh)
+        size = file_bytes(self.parts[index])
+        try:
+            os.posix_fallocate(fd, 0, size)
+            os.rename(fresh, path)
+        except OSError as e:
+            os.close(fd)
+            fresh.unlink(missing_ok=True)
+            raise self._error(e, path, "allocating", size) from None
+        os.close(self.fds[index])
+        self.fds[index] = fd
+        self.direct = self.direct and direct
+
     def _wait(self, futures: list[Future], index: int, doing: str) -> None:
         for f in futures:
             e = f.exception()
@@ -429,7 +492,7 @@ class DiskTier:
                 if doing == "writing":
                     self._slot_of(index).failed = True
                 raise (self._error(e, self.paths[index], doing, file_bytes(self.parts[index]))
-                       if isinstance(e, OSError) else e) from None
+                       if isinstance(e, OSError) and not isinstance(e, DiskTierError) else e) from None
 
     def _raise_failed_writes(self) -> None:
         for slot in self.slots:
@@ -526,12 +589,38 @@ class HeldWindow:
         with self.held(index, dirty=True) as views:
             yield views.get("grad", views["compute"])
 
+    def link(self, index: int, target: Path, punch: tuple[int, int] | None = None) -> bool:
+        """DiskTier.link, while no holder has changed the layer without its write back."""
+        with self.cond:
+            return index not in self.changed and self.tier.link(index, target, punch)
+
     def resident_bytes(self) -> int:
         return self.tier.resident_bytes()
 
     def mark_step(self) -> None:
         with self.cond:
             self.tier.mark_step()
+
+
+def failed(e: BaseException) -> Future:
+    f: Future = Future()
+    f.set_exception(e)
+    return f
+
+
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+
+
+def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
+    """Free the blocks of [offset, offset + nbytes) of the file (they read as zeros after), where the file
+    system can (Linux's fallocate with FALLOC_FL_PUNCH_HOLE: ext4, xfs, btrfs, tmpfs); whether it did."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.fallocate
+    except (OSError, AttributeError):
+        return False
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return call(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0
 
 
 def _clear(buffer: torch.Tensor, after: list[Future]) -> None:

@@ -67,13 +67,14 @@ def cuda_host_unregister(t: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------
 
 # megatrain-{run}-{pid}.{start}.{boot}-layer{i}, and -master, -exp_avg, -exp_avg_sq after it for
-# state shared with a GPU worker, -grad for a bf16 master's gradient buffer, -disk for a layer's file of
-# the disk tier (host/disk.py): the owner's pid, its start time (clock ticks after boot, so a
+# state shared with a GPU worker, -grad for a bf16 master's gradient buffer, -disk and -diskcompute
+# for a layer's files of the disk tier (host/disk.py; .new after them while a fresh file replaces
+# one a checkpoint links): the owner's pid, its start time (clock ticks after boot, so a
 # reused pid is told apart) and this boot's and PID namespace's id (so a directory another machine,
 # boot or container sees is never taken for ours). Older names carry the pid alone. A run's id
 # (new_run_id) names its driver the same way: {random}.{pid}.{start}.{boot}.
 SEGMENT = re.compile(r"^megatrain-(?P<run>.+)-(?P<pid>\d+)(?:\.(?P<start>\d+)\.(?P<boot>[0-9a-f]+))?-layer\d+"
-                     r"(?:-(?:master|exp_avg|exp_avg_sq|grad|held|disk))?$")
+                     r"(?:-(?:master|exp_avg|exp_avg_sq|grad|held|disk|diskcompute)(?:\.new)?)?$")
 DRIVER = re.compile(r"^[0-9a-f]{8}\.(?P<pid>\d+)\.(?P<start>\d+)\.(?P<boot>[0-9a-f]+)$")
 
 

@@ -3,14 +3,17 @@ config, the weights a run's checkpoint holds, and a run's start as another run s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megatrain_ray.config import Config, config_from_dict
+from megatrain_ray.files import checkpoint as ckpt
 
 STEPS, GRAD_ACCUM = 3, 2  # make_config's step count and micro-batches per step
 
@@ -56,10 +59,17 @@ def kernel_cache() -> dict[str, str]:
 
 
 def tensors_of(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory's safetensors shards, by name."""
+    """Every tensor of a checkpoint directory's safetensors shards, by name, with those of the disk
+    tier's files linked beside them (files/checkpoint.py, LINKED)."""
     out = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
         out.update(load_file(str(file)))
+        with safe_open(str(file), framework="pt") as f:
+            linked = json.loads((f.metadata() or {}).get(ckpt.LINKED, "{}"))
+        for layer, files in linked.items():
+            for linked_file in files:
+                out.update({ckpt.tensor_name(int(layer), key): t for key, t in
+                            ckpt.read_parts(checkpoint / linked_file["file"], linked_file["parts"]).items()})
     return out
 
 

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from megatrain_ray.files import shard
 from megatrain_ray.host import disk as disk_module
@@ -18,7 +17,7 @@ from megatrain_ray.host.disk import DiskTierError
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.registry import model_layouts
-from test_disk_tier import ARCH, LAYERS, MODES, every_tensor, train, trained_alike
+from test_disk_tier import ARCH, LAYERS, MODES, every_tensor, saved_state, train, trained_alike
 
 FULLY = (1, 2, 3)  # the blocks and the head: through a window of 2 buffers
 
@@ -49,7 +48,7 @@ def test_a_store_with_layers_fully_on_disk_steps_bit_for_bit_as_in_ram(master, m
 
     shard.save_shard(ram, str(tmp_path), "ram.safetensors")  # the same checkpoint, which loads back
     shard.save_shard(on_disk, str(tmp_path), "disk.safetensors")
-    x, y = load_file(tmp_path / "ram.safetensors"), load_file(tmp_path / "disk.safetensors")
+    x, y = saved_state(tmp_path / "ram.safetensors"), saved_state(tmp_path / "disk.safetensors")
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     back = store_of(fmt, tmp_path / "back", disk_layers=LAYERS[1:], fully=FULLY[1:])
     shard.load_layers(back, {i: str(tmp_path / "disk.safetensors") for i in LAYERS})

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.files import shard
@@ -59,6 +58,12 @@ def every_tensor(store: ShardStore) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def saved_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every layer's state a shard holds, as a resume reads it (in the shard or the tier's files linked
+    beside it: files/shard.py, link_tier_files)."""
+    return {f"{i}.{key}": t for i in LAYERS for key, t in ckpt.read_layer_state(str(path), i)[0].items()}
+
+
 def trained_alike(ram: ShardStore, on_disk: ShardStore, steps: int = 4) -> None:
     """Both stores `train`ed; every tensor of theirs equal."""
     train(ram, steps)
@@ -98,7 +103,7 @@ def test_its_shard_is_the_same_checkpoint_and_loads_back(master, moments, tmp_pa
     train(on_disk, 2)
     shard.save_shard(ram, str(tmp_path), "ram.safetensors")
     entry = shard.save_shard(on_disk, str(tmp_path), "disk.safetensors")
-    a, b = load_file(tmp_path / "ram.safetensors"), load_file(tmp_path / "disk.safetensors")
+    a, b = saved_state(tmp_path / "ram.safetensors"), saved_state(tmp_path / "disk.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert entry["layers"] == LAYERS
     back = store_of(fmt, tmp_path / "tier2", disk_layers=LAYERS[2:])
@@ -230,11 +235,11 @@ def test_a_store_killed_while_writing_its_checkpoint_leaves_only_the_last_comple
             staging = ckpt.new_staging_dir(root, step)
             if step == 2:
                 real, done = shard.layer_tensors, []
-                def layer_tensors(store, i, copy=False):
+                def layer_tensors(store, i, copy=False, **linked):
                     done.append(i)
                     if len(done) == 3:
                         os._exit(9)  # killed mid-write: two layers of the shard on disk, no manifest
-                    return real(store, i, copy)
+                    return real(store, i, copy, **linked)
                 shard.layer_tensors = layer_tensors
             entry = shard.save_shard(store, str(staging), "shard-000.safetensors")
             ckpt.commit(staging, root, step, [entry], {{"step": step}}, keep=5)

@@ -1,7 +1,8 @@
 """A run with the disk tier (runtime.disk_dir), its stores Ray actors: the plan puts the optimizer
 state of the layers RAM cannot hold (runtime.store_memory_gib) on disk, the run's steps are the
-in-process trainer's (all in RAM) bit for bit, a resume from its checkpoint continues exactly, and
-the tier's files are gone when the run ends. A file system that fills mid-run (a real one, a small
+in-process trainer's (all in RAM) bit for bit, a resume from its checkpoint (which links the tier's
+files: files/shard.py) after the run went on continues exactly, and the tier's files are gone when the
+run ends. A file system that fills mid-run (a real one, a small
 tmpfs) stops the run with a clear message and the last checkpoint that fits, which resumes exactly.
 
 One end-to-end run, in the 6-byte mode (bf16 master, int8 moments, bf16 compute): every state mode
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 import ray
@@ -66,7 +68,8 @@ def test_a_run_with_its_state_on_disk_is_the_ram_run_bit_for_bit_and_resumes_exa
         session.init_weights()
         session.start_executor()
         losses = [session.train_step(data[0]).loss]
-        path = session.save_checkpoint(1, None)
+        path = session.save_checkpoint(1, None)  # beside the tier: its files linked, which the next steps leave alone
+        assert json.loads((path / ckpt.MANIFEST).read_text())["shards"][0][ckpt.LINKED]
         losses += [session.train_step(step).loss for step in data[1:]]
         session.drain("the last updates")
         state, steps = ray.get(session.stores[0].state_tensors.remote())
@@ -121,12 +124,17 @@ def small_file_system(tmp_path):
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def test_a_disk_that_fills_mid_run_stops_with_the_last_checkpoint_and_resume_is_exact(local_ray, tmp_path,
+@pytest.mark.parametrize("together", [False, True], ids=["checkpoints-alone", "tier-and-checkpoints"])
+def test_a_disk_that_fills_mid_run_stops_with_the_last_checkpoint_and_resume_is_exact(local_ray, tmp_path, together,
                                                                                        small_file_system, capsys):
-    """The tier's files and the checkpoints on one small file system with room for the tier and one
-    and a half checkpoints (checkpoint.keep 1): step 1's checkpoint fits, step 2's does not. The run
-    stops (exit 2) saying so and naming step 1's checkpoint, its half-written one removed; the resume
-    from step 1 (its checkpoints elsewhere) ends with the weights of a run that never stopped."""
+    """A small file system that fills. With the checkpoints alone on it (checkpoint.keep 1), room for
+    one and a half: step 1's checkpoint fits, step 2's does not; the run stops (exit 2) saying so and
+    naming step 1's checkpoint, its half-written one removed. With the tier's files there too, room for
+    them and half a checkpoint: step 1's checkpoint fits because it links the tier's files
+    (files/shard.py), and step 2's writes, which need fresh files beside the ones it keeps, do not (nor
+    then its checkpoint, which copies the layer whose write failed); the run stops naming step 1's.
+    Either way the resume from step 1 (its checkpoints and tier elsewhere) ends with the weights of a
+    run that never stopped."""
     steps, store_bytes = 3, STORE_BYTES["fp32"]
     runtime = {"store_memory_gib": store_bytes / 2**30}
     model = {"preset": "tiny-llama", "overrides": {"num_layers": BLOCKS}}
@@ -139,9 +147,9 @@ def test_a_disk_that_fills_mid_run_stops_with_the_last_checkpoint_and_resume_is_
     tier = sum(disk_bytes(layouts[i], fmt) for s in place(arch, config).stores for i in s.disk_layers)
     one = ckpt.checkpoint_bytes(config, arch)
     assert tier > 0
-    fs = small_file_system(tier + one * 3 // 2)
+    fs = small_file_system(tier + one // 2 if together else one * 3 // 2)
     raw = {**whole, "train": {**whole["train"], "output_dir": str(tmp_path / "run")},
-           "runtime": {**runtime, "disk_dir": str(fs / "tier")},
+           "runtime": {**runtime, "disk_dir": str(fs / "tier" if together else tmp_path / "run-tier")},
            "checkpoint": {**whole["checkpoint"], "dir": str(fs / "ckpt")}}
     path = tmp_path / "run.yaml"
     path.write_text(json.dumps(raw))
@@ -150,15 +158,21 @@ def test_a_disk_that_fills_mid_run_stops_with_the_last_checkpoint_and_resume_is_
     err = capsys.readouterr().err
     first = fs / "ckpt" / "step-00000001"
     assert code == 2, err
-    assert f"the disk filled mid-run: No space left on device (ENOSPC) at {fs / 'ckpt'}" in err, err
+    if together:
+        assert (f"the disk filled mid-run: No space left on device while allocating" in err
+                and f"disk tier's state in {fs / 'tier'}" in err), err
+        assert json.loads((first / ckpt.MANIFEST).read_text())["shards"][0][ckpt.LINKED]  # it reused the tier's files
+    else:
+        assert f"the disk filled mid-run: No space left on device (ENOSPC) at {fs / 'ckpt'}" in err, err
     assert f"no room for the checkpoint of step 2); its last complete checkpoint is {first}" in err, err
-    assert (first / ckpt.MANIFEST).exists()
-    assert not list((fs / "ckpt").glob(".step-*"))  # the half-written checkpoint is gone
-    assert not list((fs / "tier").iterdir())  # and the tier's files with the run
+    ckpt.read_manifest(first, verify=True)
+    assert not list((fs / "ckpt").glob(".step-*"))  # a half-written checkpoint is gone
+    assert not list(Path(raw["runtime"]["disk_dir"]).iterdir())  # and the tier's files with the run
     command = next(line for line in err.splitlines() if line.startswith("continue with: "))
     assert shlex.split(command.removeprefix("continue with: "))[-2:] == ["--resume", str(first)]
 
-    assert cli.main(["train", str(path), "--set", f"checkpoint.dir={tmp_path / 'more'}", "--resume", str(first)]) == 0
+    assert cli.main(["train", str(path), "--set", f"checkpoint.dir={tmp_path / 'more'}", "--set",  # the full disk is
+                     f"runtime.disk_dir={tmp_path / 'resume-tier'}", "--resume", str(first)]) == 0  # left as it was
     path.write_text(json.dumps(whole))
     assert cli.main(["train", str(path)]) == 0, capsys.readouterr().err
     expected = tensors_of(tmp_path / "whole-ckpt" / f"step-{steps:08d}")
