@@ -102,28 +102,28 @@ def plan_described(config: Config, cluster: str | Path, speeds: list[float] | No
     spec = load_cluster(cluster)
     speeds = speeds or sorted({r.network_gbps for r in spec.ram_nodes} | {spec.gpu_node.network_gbps})
     if gpu is not None:  # refused as the live plan refuses it
-        from megatrain_ray.runtime.cluster import step_rates
+        from megatrain_ray.runtime.cluster import named_gpu_rates
 
-        step_rates(config, gpu)
+        named_gpu_rates(gpu)
     text, fits = plan_cluster(model_arch(config.model), config, spec, speeds, gpu)
     print(text)
     return PlanResult(fits, None if fits else text.splitlines()[-1], text)
 
 
-def driver_facts(arch, config: Config, placement):
+def driver_facts(arch, config: Config, placement, cluster):
     """What the plan needs of the workers' device where no worker runs: the GPU node's free GPU
-    memory and host headroom, read there, and a model's working set measured on this machine's GPU
-    where it has one (planning/step_plan.py: measured_working_set, as a worker measures it)."""
+    memory and host headroom, read there (`cluster`: runtime/cluster.py's facts), and a model's
+    working set measured on this machine's GPU where it has one (planning/step_plan.py:
+    measured_working_set, as a worker measures it)."""
     import torch
 
     from megatrain_ray.planning.step_plan import DeviceFacts, measured_working_set
-    from megatrain_ray.runtime.cluster import gpu_free_bytes, node_headroom
 
-    headroom = node_headroom(placement.gpu.node_id)
+    headroom = cluster.headroom(placement.gpu.node_id)
     if not placement.use_cuda:
         return DeviceFacts("cpu", "cpu", None, headroom)
     units = measured_working_set(torch.device("cuda"), arch, config) if torch.cuda.is_available() else 0.0
-    return DeviceFacts("cuda", "GPU", gpu_free_bytes(placement.gpu.node_id), headroom, units)
+    return DeviceFacts("cuda", "GPU", cluster.gpu_free_bytes(placement.gpu.node_id), headroom, units)
 
 
 def planned_for_named_gpu(placement, facts, gpu: str, say):
@@ -158,7 +158,7 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
     from megatrain_ray.planning.step_plan import plan_step
     from megatrain_ray.planning.traffic import describe_traffic, step_traffic
     from megatrain_ray.planning.largest import largest_trainable
-    from megatrain_ray.runtime.cluster import connect, discover_nodes, driver_node_id, step_rates
+    from megatrain_ray.runtime.cluster import cluster_facts, step_rates
     from megatrain_ray.runtime.session import largest_models_here, place
 
     shown: list[str] = []
@@ -173,16 +173,16 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
 
     arch = model_arch(config.model)
     joined = ray.is_initialized()
-    connect(config.runtime)
+    cluster = cluster_facts(config.runtime)  # Ray's nodes, or this machine without Ray where none is to join
     try:
         try:
-            say(largest_models_here(arch, config))
-            placement = place(arch, config)
-            facts = driver_facts(arch, config, placement)
+            say(largest_models_here(arch, config, cluster))
+            placement = place(arch, config, cluster)
+            facts = driver_facts(arch, config, placement, cluster)
             if gpu is not None and not placement.use_cuda and config.executor.device != "cpu":
                 placement, facts = planned_for_named_gpu(placement, facts, gpu, say)
             if facts.kind == "cuda":
-                say(largest_trainable(config, facts, discover_nodes(config.runtime), driver_node_id()))
+                say(largest_trainable(config, facts, cluster.nodes(config.runtime), cluster.driver_node_id()))
             # the run's own decisions (planning/step_plan.py), from what the driver can see
             step = plan_step(arch, config, facts, placement, stores_allocated=False, refuse=False)
         except ConfigError as e:
@@ -193,7 +193,7 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
         traffic = step_traffic(planned, config, placement, step.kept)
         network, optimizer_s = traffic.times(), traffic.optimizer_seconds()
         say(placement.describe(arch))
-        rates = step_rates(config, gpu)
+        rates = step_rates(config, gpu, cluster)
         if placement.remote_layers():
             compute_s = (predict_step(planned, step.planned_config(config), network, optimizer_s, n,
                                               rates=rates).compute_s if rates else None)
@@ -204,5 +204,5 @@ def plan_live(config: Config, gpu: str | None = None) -> PlanResult:
             say(scaling_text(planned, config, step, network, optimizer_s, rates))
         return result(None if step.refused is None else f"does not fit: {step.refused}")
     finally:
-        if not joined:  # leave a cluster the caller had connected to as it was
+        if not joined and ray.is_initialized():  # leave a cluster the caller had connected to as it was
             ray.shutdown()

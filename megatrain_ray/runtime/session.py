@@ -19,7 +19,7 @@ import ray
 from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.files.carried import carried_tensors, carry_into
 from megatrain_ray.runtime.actors import GpuWorker, RolloutActor, ShardStoreActor, store_weights
-from megatrain_ray.runtime.cluster import discover_nodes, driver_node_id, free_port, on_node
+from megatrain_ray.runtime.cluster import NodeFacts, RayNodes, driver_node_id, free_port, on_node
 from megatrain_ray.runtime.grpo_steps import GrpoSteps
 from megatrain_ray.planning.step_plan import DeviceFacts, StepPlan, plan_step
 from megatrain_ray.config import Config
@@ -44,15 +44,16 @@ def plain_wait(refs, what: str):
     return ray.get(refs)
 
 
-def place(arch: ModelArch, config: Config) -> Placement:
-    """The stores' placement on the cluster Ray is connected to now (the step plan sizes the window
-    of remote layers, once it knows whether activations are parked beside it)."""
-    return plan_placement(arch, config, discover_nodes(config.runtime), driver_node_id())
+def place(arch: ModelArch, config: Config, cluster: NodeFacts) -> Placement:
+    """The stores' placement on the cluster whose facts `cluster` reads (runtime/cluster.py: the one
+    Ray is connected to, or this machine without Ray, for a plan); the step plan sizes the window
+    of remote layers, once it knows whether activations are parked beside it."""
+    return plan_placement(arch, config, cluster.nodes(config.runtime), cluster.driver_node_id())
 
 
-def largest_models_here(arch: ModelArch, config: Config) -> str:
-    """The largest model per optimizer state mode the cluster Ray is connected to holds (placement.largest_models)."""
-    return largest_models(store_room(arch, config, discover_nodes(config.runtime), driver_node_id()), config)
+def largest_models_here(arch: ModelArch, config: Config, cluster: NodeFacts) -> str:
+    """The largest model per optimizer state mode the cluster holds (placement.largest_models)."""
+    return largest_models(store_room(arch, config, cluster.nodes(config.runtime), cluster.driver_node_id()), config)
 
 
 class Session:
@@ -76,7 +77,7 @@ class Session:
         self.store_class = store_class or ShardStoreActor
         self.arch = arch
         self.wait = wait
-        self.placement = placement or place(arch, config)
+        self.placement = placement or place(arch, config, RayNodes())
         self.marks: dict[str, float] = {"placement": time.perf_counter()}  # when each part of the start ended
         self._updates_done = updates_done  # the LR position, and each layer's update count, after the last step
         self.gpus: list = []

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from megatrain_ray.files import checkpoint as ckpt
-from megatrain_ray.runtime.cluster import alive_node_ids, connect
+from megatrain_ray.runtime.cluster import RayNodes, alive_node_ids, connect
 from megatrain_ray.config import Config, ConfigError
 from megatrain_ray.data.bad_rows import BadRowCount
 from megatrain_ray.data.documents import DataError
@@ -179,7 +179,7 @@ def wait_for_room(arch: ModelArch, config: Config, lost: tuple[str, ...]) -> Pla
     while True:
         if not set(lost) & alive_node_ids():
             try:
-                return place(arch, config)
+                return place(arch, config, RayNodes())
             except ConfigError as e:
                 reason = str(e)
         if time.monotonic() > deadline:
@@ -282,7 +282,7 @@ def train_session(config: Config, arch: ModelArch, data: tuple, progress: Progre
     """Place stores and the executor, load the starting state, run the loop; always releases the actors."""
     say = progress.phase
     say("reading the cluster's nodes and placing the model")
-    placement = progress.placement or place(arch, config)
+    placement = progress.placement or place(arch, config, RayNodes())
     progress.placement = None
     watch = Watchdog(placement, config.train.step_timeout_s)
     say(f"starting {len(placement.stores)} store(s)" + ("" if host_kernel_built() else

@@ -15,7 +15,7 @@ from megatrain_ray.planning.rates import (H100, SPECS, device_key, named_rates, 
                                           table_rates)
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 from megatrain_ray.planning.whatif import ClusterSpec, GpuNodeSpec, plan_cluster
-from megatrain_ray.runtime.cluster import step_rates
+from megatrain_ray.runtime.cluster import named_gpu_rates
 
 CONFIG = config_from_dict({"model": {"preset": "qwen2.5-1.5b"}, "train": {"micro_batch_size": 1, "grad_accum": 8},
                            "data": {"seq_len": 4096}})
@@ -59,9 +59,9 @@ def test_gpu_names_the_table_takes_and_refuses():
         assert named_rates(name).gpu == "RTX 3080"
     assert named_rates("H100") is H100 and named_rates("h100-sxm") is H100  # --gpu H100, as before
     assert named_rates("h100-pcie").gpu == "H100 PCIe" and named_rates("Radeon RX 7900") is None
-    assert step_rates(CONFIG, "rtx 3080").gpu == "RTX 3080"  # no cluster needed for a named GPU
+    assert named_gpu_rates("rtx 3080").gpu == "RTX 3080"  # no cluster needed for a named GPU
     with pytest.raises(ConfigError, match="rtx3060.*gh200"):
-        step_rates(CONFIG, "rtx3080ti")
+        named_gpu_rates("rtx3080ti")
 
 
 SMALL_10G = {"gpu_memory_gib": 9.5, "host_memory_gib": 60, "network_gbps": 10}
