@@ -37,7 +37,9 @@ mid-run on a file system that overwrites in place (ext4, xfs).
 The files are scratch: they hold the state between two updates of a run, never a checkpoint's. A
 checkpoint copies the state out (files/shard.py), so a run killed while writing leaves nothing that
 a resume reads. A write that fails (the disk's error) keeps its buffer, which then holds the only
-copy of that layer's state: the store keeps it resident, and a checkpoint still reads it there.
+copy of that layer's state: the store keeps it resident, and a checkpoint still reads it there (and
+the other layers into a spare buffer if every buffer holds such a write). A write that fails after a
+read was queued behind it into its buffer leaves its layer `lost`: even a checkpoint refuses it.
 
 The window: WINDOW (3) buffers each the size of the store's largest layer on disk. `acquire` waits for
 the layer's read (issued ahead when a buffer was free), then issues the reads of the layers that
@@ -55,6 +57,7 @@ first update) say what a step moved.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -185,6 +188,12 @@ class Slot:
     ahead: bool = False  # read ahead, not yet acquired
     failed: bool = False  # its write failed: it holds the only copy of its layer's state
     released_at: int = 0  # when its layer was last released (the least recent is reused first)
+    spare: bool = False  # taken for one read only (a checkpoint's) when the window had none free
+
+
+def write_failed(slot: Slot) -> bool:
+    """Whether the buffer's write failed, seen or not yet: it holds the only copy of its layer's state."""
+    return slot.failed or any(f.done() and f.exception() is not None for f in slot.writes)
 
 
 class DiskTier:
@@ -213,6 +222,7 @@ class DiskTier:
         self.bytes_read = self.bytes_written = 0
         self.step_mark = (0, 0)  # (bytes_read, bytes_written) at the last step's first update
         self.written: set[int] = set()  # layers whose file holds state (the others read as zeros)
+        self.lost: dict[int, BaseException] = {}  # layers whose write failed after their buffer was taken
         self._clock = 0
         try:
             for i in self.order:
@@ -220,7 +230,7 @@ class DiskTier:
         except BaseException:
             self.close()
             raise
-        largest = max((file_bytes(p) for p in self.parts.values()), default=0)
+        self.largest = largest = max((file_bytes(p) for p in self.parts.values()), default=0)
         self.slots = [self._slot(largest) for _ in range(min(window or WINDOW, len(self.order)) if largest else 0)]
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="disk-tier")
 
@@ -253,12 +263,19 @@ class DiskTier:
     def acquire(self, index: int, to_change: bool = True) -> dict[str, torch.Tensor]:
         """The layer's state on disk, in a buffer of the window, by name; its reads are done. Issues
         the reads of the layers after it. `to_change`: raises first for a write that failed (the run
-        stops); a read only (a checkpoint) goes on."""
+        stops); a read only (a checkpoint) goes on, in a spare buffer if none is free (their writes
+        failed). A layer whose file is not whole and whose buffer is gone (`lost`) raises either way."""
+        if index in self.lost:
+            e = self.lost[index]
+            raise DiskTierError(getattr(e, "errno", None) or errno.EIO,
+                                f"layer {index}'s state is lost: its write to {self.paths[index]} failed ({e}) after "
+                                "its buffer was taken for another layer, so its file is not whole; the run's last "
+                                "complete checkpoint holds it")
         if to_change:
             self._raise_failed_writes()
         slot = self._slot_of(index)
         if slot is None:
-            slot = self._take_slot(index, wait_for_one=True)
+            slot = self._take_slot(index, wait_for_one=True) or self._spare(index, to_change)
             self._read(slot, index)
         slot.in_use, slot.ahead = True, False
         t0 = time.perf_counter()
@@ -272,6 +289,9 @@ class DiskTier:
         """The layer's buffer goes back to the window; `dirty`: its state changed, written behind."""
         slot = self._slot_of(index)
         slot.in_use = False
+        if slot.spare and not dirty:
+            self.slots.remove(slot)
+            return
         self._clock += 1
         slot.released_at = self._clock
         if dirty:
@@ -285,9 +305,13 @@ class DiskTier:
         if slot is not None:
             self._wait(slot.writes, index, "writing")
 
-    def has_room(self, index: int) -> bool:
-        """Whether `acquire(index)` finds a buffer now: the layer's own, or one not in use."""
-        return any(s.layer == index or (not s.in_use and not s.failed) for s in self.slots)
+    def can_acquire(self, index: int, to_change: bool = True) -> bool:
+        """Whether `acquire(index, to_change)` goes on now: a buffer for it (the layer's own, or one not in
+        use whose write did not fail); else, to change, a failed write to raise, and to read, no buffer in
+        use that could free (it reads into a spare one)."""
+        if any(s.layer == index or (not s.in_use and not write_failed(s)) for s in self.slots):
+            return True
+        return any(map(write_failed, self.slots)) if to_change else not any(s.in_use for s in self.slots)
 
     def mark_step(self) -> None:
         """A step's first update begins: the counts so far, for `step_bytes`."""
@@ -318,27 +342,39 @@ class DiskTier:
         read ahead and not yet acquired, whose read is dropped."""
         free = [s for s in self.slots if s.layer is None]
         if not free:
-            free = sorted((s for s in self.slots if not s.in_use and not s.ahead and not s.failed),
+            free = sorted((s for s in self.slots if not s.in_use and not s.ahead and not write_failed(s)),
                           key=lambda s: s.released_at)
         if not free and wait_for_one:
-            free = [s for s in self.slots if not s.in_use and not s.failed]
+            free = [s for s in self.slots if not s.in_use and not write_failed(s)]
             if free:
                 wait(free[0].reads)
-        if not free:
-            if wait_for_one:
-                raise DiskTierError(0, f"the disk tier's window of {len(self.slots)} buffers has none free for layer "
-                                       f"{index}: every buffer is in use or holds a layer whose write failed")
-            return None
-        return free[0]
+        return free[0] if free else None
+
+    def _spare(self, index: int, to_change: bool) -> Slot:
+        """A buffer beside the window for one read (a checkpoint's) while none of it is free; none to change."""
+        if to_change:
+            raise DiskTierError(0, f"the disk tier's window of {len(self.slots)} buffers has none free for layer "
+                                   f"{index}: every buffer is in use or holds a layer whose write failed")
+        slot = self._slot(self.largest)
+        slot.spare = True
+        self.slots.append(slot)
+        return slot
 
     def _read(self, slot: Slot, index: int) -> None:
-        before = slot.writes
+        before, evicted = slot.writes, slot.layer
+
+        def evicted_written() -> None:  # on the pool, before the read: the buffer's last write, done
+            for f in before:
+                if f.exception() is not None:  # the buffer held the only copy of the layer it wrote
+                    self.lost[evicted] = f.exception()
+                    raise f.exception()
+
         slot.layer, slot.failed = index, False
         if index in self.written:
-            slot.reads = self._pieces(os.preadv, slot, index, after=before)
+            slot.reads = self._pieces(os.preadv, slot, index, first=evicted_written)
             self.bytes_read += file_bytes(self.parts[index])
         else:  # never written: the file reads as zeros
-            slot.reads = [self.pool.submit(_clear, slot.buffer[:file_bytes(self.parts[index])], before)]
+            slot.reads = [self.pool.submit(_clear, slot.buffer[:file_bytes(self.parts[index])], evicted_written)]
         slot.writes = []
 
     def _read_ahead(self, index: int) -> None:
@@ -353,15 +389,14 @@ class DiskTier:
             slot.ahead = True
             self._read(slot, nxt)
 
-    def _pieces(self, call, slot: Slot, index: int, after: list[Future] = ()) -> list[Future]:
+    def _pieces(self, call, slot: Slot, index: int, first: Callable[[], None] = lambda: None) -> list[Future]:
         """The layer's file moved by `call` (os.preadv or os.pwritev) in pieces on the pool, each
-        after `after` (the buffer's write, for a read into it)."""
+        after `first()` has returned (the buffer's write, for a read into it)."""
         fd, total = self.fds[index], file_bytes(self.parts[index])
         view = memoryview(slot.memory)
 
         def move(lo: int, hi: int) -> None:
-            for f in after:
-                f.result()
+            first()
             done = lo
             while done < hi:
                 n = call(fd, [view[done:hi]], done)
@@ -382,7 +417,7 @@ class DiskTier:
 
     def _raise_failed_writes(self) -> None:
         for slot in self.slots:
-            if slot.layer is not None and any(f.done() and f.exception() is not None for f in slot.writes):
+            if slot.layer is not None and write_failed(slot):
                 self._wait(slot.writes, slot.layer, "writing")
 
     def resident_bytes(self) -> int:
@@ -426,12 +461,13 @@ class HeldWindow:
     def hold(self, index: int, to_change: bool = True) -> dict[str, torch.Tensor]:
         """The layer's buffer's tensors by name (compute, and a bf16 master's grad), held until
         `let_go`. The first holder also waits for the buffer's last write: it may change the bytes.
-        `to_change` as DiskTier.acquire's: False (a checkpoint's read) goes on past a failed write."""
+        `to_change` as DiskTier.acquire's: False (a checkpoint's read) goes on past a failed write;
+        True raises it, without waiting for a buffer that buffers holding failed writes may never free."""
         with self.cond:
             if self.holders[index]:
                 views = self.tier.views(self.tier._slot_of(index), index)
             else:
-                self.cond.wait_for(lambda: self.tier.has_room(index))
+                self.cond.wait_for(lambda: self.tier.can_acquire(index, to_change))
                 views = self.tier.acquire(index, to_change)
                 if to_change:
                     try:
@@ -472,15 +508,19 @@ class HeldWindow:
     def resident_bytes(self) -> int:
         return self.tier.resident_bytes()
 
+    def flush(self) -> None:
+        """Every write issued is done (raises DiskTierError for one that failed)."""
+        with self.cond:
+            self.tier.flush()
+
     def mark_step(self) -> None:
         with self.cond:
             self.tier.mark_step()
 
 
-def _clear(buffer: torch.Tensor, after: list[Future]) -> None:
-    """On the pool: the buffer zeroed once its last write (`after`) is done."""
-    for f in after:
-        f.result()
+def _clear(buffer: torch.Tensor, first: Callable[[], None]) -> None:
+    """On the pool: the buffer zeroed once `first()` (its last write done) has returned."""
+    first()
     buffer.zero_()
 
 

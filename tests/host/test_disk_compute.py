@@ -6,6 +6,8 @@ the window's buffers."""
 
 import errno
 import os
+import threading
+from concurrent.futures import wait
 
 import pytest
 import torch
@@ -20,6 +22,18 @@ from megatrain_ray.host.store import ShardStore
 from test_disk_tier import ARCH, LAYERS, MODES, every_tensor, train, trained_alike
 
 FULLY = (1, 2, 3)  # the blocks and the head: through a window of 2 buffers
+
+
+def full_disk_under(fds, real):
+    """os.pwritev as a full disk under these files makes it: ENOSPC for them, `real` for the others."""
+    fds = set(fds)
+
+    def pwritev(fd, buffers, offset):
+        if fd in fds:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buffers, offset)
+
+    return pwritev
 
 
 def store_of(fmt: StateFormat, disk_dir=None, disk_layers=(), fully=()) -> ShardStore:
@@ -70,14 +84,8 @@ def test_a_failed_write_of_a_compute_copy_stops_the_next_update_and_keeps_the_st
     on_disk = store_of(fmt, tmp_path, disk_layers=LAYERS[1:], fully=FULLY)
     train(on_disk, 2)
     expected = shard.layer_tensors(on_disk, 1, copy=True)
-    real, hot = os.pwritev, set(on_disk.hot.tier.fds.values())
-
-    def full(fd, buffers, offset):
-        if fd in hot:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "pwritev", full)
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", full_disk_under(on_disk.hot.tier.fds.values(), real))
     with on_disk.landing_gradient(1) as grad:
         grad.zero_()  # written behind, and failing
     monkeypatch.setattr(os, "pwritev", real)
@@ -88,4 +96,39 @@ def test_a_failed_write_of_a_compute_copy_stops_the_next_update_and_keeps_the_st
     assert on_disk.update_counts() == updates
     got = shard.layer_tensors(on_disk, 1, copy=True)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    on_disk.close()
+
+
+def test_a_checkpoint_reads_every_layer_when_each_buffer_holds_a_failed_write(tmp_path, monkeypatch):
+    """Both buffers of a window of 2 hold a gradient whose write failed (a full disk): the layers in
+    them are read from there, and a third layer from its file into a spare buffer, which then goes;
+    none is read into a buffer whose failed write holds the only copy of another layer."""
+    monkeypatch.setattr(disk_module, "WINDOW", 2)
+    on_disk = store_of(StateFormat("bf16", "int8"), tmp_path, disk_layers=LAYERS[1:], fully=FULLY)
+    train(on_disk, 2)
+    expected = {i: shard.layer_tensors(on_disk, i, copy=True) for i in FULLY}
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", full_disk_under(on_disk.hot.tier.fds.values(), real))
+    with on_disk.landing_gradient(1), on_disk.landing_gradient(2):
+        pass  # both written behind as they are let go, and failing
+    slots = on_disk.hot.tier.slots
+    wait([f for s in slots for f in s.writes])
+    monkeypatch.setattr(os, "pwritev", real)
+    assert len(slots) == 2 and all(any(f.exception() is not None for f in s.writes) for s in slots)
+
+    got, errors = {}, []
+
+    def read() -> None:  # a checkpoint's reads, in a thread: one that waited for a free buffer would never end
+        try:
+            got.update({i: shard.layer_tensors(on_disk, i, copy=True) for i in FULLY})
+        except Exception as e:
+            errors.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(60)
+    assert not reader.is_alive() and not errors, errors
+    for i in FULLY:
+        assert got[i].keys() == expected[i].keys() and all(torch.equal(got[i][k], expected[i][k]) for k in got[i]), i
+    assert len(on_disk.hot.tier.slots) == 2  # the spare buffer went with its read
     on_disk.close()
