@@ -28,7 +28,7 @@ from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.runtime.local import LocalTrainer
 from megatrain_ray.runtime.session import Session, place
 from helpers.reference_training import random_micro_batches
-from helpers.runs import make_config, tensors_of, tiny_raw
+from helpers.runs import assert_same_checkpoints, make_config, tiny_raw
 
 BLOCKS = 12  # tiny-llama with 12 blocks: enough layers that the tier's window of 3 saves RAM
 STORE_BYTES = {"fp32": 5.5e6, "bf16": 2.4e6}  # of the all-RAM run's 7.6 MB (exact), 2.8 MB (6 bytes): about 8 blocks' state go to disk
@@ -161,8 +161,4 @@ def test_a_disk_that_fills_mid_run_stops_with_the_last_checkpoint_and_resume_is_
     assert cli.main(["train", str(path), "--set", f"checkpoint.dir={tmp_path / 'more'}", "--resume", str(first)]) == 0
     path.write_text(json.dumps(whole))
     assert cli.main(["train", str(path)]) == 0, capsys.readouterr().err
-    expected = tensors_of(tmp_path / "whole-ckpt" / f"step-{steps:08d}")
-    got = tensors_of(tmp_path / "more" / f"step-{steps:08d}")
-    assert expected.keys() == got.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(got[name], tensor), name
+    assert_same_checkpoints(tmp_path / "whole-ckpt" / f"step-{steps:08d}", tmp_path / "more" / f"step-{steps:08d}")
