@@ -279,7 +279,11 @@ class DiskTier:
             self._read(slot, index)
         slot.in_use, slot.ahead = True, False
         t0 = time.perf_counter()
-        self._wait(slot.reads, index, "reading")
+        try:
+            self._wait(slot.reads, index, "reading")
+        except BaseException:  # the buffer holds nothing whole: free again
+            slot.in_use, slot.layer, slot.reads = False, None, []
+            raise
         self.read_seconds += time.perf_counter() - t0
         if self.ahead:
             self._read_ahead(index)
@@ -308,8 +312,8 @@ class DiskTier:
     def can_acquire(self, index: int, to_change: bool = True) -> bool:
         """Whether `acquire(index, to_change)` goes on now: a buffer for it (the layer's own, or one not in
         use whose write did not fail); else, to change, a failed write to raise, and to read, no buffer in
-        use that could free (it reads into a spare one)."""
-        if any(s.layer == index or (not s.in_use and not write_failed(s)) for s in self.slots):
+        use that could free (it reads into a spare one); a `lost` layer at once (acquire raises)."""
+        if index in self.lost or any(s.layer == index or (not s.in_use and not write_failed(s)) for s in self.slots):
             return True
         return any(map(write_failed, self.slots)) if to_change else not any(s.in_use for s in self.slots)
 
