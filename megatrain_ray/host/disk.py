@@ -44,7 +44,9 @@ name), and the checkpoint's link keeps the old bytes. So a run killed at any poi
 checkpoint or during the steps after it, leaves the checkpoint's bytes as they were when it was
 written; a checkpoint elsewhere (another file system) copies the state out (files/shard.py). A write
 that fails (the disk's error) keeps its buffer, which then holds the only copy of that layer's state:
-the store keeps it resident, a checkpoint still reads it there, and `link` refuses that layer.
+the store keeps it resident, a checkpoint still reads it there (and the other layers into a spare
+buffer if every buffer holds such a write), and `link` refuses that layer. A write that fails after a
+read was queued behind it into its buffer leaves its layer `lost`: even a checkpoint refuses it.
 
 The window: WINDOW (3) buffers each the size of the store's largest layer on disk. `acquire` waits for
 the layer's read (issued ahead when a buffer was free), then issues the reads of the layers that
@@ -210,6 +212,12 @@ class Slot:
     failed: bool = False  # its write failed: it holds the only copy of its layer's state
     parts: frozenset[str] = frozenset()  # the layer's parts the buffer holds (a send reads the copy only)
     released_at: int = 0  # when its layer was last released (the least recent is reused first)
+    spare: bool = False  # taken for one read only (a checkpoint's) when the window had none free
+
+
+def write_failed(slot: Slot) -> bool:
+    """Whether the buffer's write failed, seen or not yet: it holds the only copy of its layer's state."""
+    return slot.failed or any(f.done() and f.exception() is not None for f in slot.writes)
 
 
 class DiskTier:
@@ -239,6 +247,7 @@ class DiskTier:
         self.step_mark: tuple[int, int] | None = None  # (bytes_read, bytes_written) at the last step's first update
         self.last_step = (0, 0)  # (read, written) between the last two marks: a whole step's (`step_bytes`)
         self.written: set[int] = set()  # layers whose file holds state (the others read as zeros)
+        self.lost: dict[int, BaseException] = {}  # layers whose write failed after their buffer was taken
         self._clock = 0
         try:
             for i in self.order:
@@ -246,7 +255,7 @@ class DiskTier:
         except BaseException:
             self.close()
             raise
-        largest = max((file_bytes(p) for p in self.parts.values()), default=0)
+        self.largest = largest = max((file_bytes(p) for p in self.parts.values()), default=0)
         self.slots = [self._slot(largest) for _ in range(min(window or WINDOW, len(self.order)) if largest else 0)]
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="disk-tier")
 
@@ -281,19 +290,31 @@ class DiskTier:
         the reads of the layers after it. `to_change`: raises first for a write that failed (the run
         stops); a read only (a checkpoint) goes on. `parts`: the names wanted (default all): only
         those the buffer lacks are read (a send reads the copy alone, SEND_PARTS); acquired again
-        before its release (HeldWindow's holders), the layer's buffer gains the parts it lacks."""
+        before its release (HeldWindow's holders), the layer's buffer gains the parts it lacks. A read
+        only goes on in a spare buffer if none is free (their writes failed). A layer whose file is not
+        whole and whose buffer is gone (`lost`) raises either way."""
+        if index in self.lost:
+            e = self.lost[index]
+            raise DiskTierError(getattr(e, "errno", None) or errno.EIO,
+                                f"layer {index}'s state is lost: its write to {self.paths[index]} failed ({e}) after "
+                                "its buffer was taken for another layer, so its file is not whole; the run's last "
+                                "complete checkpoint holds it")
         if to_change:
             self._raise_failed_writes()
         names = self.names(index) if parts is None else frozenset(parts)
         slot = self._slot_of(index)
         if slot is None:
-            slot = self._take_slot(index, wait_for_one=True)
+            slot = self._take_slot(index, wait_for_one=True) or self._spare(index, to_change)
             self._read(slot, index, names)
         elif not names <= slot.parts:
             self._read_more(slot, index, names - slot.parts)
         slot.in_use, slot.ahead = True, False
         t0 = time.perf_counter()
-        self._wait(slot.reads, index, "reading")
+        try:
+            self._wait(slot.reads, index, "reading")
+        except BaseException:  # the buffer holds nothing whole: free again
+            slot.in_use, slot.layer, slot.reads = False, None, []
+            raise
         self.read_seconds += time.perf_counter() - t0
         if self.ahead:
             self._read_ahead(index)
@@ -304,6 +325,9 @@ class DiskTier:
         parts the buffer holds: all, for every holder that changes a layer acquires it whole)."""
         slot = self._slot_of(index)
         slot.in_use = False
+        if slot.spare and not dirty:
+            self.slots.remove(slot)
+            return
         self._clock += 1
         slot.released_at = self._clock
         if dirty:
@@ -325,9 +349,13 @@ class DiskTier:
         if slot is not None:
             self._wait(slot.writes, index, "writing")
 
-    def has_room(self, index: int) -> bool:
-        """Whether `acquire(index)` finds a buffer now: the layer's own, or one not in use."""
-        return any(s.layer == index or (not s.in_use and not s.failed) for s in self.slots)
+    def can_acquire(self, index: int, to_change: bool = True) -> bool:
+        """Whether `acquire(index, to_change)` goes on now: a buffer for it (the layer's own, or one not in
+        use whose write did not fail); else, to change, a failed write to raise, and to read, no buffer in
+        use that could free (it reads into a spare one); a `lost` layer at once (acquire raises)."""
+        if index in self.lost or any(s.layer == index or (not s.in_use and not write_failed(s)) for s in self.slots):
+            return True
+        return any(map(write_failed, self.slots)) if to_change else not any(s.in_use for s in self.slots)
 
     def mark_step(self) -> None:
         """A step's first update begins, and with it the next step's traffic (each layer's next
@@ -367,36 +395,50 @@ class DiskTier:
         read ahead and not yet acquired, whose read is dropped."""
         free = [s for s in self.slots if s.layer is None]
         if not free:
-            free = sorted((s for s in self.slots if not s.in_use and not s.ahead and not s.failed),
+            free = sorted((s for s in self.slots if not s.in_use and not s.ahead and not write_failed(s)),
                           key=lambda s: s.released_at)
         if not free and wait_for_one:
-            free = [s for s in self.slots if not s.in_use and not s.failed]
+            free = [s for s in self.slots if not s.in_use and not write_failed(s)]
             if free:
                 wait(free[0].reads)
-        if not free:
-            if wait_for_one:
-                raise DiskTierError(0, f"the disk tier's window of {len(self.slots)} buffers has none free for layer "
-                                       f"{index}: every buffer is in use or holds a layer whose write failed")
-            return None
-        return free[0]
+        return free[0] if free else None
+
+    def _spare(self, index: int, to_change: bool) -> Slot:
+        """A buffer beside the window for one read (a checkpoint's) while none of it is free; none to change."""
+        if to_change:
+            raise DiskTierError(0, f"the disk tier's window of {len(self.slots)} buffers has none free for layer "
+                                   f"{index}: every buffer is in use or holds a layer whose write failed")
+        slot = self._slot(self.largest)
+        slot.spare = True
+        self.slots.append(slot)
+        return slot
 
     def _read(self, slot: Slot, index: int, names: frozenset[str]) -> None:
-        """The layer's parts `names` into the buffer, after the buffer's write (of the layer it held)."""
-        before = slot.writes
+        """The layer's parts `names` into the buffer, once the buffer's last write (of the layer it held) is
+        done; a failed one leaves that layer `lost` (the buffer held its only copy) and fails the read."""
+        before, evicted = slot.writes, slot.layer
+
+        def evicted_written() -> None:  # on the pool, before the read: the buffer's last write, done
+            for f in before:
+                if f.exception() is not None:  # the buffer held the only copy of the layer it wrote
+                    self.lost[evicted] = f.exception()
+                    raise f.exception()
+
         slot.layer, slot.failed = index, False
         if index in self.written:
-            slot.reads = self._pieces(os.preadv, slot, index, names, after=before)
+            slot.reads = self._pieces(os.preadv, slot, index, names, first=evicted_written)
             slot.parts = names
             self.bytes_read += part_bytes(self.parts[index], names)
         else:  # never written: the file reads as zeros
-            slot.reads = [self.pool.submit(_clear, slot.buffer[:file_bytes(self.parts[index])], before)]
+            slot.reads = [self.pool.submit(_clear, slot.buffer[:file_bytes(self.parts[index])], evicted_written)]
             slot.parts = self.names(index)
         slot.writes = []
 
     def _read_more(self, slot: Slot, index: int, names: frozenset[str]) -> None:
         """Parts the layer's buffer lacks (it was read for a send), after what the buffer still has
         in flight: its reads (each after the write of the layer it held before) and its writes."""
-        slot.reads = slot.reads + self._pieces(os.preadv, slot, index, names, after=slot.reads + slot.writes)
+        in_flight = slot.reads + slot.writes
+        slot.reads = slot.reads + self._pieces(os.preadv, slot, index, names, first=lambda: done(in_flight))
         slot.parts = slot.parts | names
         self.bytes_read += part_bytes(self.parts[index], names)
 
@@ -412,9 +454,10 @@ class DiskTier:
             slot.ahead = True
             self._read(slot, nxt, self.names(nxt))
 
-    def _pieces(self, call, slot: Slot, index: int, names: frozenset[str], after: list[Future] = ()) -> list[Future]:
+    def _pieces(self, call, slot: Slot, index: int, names: frozenset[str],
+                first: Callable[[], None] = lambda: None) -> list[Future]:
         """The layer's parts `names` moved by `call` (os.preadv or os.pwritev) in pieces on the pool,
-        each after `after` (the buffer's write, for a read into it); adjacent parts in one span."""
+        each after `first()` has returned (the buffer's write, for a read into it); adjacent parts in one span."""
         fd = self.fds[index]
         view = memoryview(slot.memory)
         spans: list[tuple[int, int]] = []
@@ -427,8 +470,7 @@ class DiskTier:
                     spans.append((lo, hi))
 
         def move(lo: int, hi: int) -> None:
-            for f in after:
-                f.result()
+            first()
             done = lo
             while done < hi:
                 n = call(fd, [view[done:hi]], done)
@@ -496,7 +538,7 @@ class DiskTier:
 
     def _raise_failed_writes(self) -> None:
         for slot in self.slots:
-            if slot.layer is not None and any(f.done() and f.exception() is not None for f in slot.writes):
+            if slot.layer is not None and write_failed(slot):
                 self._wait(slot.writes, slot.layer, "writing")
 
     def resident_bytes(self) -> int:
@@ -541,11 +583,12 @@ class HeldWindow:
         """The layer's buffer's tensors by name (compute, and a bf16 master's grad; `parts`: only
         those, as DiskTier.acquire's), held until `let_go`; a later holder that wants more reads what
         the buffer lacks. The first holder also waits for the buffer's last write: it may change the
-        bytes. `to_change` as DiskTier.acquire's: False (a checkpoint's read) goes on past a failed write."""
+        bytes. `to_change` as DiskTier.acquire's: False (a checkpoint's read) goes on past a failed write;
+        True raises it, without waiting for a buffer that buffers holding failed writes may never free."""
         with self.cond:
             first = not self.holders[index]
             if first:
-                self.cond.wait_for(lambda: self.tier.has_room(index))
+                self.cond.wait_for(lambda: self.tier.can_acquire(index, to_change))
             views = self.tier.acquire(index, to_change, parts)
             if first and to_change:
                 try:
@@ -597,6 +640,11 @@ class HeldWindow:
     def resident_bytes(self) -> int:
         return self.tier.resident_bytes()
 
+    def flush(self) -> None:
+        """Every write issued is done (raises DiskTierError for one that failed)."""
+        with self.cond:
+            self.tier.flush()
+
     def mark_step(self) -> None:
         with self.cond:
             self.tier.mark_step()
@@ -623,10 +671,15 @@ def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
     return call(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0
 
 
-def _clear(buffer: torch.Tensor, after: list[Future]) -> None:
-    """On the pool: the buffer zeroed once its last write (`after`) is done."""
-    for f in after:
+def done(futures: list[Future]) -> None:
+    """Once every one of `futures` is done; raises the first one's error."""
+    for f in futures:
         f.result()
+
+
+def _clear(buffer: torch.Tensor, first: Callable[[], None]) -> None:
+    """On the pool: the buffer zeroed once `first()` (its last write done) has returned."""
+    first()
     buffer.zero_()
 
 

@@ -431,19 +431,27 @@ class ShardStore:
         one), every disk-tier write of the step before has finished: one that failed (a full disk)
         raises here, before any layer takes the new step, so that the store still holds the last
         finished step whole (the failed layer in its buffer) for the checkpoint the run stops with.
-        The writes have long finished by then (the next step's forward ran in between). It is also
-        where the tiers' counters mark a step (host/disk.py, `mark_step`): each layer's next sends
-        follow its update, so from one mark to the next a whole step's disk traffic goes by."""
+        The writes have long finished by then (the next step's forward ran in between); those of the
+        compute copies on disk (a gradient that landed in the backward just ended) are waited for. It
+        is also where the tiers' counters mark a step (host/disk.py, `mark_step`): each layer's next
+        sends follow its update, so from one mark to the next a whole step's disk traffic goes by."""
         if self.disk is None:
             return
         own = self.layers[index].updates
-        if all(state.updates <= own for i, state in self.layers.items() if i != index):
+        if self.first_of_step(index):
             self.disk.flush()
+            if self.hot is not None:
+                self.hot.flush()
             if self._disk_step != own:  # a step's first update (a skipped step's count with the one before)
                 self._disk_step = own
                 self.disk.mark_step()
                 if self.hot is not None:
                     self.hot.mark_step()
+
+    def first_of_step(self, index: int) -> bool:
+        """Whether the layer's update would be its step's first on this store: no other layer has more."""
+        own = self.layers[index].updates
+        return all(state.updates <= own for i, state in self.layers.items() if i != index)
 
     def begin_update(self, index: int, hp: AdamWStep | None) -> None:
         """Count the layer's update (not a skipped one): its bias correction and rounding key. Its

@@ -13,7 +13,11 @@ Wire: every connection opens with a hello (kind, stream k, streams). A layer tra
 `piece` elements (the last one shorter; 0: the whole layer as one piece), each piece split over the
 `streams` connections, chunk k on connection k; a layer always travels in the same pieces. On a
 weights connection the GPU worker sends (layer, version, piece) and the store answers with chunk k
-of each piece in order, each once it has applied `version` updates to that piece. On a gradient
+of each piece in order, each once it has applied `version` updates to that piece and after a status
+saying so; or, once its disk tier failed (host/disk.py: a full disk under a compute copy's file, as a
+gradient lands or an update reads or writes it), a status with the disk's error, which the worker
+raises as the store's DiskTierError (the run then stops as a full disk stops it, not as a lost link;
+the store takes no update after it, and its gradient connections drop what comes). On a gradient
 connection the GPU worker sends (layer, piece) and chunk k of each piece of the layer's gradient, in
 order, which land in the store's buffer of that layer (its weights were read for the last time this
 step before the gradient was computed). The store updates each piece as soon as it has landed, and
@@ -38,11 +42,14 @@ from typing import Callable
 
 import torch
 
+from megatrain_ray.host.disk import DiskTierError
 from megatrain_ray.host.precision import QUANT_BLOCK
 
 HELLO = struct.Struct("<cII")  # b"W" or b"G", stream index, streams
 REQUEST = struct.Struct("<qqQ")  # layer, version, piece elements (0: whole)
 GRADIENT = struct.Struct("<qQ")  # layer, piece elements (0: whole)
+STATUS = struct.Struct("<?iI")  # before each piece of weights: failed, the disk's errno, message bytes
+SERVED = STATUS.pack(False, 0, 0)
 MiB = 1024**2
 TURN_LAYER = 0  # the step's first layer forward and last backward (the embedding)
 
@@ -101,6 +108,31 @@ def recv_struct(sock: socket.socket, fmt: struct.Struct) -> tuple | None:
     return fmt.unpack(buf) if recv_exact(sock, memoryview(buf)) else None
 
 
+def failure_status(error: DiskTierError) -> bytes:
+    """The status that stands for a piece of weights when the store's disk tier failed: its error."""
+    message = (error.strerror or str(error)).encode()
+    return STATUS.pack(True, error.errno or 0, len(message)) + message
+
+
+def recv_status(sock: socket.socket) -> None:
+    """A piece's status from the store: returns if the piece follows, raises the store's disk error if not."""
+    status = recv_struct(sock, STATUS)
+    if status is None:
+        raise ConnectionError("the store closed the connection")
+    failed, code, size = status
+    if failed:
+        message = bytearray(size)
+        recv_exact(sock, memoryview(message))
+        raise DiskTierError(code, message.decode())
+
+
+def drop_the_rest(sock: socket.socket) -> None:
+    """Read and drop what the connection brings until it closes."""
+    scratch = bytearray(MiB)
+    while sock.recv_into(scratch):
+        pass
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # requests are tiny: never wait for Nagle
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -116,6 +148,10 @@ class LayerServer:
     closed), an update still waiting for its gradient gives up without touching the layer: the store is
     free again, for a checkpoint from its state. (One cut after its first piece leaves the layer part-way
     through the update, which it counts: a checkpoint from the stores then refuses that step.)
+
+    Once its disk tier fails (`fail`: a held layer that cannot be read or written, or an update that
+    raised DiskTierError), the server lands no more gradients and applies no more updates; each
+    request for weights still waiting, and each after, is answered with that error.
     """
 
     def __init__(self, buffers: dict[int, torch.Tensor], host: str, grads: dict[int, torch.Tensor] | None = None,
@@ -139,6 +175,7 @@ class LayerServer:
         self.landing: dict[int, int] = {}  # held layers whose gradient is landing: the count `received` reaches at its end
         self.landing_lock = threading.Lock()  # a gradient's hold taken by the first of its streams, let go by the last
         self.closed = False  # close(): a request still waiting for its version is given up
+        self.failure: DiskTierError | None = None  # the disk tier's error that stopped the server (`fail`)
         self.cond = threading.Condition()
         self.listener = socket.create_server((host, 0))
         self.address = (host, self.listener.getsockname()[1])
@@ -188,22 +225,53 @@ class LayerServer:
 
     def _serve_weights(self, conn: socket.socket, k: int) -> None:
         while (request := recv_struct(conn, REQUEST)) is not None:
-            layer, version, piece = request
-            bounds = self._pieces(layer, piece)
-            before = (version - 1) * len(bounds)  # pieces updated before this version's
-            if not self._wait_updated(layer, before):  # the first piece's update, before a held buffer is taken
-                return
-            with self._weights(layer) as weights:
-                for p, view in enumerate(piece_views(weights, bounds)):
-                    if not self._wait_updated(layer, before + p):
-                        return
-                    conn.sendall(chunk(view, k, self.streams))
+            try:
+                if not self._send_weights(conn, k, *request):
+                    break
+            except DiskTierError as e:  # the held layer's file could not be read, or the tier's writes failed
+                self.fail(e)
+                break
+        if request is not None and self.failure is not None:
+            conn.sendall(failure_status(self.failure))
+
+    def _send_weights(self, conn: socket.socket, k: int, layer: int, version: int, piece: int) -> bool:
+        """Chunk k of each piece of the layer's weights after `version` updates, each after its status;
+        False: the server closed or failed first."""
+        bounds = self._pieces(layer, piece)
+        before = (version - 1) * len(bounds)  # pieces updated before this version's
+        if not self._wait_updated(layer, before):  # the first piece's update, before a held buffer is taken
+            return False
+        with self._weights(layer) as weights:
+            for p, view in enumerate(piece_views(weights, bounds)):
+                if not self._wait_updated(layer, before + p):
+                    return False
+                conn.sendall(SERVED)
+                conn.sendall(chunk(view, k, self.streams))
+        return True
 
     def _wait_updated(self, layer: int, pieces: int) -> bool:
-        """Until more than `pieces` pieces of the layer are updated; False: the server closed first."""
+        """Until more than `pieces` pieces of the layer are updated; False: the server closed or failed first."""
         with self.cond:
-            self.cond.wait_for(lambda: self.done[layer] > pieces or self.closed)
-            return not self.closed
+            self.cond.wait_for(lambda: self.done[layer] > pieces or self.closed or self.failure is not None)
+            return self.done[layer] > pieces and not self.closed
+
+    def wait_held_gradients(self, count: int) -> None:
+        """Until every held layer has received `count` gradients (a step's: each layer gets one a step,
+        sent before the step's first update), or a gradient connection closed; raises the disk tier's
+        error once it failed (`fail`)."""
+        held = self.held.tier.parts if self.held is not None else ()
+        with self.cond:
+            self.cond.wait_for(lambda: self.gradients_cut or self.failure is not None
+                               or all(self.received(i) >= count for i in held))
+            if self.failure is not None:
+                raise DiskTierError(self.failure.errno, self.failure.strerror)
+
+    def fail(self, error: DiskTierError) -> None:
+        """The store's disk tier failed (the first error is kept): no gradient lands and no update runs
+        after it, and the requests for weights are answered with it."""
+        with self.cond:
+            self.failure = self.failure or error
+            self.cond.notify_all()
 
     def _weights(self, layer: int):
         """The layer's weights while they are sent: its buffer, or a held one of the window (its copy only read)."""
@@ -235,30 +303,41 @@ class LayerServer:
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         try:
-            while (header := recv_struct(conn, GRADIENT)) is not None:
-                layer, piece = header
-                with self._gradient(layer) as grad:
-                    for view in piece_views(grad, self._pieces(layer, piece)):
-                        if not recv_exact(conn, chunk(view, k, self.streams)):
-                            raise ConnectionError("gradient cut short")
-                        with self.cond:
-                            self.arrived[layer, k] += 1
-                            self.cond.notify_all()
+            while self.failure is None and (header := recv_struct(conn, GRADIENT)) is not None:
+                try:
+                    self._land(conn, k, *header)
+                except DiskTierError as e:  # the held layer's file failed: nothing after it lands
+                    self.fail(e)
+            if self.failure is not None:  # the worker's sends go on; the step fails at its next weights
+                drop_the_rest(conn)
         finally:
             with self.cond:
                 self.gradients_cut = True
                 self.cond.notify_all()
 
+    def _land(self, conn: socket.socket, k: int, layer: int, piece: int) -> None:
+        """Chunk k of each piece of the layer's gradient, into where it lands."""
+        with self._gradient(layer) as grad:
+            for view in piece_views(grad, self._pieces(layer, piece)):
+                if not recv_exact(conn, chunk(view, k, self.streams)):
+                    raise ConnectionError("gradient cut short")
+                with self.cond:
+                    self.arrived[layer, k] += 1
+                    self.cond.notify_all()
+
     def step(self, layer: int, begin: Callable[[], None], update: Callable[[int, int], None]) -> None:
         """Run a layer's update piece by piece, each `update(lo, hi)` (its elements) once that piece
         of the gradient has landed, after `begin()` once the first has; each new piece may leave as
         soon as it is updated. A gradient that can no longer come (its connection closed) raises: the
-        layer untouched if no piece had landed."""
+        layer untouched if no piece had landed; so does the disk tier's failure (`fail`), as DiskTierError."""
         p = 0
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self._landed(layer) > self.done[layer] or self.gradients_cut)
+                self.cond.wait_for(lambda: self._landed(layer) > self.done[layer] or self.gradients_cut
+                                   or self.failure is not None)
                 pieces = len(self.bounds[layer])  # read once a piece landed: its message set them
+                if self.failure is not None:
+                    raise DiskTierError(self.failure.errno, self.failure.strerror)
                 if self._landed(layer) <= self.done[layer]:
                     if p == 0:
                         raise ConnectionError(f"layer {layer}'s gradient never came: the GPU worker's link closed; "
@@ -316,6 +395,8 @@ class Transfer:
 
     def wait(self) -> None:
         self.done.wait()
+        if isinstance(self.error, DiskTierError):  # the store's disk, as the store said it
+            raise DiskTierError(self.error.errno, self.error.strerror)
         if self.error is not None:
             raise ConnectionError(str(self.error))
 
@@ -352,6 +433,7 @@ class _Stream:
     def _fetch(self, layer: int, version: int, piece: int, dest: list[memoryview]) -> None:
         self.sock.sendall(REQUEST.pack(layer, version, piece))
         for view in dest:
+            recv_status(self.sock)
             if not recv_exact(self.sock, chunk(view, self.k, self.link.streams)):
                 raise ConnectionError("the store closed the connection")
 
@@ -370,7 +452,7 @@ class LayerLink:
         self.streams = streams
         self.pieces = pieces or {}
         self.name = name
-        self.error: ConnectionError | None = None
+        self.error: OSError | None = None  # a lost connection, or the store's disk tier's error
         self.transfers: list[Transfer] = []
         self.weights = [_Stream(self, b"W", k) for k in range(streams)]
         self.gradients = [_Stream(self, b"G", k) for k in range(streams)]
@@ -398,7 +480,9 @@ class LayerLink:
         return piece, piece_views(t, piece_bounds(t.numel(), piece))
 
     def fail(self, error: BaseException) -> None:
-        self.error = self.error or ConnectionError(f"lost the connection to the store on {self.name}: {error}")
+        if self.error is None:
+            self.error = (error if isinstance(error, DiskTierError)
+                          else ConnectionError(f"lost the connection to the store on {self.name}: {error}"))
         for transfer in list(self.transfers):
             if not transfer.done.is_set():
                 transfer.fail(self.error)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -17,6 +18,7 @@ from megatrain_ray.config import Config
 from megatrain_ray.files import shard
 from megatrain_ray.host.adamw import AdamWStep
 from megatrain_ray.host.adamw_kernel import start_native_kernel
+from megatrain_ray.host.disk import DiskTierError
 from megatrain_ray.host.memory import cuda_host_register, dtype_of, shm_tensor
 from megatrain_ray.host.precision import format_of
 from megatrain_ray.host.remote_sources import RoutedSource, SharedMemorySource, StoreReach, WindowSource
@@ -50,6 +52,7 @@ class ShardStoreActor(ShardStore):
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - 2))
         start_native_kernel()
         self.server: LayerServer | None = None
+        self.update_calls: Counter = Counter()  # each layer's update calls, skipped ones too (settle_disk)
         self.shm_paths, self.grad_shm_paths, self.extra_shm_paths = {}, {}, []  # what `close` releases
 
     def allocate(self, *args, serve: bool = False, **kwargs) -> StoreReach:
@@ -91,13 +94,29 @@ class ShardStoreActor(ShardStore):
                                       grads={i: s.grad for i, s in in_ram.items()}, held=self.hot)
         return self.server.address
 
+    def settle_disk(self, index: int) -> None:
+        """ShardStore.settle_disk; before a step's first update, a store whose compute copies are on
+        disk first waits for the step's gradients of those (its link lands them, and the tier writes
+        them to their files, which settle_disk waits for): a disk that refused one refuses the step
+        before any layer takes it. Their last write is one the update of its layer waits for anyway.
+        Every update call passes here once: `update_calls` counts them, skipped ones too (the steps)."""
+        self.update_calls[index] += 1
+        if self.hot is not None and self.server is not None and self.first_of_step(index):
+            self.server.wait_held_gradients(self.update_calls[index])
+        super().settle_disk(index)
+
     def step_streamed(self, index: int, hp: AdamWStep | None) -> int:
         """A layer's update whose gradient comes over the link, piece by piece as it lands; each
-        updated piece's new weights may leave at once."""
-        self.settle_disk(index)
-        with self.resident(index):  # a layer in the disk tier (host/disk.py) in memory for its pieces
-            self.server.step(index, lambda: self.begin_update(index, hp),
-                             lambda lo, hi: self.update_piece(index, hp, lo, hi))
+        updated piece's new weights may leave at once. A disk-tier error (a full disk) stops the link
+        server too: the worker's requests for weights are answered with it (host/transport.py)."""
+        try:
+            self.settle_disk(index)
+            with self.resident(index):  # a layer in the disk tier (host/disk.py) in memory for its pieces
+                self.server.step(index, lambda: self.begin_update(index, hp),
+                                 lambda lo, hi: self.update_piece(index, hp, lo, hi))
+        except DiskTierError as e:
+            self.server.fail(e)
+            raise
         return index
 
     def close(self) -> None:

@@ -114,8 +114,9 @@ def keep_steps_on_full_disk(full: OSError, session: Session, finished: list[tupl
             kept = progress.checkpoint
             break
         if step == while_saving or step == 0:
-            why = f"no room for the checkpoint of step {step}" if step == while_saving else None
-            break
+            if step == while_saving:
+                why = f"no room for the checkpoint of step {step}"
+            break  # step 0: nothing to save, and why the step after it could not be saved stands
         try:
             kept = progress.checkpoint = session.save_from_stores(step, position.to_dict() if position else None,
                                                                   updates_done=updates)

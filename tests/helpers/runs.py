@@ -73,6 +73,14 @@ def tensors_of(checkpoint: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_same_checkpoints(expected: Path, got: Path) -> None:
+    """The two checkpoint directories hold the same tensors, bit for bit."""
+    want, have = tensors_of(expected), tensors_of(got)
+    assert want.keys() == have.keys()
+    for name, tensor in want.items():
+        assert torch.equal(have[name], tensor), name
+
+
 def as_stood_at(whole: Path, split: Path, step: int) -> None:
     """The run in `whole` as it stood after `step` (its checkpoint of that step, its metrics rows to
     then) in the directory `split`: a resume from there is a run of its own, the second half of

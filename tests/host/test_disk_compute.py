@@ -6,6 +6,9 @@ the window's buffers."""
 
 import errno
 import os
+import threading
+import time
+from concurrent.futures import wait
 
 import pytest
 import torch
@@ -20,6 +23,36 @@ from megatrain_ray.models.registry import model_layouts
 from test_disk_tier import ARCH, LAYERS, MODES, every_tensor, saved_state, train, trained_alike
 
 FULLY = (1, 2, 3)  # the blocks and the head: through a window of 2 buffers
+
+
+def full_disk_under(fds, real):
+    """os.pwritev as a full disk under these files makes it: ENOSPC for them, `real` for the others."""
+    fds = set(fds)
+
+    def pwritev(fd, buffers, offset):
+        if fd in fds:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buffers, offset)
+
+    return pwritev
+
+
+def ended(call, seconds: float = 30):
+    """`call()` in a thread: (its result, None) or (None, what it raised); the test fails if it has not
+    ended within `seconds` (a wait for a buffer that never frees)."""
+    out = {}
+
+    def run() -> None:
+        try:
+            out["value"] = call()
+        except Exception as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{call} still waits after {seconds} s"
+    return out.get("value"), out.get("error")
 
 
 def store_of(fmt: StateFormat, disk_dir=None, disk_layers=(), fully=()) -> ShardStore:
@@ -70,14 +103,8 @@ def test_a_failed_write_of_a_compute_copy_stops_the_next_update_and_keeps_the_st
     on_disk = store_of(fmt, tmp_path, disk_layers=LAYERS[1:], fully=FULLY)
     train(on_disk, 2)
     expected = shard.layer_tensors(on_disk, 1, copy=True)
-    real, hot = os.pwritev, set(on_disk.hot.tier.fds.values())
-
-    def full(fd, buffers, offset):
-        if fd in hot:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "pwritev", full)
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", full_disk_under(on_disk.hot.tier.fds.values(), real))
     with on_disk.landing_gradient(1) as grad:
         grad.zero_()  # written behind, and failing
     monkeypatch.setattr(os, "pwritev", real)
@@ -214,3 +241,64 @@ def test_a_send_reads_the_copy_alone_and_a_holder_that_wants_more_gets_the_rest_
             assert torch.equal(views["compute"], torch.full_like(views["compute"], 1))
     finally:
         tier.close()
+
+
+def test_a_checkpoint_reads_every_layer_when_each_buffer_holds_a_failed_write(tmp_path, monkeypatch):
+    """Both buffers of a window of 2 hold a gradient whose write failed (a full disk): the layers in
+    them are read from there, and a third layer from its file into a spare buffer, which then goes;
+    none is read into a buffer whose failed write holds the only copy of another layer."""
+    monkeypatch.setattr(disk_module, "WINDOW", 2)
+    on_disk = store_of(StateFormat("bf16", "int8"), tmp_path, disk_layers=LAYERS[1:], fully=FULLY)
+    train(on_disk, 2)
+    expected = {i: shard.layer_tensors(on_disk, i, copy=True) for i in FULLY}
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", full_disk_under(on_disk.hot.tier.fds.values(), real))
+    with on_disk.landing_gradient(1), on_disk.landing_gradient(2):
+        pass  # both written behind as they are let go, and failing
+    slots = on_disk.hot.tier.slots
+    wait([f for s in slots for f in s.writes])
+    monkeypatch.setattr(os, "pwritev", real)
+    assert len(slots) == 2 and all(any(f.exception() is not None for f in s.writes) for s in slots)
+
+    got, error = ended(lambda: {i: shard.layer_tensors(on_disk, i, copy=True) for i in FULLY})
+    assert error is None, error
+    for i in FULLY:
+        assert got[i].keys() == expected[i].keys() and all(torch.equal(got[i][k], expected[i][k]) for k in got[i]), i
+    assert len(on_disk.hot.tier.slots) == 2  # the spare buffer went with its read
+    on_disk.close()
+
+
+def test_a_layer_whose_failed_write_lost_its_buffer_is_refused_even_to_a_checkpoint(tmp_path, monkeypatch):
+    """A gradient's write still running when another layer's read is queued into its buffer, then
+    failing (a full disk): that read fails, and the layer it was writing, whose file is not whole and
+    whose buffer is gone, is refused to a checkpoint instead of read back from its file."""
+    monkeypatch.setattr(disk_module, "WINDOW", 2)
+    on_disk = store_of(StateFormat("bf16", "int8"), tmp_path, disk_layers=LAYERS[1:], fully=FULLY)
+    train(on_disk, 2)
+    hot, real = on_disk.hot, os.pwritev
+    full, go = full_disk_under(hot.tier.fds.values(), real), threading.Event()
+
+    def late_and_full(fd, buffers, offset):
+        go.wait()
+        return full(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", late_and_full)
+    with on_disk.landing_gradient(1):
+        pass  # written behind as it is let go: the write waits for `go`
+    other = next(s.layer for s in hot.tier.slots if s.layer != 1)
+    target = next(i for i in FULLY if hot.tier._slot_of(i) is None)
+    hot.hold(other)  # the only buffer free is layer 1's, still writing
+
+    def queued_then_full() -> None:
+        while hot.tier._slot_of(target) is None:
+            time.sleep(0.01)  # until the read is queued behind layer 1's write
+        go.set()
+
+    threading.Thread(target=queued_then_full, daemon=True).start()
+    _, error = ended(lambda: hot.hold(target))
+    assert isinstance(error, DiskTierError), error
+    monkeypatch.setattr(os, "pwritev", real)
+    _, error = ended(lambda: shard.layer_tensors(on_disk, 1, copy=True))
+    assert isinstance(error, DiskTierError) and "layer 1's state is lost" in str(error), error
+    hot.let_go(other)
+    on_disk.close()

@@ -4,16 +4,25 @@ there too; the GPU worker streams those through its window from the store on its
 reads them from their files. The steps are the in-process trainer's (all in RAM) bit for bit, in a
 fp32 master's mode (the gradient lands over the copy) and a bf16 master's (in a window buffer of its
 own); a resume from the run's checkpoint continues exactly; the store's RAM is within the cap, which
-the tier without the compute copies on disk exceeds; the disk's bytes a step are within the plan's."""
+the tier without the compute copies on disk exceeds; the disk's bytes a step are within the plan's.
+A disk that fills under those files mid-run stops the run as a full disk does, not as a lost link."""
 
 import dataclasses
+import errno
+import json
+import os
 
 import ray
 import torch
 
+from megatrain_ray import cli
+from megatrain_ray.config import config_from_dict
+from megatrain_ray.files import checkpoint as ckpt
 from megatrain_ray.models.registry import PRESETS
+from megatrain_ray.runtime.cluster import RayNodes
 from megatrain_ray.runtime.session import Session, place
 from helpers.reference_training import random_micro_batches
+from helpers.runs import assert_same_checkpoints, tiny_raw
 from test_disk_tier_run import BLOCKS, configs, resumes_exactly, run_in_ram
 
 CAPS = {("bf16", "int8"): 1.5e6, ("fp32", "fp32"): 2.4e6}  # bytes: the optimizer state on disk alone needs 2.3 MB and 3.9 MB
@@ -47,7 +56,7 @@ def test_layers_fully_on_disk_train_as_in_ram_bit_for_bit_and_resume_exactly(loc
         dtype = "bfloat16" if master == "bf16" else "float32"
         ram, tier = configs(tmp_path / master, (master, moments), dtype)
         tier = tier.replace(runtime=dataclasses.replace(tier.runtime, store_memory_gib=cap / 2**30))
-        cold_only = place(arch, tier.replace(runtime=dataclasses.replace(tier.runtime, store_memory_gib=1e3)))
+        cold_only = place(arch, tier.replace(runtime=dataclasses.replace(tier.runtime, store_memory_gib=1e3)), RayNodes())
         assert cold_only.stores[0].disk_compute_layers == ()
         expected_losses, (expected, counts) = run_in_ram(ram, arch, data)
 
@@ -97,3 +106,62 @@ def test_two_workers_with_layers_fully_on_disk_train_as_two_in_ram(local_ray, tm
     assert losses == expected_losses
     for name, tensor in expected.items():
         assert torch.equal(state[name], tensor), name
+
+
+def test_a_disk_that_fills_under_the_link_stops_with_the_last_checkpoint_and_resumes_exactly(
+        local_ray, tmp_path, monkeypatch, capsys):
+    """The disk under layers fully on disk fills in step 2 of 3: the store's link server finds it
+    writing a gradient that landed (or at the update after it). The step fails with the disk's
+    error, not a lost link, and the run stops as a full disk stops it (exit 2), with the checkpoint
+    of step 1 from the stores; the resume from it ends with the weights of a run that never
+    stopped."""
+    steps = 3
+    raw = tiny_raw(tmp_path / "run", steps=steps,
+                   model={"preset": "tiny-llama", "overrides": {"num_layers": BLOCKS}, "compute_dtype": "bfloat16"},
+                   optim={"master": "bf16", "moments": "int8"}, executor={"embedding_step": "host"},
+                   runtime={"disk_dir": str(tmp_path / "tier"), "store_memory_gib": CAPS["bf16", "int8"] / 2**30},
+                   checkpoint={"every": 0, "export_hf": False, "dir": str(tmp_path / "ckpt")})
+    whole = {**raw, "train": {**raw["train"], "output_dir": str(tmp_path / "whole")},
+             "checkpoint": {**raw["checkpoint"], "dir": str(tmp_path / "whole-ckpt")}}
+    path, whole_path = tmp_path / "run.yaml", tmp_path / "whole.yaml"
+    path.write_text(json.dumps(raw))
+    whole_path.write_text(json.dumps(whole))
+    assert place(PRESETS["tiny-llama"].replace(num_layers=BLOCKS), config_from_dict(raw), RayNodes()).stores[0].disk_compute_layers
+
+    def fill_the_disk(store) -> None:
+        """In the store actor's process (`__ray_call__`; defined here so that Ray ships it by value):
+        once step 1's writes are done, every write of a compute copy's file fails as a full
+        disk's does, as tests/host/test_disk_compute.py makes it fail at the store."""
+        with store.hot.cond:
+            store.hot.tier.flush()
+        real, files = os.pwritev, set(store.hot.tier.fds.values())
+
+        def full(fd, buffers, offset):
+            if fd in files:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(fd, buffers, offset)
+
+        os.pwritev = full
+
+    real_step = Session.train_step
+
+    def train_step(self, micro_batches, what="a step"):
+        if what == "step 2":
+            self.drain("step 1's updates")  # step 1 whole in the stores: the disk fills after it
+            ray.get(self.stores[0].__ray_call__.remote(fill_the_disk))
+        return real_step(self, micro_batches, what)
+
+    monkeypatch.setattr(Session, "train_step", train_step)
+    code = cli.main(["train", str(path)])
+    err = capsys.readouterr().err
+    monkeypatch.setattr(Session, "train_step", real_step)
+    first = tmp_path / "ckpt" / "step-00000001"
+    assert code == 2, err
+    assert "the disk filled mid-run: No space left on device while writing" in err, err
+    assert f"The run stopped with the checkpoint of step 1: {first}" in err, err
+    assert (first / ckpt.MANIFEST).exists() and not list((tmp_path / "ckpt").glob(".step-*"))
+    assert not list((tmp_path / "tier").iterdir())  # the tier's files went with the run
+
+    assert cli.main(["train", str(path), "--resume", str(first)]) == 0, capsys.readouterr().err
+    assert cli.main(["train", str(whole_path)]) == 0, capsys.readouterr().err
+    assert_same_checkpoints(tmp_path / "whole-ckpt" / f"step-{steps:08d}", tmp_path / "ckpt" / f"step-{steps:08d}")

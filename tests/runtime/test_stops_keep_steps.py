@@ -24,6 +24,7 @@ from megatrain_ray.host.store import IN_FLUX
 from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.data import summary
 from megatrain_ray.runtime import watchdog
+from megatrain_ray.runtime.cluster import RayNodes
 from megatrain_ray.runtime.session import Session, StoresNotAtStep, place
 from megatrain_ray.runtime.watchdog import ClusterFault, Watchdog
 
@@ -200,7 +201,7 @@ def test_the_stores_are_saved_only_when_every_layer_holds_the_last_finished_step
                                        runtime={"num_gpus": 2, "shm_dir": str(shm_dir)},
                                        executor={"embedding_step": "device"}))
     data = random_micro_batches(arch, 2, 4, batch=2, seq=12, seed=1)
-    placement = place(arch, config)
+    placement = place(arch, config, RayNodes())
     session = Session(config, arch, placement=placement, wait=Watchdog(placement, timeout_s=120).get)
     root = tmp_path / "run" / "checkpoints"
     try:
