@@ -32,8 +32,8 @@ MODULE_SECONDS = {
     "runtime/test_faults.py": 120, "entry/test_quick_start.py": 97, "entry/test_run_lifecycle.py": 97,
     "rl/test_grpo_run.py": 97, "runtime/test_stops_keep_steps.py": 88, "bench/test_bench.py": 66,
     "streaming/test_data_parallel.py": 65, "models/test_image_text.py": 63, "runtime/test_ray_runtime.py": 59,
-    "entry/test_image_text_recipe.py": 57, "runtime/test_disk_tier_run.py": 55, "models/test_families_parity.py": 54,
-    "runtime/test_disk_compute_run.py": 52, "streaming/test_trainer_reference.py": 39,
+    "entry/test_image_text_recipe.py": 57, "runtime/test_disk_tier_run.py": 79, "models/test_families_parity.py": 54,
+    "runtime/test_disk_compute_run.py": 90, "streaming/test_trainer_reference.py": 39,
     "files/test_checkpoint_resume.py": 38, "runtime/test_step_plan.py": 34, "models/test_moe.py": 30,
     "rl/test_rollout_copies.py": 30, "models/test_moe_parity.py": 25,
 }
