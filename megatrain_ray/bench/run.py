@@ -245,8 +245,8 @@ def time_shape(session, probe, arch: ModelArch, args, shape: Shape, rates=None, 
 def disk_summary(stats: list[dict], steps: int, step_s: float, planned: tuple[int, int]) -> dict:
     """The stores' disk tiers: the bytes each way of the last whole step (the counters' last two
     marks, host/disk.py `step_bytes`: one step's updates and the next step's sends and gradients), and
-    the plan's for a whole step, `planned` (read, written: StorePlan.disk_step_bytes, the most it
-    reads, a read spared where a buffer still holds the layer). Also the seconds a step the stores
+    the plan's for a whole step, `planned` (read, written: StorePlan.disk_step_bytes, as a step the
+    disk binds moves them). Also the seconds a step the stores
     waited for reads over the steps run (the most any could add to a step), and the rate the tier
     moved a step's bytes at over the timed steps' wall time."""
     read = sum(d["step_read_bytes"] for d in stats)

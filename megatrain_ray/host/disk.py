@@ -21,8 +21,10 @@ RAM could not hold them in a bounded window); the update reads the file and writ
 RAM holds nothing of the layer but these buffers; a step reads its copy alone (SEND_PARTS) for the
 forward's send and the backward's, and its whole file for the gradient's landing and the update (a
 buffer tells which parts it holds: a later holder reads only those it lacks, and every read is spared
-where a buffer still holds what it wants), and writes the file twice (after the gradient and after
-the update): `StorePlan.disk_step_bytes` counts it so, `send_bytes` for a send. The server serves a
+where a buffer still holds what it wants: the landing after the backward's send reads the gradient's
+half alone, and the next forward's send, asked for before the update ends, reads nothing), and
+writes the file twice (after the gradient and after the update): `StorePlan.disk_step_bytes` counts
+it so, the file once each way beside the update's, where the disk binds the step. The server serves a
 version only once its update is applied.
 
 One file per layer, named as the store's shared-memory segments are (host/memory.py, key "disk"),
@@ -174,12 +176,6 @@ SEND_PARTS = ("compute",)  # what a send of a layer fully on disk reads of its f
 def part_bytes(parts: tuple[Part, ...], names: frozenset[str] | tuple[str, ...]) -> int:
     """Bytes the named parts take in the file, as they are read and written (each to an aligned end)."""
     return sum(aligned(p.nbytes) for p in parts if p.name in names)
-
-
-def send_bytes(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> int:
-    """Bytes a send of a layer fully on disk reads of its file (SEND_PARTS; a landing and an update
-    read it whole): what `StorePlan.disk_step_bytes` counts for each of its forward's and backward's."""
-    return part_bytes(compute_parts(layout, fmt, compute_dtype), SEND_PARTS)
 
 
 def compute_bytes(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> int:
