@@ -21,10 +21,11 @@ RAM could not hold them in a bounded window); the update reads the file and writ
 RAM holds nothing of the layer but these buffers; a step reads its copy alone (SEND_PARTS) for the
 forward's send and the backward's, and its whole file for the gradient's landing and the update (a
 buffer tells which parts it holds: a later holder reads only those it lacks, and every read is spared
-where a buffer still holds what it wants: the landing after the backward's send reads the gradient's
-half alone, and the next forward's send, asked for before the update ends, reads nothing), and
-writes the file twice (after the gradient and after the update): `StorePlan.disk_step_bytes` counts
-it so, the file once each way beside the update's, where the disk binds the step. The server serves a
+where a buffer still holds what it wants: the next forward's send, asked for before the update
+ends, reads nothing; a landing never reads the part its gradient overwrites whole, so after the
+backward's send it reads nothing either), and writes the file twice (after the gradient and after the
+update): `StorePlan.disk_step_bytes` counts it so where the disk binds the step: the copy read once
+and the file written once beside the update's. The server serves a
 version only once its update is applied.
 
 One file per layer, named as the store's shared-memory segments are (host/memory.py, key "disk"),
@@ -178,6 +179,12 @@ def part_bytes(parts: tuple[Part, ...], names: frozenset[str] | tuple[str, ...])
     return sum(aligned(p.nbytes) for p in parts if p.name in names)
 
 
+def send_bytes(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> int:
+    """Bytes a send of a layer fully on disk reads of its file (SEND_PARTS): what a step reads of it
+    beside its update, where the disk binds (`StorePlan.disk_step_bytes`)."""
+    return part_bytes(compute_parts(layout, fmt, compute_dtype), SEND_PARTS)
+
+
 def compute_bytes(layout: LayerLayout, fmt: StateFormat, compute_dtype: torch.dtype) -> int:
     """RAM a layer's compute copy (and a bf16 master's gradient buffer) takes, which its compute
     copy on disk saves; its file's bytes are `file_bytes(compute_parts(...))`."""
@@ -281,14 +288,16 @@ class DiskTier:
             "that less of the state goes to disk")
 
     # ---- the window ------------------------------------------------------------------------------
-    def acquire(self, index: int, to_change: bool = True, parts: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    def acquire(self, index: int, to_change: bool = True, parts: tuple[str, ...] | None = None,
+                fresh: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         """The layer's state on disk, in a buffer of the window, by name; its reads are done. Issues
         the reads of the layers after it. `to_change`: raises first for a write that failed (the run
         stops); a read only (a checkpoint) goes on. `parts`: the names wanted (default all): only
         those the buffer lacks are read (a send reads the copy alone, SEND_PARTS); acquired again
         before its release (HeldWindow's holders), the layer's buffer gains the parts it lacks. A read
         only goes on in a spare buffer if none is free (their writes failed). A layer whose file is not
-        whole and whose buffer is gone (`lost`) raises either way."""
+        whole and whose buffer is gone (`lost`) raises either way. `fresh`: parts of `parts` the holder
+        overwrites whole (a gradient landing), never read: the buffer holds them from then on."""
         if index in self.lost:
             e = self.lost[index]
             raise DiskTierError(getattr(e, "errno", None) or errno.EIO,
@@ -298,12 +307,14 @@ class DiskTier:
         if to_change:
             self._raise_failed_writes()
         names = self.names(index) if parts is None else frozenset(parts)
+        unread = names - frozenset(fresh)
         slot = self._slot_of(index)
         if slot is None:
             slot = self._take_slot(index, wait_for_one=True) or self._spare(index, to_change)
-            self._read(slot, index, names)
-        elif not names <= slot.parts:
-            self._read_more(slot, index, names - slot.parts)
+            self._read(slot, index, unread)
+        elif not unread <= slot.parts:
+            self._read_more(slot, index, unread - slot.parts)
+        slot.parts = slot.parts | names
         slot.in_use, slot.ahead = True, False
         t0 = time.perf_counter()
         try:
@@ -422,7 +433,9 @@ class DiskTier:
 
         slot.layer, slot.failed = index, False
         if index in self.written:
-            slot.reads = self._pieces(os.preadv, slot, index, names, first=evicted_written)
+            # nothing to read (a landing overwrites the file whole): the evicted layer's write, waited for still
+            slot.reads = self._pieces(os.preadv, slot, index, names, first=evicted_written) or [
+                self.pool.submit(evicted_written)]
             slot.parts = names
             self.bytes_read += part_bytes(self.parts[index], names)
         else:  # never written: the file reads as zeros
@@ -575,7 +588,8 @@ class HeldWindow:
     def numel(self, index: int) -> int:
         return self.tier.parts[index][0].numel
 
-    def hold(self, index: int, to_change: bool = True, parts: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    def hold(self, index: int, to_change: bool = True, parts: tuple[str, ...] | None = None,
+             fresh: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         """The layer's buffer's tensors by name (compute, and a bf16 master's grad; `parts`: only
         those, as DiskTier.acquire's), held until `let_go`; a later holder that wants more reads what
         the buffer lacks. The first holder also waits for the buffer's last write: it may change the
@@ -585,7 +599,7 @@ class HeldWindow:
             first = not self.holders[index]
             if first:
                 self.cond.wait_for(lambda: self.tier.can_acquire(index, to_change))
-            views = self.tier.acquire(index, to_change, parts)
+            views = self.tier.acquire(index, to_change, parts, fresh)
             if first and to_change:
                 try:
                     self.tier.settle(index)
@@ -608,8 +622,9 @@ class HeldWindow:
                 self.cond.notify_all()
 
     @contextmanager
-    def held(self, index: int, dirty: bool = False, parts: tuple[str, ...] | None = None):
-        views = self.hold(index, parts=parts)
+    def held(self, index: int, dirty: bool = False, parts: tuple[str, ...] | None = None,
+             fresh: tuple[str, ...] = ()):
+        views = self.hold(index, parts=parts, fresh=fresh)
         try:
             yield views
         finally:
@@ -621,12 +636,21 @@ class HeldWindow:
         with self.held(index, parts=SEND_PARTS) as views:
             yield views["compute"]
 
+    def landing_part(self, index: int) -> str:
+        """The part of the layer's file its gradient lands in, whole: a bf16 master's grad, else the copy."""
+        return "grad" if "grad" in self.tier.names(index) else "compute"
+
+    def hold_for_gradient(self, index: int) -> dict[str, torch.Tensor]:
+        """`hold` for a gradient's landing: the part it lands in is not read (`landing_part`)."""
+        return self.hold(index, fresh=(self.landing_part(index),))
+
     @contextmanager
     def gradient(self, index: int):
-        """Where the layer's gradient lands (a bf16 master's grad, else over the copy), held while it
-        lands and written to the file after."""
-        with self.held(index, dirty=True) as views:
-            yield views.get("grad", views["compute"])
+        """Where the layer's gradient lands (`landing_part`, never read: the landing writes it whole),
+        held while it lands and written to the file after."""
+        part = self.landing_part(index)
+        with self.held(index, dirty=True, fresh=(part,)) as views:
+            yield views[part]
 
     def link(self, index: int, target: Path, punch: tuple[int, int] | None = None) -> bool:
         """DiskTier.link, while no holder has changed the layer without its write back."""

@@ -289,7 +289,7 @@ class LayerServer:
         from its first chunk, on any stream, to its last: its file is written once, not once a stream."""
         with self.landing_lock:
             if layer not in self.landing:
-                self.held.hold(layer)
+                self.held.hold_for_gradient(layer)
                 with self.cond:
                     self.landing[layer] = self.received(layer) + 1
         with self.held.gradient(layer) as grad:

@@ -25,7 +25,7 @@ from megatrain_ray.host.precision import StateFormat, format_of
 from megatrain_ray.host.store import bytes_per_param, layer_bytes
 from megatrain_ray.host.window import window_bytes
 from megatrain_ray.host.disk import (compute_bytes, compute_parts, compute_window_bytes, disk_bytes, file_bytes,
-                                     layer_parts, window_bytes as disk_window_bytes)
+                                     layer_parts, send_bytes, window_bytes as disk_window_bytes)
 from megatrain_ray.host.transport import TURN_LAYER
 from megatrain_ray.planning.memory import host_parking, num_slots_setting
 from megatrain_ray.planning.prediction import TRANSPORT_CORES
@@ -63,6 +63,7 @@ class StorePlan:
     disk_bytes: int = 0  # their files' bytes under runtime.disk_dir (the compute copies' among them)
     disk_compute_layers: tuple[int, ...] = ()  # of those, the layers whose compute copy is on disk too (streamed over the store's link)
     disk_compute_bytes: int = 0  # the compute copies' files
+    disk_send_bytes: int = 0  # what a send of each of them reads of its file: the copy alone (host/disk.py, send_bytes)
 
     def disk_update_bytes(self) -> int:
         """Bytes each way of a step's updates: every file read once before its layer's update and
@@ -71,15 +72,14 @@ class StorePlan:
 
     def disk_step_bytes(self) -> tuple[int, int]:
         """(read, written) bytes a step where the disk binds it, which is where its seconds count: the
-        updates' (`disk_update_bytes`), and a compute copy's file read and written once more, for
-        the backward's send and its gradient's landing. The other reads of that file are spared by
-        the buffer that still holds the layer (host/disk.py): the next forward's send follows the
-        layer's update, for which the GPU worker's request already waits, and the landing follows
-        the backward's send of the copy, so that it reads only the gradient's half. Where the GPU
-        binds instead, a forward that asks later finds the buffer taken and reads the copy again
-        (two copies' reads a step at most, hidden behind compute)."""
-        moved = self.disk_update_bytes() + self.disk_compute_bytes
-        return moved, moved
+        updates' (`disk_update_bytes`), and for a layer fully on disk its copy read once more, for the
+        backward's send (`disk_send_bytes`), and its file written once more, after its gradient's
+        landing. The other reads are spared (host/disk.py): the next forward's send follows the
+        layer's update, for which the GPU worker's request already waits, and finds its buffer; the
+        landing overwrites its part whole and reads nothing. Where the GPU binds instead, a forward
+        that asks later finds the buffer taken and reads the copy again (hidden behind compute)."""
+        update = self.disk_update_bytes()
+        return update + self.disk_send_bytes, update + self.disk_compute_bytes
 
     def disk_seconds(self) -> float:
         """A step's disk time: its reads and writes (`disk_step_bytes`) at the disk's speeds."""
@@ -516,6 +516,7 @@ def with_disk_tier(stores: tuple[StorePlan, ...], arch: ModelArch, config: Confi
         hot = sum(file_bytes(compute_parts(layouts[i], fmt, dtype)) for i in fully)
         out.append(dataclasses.replace(s, host_bytes=ram, disk_layers=chosen, disk_compute_layers=fully,
                                        disk_compute_bytes=hot,
+                                       disk_send_bytes=sum(send_bytes(layouts[i], fmt, dtype) for i in fully),
                                        disk_bytes=sum(disk_bytes(layouts[i], fmt) for i in chosen) + hot))
     by_machine: dict[str, list[StorePlan]] = {}
     for s in out:

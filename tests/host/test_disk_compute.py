@@ -137,8 +137,8 @@ def test_a_step_moves_the_plans_bytes_and_a_send_reads_the_copy_alone(master, mo
     (ShardStoreActor.step_streamed) and, fully on disk, fetched for the next forward right after (the
     worker's request waits for the update); in the backward, in reverse, each such layer fetched and
     its gradient landed right after. A send reads the compute copy alone (a bf16 master's gradient
-    buffer stays on disk), the landing after it reads only what the buffer lacks, the forward's send
-    after an update reads nothing; the tiers read and write exactly the plan's bytes a step, while
+    buffer stays on disk), the landing after it reads nothing (it overwrites its part whole), the
+    forward's send after an update reads nothing; the tiers read and write exactly the plan's bytes a step, while
     every weight sent and every state equal a store's all in RAM."""
     from megatrain_ray.config import config_from_dict
     from megatrain_ray.config import config_from_dict
@@ -162,7 +162,8 @@ def test_a_step_moves_the_plans_bytes_and_a_send_reads_the_copy_alone(master, mo
     assert len(fully) > disk_module.WINDOW and len(plan.disk_layers) > disk_module.WINDOW, plan
     copies = sum(disk_module.aligned(layouts[i].numel * dtype.itemsize) for i in fully)  # what a send needs: the copy
     assert plan.disk_compute_bytes == copies * (2 if master == "bf16" else 1)  # a bf16 master's gradient buffer too
-    assert plan.disk_step_bytes() == (plan.disk_bytes + plan.disk_compute_bytes,) * 2
+    assert plan.disk_send_bytes == copies
+    assert plan.disk_step_bytes() == (plan.disk_bytes + copies, plan.disk_bytes + plan.disk_compute_bytes)
 
     ram = ShardStore(arch, layers, dtype, state_format=fmt, seed=3)
     store = ShardStoreActor(threads=1)
@@ -226,11 +227,13 @@ def test_a_step_moves_the_plans_bytes_and_a_send_reads_the_copy_alone(master, mo
         ram.close()
 
 
-def test_a_send_reads_the_copy_alone_and_a_holder_that_wants_more_gets_the_rest_read(tmp_path):
+def test_a_send_reads_the_copy_alone_a_holder_that_wants_more_gets_the_rest_and_a_landing_reads_nothing_it_overwrites(
+        tmp_path):
     """Two layers fully on disk (a bf16 master: the copy and its gradient buffer) through a window
-    of one buffer: a send reads the copy alone; a gradient's landing that meets it on the same layer
-    (HeldWindow's holders) gets the gradient buffer read, not the other layer's bytes the buffer held,
-    and its write keeps both; a later hold of the whole layer reads nothing more."""
+    of one buffer: a send reads the copy alone; a whole hold that meets it on the same layer
+    (HeldWindow's holders) gets the gradient buffer read, not the other layer's bytes the buffer held;
+    a gradient's landing reads nothing it overwrites (its gradient buffer), and its write keeps the
+    copy it found and the gradient it wrote."""
     fmt, dtype = StateFormat("bf16", "int8"), torch.bfloat16
     layouts = {i: model_layouts(ARCH)[i] for i in (1, 2)}
     tier = disk_module.DiskTier(tmp_path, "t", layouts, fmt, window=1, key="diskcompute", read_ahead=False,
@@ -245,16 +248,26 @@ def test_a_send_reads_the_copy_alone_and_a_holder_that_wants_more_gets_the_rest_
         before = tier.bytes_read
         with held.sending(1) as copy:
             assert torch.equal(copy, torch.full_like(copy, 1)) and tier.bytes_read - before == part["compute"]
-            with held.gradient(1) as grad:  # lands while the send holds the layer
-                assert torch.equal(grad, torch.full_like(grad, 10)), "the gradient buffer was not read"
+            with held.held(1) as views:  # wants the whole layer while the send holds it
+                assert torch.equal(views["grad"], torch.full_like(views["grad"], 10)), "the gradient buffer was not read"
                 assert tier.bytes_read - before == part["compute"] + part["grad"]
+        with held.sending(2):  # layer 1 leaves the buffer
+            pass
+        before = tier.bytes_read
+        with held.sending(1):
+            with held.gradient(1) as grad:  # lands while the send holds the layer: nothing more read
+                assert tier.bytes_read - before == part["compute"]
                 grad.fill_(7)
-        with held.held(1) as views:  # the buffer holds the whole layer now: nothing read
-            assert tier.bytes_read - before == part["compute"] + part["grad"]
         with held.sending(2):
             pass
-        with held.held(1) as views:  # back from the file, whole: the landed gradient and the copy
-            assert torch.equal(views["grad"], torch.full_like(views["grad"], 7))
+        before = tier.bytes_read
+        with held.gradient(1) as grad:  # lands alone: the copy read, for the write back, the gradient not
+            assert tier.bytes_read - before == part["compute"]
+            grad.fill_(8)
+        with held.sending(2):
+            pass
+        with held.held(1) as views:  # back from the file, whole: the last landed gradient and the copy
+            assert torch.equal(views["grad"], torch.full_like(views["grad"], 8))
             assert torch.equal(views["compute"], torch.full_like(views["compute"], 1))
     finally:
         tier.close()

@@ -95,8 +95,10 @@ def test_where_ram_is_still_short_some_layers_go_fully_to_disk_and_no_more():
     hot = sum(layouts[i].numel * 4 for i in fully)  # a bf16 copy and its gradient buffer on disk
     assert store.disk_compute_bytes == pytest.approx(hot, rel=1e-3)
     assert store.disk_bytes == sum(disk_bytes(layouts[i], fmt) for i in store.disk_layers) + store.disk_compute_bytes
-    # where the disk binds: the updates' bytes, and the compute files once more each way (host/disk.py)
-    assert store.disk_step_bytes() == (store.disk_bytes + store.disk_compute_bytes,) * 2
+    sends = sum(aligned(layouts[i].numel * 2) for i in fully)  # a send reads the bf16 copy alone
+    assert store.disk_send_bytes == sends
+    # where the disk binds: the updates' bytes, the copies read once more and the files written once more
+    assert store.disk_step_bytes() == (store.disk_bytes + sends, store.disk_bytes + store.disk_compute_bytes)
     placed = plan_placement(SEVEN_B, cfg, [node(512)], "gpu")
     assert placed.remote_layers() == list(fully)  # streamed over the store's link
     text = placed.describe(SEVEN_B)
