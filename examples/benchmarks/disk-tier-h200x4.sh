@@ -31,8 +31,8 @@
 #      parameter with its moments on disk are 28 GiB), `plan` first (its "keep their compute copy there
 #      too" line, the GB read and written a step), then 2 steps (1 warm-up, 1 timed) with tokens/s beside
 #      plan's. Defaults sized for the one-GPU H200 (64 GiB of disk): `plan` (described: 60 GiB of disk at 2.2
-#      GB/s) puts 21 of the 7B's 30 layers fully on disk, 32.6 GiB of files, 54.7 GB read and written a step
-#      where the disk binds (93.8 GB read when every read took the whole file; measured 2026-11-29: 54.9 and 54.6);
+#      GB/s) puts 21 of the 7B's 30 layers fully on disk, 32.6 GiB of files, 44.8 GB read and 54.6 GB written a
+#      step where the disk binds (93.8 GB read when every read took the whole file; measured 2026-11-29: 45.5 and 54.6);
 #      the bench's disk line sets the whole step's measured bytes beside those: some 5 minutes in all. The 30B-class home machine on the
 #      4-GPU one (235 GiB of disk): MODEL=qwen2.5-32b STORE_GIB=64 (about 200 GB of files; a step reads
 #      several hundred GB, so it may need BENCH_S beyond one call's 600 s: run plan's figures first).
