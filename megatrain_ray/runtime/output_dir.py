@@ -20,6 +20,7 @@ from pathlib import Path
 
 from megatrain_ray.config import Config
 from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.host.disk import DiskTierError
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.runtime.run_log import LOG_NAME
 
@@ -37,7 +38,10 @@ class FileSystemError(Exception):
 
 def describe_os_error(e: OSError, doing: str = "") -> str:
     """`[Errno 28] No space left on device: 'x'` as one sentence that names the path and the cause,
-    and what usually fixes it."""
+    and what usually fixes it. The disk tier's error (host/disk.py) already says which file and what
+    to change: its own words."""
+    if isinstance(e, DiskTierError):
+        return f"{doing + ': ' if doing else ''}{e.strerror or e}"
     path = e.filename or "?"
     name = errno.errorcode.get(e.errno or 0, "")
     cause = e.strerror or str(e)

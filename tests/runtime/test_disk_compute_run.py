@@ -161,6 +161,7 @@ def test_a_disk_that_fills_under_the_link_stops_with_the_last_checkpoint_and_res
     first = tmp_path / "ckpt" / "step-00000001"
     assert code == 2, err
     assert "the disk filled mid-run: No space left on device while writing" in err, err
+    assert "runtime.disk_dir" in err and "at ?" not in err and "checkpoint.keep" not in err, err  # the tier's advice
     assert f"The run stopped with the checkpoint of step 1: {first}" in err, err
     assert (first / ckpt.MANIFEST).exists() and not list((tmp_path / "ckpt").glob(".step-*"))
     assert not list((tmp_path / "tier").iterdir())  # the tier's files went with the run
