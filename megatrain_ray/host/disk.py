@@ -356,6 +356,11 @@ class DiskTier:
         if slot is not None:
             self._wait(slot.writes, index, "writing")
 
+    def pending_writes(self, index: int) -> list[Future]:
+        """The writes issued for the layer's buffer (none where it holds no buffer)."""
+        slot = self._slot_of(index)
+        return list(slot.writes) if slot is not None else []
+
     def can_acquire(self, index: int, to_change: bool = True) -> bool:
         """Whether `acquire(index, to_change)` goes on now: a buffer for it (the layer's own, or one not in
         use whose write did not fail); else, to change, a failed write to raise, and to read, no buffer in
@@ -620,6 +625,12 @@ class HeldWindow:
                 self.tier.release(index, index in self.changed)
                 self.changed.discard(index)
                 self.cond.notify_all()
+                for f in self.tier.pending_writes(index):  # one that fails makes a waiting hold go on (and raise)
+                    f.add_done_callback(self._wake)
+
+    def _wake(self, _done: Future) -> None:
+        with self.cond:
+            self.cond.notify_all()
 
     @contextmanager
     def held(self, index: int, dirty: bool = False, parts: tuple[str, ...] | None = None,
