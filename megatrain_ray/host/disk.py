@@ -450,10 +450,10 @@ class DiskTier:
 
     def _read_more(self, slot: Slot, index: int, names: frozenset[str]) -> None:
         """Parts the layer's buffer lacks (it was read for a send), after what the buffer still has
-        in flight: its reads (each after the write of the layer it held before) and its writes."""
+        in flight: its reads (each after the write of the layer it held before) and its writes; `acquire`
+        records what the buffer then holds."""
         in_flight = slot.reads + slot.writes
         slot.reads = slot.reads + self._pieces(os.preadv, slot, index, names, first=lambda: done(in_flight))
-        slot.parts = slot.parts | names
         self.bytes_read += part_bytes(self.parts[index], names)
 
     def _read_ahead(self, index: int) -> None:
