@@ -113,7 +113,11 @@ def _connect(cfg: RuntimeConfig, env: dict, say: Callable[[str], None]) -> None:
         return
     resources = embedded_ray_resources(cfg)
     say(f"starting Ray on this machine ({resources['num_cpus']} CPUs)")
-    ray.init(**resources, include_dashboard=False, runtime_env=env)
+    # The embedded Ray's workers inherit this process's environment, so its job needs no runtime
+    # env: with one, Ray would leave the workers it starts ahead idle and start the actors in new
+    # ones (about 3 CPU-s and 1.5 s more for a tiny run on 2 cores).
+    os.environ.update(env["env_vars"])
+    ray.init(**resources, include_dashboard=False)
     atexit.register(end_embedded_ray, Path(ray._private.worker._global_node.get_session_dir_path()))
 
 

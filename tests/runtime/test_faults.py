@@ -35,7 +35,8 @@ STEPS, EVERY = 40, 4  # enough steps after the first checkpoint that the removal
 @pytest.fixture(scope="module")
 def cluster():
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "object_store_memory": 100 * MiB, "_system_config": FAST_HEALTH_CHECKS})
+        "num_cpus": 2, "object_store_memory": 100 * MiB, "_system_config": FAST_HEALTH_CHECKS,
+        "include_dashboard": False})  # no test reads it
     for _ in range(2):
         cluster.add_node(num_cpus=1, object_store_memory=80 * MiB, resources=RAM)
     ray.init(address=cluster.address)

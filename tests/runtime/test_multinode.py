@@ -23,7 +23,8 @@ MiB = 1024**2
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 * MiB})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 * MiB,
+                                                            "include_dashboard": False})  # no test reads it
     for _ in range(2):
         cluster.add_node(num_cpus=3, object_store_memory=100 * MiB, resources={"megatrain_ram": 1})
     ray.init(address=cluster.address)
