@@ -6,6 +6,7 @@ the window's buffers."""
 
 import errno
 import os
+import socket
 import threading
 import time
 from concurrent.futures import wait
@@ -332,3 +333,61 @@ def test_a_layer_whose_failed_write_lost_its_buffer_is_refused_even_to_a_checkpo
     assert isinstance(error, DiskTierError) and "layer 1's state is lost" in str(error), error
     hot.let_go(other)
     on_disk.close()
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_a_gradient_cut_as_it_lands_lets_its_buffers_go_and_is_never_applied(master, tmp_path, monkeypatch):
+    """The GPU worker's link drops part-way through the gradients of layers fully on disk, which it
+    sends over two connections: one has landed its chunks of layers 3 and 2, the other is cut inside
+    its chunk of layer 3. Each layer held for its landing lets its buffer go (a window of 2, both
+    held: any hold of another layer would wait for ever), though the first connection stays open.
+    Every update of the step then raises, none applied, and the checkpoint the run stops with reads
+    every layer as it was before the step: nothing of the gradients that landed in part is taken."""
+    from megatrain_ray.host.transport import GRADIENT, HELLO
+    from megatrain_ray.runtime.actors import ShardStoreActor
+
+    monkeypatch.setattr(disk_module, "WINDOW", 2)
+    fmt = StateFormat(master, "int8")
+    store = ShardStoreActor(threads=1)
+    store.allocate(ARCH, LAYERS, torch.bfloat16 if master == "bf16" else torch.float32, state_format=fmt, seed=3,
+                   disk_dir=str(tmp_path), disk_layers=LAYERS[1:], disk_compute_layers=FULLY)
+    hot, server = store.hot, store.server
+    streams = [socket.create_connection(server.address) for _ in range(2)]
+    try:
+        store.init_random(seed=5, std=0.02)
+        store.fault_in_moments()
+        before = {i: shard.layer_tensors(store, i, copy=True) for i in LAYERS}
+        counts = store.update_counts()
+
+        def gradient_chunk(layer: int, k: int) -> bytes:
+            """The header and chunk k (of 2) of the layer's gradient, as a worker's stream k sends it."""
+            nbytes = next(p.nbytes for p in hot.tier.parts[layer] if p.name == hot.landing_part(layer))
+            return GRADIENT.pack(layer, 0) + os.urandom(nbytes * (k + 1) // 2 - nbytes * k // 2)
+
+        for k, sock in enumerate(streams):
+            sock.sendall(HELLO.pack(b"G", k, 2))
+        streams[0].sendall(gradient_chunk(3, 0) + gradient_chunk(2, 0))
+        cut = gradient_chunk(3, 1)
+        streams[1].sendall(cut[: len(cut) // 2])
+        with server.cond:  # stream 0's chunks landed; stream 1 holds layer 3 as its chunk lands
+            assert server.cond.wait_for(lambda: server.arrived[3, 0] == server.arrived[2, 0] == 1, 10)
+        with hot.cond:
+            assert hot.cond.wait_for(lambda: hot.holders[3] == 2 and hot.holders[2] == 1, 10)
+        streams[1].close()  # the link drops mid-chunk
+
+        hp = AdamWStep(1, 1e-3, 1.0, (0.9, 0.95), 1e-8, 0.0)
+        for i in LAYERS:  # the step's updates, in order: each gives up, none waits for a buffer
+            _, error = ended(lambda: store.step_streamed(i, hp), seconds=10)
+            assert isinstance(error, ConnectionError) and "never came" in str(error), (i, error)
+        with hot.cond:
+            assert not hot.holders, dict(hot.holders)
+        assert store.update_counts() == counts and not any(server.applied.values())
+        assert all(server.received(i) == 0 for i in LAYERS)
+        got, error = ended(lambda: {i: shard.layer_tensors(store, i, copy=True) for i in LAYERS}, seconds=10)
+        assert error is None, error
+        for i in LAYERS:
+            assert got[i].keys() == before[i].keys() and all(torch.equal(got[i][k], before[i][k]) for k in got[i]), i
+    finally:
+        for sock in streams:
+            sock.close()
+        store.close()
