@@ -17,7 +17,7 @@ import torch
 from megatrain_ray.files import shard
 from megatrain_ray.host import disk as disk_module
 from megatrain_ray.host.adamw import AdamWStep
-from megatrain_ray.host.disk import DiskTierError
+from megatrain_ray.host.disk import DiskTierError, LayerLost
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.registry import model_layouts
@@ -299,10 +299,28 @@ def test_a_checkpoint_reads_every_layer_when_each_buffer_holds_a_failed_write(tm
     on_disk.close()
 
 
+class StoresOnly:
+    """The driver's Session as runtime/training.py's stop on a full disk uses it: the checkpoint of a
+    step from the store alone (its shard, beside the tier's files: a layer's files linked where it can)."""
+
+    def __init__(self, store, directory):
+        self.store, self.directory = store, directory
+
+    def save_from_stores(self, step: int, data_position, updates_done=None):
+        path = self.directory / f"step-{step}"
+        path.mkdir()
+        shard.save_shard(self.store, str(path), "shard.safetensors")
+        return path
+
+
 def test_a_layer_whose_failed_write_lost_its_buffer_is_refused_even_to_a_checkpoint(tmp_path, monkeypatch):
     """A gradient's write still running when another layer's read is queued into its buffer, then
-    failing (a full disk): that read fails, and the layer it was writing, whose file is not whole and
-    whose buffer is gone, is refused to a checkpoint instead of read back from its file."""
+    failing (a full disk): that read fails naming that layer and its file, and the layer, whose file
+    is not whole and whose buffer is gone, is refused to a checkpoint instead of read back or linked
+    from its file. The run's stop says so (not "no room for the checkpoint"), whether the step or the
+    checkpoint after it found the layer lost, and names the last complete checkpoint."""
+    from megatrain_ray.runtime.training import Progress, keep_steps_on_full_disk
+
     monkeypatch.setattr(disk_module, "WINDOW", 2)
     on_disk = store_of(StateFormat("bf16", "int8"), tmp_path, disk_layers=LAYERS[1:], fully=FULLY)
     train(on_disk, 2)
@@ -327,10 +345,26 @@ def test_a_layer_whose_failed_write_lost_its_buffer_is_refused_even_to_a_checkpo
 
     threading.Thread(target=queued_then_full, daemon=True).start()
     _, error = ended(lambda: hot.hold(target))
-    assert isinstance(error, DiskTierError), error
+    lost = f"layer 1's state is lost: its write to {hot.tier.paths[1]} failed (No space left on device)"
+    assert isinstance(error, LayerLost) and lost in str(error), error
     monkeypatch.setattr(os, "pwritev", real)
-    _, error = ended(lambda: shard.layer_tensors(on_disk, 1, copy=True))
-    assert isinstance(error, DiskTierError) and "layer 1's state is lost" in str(error), error
+    _, refused = ended(lambda: shard.layer_tensors(on_disk, 1, copy=True))
+    assert isinstance(refused, LayerLost) and lost in str(refused), refused
+
+    last = tmp_path / "checkpoints" / "step-1"
+    another = DiskTierError(errno.ENOSPC, "No space left on device while writing another layer's file")
+    for found_by, full in (("the step", error), ("the checkpoint", another)):
+        (tmp_path / "checkpoints").mkdir(exist_ok=True)
+        stop = keep_steps_on_full_disk(full, StoresOnly(on_disk, tmp_path / "checkpoints"),
+                                       [(1, None, 1), (2, None, 2)], Progress(last), saved=1, while_saving=None)
+        message = str(stop)
+        assert lost in message and "runtime.disk_dir" in message and "runtime.store_memory_gib" in message, message
+        assert ("no checkpoint of step 2 can be written: that layer's state could not be kept); its last complete "
+                f"checkpoint is {last}") in message, message
+        assert "no room" not in message and stop.checkpoint == last, message
+        assert (found_by == "the checkpoint") == message.startswith(f"the disk filled mid-run: {another.strerror}; then")
+        assert not (tmp_path / "checkpoints" / "step-2").exists() or not any(
+            (tmp_path / "checkpoints" / "step-2").glob("*.layer1.*")), "the lost layer's file was linked"
     hot.let_go(other)
     on_disk.close()
 
