@@ -517,7 +517,8 @@ class DiskTier:
         `punch`: (offset, bytes) of the file that hold nothing the state needs (a gradient after its
         update), freed first where the file system can, so that the checkpoint does not hold them."""
         slot = self._slot_of(index)
-        if index in self.lost or slot is not None and (slot.failed or any(f.exception() is not None for f in slot.writes)):
+        failed = slot is not None and (slot.failed or any(f.exception() is not None for f in slot.writes))
+        if failed or index in self.lost:
             return False  # (Future.exception waits for the write)
         fd = self.fds[index]
         if punch is not None:

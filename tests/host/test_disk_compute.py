@@ -362,7 +362,8 @@ def test_a_layer_whose_failed_write_lost_its_buffer_is_refused_even_to_a_checkpo
         assert ("no checkpoint of step 2 can be written: that layer's state could not be kept); its last complete "
                 f"checkpoint is {last}") in message, message
         assert "no room" not in message and stop.checkpoint == last, message
-        assert (found_by == "the checkpoint") == message.startswith(f"the disk filled mid-run: {another.strerror}; then")
+        then = f"the disk filled mid-run: {another.strerror}; then"  # the step's own error first, where it was another
+        assert (found_by == "the checkpoint") == message.startswith(then), message
         assert not (tmp_path / "checkpoints" / "step-2").exists() or not any(
             (tmp_path / "checkpoints" / "step-2").glob("*.layer1.*")), "the lost layer's file was linked"
     hot.let_go(other)
