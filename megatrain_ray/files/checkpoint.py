@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain_ray.config import Config
+from megatrain_ray.host.disk import DiskTierError
 from megatrain_ray.host.muon import second_moment_numel
 from megatrain_ray.host.precision import SCALE_KEYS, StateFormat, format_of
 from megatrain_ray.files.durable import fsync_path, publish_dir, write_json
@@ -116,6 +117,8 @@ def write_shard_streamed(directory: Path, name: str, entries: list[tuple[str, to
                     written += 1
             if written != len(order):
                 raise ValueError(f"the shard got {written} of its {len(order)} tensors")
+    except DiskTierError:  # a layer's state that could not be read from the disk tier: it names its own file
+        raise
     except OSError as e:  # a full disk: the error names the file
         raise OSError(e.errno, e.strerror, str(path)) from None
     fsync_path(path)

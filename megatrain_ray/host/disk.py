@@ -98,6 +98,15 @@ class DiskTierError(OSError):
     """The disk tier's disk failed (full, or an I/O error); the message says which file and what to do."""
 
 
+class LayerLost(DiskTierError):
+    """A layer's state is gone (`DiskTier.lost`): its write failed after its buffer was taken for another
+    layer, so neither its file nor a buffer holds it whole; no checkpoint can hold it any more."""
+
+
+MORE_ROOM = ("give runtime.disk_dir a disk with more room or free space on it (megatrain-ray plan prints what the "
+             "tier needs), or more host memory (runtime.store_memory_gib) so that less of the state goes to disk")
+
+
 @dataclass(frozen=True)
 class Part:
     """One tensor of a layer's state in its file."""
@@ -283,9 +292,15 @@ class DiskTier:
         room = free.f_bavail * free.f_frsize
         return DiskTierError(
             e.errno, f"{e.strerror} while {doing} {nbytes / 2**30:.2f} GiB of the disk tier's state in {path} "
-            f"({room / 2**30:.2f} GiB free on that file system): give runtime.disk_dir a disk with more room "
-            "(megatrain-ray plan prints what the tier needs), or more host memory (runtime.store_memory_gib) so "
-            "that less of the state goes to disk")
+            f"({room / 2**30:.2f} GiB free on that file system): {MORE_ROOM}")
+
+    def _lost(self, index: int) -> LayerLost:
+        """The error of a layer whose state is lost (`lost`): which layer, its file, the write's error."""
+        e = self.lost[index]
+        return LayerLost(getattr(e, "errno", None) or errno.EIO,
+                         f"layer {index}'s state is lost: its write to {self.paths[index]} failed "
+                         f"({getattr(e, 'strerror', None) or e}) after its buffer was taken for another layer, so "
+                         f"neither that file nor any buffer holds it whole; {MORE_ROOM}")
 
     # ---- the window ------------------------------------------------------------------------------
     def acquire(self, index: int, to_change: bool = True, parts: tuple[str, ...] | None = None,
@@ -299,11 +314,7 @@ class DiskTier:
         whole and whose buffer is gone (`lost`) raises either way. `fresh`: parts of `parts` the holder
         overwrites whole (a gradient landing), never read: the buffer holds them from then on."""
         if index in self.lost:
-            e = self.lost[index]
-            raise DiskTierError(getattr(e, "errno", None) or errno.EIO,
-                                f"layer {index}'s state is lost: its write to {self.paths[index]} failed ({e}) after "
-                                "its buffer was taken for another layer, so its file is not whole; the run's last "
-                                "complete checkpoint holds it")
+            raise self._lost(index)
         if to_change:
             self._raise_failed_writes()
         names = self.names(index) if parts is None else frozenset(parts)
@@ -427,14 +438,15 @@ class DiskTier:
 
     def _read(self, slot: Slot, index: int, names: frozenset[str]) -> None:
         """The layer's parts `names` into the buffer, once the buffer's last write (of the layer it held) is
-        done; a failed one leaves that layer `lost` (the buffer held its only copy) and fails the read."""
+        done; a failed one leaves that layer `lost` (the buffer held its only copy) and fails the read with
+        its LayerLost."""
         before, evicted = slot.writes, slot.layer
 
         def evicted_written() -> None:  # on the pool, before the read: the buffer's last write, done
             for f in before:
                 if f.exception() is not None:  # the buffer held the only copy of the layer it wrote
                     self.lost[evicted] = f.exception()
-                    raise f.exception()
+                    raise self._lost(evicted)
 
         slot.layer, slot.failed = index, False
         if index in self.written:
@@ -498,13 +510,15 @@ class DiskTier:
     def link(self, index: int, target: Path, punch: tuple[int, int] | None = None) -> bool:
         """Hard-link the layer's file as `target`, its writes done and on disk, so that `target` holds the
         layer's state as it is now; the tier writes that file in place never again (`_unshare`). False,
-        and no link, where the state is not all in the file (a buffer whose write failed) or `target` is
-        on another file system (or one without hard links): the caller copies it then. The caller sees to
+        and no link, where the state is not all in the file (a buffer whose write failed; a `lost` layer,
+        whose copy then raises) or `target` is on another file system (or one without hard links): the
+        caller copies it then. The caller sees to
         it that no update changes the layer meanwhile (the store's thread, or HeldWindow's lock).
         `punch`: (offset, bytes) of the file that hold nothing the state needs (a gradient after its
         update), freed first where the file system can, so that the checkpoint does not hold them."""
         slot = self._slot_of(index)
-        if slot is not None and (slot.failed or any(f.exception() is not None for f in slot.writes)):
+        failed = slot is not None and (slot.failed or any(f.exception() is not None for f in slot.writes))
+        if failed or index in self.lost:
             return False  # (Future.exception waits for the write)
         fd = self.fds[index]
         if punch is not None:
@@ -582,7 +596,7 @@ class HeldWindow:
     asks for it ahead of its use: that is the read ahead), and released when the last lets go,
     written back if one of them changed it. A thread that needs a buffer while all are held waits
     for one: every hold ends on its own (a send, a gradient's landing, an update: none waits for
-    another layer), so every wait ends."""
+    another layer; a landing cut short lets go when its connection closes), so every wait ends."""
 
     def __init__(self, tier: DiskTier):
         self.tier = tier

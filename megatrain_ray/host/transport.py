@@ -147,7 +147,9 @@ class LayerServer:
     v-th update is applied. Once a gradient connection closes (the GPU worker died, or its links were
     closed), an update still waiting for its gradient gives up without touching the layer: the store is
     free again, for a checkpoint from its state. (One cut after its first piece leaves the layer part-way
-    through the update, which it counts: a checkpoint from the stores then refuses that step.)
+    through the update, which it counts: a checkpoint from the stores then refuses that step.) A held
+    layer's gradient cut as it lands lets its buffer go (`_let_go_cut_landings`); what landed of it
+    is never counted, so no update takes it.
 
     Once its disk tier fails (`fail`: a held layer that cannot be read or written, or an update that
     raised DiskTierError), the server lands no more gradients and applies no more updates; each
@@ -286,13 +288,15 @@ class LayerServer:
     @contextmanager
     def _held_gradient(self, layer: int):
         """A held layer's gradient buffer while a stream lands its chunk. The gradient holds the layer
-        from its first chunk, on any stream, to its last: its file is written once, not once a stream."""
-        with self.landing_lock:
-            if layer not in self.landing:
-                self.held.hold_for_gradient(layer)
-                with self.cond:
-                    self.landing[layer] = self.received(layer) + 1
+        from its first chunk, on any stream, to its last: its file is written once, not once a stream.
+        That hold is taken while the stream's own holds the layer (so it waits for no buffer under
+        `landing_lock`, which a cut needs: `_let_go_cut_landings`), and never after a cut."""
         with self.held.gradient(layer) as grad:
+            with self.landing_lock:
+                if layer not in self.landing and not self.gradients_cut:
+                    self.held.hold_for_gradient(layer)
+                    with self.cond:
+                        self.landing[layer] = self.received(layer) + 1
             yield grad
         with self.landing_lock:
             with self.cond:
@@ -303,17 +307,31 @@ class LayerServer:
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         try:
-            while self.failure is None and (header := recv_struct(conn, GRADIENT)) is not None:
+            while (self.failure is None and not self.gradients_cut
+                   and (header := recv_struct(conn, GRADIENT)) is not None):
                 try:
                     self._land(conn, k, *header)
                 except DiskTierError as e:  # the held layer's file failed: nothing after it lands
                     self.fail(e)
-            if self.failure is not None:  # the worker's sends go on; the step fails at its next weights
+            if self.failure is not None or self.gradients_cut:  # the worker's sends go on; its step fails
                 drop_the_rest(conn)
         finally:
             with self.cond:
                 self.gradients_cut = True
                 self.cond.notify_all()
+            self._let_go_cut_landings()
+
+    def _let_go_cut_landings(self) -> None:
+        """A gradient connection closed, so no gradient still landing will land whole (each comes over
+        every connection): each held layer lets its gradient's hold go, and a hold waiting for a buffer
+        goes on. What landed of such a gradient is written to the layer's file as any landed gradient
+        is, but never counted (`received`): no update takes it (`step` raises), and the state it
+        would have changed (the master, the moments; a fp32 master's copy is remade from it) is as
+        it was, for the checkpoint the run stops with."""
+        with self.landing_lock:
+            cut, self.landing = list(self.landing), {}
+            for layer in cut:
+                self.held.let_go(layer, dirty=True)
 
     def _land(self, conn: socket.socket, k: int, layer: int, piece: int) -> None:
         """Chunk k of each piece of the layer's gradient, into where it lands."""

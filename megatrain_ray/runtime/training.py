@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from megatrain_ray.files import checkpoint as ckpt
+from megatrain_ray.host.disk import LayerLost
 from megatrain_ray.runtime.cluster import RayNodes, alive_node_ids, connect
 from megatrain_ray.config import Config, ConfigError
 from megatrain_ray.data.bad_rows import BadRowCount
@@ -91,13 +92,21 @@ class DiskFull(FileSystemError):
     which checkpoint the run stopped with, and `checkpoint` is where a resume continues."""
 
 
-def no_room(error: BaseException | None) -> OSError | None:
-    """The file system's "no room" error behind `error` (a store's comes through Ray's wrappers), or None."""
+def causes(error: BaseException | None):
+    """`error` and the errors behind it (a store's comes through Ray's wrappers)."""
     while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return error
+        yield error
         error = getattr(error, "cause", None) or error.__cause__
-    return None
+
+
+def no_room(error: BaseException | None) -> OSError | None:
+    """The file system's "no room" error behind `error`, or None."""
+    return next((e for e in causes(error) if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)), None)
+
+
+def lost_layer(error: BaseException | None) -> LayerLost | None:
+    """The disk tier's error for a layer whose state is gone (host/disk.py, DiskTier.lost) behind `error`, or None."""
+    return next((e for e in causes(error) if isinstance(e, LayerLost)), None)
 
 
 def keep_steps_on_full_disk(full: OSError, session: Session, finished: list[tuple[int, Any, int]],
@@ -107,11 +116,15 @@ def keep_steps_on_full_disk(full: OSError, session: Session, finished: list[tupl
     update, host/store.py `settle_disk`, so they hold the step before the one whose updates it
     refused: `finished` has the last two, each with its data position and update count), else the
     last complete checkpoint, named in the error. A checkpoint that itself found no room is not tried
-    again (its staging directory is gone: session.save_checkpoint)."""
-    kept, why = None, None
+    again (its staging directory is gone: session.save_checkpoint). A layer whose state the tier lost
+    (a write that failed after its buffer was taken) leaves no step to save from the stores: the error
+    says which layer and file, and names the last complete checkpoint."""
+    kept, why, lost = None, None, lost_layer(full)
     for step, position, updates in reversed(finished):
         if step == saved:
             kept = progress.checkpoint
+            break
+        if lost is not None:
             break
         if step == while_saving or step == 0:
             if step == while_saving:
@@ -126,15 +139,21 @@ def keep_steps_on_full_disk(full: OSError, session: Session, finished: list[tupl
         except Exception as e:
             if no_room(e) is None:
                 raise
+            lost = lost_layer(e)
             why = f"no room for the checkpoint of step {step} either ({describe_os_error(no_room(e))})"
             break
+    if lost is not None and kept is None and step > 0:
+        why = f"no checkpoint of step {step} can be written: that layer's state could not be kept"
     if kept is not None:
         stopped = f"The run stopped with the checkpoint of step {step}: {kept}"
     else:
         last = progress.checkpoint
         stopped = (f"The run stopped without a new checkpoint ({why or 'nothing finished to save'}); "
                    + (f"its last complete checkpoint is {last}" if last else "it has no checkpoint"))
-    error = DiskFull(f"the disk filled mid-run: {describe_os_error(full)}. {stopped}, to resume from once there "
+    what = describe_os_error(full)
+    if lost is not None:  # the layer whose state is gone first, found by the step or by the checkpoint after it
+        what = describe_os_error(lost) if lost_layer(full) is not None else f"{what}; then {describe_os_error(lost)}"
+    error = DiskFull(f"the disk filled mid-run: {what}. {stopped}, to resume from once there "
                      "is room (runtime.disk_dir's and checkpoint.dir's disks)")
     error.checkpoint = kept or progress.checkpoint
     return error

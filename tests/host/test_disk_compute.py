@@ -6,6 +6,7 @@ the window's buffers."""
 
 import errno
 import os
+import socket
 import threading
 import time
 from concurrent.futures import wait
@@ -16,7 +17,7 @@ import torch
 from megatrain_ray.files import shard
 from megatrain_ray.host import disk as disk_module
 from megatrain_ray.host.adamw import AdamWStep
-from megatrain_ray.host.disk import DiskTierError
+from megatrain_ray.host.disk import DiskTierError, LayerLost
 from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.registry import model_layouts
@@ -298,10 +299,28 @@ def test_a_checkpoint_reads_every_layer_when_each_buffer_holds_a_failed_write(tm
     on_disk.close()
 
 
+class StoresOnly:
+    """The driver's Session as runtime/training.py's stop on a full disk uses it: the checkpoint of a
+    step from the store alone (its shard, beside the tier's files: a layer's files linked where it can)."""
+
+    def __init__(self, store, directory):
+        self.store, self.directory = store, directory
+
+    def save_from_stores(self, step: int, data_position, updates_done=None):
+        path = self.directory / f"step-{step}"
+        path.mkdir()
+        shard.save_shard(self.store, str(path), "shard.safetensors")
+        return path
+
+
 def test_a_layer_whose_failed_write_lost_its_buffer_is_refused_even_to_a_checkpoint(tmp_path, monkeypatch):
     """A gradient's write still running when another layer's read is queued into its buffer, then
-    failing (a full disk): that read fails, and the layer it was writing, whose file is not whole and
-    whose buffer is gone, is refused to a checkpoint instead of read back from its file."""
+    failing (a full disk): that read fails naming that layer and its file, and the layer, whose file
+    is not whole and whose buffer is gone, is refused to a checkpoint instead of read back or linked
+    from its file. The run's stop says so (not "no room for the checkpoint"), whether the step or the
+    checkpoint after it found the layer lost, and names the last complete checkpoint."""
+    from megatrain_ray.runtime.training import Progress, keep_steps_on_full_disk
+
     monkeypatch.setattr(disk_module, "WINDOW", 2)
     on_disk = store_of(StateFormat("bf16", "int8"), tmp_path, disk_layers=LAYERS[1:], fully=FULLY)
     train(on_disk, 2)
@@ -326,9 +345,84 @@ def test_a_layer_whose_failed_write_lost_its_buffer_is_refused_even_to_a_checkpo
 
     threading.Thread(target=queued_then_full, daemon=True).start()
     _, error = ended(lambda: hot.hold(target))
-    assert isinstance(error, DiskTierError), error
+    lost = f"layer 1's state is lost: its write to {hot.tier.paths[1]} failed (No space left on device)"
+    assert isinstance(error, LayerLost) and lost in str(error), error
     monkeypatch.setattr(os, "pwritev", real)
-    _, error = ended(lambda: shard.layer_tensors(on_disk, 1, copy=True))
-    assert isinstance(error, DiskTierError) and "layer 1's state is lost" in str(error), error
+    _, refused = ended(lambda: shard.layer_tensors(on_disk, 1, copy=True))
+    assert isinstance(refused, LayerLost) and lost in str(refused), refused
+
+    last = tmp_path / "checkpoints" / "step-1"
+    another = DiskTierError(errno.ENOSPC, "No space left on device while writing another layer's file")
+    for found_by, full in (("the step", error), ("the checkpoint", another)):
+        (tmp_path / "checkpoints").mkdir(exist_ok=True)
+        stop = keep_steps_on_full_disk(full, StoresOnly(on_disk, tmp_path / "checkpoints"),
+                                       [(1, None, 1), (2, None, 2)], Progress(last), saved=1, while_saving=None)
+        message = str(stop)
+        assert lost in message and "runtime.disk_dir" in message and "runtime.store_memory_gib" in message, message
+        assert ("no checkpoint of step 2 can be written: that layer's state could not be kept); its last complete "
+                f"checkpoint is {last}") in message, message
+        assert "no room" not in message and stop.checkpoint == last, message
+        then = f"the disk filled mid-run: {another.strerror}; then"  # the step's own error first, where it was another
+        assert (found_by == "the checkpoint") == message.startswith(then), message
+        assert not (tmp_path / "checkpoints" / "step-2").exists() or not any(
+            (tmp_path / "checkpoints" / "step-2").glob("*.layer1.*")), "the lost layer's file was linked"
     hot.let_go(other)
     on_disk.close()
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_a_gradient_cut_as_it_lands_lets_its_buffers_go_and_is_never_applied(master, tmp_path, monkeypatch):
+    """The GPU worker's link drops part-way through the gradients of layers fully on disk, which it
+    sends over two connections: one has landed its chunks of layers 3 and 2, the other is cut inside
+    its chunk of layer 3. Each layer held for its landing lets its buffer go (a window of 2, both
+    held: any hold of another layer would wait for ever), though the first connection stays open.
+    Every update of the step then raises, none applied, and the checkpoint the run stops with reads
+    every layer as it was before the step: nothing of the gradients that landed in part is taken."""
+    from megatrain_ray.host.transport import GRADIENT, HELLO
+    from megatrain_ray.runtime.actors import ShardStoreActor
+
+    monkeypatch.setattr(disk_module, "WINDOW", 2)
+    fmt = StateFormat(master, "int8")
+    store = ShardStoreActor(threads=1)
+    store.allocate(ARCH, LAYERS, torch.bfloat16 if master == "bf16" else torch.float32, state_format=fmt, seed=3,
+                   disk_dir=str(tmp_path), disk_layers=LAYERS[1:], disk_compute_layers=FULLY)
+    hot, server = store.hot, store.server
+    streams = [socket.create_connection(server.address) for _ in range(2)]
+    try:
+        store.init_random(seed=5, std=0.02)
+        store.fault_in_moments()
+        before = {i: shard.layer_tensors(store, i, copy=True) for i in LAYERS}
+        counts = store.update_counts()
+
+        def gradient_chunk(layer: int, k: int) -> bytes:
+            """The header and chunk k (of 2) of the layer's gradient, as a worker's stream k sends it."""
+            nbytes = next(p.nbytes for p in hot.tier.parts[layer] if p.name == hot.landing_part(layer))
+            return GRADIENT.pack(layer, 0) + os.urandom(nbytes * (k + 1) // 2 - nbytes * k // 2)
+
+        for k, sock in enumerate(streams):
+            sock.sendall(HELLO.pack(b"G", k, 2))
+        streams[0].sendall(gradient_chunk(3, 0) + gradient_chunk(2, 0))
+        cut = gradient_chunk(3, 1)
+        streams[1].sendall(cut[: len(cut) // 2])
+        with server.cond:  # stream 0's chunks landed; stream 1 holds layer 3 as its chunk lands
+            assert server.cond.wait_for(lambda: server.arrived[3, 0] == server.arrived[2, 0] == 1, 10)
+        with hot.cond:
+            assert hot.cond.wait_for(lambda: hot.holders[3] == 2 and hot.holders[2] == 1, 10)
+        streams[1].close()  # the link drops mid-chunk
+
+        hp = AdamWStep(1, 1e-3, 1.0, (0.9, 0.95), 1e-8, 0.0)
+        for i in LAYERS:  # the step's updates, in order: each gives up, none waits for a buffer
+            _, error = ended(lambda: store.step_streamed(i, hp), seconds=10)
+            assert isinstance(error, ConnectionError) and "never came" in str(error), (i, error)
+        with hot.cond:
+            assert not hot.holders, dict(hot.holders)
+        assert store.update_counts() == counts and not any(server.applied.values())
+        assert all(server.received(i) == 0 for i in LAYERS)
+        got, error = ended(lambda: {i: shard.layer_tensors(store, i, copy=True) for i in LAYERS}, seconds=10)
+        assert error is None, error
+        for i in LAYERS:
+            assert got[i].keys() == before[i].keys() and all(torch.equal(got[i][k], before[i][k]) for k in got[i]), i
+    finally:
+        for sock in streams:
+            sock.close()
+        store.close()
