@@ -4,7 +4,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import ray
@@ -166,14 +165,21 @@ def test_baseline_splits_keep_the_tokens_of_the_step():
         baseline_splits("2x16", shape)
 
 
-def test_bench_with_every_layer_on_a_ram_node_raylet(tmp_path):
+def test_bench_with_every_layer_on_a_ram_node_raylet(tmp_path, capsys, monkeypatch):
     """--ram-nodes 1: a head and a RAM-node raylet of this machine, the stores on the raylet, the
-    layers over the TCP transport; the cluster is gone afterwards."""
+    layers over the TCP transport; the cluster is gone afterwards. Through the command's entry in
+    this process, as the fixture above (a cluster of its own, not the session's head: this process
+    is not connected to Ray between tests)."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "megatrain_ray.cli", "bench", "--model", "tiny-qwen2", "--layers", "6", "--device",
-           "cpu", "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--steps", "2", "--warmup", "1",
-           "--optimizer-threads", "1", "--ram-nodes", "1", "--remote-window", "3", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = ["bench", "--model", "tiny-qwen2", "--layers", "6", "--device", "cpu", "--seq-len", "32", "--micro-batch",
+            "2", "--grad-accum", "2", "--steps", "2", "--warmup", "1", "--optimizer-threads", "1", "--ram-nodes", "1",
+            "--remote-window", "3", "--json", str(out)]
+    try:
+        code = main(args)
+    finally:
+        ray.shutdown()
+    proc = subprocess.CompletedProcess(args, code, *capsys.readouterr())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "streamed over TCP" in proc.stdout and "shared memory" not in proc.stdout, proc.stdout[-3000:]
     run = json.loads(out.read_text())["runs"][0]
