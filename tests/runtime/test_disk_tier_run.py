@@ -11,6 +11,7 @@ steps bit for bit on disk as in RAM at the store (tests/host/test_disk_tier.py),
 tests/runtime/test_multinode.py::test_ram_nodes_with_a_disk_tier_train_like_one_node."""
 
 import dataclasses
+import functools
 import json
 import shlex
 import subprocess
@@ -125,9 +126,37 @@ def small_file_system(tmp_path):
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+FILL_STEPS = 3
+
+
+def fill_raw(root: Path) -> dict:
+    """The fill tests' run (every checkpoint kept under `root`, its tier there too), uninterrupted."""
+    model = {"preset": "tiny-llama", "overrides": {"num_layers": BLOCKS}}
+    return tiny_raw(root / "whole", steps=FILL_STEPS, model=model, executor={"embedding_step": "host"},
+                    runtime={"store_memory_gib": STORE_BYTES["fp32"] / 2**30, "disk_dir": str(root / "tier")},
+                    checkpoint={"every": 1, "keep": 1, "export_hf": False, "dir": str(root / "whole-ckpt")})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(local_ray, tmp_path_factory):
+    """uninterrupted(): the checkpoint of the last step of fill_raw's run, which never stopped, what
+    each fill test's resume must end with; run at the first call, once for both tests (their runs
+    differ only in where they write)."""
+    @functools.cache
+    def checkpoint() -> Path:
+        root = tmp_path_factory.mktemp("uninterrupted")
+        path = root / "whole.yaml"
+        path.write_text(json.dumps(fill_raw(root)))
+        assert cli.main(["train", str(path)]) == 0
+        return root / "whole-ckpt" / f"step-{FILL_STEPS:08d}"
+
+    return checkpoint
+
+
 @pytest.mark.parametrize("together", [False, True], ids=["checkpoints-alone", "tier-and-checkpoints"])
 def test_a_disk_that_fills_mid_run_stops_with_the_last_checkpoint_and_resume_is_exact(local_ray, tmp_path, together,
-                                                                                       small_file_system, capsys):
+                                                                                       small_file_system, capsys,
+                                                                                       uninterrupted):
     """A small file system that fills. With the checkpoints alone on it (checkpoint.keep 1), room for
     one and a half: step 1's checkpoint fits, step 2's does not; the run stops (exit 2) saying so and
     naming step 1's checkpoint, its half-written one removed. With the tier's files there too, room for
@@ -136,12 +165,8 @@ def test_a_disk_that_fills_mid_run_stops_with_the_last_checkpoint_and_resume_is_
     then its checkpoint, which copies the layer whose write failed); the run stops naming step 1's.
     Either way the resume from step 1 (its checkpoints and tier elsewhere) ends with the weights of a
     run that never stopped."""
-    steps, store_bytes = 3, STORE_BYTES["fp32"]
-    runtime = {"store_memory_gib": store_bytes / 2**30}
-    model = {"preset": "tiny-llama", "overrides": {"num_layers": BLOCKS}}
-    whole = tiny_raw(tmp_path / "whole", steps=steps, model=model, executor={"embedding_step": "host"},
-                     runtime={**runtime, "disk_dir": str(tmp_path / "tier")},
-                     checkpoint={"every": 1, "keep": 1, "export_hf": False, "dir": str(tmp_path / "whole-ckpt")})
+    whole = fill_raw(tmp_path)
+    runtime = {"store_memory_gib": whole["runtime"]["store_memory_gib"]}
     config = config_from_dict(whole)
     arch = PRESETS["tiny-llama"].replace(num_layers=BLOCKS)
     layouts, fmt = model_layouts(arch), format_of(config.optim)
@@ -174,6 +199,4 @@ def test_a_disk_that_fills_mid_run_stops_with_the_last_checkpoint_and_resume_is_
 
     assert cli.main(["train", str(path), "--set", f"checkpoint.dir={tmp_path / 'more'}", "--set",  # the full disk is
                      f"runtime.disk_dir={tmp_path / 'resume-tier'}", "--resume", str(first)]) == 0  # left as it was
-    path.write_text(json.dumps(whole))
-    assert cli.main(["train", str(path)]) == 0, capsys.readouterr().err
-    assert_same_checkpoints(tmp_path / "whole-ckpt" / f"step-{steps:08d}", tmp_path / "more" / f"step-{steps:08d}")
+    assert_same_checkpoints(uninterrupted(), tmp_path / "more" / f"step-{FILL_STEPS:08d}")

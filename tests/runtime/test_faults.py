@@ -29,7 +29,12 @@ RAM = {"megatrain_ram": 1}
 # Ray notices a dead node after health_check_failure_threshold missed checks: make that ~1.5 s.
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 300,
                       "health_check_timeout_ms": 300, "health_check_failure_threshold": 3}
-STEPS, EVERY = 40, 4  # enough steps after the first checkpoint that the removal lands mid-run
+# The tests remove a node as soon as the checkpoint of step EVERY is written; the run then stops (or
+# auto-resumes) at the next step that needs the node, one or two steps on (the lost-node test checks
+# that bound itself). 16 more steps after that checkpoint, each of which needs every node, leave room
+# for a loaded box's delays between seeing the checkpoint and removing the node, well past the ~1.5 s
+# Ray takes to declare the node dead; a removal that came after the run's end would fail both tests.
+STEPS, EVERY = 20, 4
 
 
 @pytest.fixture(scope="module")
