@@ -6,9 +6,17 @@ tests/helpers/, importable as `helpers.*`: pyproject's pytest `pythonpath` puts 
 import os
 from pathlib import Path
 
-import pytest
-import ray
-import torch
+# OpenMP threads that wait sleep instead of spinning, in this process and in every process it starts
+# (the Ray heads and their actors, the commands it runs), read when torch loads libgomp, so before
+# `import torch`. The suite runs two test processes and their runs' actors on two cores: a thread
+# spinning for the end of another's parallel region holds a core that the other process wants, for
+# nothing. Measured on the 2-core box (-n 2 --dist loadfile, one after the other): 1,493 CPU-s and
+# 809 s spinning (torch's default), 1,255 CPU-s and 689 s passive. The arithmetic is the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
 
 MiB = 1024**2
 
@@ -22,20 +30,20 @@ if torch.cuda.is_available():
 
 
 # The seconds the longest test modules take on a 2-core box (the README's `-n 2 --dist loadfile`,
-# measured 2026-11-29 with --durations=0), longest first: each module runs in one process, and
-# xdist hands the next module to whichever process is free, so that the two end together only if
-# the long ones start first (xdist's own order, by count of tests, left the 146 s job_submit module
-# near the end). A schedule only: a module missing here, or a figure gone stale, changes the order,
-# never what runs. pytest_configure keeps xdist from reordering it.
+# measured 2026-11-29 with --durations=0, OpenMP waits passive), longest first: each module runs in
+# one process, and xdist hands the next module to whichever process is free, so that the two end
+# together only if the long ones start first (xdist's own order, by count of tests, left the
+# job_submit module near the end). A schedule only: a module missing here, or a figure gone stale,
+# changes the order, never what runs. pytest_configure keeps xdist from reordering it.
 MODULE_SECONDS = {
-    "models/test_generic_family.py": 158, "runtime/test_job_submit.py": 146, "runtime/test_multinode.py": 129,
-    "runtime/test_faults.py": 120, "entry/test_quick_start.py": 97, "entry/test_run_lifecycle.py": 97,
-    "rl/test_grpo_run.py": 97, "runtime/test_stops_keep_steps.py": 88, "bench/test_bench.py": 66,
-    "streaming/test_data_parallel.py": 65, "models/test_image_text.py": 63, "runtime/test_ray_runtime.py": 59,
-    "entry/test_image_text_recipe.py": 57, "runtime/test_disk_tier_run.py": 79, "models/test_families_parity.py": 54,
-    "runtime/test_disk_compute_run.py": 90, "streaming/test_trainer_reference.py": 39,
-    "files/test_checkpoint_resume.py": 38, "runtime/test_step_plan.py": 34, "models/test_moe.py": 30,
-    "rl/test_rollout_copies.py": 30, "models/test_moe_parity.py": 25,
+    "models/test_generic_family.py": 141, "runtime/test_multinode.py": 101, "runtime/test_job_submit.py": 100,
+    "runtime/test_faults.py": 95, "entry/test_run_lifecycle.py": 95, "rl/test_grpo_run.py": 79,
+    "models/test_image_text.py": 69, "streaming/test_data_parallel.py": 57, "bench/test_bench.py": 56,
+    "entry/test_quick_start.py": 54, "runtime/test_stops_keep_steps.py": 53, "runtime/test_disk_compute_run.py": 47,
+    "runtime/test_disk_tier_run.py": 43, "entry/test_image_text_recipe.py": 40, "runtime/test_ray_runtime.py": 34,
+    "files/test_checkpoint_resume.py": 26, "models/test_families_parity.py": 25, "models/test_moe_parity.py": 20,
+    "runtime/test_step_plan.py": 17, "host/test_lean_state.py": 16, "runtime/test_plan_facts.py": 14,
+    "rl/test_rollout_copies.py": 13, "bench/test_baselines.py": 13, "models/test_model_table.py": 12,
 }
 TESTS = Path(__file__).parent
 
