@@ -3,10 +3,8 @@
 import argparse
 import json
 import os
-import subprocess
 
 import pytest
-import ray
 
 from megatrain_ray.bench.arguments import add_arguments
 from megatrain_ray.bench.run import bench_config, disk_line, disk_summary, shapes_from
@@ -15,6 +13,7 @@ from megatrain_ray.bench.workload import Shape
 from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.models.registry import PRESETS, model_layouts
 from megatrain_ray.host.window import fetches_per_step, window_bytes
+from helpers.runs import command_here
 
 
 def parse(*argv: str):
@@ -57,15 +56,7 @@ def bench(capsys, monkeypatch, ray_head):
     what it printed. This process leaves Ray again after each."""
     monkeypatch.setenv("RAY_ADDRESS", ray_head)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        try:
-            code = main(["bench", *args])
-        finally:
-            ray.shutdown()
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["megatrain-ray", "bench", *args], code, out, err)
-    return run
+    return lambda *args: command_here(["bench", *args], capsys)
 
 
 def test_a_sweep_reuses_the_stores_and_reports_every_shape(tmp_path, bench):
@@ -175,11 +166,7 @@ def test_bench_with_every_layer_on_a_ram_node_raylet(tmp_path, capsys, monkeypat
     args = ["bench", "--model", "tiny-qwen2", "--layers", "6", "--device", "cpu", "--seq-len", "32", "--micro-batch",
             "2", "--grad-accum", "2", "--steps", "2", "--warmup", "1", "--optimizer-threads", "1", "--ram-nodes", "1",
             "--remote-window", "3", "--json", str(out)]
-    try:
-        code = main(args)
-    finally:
-        ray.shutdown()
-    proc = subprocess.CompletedProcess(args, code, *capsys.readouterr())
+    proc = command_here(args, capsys)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "streamed over TCP" in proc.stdout and "shared memory" not in proc.stdout, proc.stdout[-3000:]
     run = json.loads(out.read_text())["runs"][0]

@@ -36,7 +36,7 @@ import ray
 import torch
 
 from helpers.files import steps_of
-from helpers.runs import tensors_of, tiny_raw
+from helpers.runs import command_here, tensors_of, tiny_raw
 from megatrain_ray import cli
 from megatrain_ray.runtime.signals import StopRequest, StoppedAtOnce
 from megatrain_ray.runtime.training import release
@@ -82,12 +82,7 @@ def train_here(args: list[str], env: dict, cwd: Path, monkeypatch, capsys) -> su
         patch.chdir(cwd)
         for name in ("RAY_ADDRESS", "RAY_AUTH_MODE"):
             patch.setenv(name, env[name])
-        try:
-            code = cli.main(["train", *args])
-        finally:
-            ray.shutdown()
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["megatrain-ray", "train", *args], code, out, err)
+        return command_here(["train", *args], capsys)
 
 
 def digests(directory: Path) -> dict[str, str]:

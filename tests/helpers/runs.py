@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
+import ray
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from megatrain_ray import cli
 from megatrain_ray.config import Config, config_from_dict
 from megatrain_ray.files import checkpoint as ckpt
 
@@ -32,6 +35,18 @@ def make_config(preset: str, steps: int = STEPS, model: dict | None = None, opti
         "train": {"steps": steps, "grad_accum": GRAD_ACCUM, "micro_batch_size": 2, "seed": 3},
         "executor": {"device": "cpu", "loss_chunk_tokens": 5, **executor},
     })
+
+
+def command_here(argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """`megatrain-ray *argv` through the command's entry in this process (a Python started for it would
+    import torch and the package again: seconds on 2 cores): its exit status and what it printed, read
+    from pytest's `capsys`. This process leaves the Ray the command joined or started, if any."""
+    try:
+        code = cli.main(argv)
+    finally:
+        ray.shutdown()
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["megatrain-ray", *argv], code, out, err)
 
 
 def tiny_raw(out: Path, steps: int = 10, **sections) -> dict:

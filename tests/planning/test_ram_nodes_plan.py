@@ -3,12 +3,9 @@ with the network, and `megatrain-ray plan --cluster`."""
 
 import dataclasses
 import re
-import subprocess
-import sys
 
 import pytest
 
-from megatrain_ray.cli import main
 from megatrain_ray.config import ConfigError, config_from_dict
 from megatrain_ray.streaming.layer_order import layer_order
 from megatrain_ray.models.registry import PRESETS, model_layouts, num_params
@@ -19,6 +16,7 @@ from megatrain_ray.planning.report import describe
 from megatrain_ray.planning.step_plan import DeviceFacts, plan_step
 from megatrain_ray.planning.traffic import step_traffic
 from megatrain_ray.host.window import WindowPolicy, fetches_per_step, window_bytes
+from helpers.runs import command_here
 
 GiB = 1024**3
 SEVEN_B = PRESETS["qwen2.5-7b"]
@@ -181,11 +179,7 @@ def test_an_embedding_on_a_ram_node_is_planned_with_its_step_on_the_host():
 def run_plan(capsys):
     """`megatrain-ray plan ARGS` in this process (a plan of a described cluster starts no Ray):
     its exit status and what it printed."""
-    def run(*args) -> subprocess.CompletedProcess:
-        code = main(["plan", *args])
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["megatrain-ray", "plan", *args], code, out, err)
-    return run
+    return lambda *args: command_here(["plan", *args], capsys)
 
 
 def test_whatif_plan_for_the_120b_example(run_plan):

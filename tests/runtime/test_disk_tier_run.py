@@ -11,7 +11,6 @@ steps bit for bit on disk as in RAM at the store (tests/host/test_disk_tier.py),
 tests/runtime/test_multinode.py::test_ram_nodes_with_a_disk_tier_train_like_one_node."""
 
 import dataclasses
-import functools
 import json
 import shlex
 import subprocess
@@ -138,19 +137,14 @@ def fill_raw(root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(local_ray, tmp_path_factory):
-    """uninterrupted(): the checkpoint of the last step of fill_raw's run, which never stopped, what
-    each fill test's resume must end with; run at the first call, once for both tests (their runs
-    differ only in where they write)."""
-    @functools.cache
-    def checkpoint() -> Path:
-        root = tmp_path_factory.mktemp("uninterrupted")
-        path = root / "whole.yaml"
-        path.write_text(json.dumps(fill_raw(root)))
-        assert cli.main(["train", str(path)]) == 0
-        return root / "whole-ckpt" / f"step-{FILL_STEPS:08d}"
-
-    return checkpoint
+def uninterrupted(local_ray, tmp_path_factory) -> Path:
+    """The checkpoint of the last step of fill_raw's run, which never stopped, what each fill test's
+    resume must end with; run once for both tests (their runs differ only in where they write)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    path = root / "whole.yaml"
+    path.write_text(json.dumps(fill_raw(root)))
+    assert cli.main(["train", str(path)]) == 0
+    return root / "whole-ckpt" / f"step-{FILL_STEPS:08d}"
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["checkpoints-alone", "tier-and-checkpoints"])
@@ -199,4 +193,4 @@ def test_a_disk_that_fills_mid_run_stops_with_the_last_checkpoint_and_resume_is_
 
     assert cli.main(["train", str(path), "--set", f"checkpoint.dir={tmp_path / 'more'}", "--set",  # the full disk is
                      f"runtime.disk_dir={tmp_path / 'resume-tier'}", "--resume", str(first)]) == 0  # left as it was
-    assert_same_checkpoints(uninterrupted(), tmp_path / "more" / f"step-{FILL_STEPS:08d}")
+    assert_same_checkpoints(uninterrupted, tmp_path / "more" / f"step-{FILL_STEPS:08d}")
