@@ -9,7 +9,7 @@ time a decode step and the kernels launched a step. Then two copies of 32 rows s
 time in two processes on the one GPU, and one copy of 32 rows beside a process that only burns a
 CPU core: whether copies slow each other through the host (its cores, the CUDA driver) or the GPU.
 
-    python examples/benchmarks/rollout-decode.py [--preset qwen2.5-7b] [--prompt 256] [--new 64]
+    python examples/benchmarks/rollout-decode.py [--preset qwen2.5-7b] [--prompt 256] [--new 64] [--eager]
     python examples/benchmarks/rollout-decode.py --preset tiny-llama --device cpu --prompt 8 --new 8  # its check
 
 About two minutes at the Qwen2.5-7B shape on an H200 (each process builds its 15 GB copy)."""
@@ -26,8 +26,8 @@ from megatrain_ray.models.registry import PRESETS
 from megatrain_ray.rl.rollout import CopyTiming, Rollout, Sampling, overlap
 
 
-def built(preset: str, device: str) -> Rollout:
-    rollout = Rollout(PRESETS[preset], torch.bfloat16, torch.device(device), seed=0)
+def built(preset: str, device: str, graphs: bool = True) -> Rollout:
+    rollout = Rollout(PRESETS[preset], torch.bfloat16, torch.device(device), seed=0, graphs=graphs)
     with torch.no_grad():
         for name, p in rollout.model.named_parameters():
             p.fill_(1.0) if p.ndim == 1 and "norm" in name else p.normal_(0.0, 0.02)
@@ -61,9 +61,9 @@ def gpu_busy(rollout: Rollout, rows: int, prompt: int, new: int, device: str) ->
             f"{launches / forwards:.0f} kernel launches a forward")
 
 
-def copy_process(preset, device, rows, prompt, new, barrier, queue):
+def copy_process(preset, device, graphs, rows, prompt, new, barrier, queue):
     torch.set_num_threads(1)
-    rollout = built(preset, device)
+    rollout = built(preset, device, graphs)
     sampled(rollout, 8, prompt, 2)  # warm up
     barrier.wait()
     queue.put(sampled(rollout, rows, prompt, new))
@@ -77,7 +77,7 @@ def burner(stop):
 def side_by_side(args) -> list[CopyTiming]:
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=copy_process, args=(args.preset, args.device, 32, args.prompt, args.new, barrier, queue))
+    procs = [ctx.Process(target=copy_process, args=(args.preset, args.device, not args.eager, 32, args.prompt, args.new, barrier, queue))
              for _ in range(2)]
     for p in procs:
         p.start()
@@ -93,11 +93,12 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--eager", action="store_true", help="each decode step's kernels launched one by one (no CUDA graph)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as a rollout actor runs (Ray's OMP_NUM_THREADS=1 for an actor of no CPU)
+    rollout = built(args.preset, args.device, not args.eager)
     print(f"{args.preset}, {args.prompt} + {args.new} tokens, on {args.device}; this process may use "
-          f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs", flush=True)
-    rollout = built(args.preset, args.device)
+          f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs; {rollout.describe_decoding()}", flush=True)
     sampled(rollout, 8, args.prompt, 2)  # warm up
     for rows in (64, 32, 64, 32):
         print(said(f"one copy, {rows} rows", sampled(rollout, rows, args.prompt, args.new)), flush=True)

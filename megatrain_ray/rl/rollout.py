@@ -4,7 +4,8 @@ The copy is transformers' own model of the family, built from the config.json th
 (models' `hf_config`) in grpo.rollout_dtype on the meta device, its tensors allocated on the
 rollout's device only, and its weights loaded from the stores before every step's sampling (so it
 is never more than the last update behind: none). It decodes a batch of sequences at once with a
-KV cache, left-padded, sampling each token with temperature and top-p from its own generator,
+KV cache, left-padded (rl/decoding.py: on a GPU each decode step one CUDA graph where the model
+allows), sampling each token with temperature and top-p from its own generator,
 whose state the checkpoints keep (`sampler_state`). It reads nothing of the run but the weights it
 is handed and keeps no state but the generator: a Ray actor on a GPU of its own holds it
 unchanged and samples while the first GPU trains, one policy version behind (grpo.rollout_gpu:
@@ -19,8 +20,8 @@ buy nothing.
 from __future__ import annotations
 
 import base64
-import inspect
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -30,6 +31,7 @@ import torch
 from megatrain_ray.models.arch import ModelArch
 from megatrain_ray.models.layout import BLOCK
 from megatrain_ray.models.registry import arch_to_hf_config, model_layouts, num_params
+from megatrain_ray.rl.decoding import PREFILL_TOKENS, decoding_for, static_applies
 from megatrain_ray.rl.layer_stream import LayerStream
 from megatrain_ray.rl.loss import label_logprobs
 
@@ -88,17 +90,13 @@ def rollout_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int, re
     return weights + kv_cache + sampler + prefill_bytes(arch, rows, seq_len, dtype_bytes) + GiB
 
 
-# The prompts' forward runs on at most this many tokens at once (rows x a few columns of every
-# row's prompt, the KV cache filling as it goes), so its activations stay small whatever the batch
-# (at the Qwen2.5-32B shape one forward over 128 prompts of 256 tokens would hold 7 GB).
-PREFILL_TOKENS = 8192
-
-
 def prefill_bytes(arch: ModelArch, rows: int, seq_len: int, dtype_bytes: int) -> int:
     """A decoder layer's activations in the prompts' forward: the hidden states' few copies and the
-    MLP's three intermediate tensors, over one chunk of `PREFILL_TOKENS`."""
+    MLP's three intermediate tensors, over one chunk of `PREFILL_TOKENS`; and the chunk's attention
+    mask over the whole sequence (rl/decoding.py: the additive 4D mask and the two bool ones it is
+    made from)."""
     tokens = min(rows * seq_len, max(rows, PREFILL_TOKENS))
-    return tokens * (6 * arch.hidden_size + 3 * arch.intermediate_size) * dtype_bytes
+    return tokens * ((6 * arch.hidden_size + 3 * arch.intermediate_size) * dtype_bytes + seq_len * (dtype_bytes + 2))
 
 
 def num_decoder_layers(arch: ModelArch) -> int:
@@ -190,9 +188,10 @@ class Sampling:
 
 class Rollout:
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int,
-                 resident_layers: int | None = None):
+                 resident_layers: int | None = None, graphs: bool = True):
         """`resident_layers`: the decoder layers whose weights stay on `device` (None: all); the
-        others stream through it at every forward (rl/layer_stream.py), the first ones resident."""
+        others stream through it at every forward (rl/layer_stream.py), the first ones resident.
+        `graphs`: a decode step on a GPU is a CUDA graph where it can be (rl/decoding.py)."""
         self.arch, self.dtype, self.device = arch, dtype, device
         self.layouts = model_layouts(arch)
         blocks = [layout for layout in self.layouts if layout.kind == BLOCK]
@@ -201,11 +200,7 @@ class Rollout:
         self.stream = LayerStream(self.model, blocks[0].prefix.rstrip("."), streamed, dtype, device) if streamed else None
         self.generator = torch.Generator(device).manual_seed(seed)
         self.prefill_tokens = PREFILL_TOKENS
-        # transformers renamed the forward's past_key_values to cache
-        forward = inspect.signature(type(self.model).forward).parameters
-        self.cache_kw = "cache" if "cache" in forward else "past_key_values"
-        # the prompt's forward needs the last position's logits only, not [rows x prompt x vocab]
-        self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+        self.graphs = graphs
 
     def streamed_layers(self) -> list[int]:
         """The layers (by layout index) whose weights stream through the device at every forward."""
@@ -213,13 +208,18 @@ class Rollout:
 
     def describe(self) -> str:
         where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        what = f"{self.device} ({where}), {str(self.dtype).removeprefix('torch.')}"
-        if self.stream is None:
-            return what
-        blocks = num_decoder_layers(self.arch)
-        streamed = len(self.stream.layouts)
-        return (f"{what}; {blocks - streamed} of {blocks} decoder layers resident, {streamed} streamed from host "
-                f"memory at every decode step ({self.stream.bytes_per_forward() / GiB:.1f} GiB host to device a step)")
+        parts = [f"{self.device} ({where}), {str(self.dtype).removeprefix('torch.')}"]
+        if self.stream is not None:
+            blocks, streamed = num_decoder_layers(self.arch), len(self.stream.layouts)
+            parts.append(f"{blocks - streamed} of {blocks} decoder layers resident, {streamed} streamed from host "
+                         f"memory at every decode step ({self.stream.bytes_per_forward() / GiB:.1f} GiB host to device a step)")
+        return "; ".join(parts + [self.describe_decoding()])
+
+    def describe_decoding(self) -> str:
+        if not static_applies(self.model.config):
+            return "its KV cache grows a token at a time"
+        graphs = self.graphs and self.stream is None and self.device.type == "cuda"
+        return "its KV cache at the full length" + (", each decode step one CUDA graph" if graphs else "")
 
     # -- weights -------------------------------------------------------------------------------
     def refresh(self, policy) -> None:
@@ -301,45 +301,46 @@ class Rollout:
         uniforms = torch.rand(total, s.max_new_tokens, generator=self.generator,
                               device=self.generator.device)[first:first + len(rows)].to(self.device)
         ids, mask, positions = left_padded(rows, self.device)
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        logits = self.prompts_forward(ids, mask, positions, cache)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # once a sampling: the prompts' forward's seconds
-        prefill_s = time.perf_counter() - t0
-        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
-        new, scores, position = [], [], positions[:, -1:]
-        for k in range(s.max_new_tokens):
-            token = sample_tokens(logits, s.temperature, s.top_p, uniforms[:, k])
-            new.append(torch.where(done, torch.zeros_like(token), token))
-            if scored:
-                scores.append(torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None]).squeeze(-1))
-            if s.eos_id is not None:
-                done |= token == s.eos_id
-            if bool(done.all()) or len(new) == s.max_new_tokens:
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            position = position + 1
-            logits = self.model(input_ids=new[-1][:, None], attention_mask=mask, position_ids=position,
-                                use_cache=True, **{self.cache_kw: cache}).logits[:, -1]
+        decoding = self.decoding(mask, s.max_new_tokens)
+        try:
+            logits = decoding.prefill(ids, positions)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # once a sampling: the prompts' forward's seconds
+            prefill_s = time.perf_counter() - t0
+            done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+            new, scores = [], []
+            for k in range(s.max_new_tokens):
+                token = sample_tokens(logits, s.temperature, s.top_p, uniforms[:, k])
+                new.append(torch.where(done, torch.zeros_like(token), token))
+                if scored:
+                    scores.append(torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None]).squeeze(-1))
+                if len(new) == s.max_new_tokens:
+                    break
+                if s.eos_id is not None:
+                    done |= token == s.eos_id
+                    if bool(done.all()):
+                        break
+                logits = decoding.step(new[-1])
+        finally:
+            decoding.close()
+        self.note_graph_failure(decoding.graph_failure)
         completions = [completion(row, s.eos_id) for row in torch.stack(new, dim=1).cpu().numpy()]
         if not scored:
             return completions, None, prefill_s, len(new) - 1
         logprobs = torch.stack(scores, dim=1).cpu().numpy()
         return completions, [row[:len(c)] for row, c in zip(logprobs, completions)], prefill_s, len(new) - 1
 
-    @torch.no_grad()
-    def prompts_forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """The prompts' forward (left-padded: `left_padded`) into the KV cache, `prefill_tokens` at
-        a time (a few columns of every row); the logits of each row's next token."""
-        columns = max(1, self.prefill_tokens // len(ids))
-        for start in range(0, ids.shape[1], columns):
-            end = start + columns
-            logits = self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-                                position_ids=positions[:, start:end], use_cache=True, **{self.cache_kw: cache},
-                                **self.last_only).logits[:, -1]
-        return logits
+    def decoding(self, mask: torch.Tensor, max_new_tokens: int):
+        """This copy's forwards for one sampling (rl/decoding.py): static where the model allows, its
+        decode step a CUDA graph where every weight is resident on a GPU and capturing has not failed."""
+        return decoding_for(self.model, mask, max_new_tokens, self.graphs and self.stream is None, self.prefill_tokens)
+
+    def note_graph_failure(self, failure: str | None) -> None:
+        """A decode step that could not be captured: said once, and the copy decodes eagerly from then on."""
+        if failure is not None and self.graphs:
+            self.graphs = False
+            warnings.warn(f"megatrain-ray: the rollout's decode step of {self.arch.model_type} could not be captured as "
+                          f"a CUDA graph ({failure}); it runs eagerly, one kernel launch at a time")
 
     # -- log-probabilities ----------------------------------------------------------------------
     @torch.no_grad()

@@ -50,6 +50,13 @@ def hf_flats(model_dir: Path, arch) -> list[torch.Tensor]:
     return flats
 
 
+def flat_weights(model, arch) -> list[tuple[int, torch.Tensor]]:
+    """(layer, flat weights) of a transformers model, as the stores hold them."""
+    state = model.state_dict()
+    return [(layout.index, torch.cat([state[layout.hf_name(p.name)].reshape(-1) for p in layout.params]))
+            for layout in model_layouts(arch)]
+
+
 def grads_by_hf_name(ref: ReferenceModel) -> dict[str, torch.Tensor]:
     """The reference model's gradients under transformers' in-memory names (the layouts' names)."""
     return {layout.hf_name(p.name): getattr(module, module_key(p.name)).grad

@@ -14,8 +14,10 @@ from megatrain_ray.config import config_from_dict
 from megatrain_ray.files import shard
 from megatrain_ray.models.registry import arch_from_hf_config, load_hf_arch, model_layouts
 from megatrain_ray.rl.batch import policy_micro_batches
+from megatrain_ray.rl.decoding import DynamicDecoding, StaticDecoding
 from megatrain_ray.rl.rollout import Rollout, Sampling, completion, label_logprobs_of, left_padded, sample_tokens
 from megatrain_ray.runtime.local import LocalTrainer
+from helpers.hf_parity import flat_weights
 from helpers.reference_training import random_micro_batches
 from helpers.threads import one_thread  # noqa: F401 (a fixture)
 
@@ -70,13 +72,6 @@ def test_the_rollout_copy_and_the_streamed_reference_score_like_transformers(tin
     assert [len(c) for c in completions] == [5] * 6  # no EOS given: every completion runs to max_new_tokens
 
 
-def flat_weights(model, arch) -> list[tuple[int, torch.Tensor]]:
-    """(layer, flat weights) of a transformers model, as the stores hold them."""
-    state = model.state_dict()
-    return [(layout.index, torch.cat([state[layout.hf_name(p.name)].reshape(-1) for p in layout.params]))
-            for layout in model_layouts(arch)]
-
-
 def sampled_and_scored(arch, weights, resident_layers, device=torch.device("cpu"), dtype=torch.float32):
     rollout = Rollout(arch, dtype, device, seed=0, resident_layers=resident_layers)
     rollout.load(weights)
@@ -115,12 +110,13 @@ def test_a_streamed_rollout_samples_and_scores_as_the_resident_one():
     rows = [np.array(p) for p in ([5, 9, 2], [7, 1, 4, 8, 3], [11])]
     ids, mask, positions = left_padded(rows, torch.device("cpu"))
     expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+    rollout = Rollout(arch, torch.float32, torch.device("cpu"), seed=0, resident_layers=1)
+    rollout.load(weights)
     for tokens in (3, 6):
-        rollout = Rollout(arch, torch.float32, torch.device("cpu"), seed=0, resident_layers=1)
-        rollout.load(weights)
-        rollout.prefill_tokens = tokens
-        logits = rollout.prompts_forward(ids, mask, positions, transformers.DynamicCache(config=model.config))
-        assert (logits - expected).abs().max() < 1e-5, tokens
+        for decoding in (StaticDecoding(rollout.model, mask, 1, graphs=False, prefill_tokens=tokens),
+                         DynamicDecoding(rollout.model, mask, tokens)):
+            logits = decoding.prefill(ids, positions)
+            assert (logits - expected).abs().max() < 1e-5, (tokens, type(decoding).__name__)
 
 
 def test_top_p_keeps_the_nucleus_and_each_row_draws_from_its_own_number():

@@ -1,0 +1,116 @@
+"""The rollout's decoding (rl/decoding.py) against transformers' own forward without a cache: the
+prompts' forward, a few columns at a time, and each decode step give the logits that one forward
+of the whole left-padded batch gives, for every family the static decoding serves (its KV cache of
+the full length and its own 4D mask) and for some it does not (transformers' DynamicCache: sliding
+windows, ALiBi, linear attention), in transformers' default proportions and in others."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from megatrain_ray.models.transformers import modules as hm
+from megatrain_ray.rl.decoding import STATIC_MODEL_TYPES, DynamicDecoding, StaticDecoding, decoding_for, static_applies
+from megatrain_ray.rl.rollout import left_padded
+from helpers.hf_parity import flat_weights, randomize
+from helpers.threads import one_thread  # noqa: F401 (a fixture)
+
+DYNAMIC = ("gemma2", "bloom", "opt", "qwen3_next")
+STEPS = 3
+
+
+def small_model(model_type: str, sizes: dict):
+    full = {k: v for k, v in AutoConfig.for_model(model_type).to_dict().items()
+            if k not in ("transformers_version", "architectures")}
+    small = hm.small_config(full, hm.decoder_parts(hm.build_empty(full)).kinds, sizes)
+    torch.manual_seed(0)
+    return randomize(hm.build_small(small)).eval()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("sizes", [hm.SMALL, hm.OTHER_PROPORTIONS], ids=["small", "other"])
+@pytest.mark.parametrize("model_type", STATIC_MODEL_TYPES + DYNAMIC)
+def test_the_decoding_gives_the_logits_of_one_forward_without_a_cache(model_type, sizes):
+    model = small_model(model_type, sizes)
+    vocab = model.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(1, vocab, (n,), generator=gen).numpy() for n in (4, 7, 1)]
+    ids, mask, positions = left_padded(rows, torch.device("cpu"))
+    fed = torch.randint(1, vocab, (len(rows), STEPS), generator=gen)
+    decoding = decoding_for(model, mask, STEPS + 1, graphs=False, prefill_tokens=6)  # two columns a forward
+    assert isinstance(decoding, StaticDecoding) == static_applies(model.config)
+    assert isinstance(decoding, DynamicDecoding) or model_type in STATIC_MODEL_TYPES
+    with torch.no_grad():
+        got = [decoding.prefill(ids, positions)] + [decoding.step(fed[:, k]).clone() for k in range(STEPS)]
+        width = ids.shape[1]
+        expected = model(input_ids=torch.cat([ids, fed], dim=1),
+                         attention_mask=torch.cat([mask, torch.ones_like(fed)], dim=1),
+                         position_ids=torch.cat([positions, positions[:, -1:] + torch.arange(1, STEPS + 1)], dim=1),
+                         use_cache=False).logits[:, width - 1:width + STEPS]
+    got = torch.stack(got, dim=1)
+    # fp32, the same sums in another order (a cache of the full length masks the slots not yet written)
+    scale = expected.abs().max()
+    assert ((got - expected).abs().max() / scale) < 1e-5, (got - expected).abs().max() / scale
+
+
+def tiny_rollouts(**kinds):
+    """Rollouts of one tiny Qwen2 in bf16 on the GPU, the same weights, one for each keyword's `graphs`."""
+    import transformers
+
+    from megatrain_ray.models.registry import arch_from_hf_config
+    from megatrain_ray.rl.rollout import Rollout
+
+    config = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(2)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    arch = arch_from_hf_config(model.config.to_dict())
+    rollouts = {}
+    for name, graphs in kinds.items():
+        rollouts[name] = Rollout(arch, torch.bfloat16, torch.device("cuda"), seed=0, graphs=graphs)
+        rollouts[name].load(flat_weights(model, arch))
+    return rollouts
+
+
+def sampled(rollout):
+    import numpy as np
+
+    from megatrain_ray.rl.rollout import Sampling
+
+    prompts = [np.arange(3, 3 + n) for n in (4, 9, 1)]
+    completions, logprobs, _ = rollout.sample_scored(prompts, 4, Sampling(max_new_tokens=12, temperature=0.9,
+                                                                          top_p=0.95))
+    return completions, logprobs
+
+
+@pytest.mark.gpu
+def test_a_decode_step_replayed_as_a_cuda_graph_samples_what_the_eager_step_samples():
+    """On a GPU the static decoding's step is captured at a sampling's first step and replayed: the
+    same kernels on the same values, so the same tokens and log-probabilities, bit for bit, as the
+    step run eagerly; and again at the next sampling (a graph a sampling: the KV cache is the
+    sampling's). A forward that reads a value back to the host (as a router may) cannot be
+    captured: the rollout says so once and decodes eagerly, the same completions."""
+    import numpy as np
+
+    rollouts = tiny_rollouts(graph=True, eager=False, refused=True)
+    assert "each decode step one CUDA graph" in rollouts["graph"].describe()
+    assert "CUDA graph" not in rollouts["eager"].describe()
+    eager = sampled(rollouts["eager"])
+    for _ in range(2):
+        graph = sampled(rollouts["graph"])
+        assert all(np.array_equal(a, b) for a, b in zip(graph[0], eager[0], strict=True))
+        assert all(np.array_equal(a, b) for a, b in zip(graph[1], eager[1], strict=True))
+        eager = sampled(rollouts["eager"])
+    refused = rollouts["refused"]
+    refused.model.model.norm.register_forward_hook(lambda module, args, out: None if out.float().sum().item() else None)
+    rollouts["eager"].set_sampler_state(refused.sampler_state())
+    eager = sampled(rollouts["eager"])
+    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
+        completions, logprobs = sampled(refused)
+    assert not refused.graphs and "CUDA graph" not in refused.describe()
+    assert all(np.array_equal(a, b) for a, b in zip(completions, eager[0], strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(logprobs, eager[1], strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampled(refused)  # eager from then on, said once
