@@ -62,12 +62,13 @@ def static_applies(config) -> bool:
     return bool(cache.layers) and all(type(layer) is StaticLayer for layer in cache.layers)
 
 
-def decoding_for(model, mask: torch.Tensor, max_new_tokens: int, graphs: bool, prefill_tokens: int = PREFILL_TOKENS):
+def decoding_for(model, mask: torch.Tensor, max_new_tokens: int, side_stream: torch.cuda.Stream | None,
+                 prefill_tokens: int = PREFILL_TOKENS):
     """The decoding of `model` for left-padded rows of attention `mask` [rows x prompt width] and
-    up to `max_new_tokens` more: static where it applies (`graphs`: replayed as a CUDA graph on a
-    GPU), else dynamic."""
+    up to `max_new_tokens` more: static where it applies (with a `side_stream` on a GPU, its decode
+    step replayed as a CUDA graph captured there), else dynamic."""
     if static_applies(model.config):
-        return StaticDecoding(model, mask, max_new_tokens, graphs, prefill_tokens)
+        return StaticDecoding(model, mask, max_new_tokens, side_stream, prefill_tokens)
     return DynamicDecoding(model, mask, prefill_tokens)
 
 
@@ -112,9 +113,11 @@ class DynamicDecoding:
 
 class StaticDecoding:
     """transformers' StaticCache at the full length and an additive 4D mask made here; the decode
-    step a CUDA graph where it can be."""
+    step a CUDA graph where it can be. The graph is warmed up and captured on `side_stream`, the
+    same one every sampling: cuBLAS keeps a workspace for each stream it runs on (32 MiB on an
+    H200) for the process's life."""
 
-    def __init__(self, model, mask: torch.Tensor, max_new_tokens: int, graphs: bool,
+    def __init__(self, model, mask: torch.Tensor, max_new_tokens: int, side_stream: torch.cuda.Stream | None,
                  prefill_tokens: int = PREFILL_TOKENS):
         from transformers import StaticCache
 
@@ -132,7 +135,8 @@ class StaticDecoding:
         self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.slot = torch.full((1,), width, dtype=torch.long, device=device)
-        self.capture = graphs and device.type == "cuda"
+        self.side_stream = side_stream if device.type == "cuda" else None
+        self.capture = self.side_stream is not None
         self.graph, self.graph_logits, self.graph_failure = None, None, None
 
     def additive(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -186,11 +190,12 @@ class StaticDecoding:
     def warm_up(self) -> torch.Tensor:
         """The first decode step, eagerly on a side stream (as CUDA graphs ask: what a capture may not
         do, as cuBLAS's first use of a stream, happens here)."""
-        side, main = torch.cuda.Stream(self.slot.device), torch.cuda.current_stream(self.slot.device)
+        side, main = self.side_stream, torch.cuda.current_stream(self.slot.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             logits = self.forward_step()
         main.wait_stream(side)
+        logits.record_stream(main)  # made on the side stream, read on this one
         return logits
 
     def captured(self) -> tuple[torch.Tensor | None, torch.cuda.CUDAGraph | None, str | None]:
@@ -198,7 +203,7 @@ class StaticDecoding:
         why it could not be."""
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=self.side_stream):
                 logits = self.forward_step()
         except Exception as error:  # a forward that waits on the GPU: eager from here on
             torch.cuda.synchronize(self.slot.device)

@@ -201,6 +201,7 @@ class Rollout:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.prefill_tokens = PREFILL_TOKENS
         self.graphs = graphs
+        self.side_stream = None  # the CUDA graphs' (rl/decoding.py), made at the first sampling that captures one
 
     def streamed_layers(self) -> list[int]:
         """The layers (by layout index) whose weights stream through the device at every forward."""
@@ -333,7 +334,10 @@ class Rollout:
     def decoding(self, mask: torch.Tensor, max_new_tokens: int):
         """This copy's forwards for one sampling (rl/decoding.py): static where the model allows, its
         decode step a CUDA graph where every weight is resident on a GPU and capturing has not failed."""
-        return decoding_for(self.model, mask, max_new_tokens, self.graphs and self.stream is None, self.prefill_tokens)
+        if self.graphs and self.stream is None and self.device.type == "cuda" and self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(self.device)
+        side_stream = self.side_stream if self.graphs and self.stream is None else None
+        return decoding_for(self.model, mask, max_new_tokens, side_stream, self.prefill_tokens)
 
     def note_graph_failure(self, failure: str | None) -> None:
         """A decode step that could not be captured: said once, and the copy decodes eagerly from then on."""

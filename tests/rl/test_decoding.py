@@ -38,7 +38,7 @@ def test_the_decoding_gives_the_logits_of_one_forward_without_a_cache(model_type
     rows = [torch.randint(1, vocab, (n,), generator=gen).numpy() for n in (4, 7, 1)]
     ids, mask, positions = left_padded(rows, torch.device("cpu"))
     fed = torch.randint(1, vocab, (len(rows), STEPS), generator=gen)
-    decoding = decoding_for(model, mask, STEPS + 1, graphs=False, prefill_tokens=6)  # two columns a forward
+    decoding = decoding_for(model, mask, STEPS + 1, None, prefill_tokens=6)  # two columns a forward
     assert isinstance(decoding, StaticDecoding) == static_applies(model.config)
     assert isinstance(decoding, DynamicDecoding) or model_type in STATIC_MODEL_TYPES
     with torch.no_grad():

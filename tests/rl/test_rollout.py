@@ -113,7 +113,7 @@ def test_a_streamed_rollout_samples_and_scores_as_the_resident_one():
     rollout = Rollout(arch, torch.float32, torch.device("cpu"), seed=0, resident_layers=1)
     rollout.load(weights)
     for tokens in (3, 6):
-        for decoding in (StaticDecoding(rollout.model, mask, 1, graphs=False, prefill_tokens=tokens),
+        for decoding in (StaticDecoding(rollout.model, mask, 1, None, prefill_tokens=tokens),
                          DynamicDecoding(rollout.model, mask, tokens)):
             logits = decoding.prefill(ids, positions)
             assert (logits - expected).abs().max() < 1e-5, (tokens, type(decoding).__name__)
