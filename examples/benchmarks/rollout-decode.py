@@ -9,7 +9,7 @@ time a decode step and the kernels launched a step. Then two copies of 32 rows s
 time in two processes on the one GPU, and one copy of 32 rows beside a process that only burns a
 CPU core: whether copies slow each other through the host (its cores, the CUDA driver) or the GPU.
 
-    python examples/benchmarks/rollout-decode.py [--preset qwen2.5-7b] [--prompt 256] [--new 64] [--eager]
+    python examples/benchmarks/rollout-decode.py [--preset qwen2.5-7b] [--prompt 256] [--new 64] [--eager] [--alone]
     python examples/benchmarks/rollout-decode.py --preset tiny-llama --device cpu --prompt 8 --new 8  # its check
 
 About two minutes at the Qwen2.5-7B shape on an H200 (each process builds its 15 GB copy)."""
@@ -94,6 +94,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--eager", action="store_true", help="each decode step's kernels launched one by one (no CUDA graph)")
+    ap.add_argument("--alone", action="store_true", help="the one copy's samplings only: no profile, no other process")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as a rollout actor runs (Ray's OMP_NUM_THREADS=1 for an actor of no CPU)
     rollout = built(args.preset, args.device, not args.eager)
@@ -102,6 +103,8 @@ def main():
     sampled(rollout, 8, args.prompt, 2)  # warm up
     for rows in (64, 32, 64, 32):
         print(said(f"one copy, {rows} rows", sampled(rollout, rows, args.prompt, args.new)), flush=True)
+    if args.alone:
+        return
     try:
         print(gpu_busy(rollout, 64, args.prompt, min(args.new, 16), args.device), flush=True)
     except Exception as e:  # the rest still runs
