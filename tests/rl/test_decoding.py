@@ -6,6 +6,7 @@ windows, ALiBi, linear attention), in transformers' default proportions and in o
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig
@@ -54,17 +55,13 @@ def test_the_decoding_gives_the_logits_of_one_forward_without_a_cache(model_type
     assert ((got - expected).abs().max() / scale) < 1e-5, (got - expected).abs().max() / scale
 
 
-def tiny_rollouts(**kinds):
-    """Rollouts of one tiny Qwen2 in bf16 on the GPU, the same weights, one for each keyword's `graphs`."""
-    import transformers
-
+def tiny_rollouts(model_type: str, **kinds):
+    """Rollouts in bf16 on the GPU of one small model of `model_type`, the same weights, one for each
+    keyword's `graphs`."""
     from megatrain_ray.models.registry import arch_from_hf_config
     from megatrain_ray.rl.rollout import Rollout
 
-    config = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    torch.manual_seed(2)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = small_model(model_type, hm.SMALL)
     arch = arch_from_hf_config(model.config.to_dict())
     rollouts = {}
     for name, graphs in kinds.items():
@@ -74,8 +71,6 @@ def tiny_rollouts(**kinds):
 
 
 def sampled(rollout):
-    import numpy as np
-
     from megatrain_ray.rl.rollout import Sampling
 
     prompts = [np.arange(3, 3 + n) for n in (4, 9, 1)]
@@ -84,33 +79,36 @@ def sampled(rollout):
     return completions, logprobs
 
 
+def assert_same(ours, theirs):
+    for what in range(2):  # the completions, then their log-probabilities
+        assert all(np.array_equal(a, b) for a, b in zip(ours[what], theirs[what], strict=True))
+
+
 @pytest.mark.gpu
-def test_a_decode_step_replayed_as_a_cuda_graph_samples_what_the_eager_step_samples():
+@pytest.mark.parametrize("model_type", STATIC_MODEL_TYPES)
+def test_a_decode_step_replayed_as_a_cuda_graph_samples_what_the_eager_step_samples(model_type):
     """On a GPU the static decoding's step is captured at a sampling's first step and replayed: the
     same kernels on the same values, so the same tokens and log-probabilities, bit for bit, as the
     step run eagerly; and again at the next sampling (a graph a sampling: the KV cache is the
-    sampling's). A forward that reads a value back to the host (as a router may) cannot be
-    captured: the rollout says so once and decodes eagerly, the same completions."""
-    import numpy as np
-
-    rollouts = tiny_rollouts(graph=True, eager=False, refused=True)
+    sampling's)."""
+    rollouts = tiny_rollouts(model_type, graph=True, eager=False)
     assert "each decode step one CUDA graph" in rollouts["graph"].describe()
     assert "CUDA graph" not in rollouts["eager"].describe()
-    eager = sampled(rollouts["eager"])
     for _ in range(2):
-        graph = sampled(rollouts["graph"])
-        assert all(np.array_equal(a, b) for a, b in zip(graph[0], eager[0], strict=True))
-        assert all(np.array_equal(a, b) for a, b in zip(graph[1], eager[1], strict=True))
-        eager = sampled(rollouts["eager"])
+        assert_same(sampled(rollouts["graph"]), sampled(rollouts["eager"]))
+    assert rollouts["graph"].graphs  # nothing refused the capture
+
+
+@pytest.mark.gpu
+def test_a_decode_step_that_cannot_be_captured_runs_eagerly_said_once():
+    """A forward that reads a value back to the host (as a router may) cannot be captured: the
+    rollout says so once and decodes eagerly from then on, the same completions."""
+    rollouts = tiny_rollouts("qwen2", eager=False, refused=True)
     refused = rollouts["refused"]
     refused.model.model.norm.register_forward_hook(lambda module, args, out: None if out.float().sum().item() else None)
-    rollouts["eager"].set_sampler_state(refused.sampler_state())
-    eager = sampled(rollouts["eager"])
     with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
-        completions, logprobs = sampled(refused)
+        assert_same(sampled(refused), sampled(rollouts["eager"]))
     assert not refused.graphs and "CUDA graph" not in refused.describe()
-    assert all(np.array_equal(a, b) for a, b in zip(completions, eager[0], strict=True))
-    assert all(np.array_equal(a, b) for a, b in zip(logprobs, eager[1], strict=True))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sampled(refused)  # eager from then on, said once
+        assert_same(sampled(refused), sampled(rollouts["eager"]))  # eager from then on, said once
