@@ -12,7 +12,7 @@
 #   bash examples/benchmarks/grpo-gpus.sh [OUT_DIR] [STEPS]
 # Each run builds its 99 GiB host state and writes a final checkpoint, which the script deletes before the
 # next run for the disk's sake; at 2 steps on two H200s (2026-11-29) the one-GPU run and the two-GPU run's
-# steps took 500 s, the two-GPU run's checkpoint then still being written: a 10-minute call holds 2 steps.
+# steps fit within 500 s (the limit then cut the two-GPU run's checkpoint): a 10-minute call holds 2 steps.
 # TINY=1: a tiny model on the CPU (two CPU workers for the GPUs): the script's own check.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
