@@ -72,8 +72,10 @@ def decoding_for(model, mask: torch.Tensor, max_new_tokens: int, side_stream: to
     return DynamicDecoding(model, mask, prefill_tokens)
 
 
-def prefill_columns(rows: int, prefill_tokens: int) -> int:
-    return max(1, prefill_tokens // rows)
+def prefill_chunks(ids: torch.Tensor, prefill_tokens: int) -> list[tuple[int, int]]:
+    """The prompts' forward's column ranges: every row's next few columns, `prefill_tokens` at most."""
+    columns = max(1, prefill_tokens // len(ids))
+    return [(start, min(start + columns, ids.shape[1])) for start in range(0, ids.shape[1], columns)]
 
 
 class DynamicDecoding:
@@ -91,9 +93,7 @@ class DynamicDecoding:
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The prompts' forward into the cache; each row's next-token logits."""
-        columns = prefill_columns(len(ids), self.prefill_tokens)
-        for start in range(0, ids.shape[1], columns):
-            end = start + columns
+        for start, end in prefill_chunks(ids, self.prefill_tokens):
             logits = self.model(input_ids=ids[:, start:end], attention_mask=self.mask[:, :end],
                                 position_ids=positions[:, start:end], use_cache=True,
                                 **{self.cache_kw: self.cache}, **self.last_only).logits[:, -1]
@@ -149,9 +149,7 @@ class StaticDecoding:
         """The prompts' forward into the cache (column i writes slot i); each row's next-token
         logits. A query sees the tokens up to its own slot and always itself (a padding column's
         query sees no token: its row of the mask is not all masked, so it stays finite)."""
-        columns = prefill_columns(len(ids), self.prefill_tokens)
-        for start in range(0, ids.shape[1], columns):
-            end = min(start + columns, ids.shape[1])
+        for start, end in prefill_chunks(ids, self.prefill_tokens):
             queries = self.slots[start:end, None]
             allowed = (self.tokens[:, None, :] & (self.slots <= queries)) | (self.slots == queries)
             logits = self.model(input_ids=ids[:, start:end], attention_mask=self.additive(allowed),

@@ -219,8 +219,11 @@ class Rollout:
     def describe_decoding(self) -> str:
         if not static_applies(self.model.config):
             return "its KV cache grows a token at a time"
-        graphs = self.graphs and self.stream is None and self.device.type == "cuda"
-        return "its KV cache at the full length" + (", each decode step one CUDA graph" if graphs else "")
+        return "its KV cache at the full length" + (", each decode step one CUDA graph" if self.captures() else "")
+
+    def captures(self) -> bool:
+        """Whether a decode step is to be a CUDA graph: on a GPU, every layer resident, no capture refused."""
+        return self.graphs and self.stream is None and self.device.type == "cuda"
 
     # -- weights -------------------------------------------------------------------------------
     def refresh(self, policy) -> None:
@@ -334,10 +337,10 @@ class Rollout:
     def decoding(self, mask: torch.Tensor, max_new_tokens: int):
         """This copy's forwards for one sampling (rl/decoding.py): static where the model allows, its
         decode step a CUDA graph where every weight is resident on a GPU and capturing has not failed."""
-        if self.graphs and self.stream is None and self.device.type == "cuda" and self.side_stream is None:
-            self.side_stream = torch.cuda.Stream(self.device)
-        side_stream = self.side_stream if self.graphs and self.stream is None else None
-        return decoding_for(self.model, mask, max_new_tokens, side_stream, self.prefill_tokens)
+        if not self.captures():
+            return decoding_for(self.model, mask, max_new_tokens, None, self.prefill_tokens)
+        self.side_stream = self.side_stream or torch.cuda.Stream(self.device)
+        return decoding_for(self.model, mask, max_new_tokens, self.side_stream, self.prefill_tokens)
 
     def note_graph_failure(self, failure: str | None) -> None:
         """A decode step that could not be captured: said once, and the copy decodes eagerly from then on."""

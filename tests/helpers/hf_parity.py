@@ -21,6 +21,7 @@ from megatrain_ray.models.layout import module_key
 from megatrain_ray.models.transformers.check import relative_difference as rel  # noqa: F401 (the tests' name for it)
 from megatrain_ray.models.transformers.check import worst_relative_difference
 from megatrain_ray.models.registry import model_layouts
+from megatrain_ray.models.transformers import modules as hm
 from helpers.reference_training import adamw_loop
 
 RTOL = 1e-5
@@ -36,6 +37,22 @@ def randomize(model, matrix_std: float | None = None):
             elif matrix_std is not None:
                 p.normal_(0.0, matrix_std)
     return model
+
+
+def small_config_of(model_type: str, overrides: dict | None = None, sizes: dict = hm.SMALL) -> dict:
+    """transformers' defaults for `model_type`, with `overrides`, made small in `sizes`
+    (modules.small_config)."""
+    from transformers import AutoConfig
+
+    full = {**AutoConfig.for_model(model_type).to_dict(), **(overrides or {})}
+    full = {k: v for k, v in full.items() if k not in ("transformers_version", "architectures")}
+    return hm.small_config(full, hm.decoder_parts(hm.build_empty(full)).kinds, sizes)
+
+
+def small_random_model(config: dict, seed: int = 0):
+    """transformers' model of a small config, its tensors drawn from `seed` and `randomize`d."""
+    torch.manual_seed(seed)
+    return randomize(hm.build_small(config))
 
 
 def saved(model, directory: Path) -> Path:

@@ -30,8 +30,8 @@ from megatrain_ray.models.registry import load_hf_arch, model_arch  # noqa: E402
 from megatrain_ray.runtime.local import LocalTrainer  # noqa: E402
 from megatrain_ray.streaming.hooks import StepHooks  # noqa: E402
 from helpers.files import write_documents  # noqa: E402
-from helpers.hf_parity import (RTOL, randomize, rel, run_config, saved, steps_and_export, the_runs_batches,  # noqa: E402
-                               train_transformers)
+from helpers.hf_parity import (RTOL, randomize, rel, run_config, saved, small_config_of, small_random_model,  # noqa: E402
+                               steps_and_export, the_runs_batches, train_transformers)
 
 STEPS, GRAD_ACCUM, BATCH, SEQ = 3, 2, 2, 12
 # transformers' Lfm2MoeConfig leaves layer_types unset, and its model cannot be built so: the
@@ -157,15 +157,12 @@ RUN = {"gemma4_text": {"optim": {"eps": 1e-3}},
 def small_model_config(model_type: str) -> dict:
     """transformers' defaults for the model_type (`type:variant`: the type's), small (modules.small_config;
     `type:other`: in OTHER_PROPORTIONS)."""
-    full = {**AutoConfig.for_model(model_type.split(":")[0]).to_dict(), **MODEL_TYPES[model_type]}
-    full = {k: v for k, v in full.items() if k not in ("transformers_version", "architectures")}
-    kinds = hm.decoder_parts(hm.build_empty(full)).kinds
-    return hm.small_config(full, kinds, hm.OTHER_PROPORTIONS if model_type.endswith(":other") else hm.SMALL)
+    return small_config_of(model_type.split(":")[0], MODEL_TYPES[model_type],
+                           hm.OTHER_PROPORTIONS if model_type.endswith(":other") else hm.SMALL)
 
 
 def small_model(model_type: str, seed: int = 0):
-    torch.manual_seed(seed)
-    return randomize(hm.build_small(small_model_config(model_type)))
+    return small_random_model(small_model_config(model_type), seed)
 
 
 def train_config_dict(model_dir: Path, data: Path, out: Path) -> dict:
@@ -535,9 +532,7 @@ def test_a_layers_own_sizes_are_cut_where_the_class_derives_them_again():
     """Dots3's config class derives per_layer_config (its sliding layers' own heads and widths)
     from the layer count, at their full sizes: the small config cuts them after the layer count is
     cut, so transformers' own validation (a sliding layer's head_dim is its two parts' sum) reads it."""
-    full = {k: v for k, v in AutoConfig.for_model("dots3_note_text").to_dict().items()
-            if k not in ("transformers_version", "architectures")}
-    small = hm.small_config(full, hm.decoder_parts(hm.build_empty(full)).kinds)
+    small = small_config_of("dots3_note_text")
     assert small["per_layer_config"], "its sliding layers have sizes of their own"
     for sizes in small["per_layer_config"].values():
         assert all(sizes[k] <= hm.SMALL[k] for k in sizes if k in hm.SMALL), sizes

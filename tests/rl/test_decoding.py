@@ -9,12 +9,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig
 
 from megatrain_ray.models.transformers import modules as hm
 from megatrain_ray.rl.decoding import STATIC_MODEL_TYPES, DynamicDecoding, StaticDecoding, decoding_for, static_applies
 from megatrain_ray.rl.rollout import left_padded
-from helpers.hf_parity import flat_weights, randomize
+from helpers.hf_parity import flat_weights, small_config_of, small_random_model
 from helpers.threads import one_thread  # noqa: F401 (a fixture)
 
 DYNAMIC = ("gemma2", "bloom", "opt", "qwen3_next")
@@ -22,11 +21,7 @@ STEPS = 3
 
 
 def small_model(model_type: str, sizes: dict):
-    full = {k: v for k, v in AutoConfig.for_model(model_type).to_dict().items()
-            if k not in ("transformers_version", "architectures")}
-    small = hm.small_config(full, hm.decoder_parts(hm.build_empty(full)).kinds, sizes)
-    torch.manual_seed(0)
-    return randomize(hm.build_small(small)).eval()
+    return small_random_model(small_config_of(model_type, sizes=sizes)).eval()
 
 
 @pytest.mark.usefixtures("one_thread")
