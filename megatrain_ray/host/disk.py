@@ -661,6 +661,10 @@ class HeldWindow:
         with self.held(index, parts=SEND_PARTS) as views:
             yield views["compute"]
 
+    def hold_for_send(self, index: int) -> dict[str, torch.Tensor]:
+        """`hold` for a send: the parts it reads alone (SEND_PARTS)."""
+        return self.hold(index, parts=SEND_PARTS)
+
     def landing_part(self, index: int) -> str:
         """The part of the layer's file its gradient lands in, whole: a bf16 master's grad, else the copy."""
         return "grad" if "grad" in self.tier.names(index) else "compute"

@@ -138,6 +138,42 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
+class StreamsHold:
+    """A held layer's buffer (host/disk.py, HeldWindow) held once for all the streams a layer travels
+    over, from the first of them to begin to the last to end: its file is read once for a send, and
+    written once for a gradient's landing, not once a stream. Each stream holds the layer on its own
+    too, around what it moves, so this hold is taken while that one holds the buffer: it waits for
+    none under its lock, which `cut` needs. `cut`: a connection closed, so the streams still to come
+    may never come: every such hold is let go, and none is taken after it."""
+
+    def __init__(self, take: Callable[[int], None], let_go: Callable[[int], None]):
+        self.take, self.let_go = take, let_go
+        self.ends: dict[int, int] = {}  # held layers: the count their streams reach at the hold's end
+        self.cut_off = False
+        self.lock = threading.Lock()
+
+    def begin(self, layer: int, end: Callable[[], int]) -> None:
+        """The first stream of the layer's transfer takes the hold, until every stream reaches `end()`."""
+        with self.lock:
+            if layer not in self.ends and not self.cut_off:
+                self.take(layer)
+                self.ends[layer] = end()
+
+    def end(self, layer: int, reached: int) -> None:
+        """A stream of the layer's transfer is done; the hold ends once every stream has `reached` its end."""
+        with self.lock:
+            if layer in self.ends and reached >= self.ends[layer]:
+                del self.ends[layer]
+                self.let_go(layer)
+
+    def cut(self) -> None:
+        with self.lock:
+            self.cut_off = True
+            held, self.ends = list(self.ends), {}
+            for layer in held:
+                self.let_go(layer)
+
+
 class LayerServer:
     """The store's end: serves a layer's weights once they are current, receives gradients.
 
@@ -148,8 +184,9 @@ class LayerServer:
     closed), an update still waiting for its gradient gives up without touching the layer: the store is
     free again, for a checkpoint from its state. (One cut after its first piece leaves the layer part-way
     through the update, which it counts: a checkpoint from the stores then refuses that step.) A held
-    layer's gradient cut as it lands lets its buffer go (`_let_go_cut_landings`); what landed of it
-    is never counted, so no update takes it.
+    layer's gradient cut as it lands lets its buffer go (`landings.cut`); what landed of it
+    is never counted, so no update takes it. A held layer is read once a send and written once a
+    landing, whatever the streams' timing (`StreamsHold`).
 
     Once its disk tier fails (`fail`: a held layer that cannot be read or written, or an update that
     raised DiskTierError), the server lands no more gradients and applies no more updates; each
@@ -174,8 +211,9 @@ class LayerServer:
         self.bounds = {i: piece_bounds(n, 0) for i, n in numels.items()}
         self.streams = 1
         self.gradients_cut = False  # a gradient connection closed: no gradient still missing will come
-        self.landing: dict[int, int] = {}  # held layers whose gradient is landing: the count `received` reaches at its end
-        self.landing_lock = threading.Lock()  # a gradient's hold taken by the first of its streams, let go by the last
+        self.sent: Counter = Counter()  # (layer, stream): sends of a held layer served on that stream, over all
+        self.sends = StreamsHold(lambda i: held.hold_for_send(i), lambda i: held.let_go(i))
+        self.landings = StreamsHold(lambda i: held.hold_for_gradient(i), lambda i: held.let_go(i, dirty=True))
         self.closed = False  # close(): a request still waiting for its version is given up
         self.failure: DiskTierError | None = None  # the disk tier's error that stopped the server (`fail`)
         self.cond = threading.Condition()
@@ -217,7 +255,10 @@ class LayerServer:
                 return
             kind, k, self.streams = hello
             if kind == b"W":
-                self._serve_weights(conn, k)
+                try:
+                    self._serve_weights(conn, k)
+                finally:  # this stream's part of a send still held may never come
+                    self.sends.cut()
             else:
                 self._receive_gradients(conn, k)
         except OSError:
@@ -243,7 +284,7 @@ class LayerServer:
         before = (version - 1) * len(bounds)  # pieces updated before this version's
         if not self._wait_updated(layer, before):  # the first piece's update, before a held buffer is taken
             return False
-        with self._weights(layer) as weights:
+        with self._weights(layer, k) as weights:
             for p, view in enumerate(piece_views(weights, bounds)):
                 if not self._wait_updated(layer, before + p):
                     return False
@@ -275,11 +316,23 @@ class LayerServer:
             self.failure = self.failure or error
             self.cond.notify_all()
 
-    def _weights(self, layer: int):
-        """The layer's weights while they are sent: its buffer, or a held one of the window (its copy only read)."""
+    def _weights(self, layer: int, k: int):
+        """The layer's weights while stream k sends them: its buffer, or a held one of the window (its copy only read)."""
         if layer in self.buffers:
             return nullcontext(self.buffers[layer])
-        return self.held.sending(layer)
+        return self._held_weights(layer, k)
+
+    @contextmanager
+    def _held_weights(self, layer: int, k: int):
+        """A held layer's copy while stream k sends its chunks; the send holds the layer from its first
+        stream to its last, so its copy is read once (`StreamsHold`)."""
+        with self.held.sending(layer) as weights:
+            self.sends.begin(layer, lambda: self.sent[layer, k] + 1)
+            yield weights
+        with self.cond:
+            self.sent[layer, k] += 1
+            sent = min(self.sent[layer, s] for s in range(self.streams))
+        self.sends.end(layer, sent)
 
     def _gradient(self, layer: int):
         """Where the layer's gradient lands, while it lands: its buffer, or a held one of the window."""
@@ -288,22 +341,14 @@ class LayerServer:
     @contextmanager
     def _held_gradient(self, layer: int):
         """A held layer's gradient buffer while a stream lands its chunk. The gradient holds the layer
-        from its first chunk, on any stream, to its last: its file is written once, not once a stream.
-        That hold is taken while the stream's own holds the layer (so it waits for no buffer under
-        `landing_lock`, which a cut needs: `_let_go_cut_landings`), and never after a cut."""
+        from its first chunk, on any stream, to its last: its file is written once, not once a stream
+        (`StreamsHold`), and never after a cut."""
         with self.held.gradient(layer) as grad:
-            with self.landing_lock:
-                if layer not in self.landing and not self.gradients_cut:
-                    self.held.hold_for_gradient(layer)
-                    with self.cond:
-                        self.landing[layer] = self.received(layer) + 1
+            self.landings.begin(layer, lambda: self.received(layer) + 1)
             yield grad
-        with self.landing_lock:
-            with self.cond:
-                whole = layer in self.landing and self.received(layer) >= self.landing[layer]
-            if whole:
-                del self.landing[layer]
-                self.held.let_go(layer, dirty=True)
+        with self.cond:
+            received = self.received(layer)
+        self.landings.end(layer, received)
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         try:
@@ -319,19 +364,13 @@ class LayerServer:
             with self.cond:
                 self.gradients_cut = True
                 self.cond.notify_all()
-            self._let_go_cut_landings()
-
-    def _let_go_cut_landings(self) -> None:
-        """A gradient connection closed, so no gradient still landing will land whole (each comes over
-        every connection): each held layer lets its gradient's hold go, and a hold waiting for a buffer
-        goes on. What landed of such a gradient is written to the layer's file as any landed gradient
-        is, but never counted (`received`): no update takes it (`step` raises), and the state it
-        would have changed (the master, the moments; a fp32 master's copy is remade from it) is as
-        it was, for the checkpoint the run stops with."""
-        with self.landing_lock:
-            cut, self.landing = list(self.landing), {}
-            for layer in cut:
-                self.held.let_go(layer, dirty=True)
+            # no gradient still landing will land whole (each comes over every connection): each held
+            # layer lets its gradient's hold go, and a hold waiting for a buffer goes on. What landed
+            # of such a gradient is written to the layer's file as any landed gradient is, but never
+            # counted (`received`): no update takes it (`step` raises), and the state it would have
+            # changed (the master, the moments; a fp32 master's copy is remade from it) is as it was,
+            # for the checkpoint the run stops with
+            self.landings.cut()
 
     def _land(self, conn: socket.socket, k: int, layer: int, piece: int) -> None:
         """Chunk k of each piece of the layer's gradient, into where it lands."""

@@ -38,6 +38,18 @@ def full_disk_under(fds, real):
     return pwritev
 
 
+def until(lock, condition, seconds: float = 10) -> bool:
+    """Whether `condition()`, read under `lock`, holds within `seconds` (polled: a hold taken notifies nobody)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        with lock:
+            if condition():
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+
+
 def ended(call, seconds: float = 30):
     """`call()` in a thread: (its result, None) or (None, what it raised); the test fails if it has not
     ended within `seconds` (a wait for a buffer that never frees)."""
@@ -406,8 +418,7 @@ def test_a_gradient_cut_as_it_lands_lets_its_buffers_go_and_is_never_applied(mas
         streams[1].sendall(cut[: len(cut) // 2])
         with server.cond:  # stream 0's chunks landed; stream 1 holds layer 3 as its chunk lands
             assert server.cond.wait_for(lambda: server.arrived[3, 0] == server.arrived[2, 0] == 1, 10)
-        with hot.cond:
-            assert hot.cond.wait_for(lambda: hot.holders[3] == 2 and hot.holders[2] == 1, 10)
+        assert until(hot.cond, lambda: hot.holders[3] == 2 and hot.holders[2] == 1)
         streams[1].close()  # the link drops mid-chunk
 
         hp = AdamWStep(1, 1e-3, 1.0, (0.9, 0.95), 1e-8, 0.0)
@@ -422,6 +433,63 @@ def test_a_gradient_cut_as_it_lands_lets_its_buffers_go_and_is_never_applied(mas
         assert error is None, error
         for i in LAYERS:
             assert got[i].keys() == before[i].keys() and all(torch.equal(got[i][k], before[i][k]) for k in got[i]), i
+    finally:
+        for sock in streams:
+            sock.close()
+        store.close()
+
+
+def test_a_send_over_several_connections_reads_the_copy_once_however_far_apart_they_come(tmp_path, monkeypatch):
+    """A worker asks for a layer fully on disk over two connections, the second long after the first
+    has its chunk, and other layers pass through the window (of 2) in between: the send holds the
+    layer from its first connection to its last, so its copy is read once. A send whose other
+    connection closes instead lets its buffer go."""
+    from megatrain_ray.host.transport import HELLO, REQUEST, STATUS, recv_exact
+    from megatrain_ray.runtime.actors import ShardStoreActor
+
+    monkeypatch.setattr(disk_module, "WINDOW", 2)
+    fmt = StateFormat("bf16", "int8")
+    store = ShardStoreActor(threads=1)
+    store.allocate(ARCH, LAYERS, torch.bfloat16, state_format=fmt, seed=3,
+                   disk_dir=str(tmp_path), disk_layers=LAYERS[1:], disk_compute_layers=FULLY)
+    hot, server = store.hot, store.server
+    streams = [socket.create_connection(server.address) for _ in range(2)]
+    try:
+        store.init_random(seed=5, std=0.02)
+        hot.flush()
+        copy = shard.layer_tensors(store, 3, copy=True)["layers.3.master"].view(torch.uint8)  # a bf16 master is the copy
+        for k, sock in enumerate(streams):
+            sock.sendall(HELLO.pack(b"W", k, 2))
+
+        def chunk_of(k: int) -> torch.Tensor:
+            """Stream k's status and chunk (of 2) of layer 3's copy, as the store sends it."""
+            streams[k].sendall(REQUEST.pack(3, 0, 0))
+            status, got = bytearray(STATUS.size), bytearray(len(copy) * (k + 1) // 2 - len(copy) * k // 2)
+            assert recv_exact(streams[k], memoryview(status)) and not STATUS.unpack(status)[0]
+            assert recv_exact(streams[k], memoryview(got))
+            return torch.frombuffer(got, dtype=torch.uint8)
+
+        for other in (1, 2):  # the window's two buffers: layer 3 in neither
+            hot.hold(other)
+        for other in (1, 2):
+            hot.let_go(other)
+        read = hot.tier.bytes_read
+        first = chunk_of(0)
+        sent_once = hot.tier.bytes_read - read
+        assert until(hot.cond, lambda: hot.holders[3] == 1), dict(hot.holders)  # for the connection to come
+        for other in (1, 2):  # through the window's other buffer, one after the other
+            passed = hot.tier.bytes_read
+            hot.hold(other)
+            hot.let_go(other)
+            read += hot.tier.bytes_read - passed
+        second = chunk_of(1)
+        assert hot.tier.bytes_read - read == sent_once == disk_module.part_bytes(hot.tier.parts[3], ("compute",))
+        assert torch.equal(torch.cat([first, second]), copy)
+        assert until(hot.cond, lambda: not hot.holders), dict(hot.holders)
+
+        chunk_of(0)  # the layer's next send, whose second connection closes before it asks
+        streams[1].close()
+        assert until(hot.cond, lambda: not hot.holders), dict(hot.holders)
     finally:
         for sock in streams:
             sock.close()
