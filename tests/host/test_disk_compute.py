@@ -382,6 +382,21 @@ def test_a_layer_whose_failed_write_lost_its_buffer_is_refused_even_to_a_checkpo
     on_disk.close()
 
 
+def linked_store(master: str, tmp_path, monkeypatch):
+    """A store with layers FULLY on disk through a window of 2 buffers, random weights, its link's server
+    open, and two connections to it, as a worker's two streams."""
+    from megatrain_ray.runtime.actors import ShardStoreActor
+
+    monkeypatch.setattr(disk_module, "WINDOW", 2)
+    store = ShardStoreActor(threads=1)
+    store.allocate(ARCH, LAYERS, torch.bfloat16 if master == "bf16" else torch.float32,
+                   state_format=StateFormat(master, "int8"), seed=3, disk_dir=str(tmp_path), disk_layers=LAYERS[1:],
+                   disk_compute_layers=FULLY)
+    streams = [socket.create_connection(store.server.address) for _ in range(2)]
+    store.init_random(seed=5, std=0.02)
+    return store, streams
+
+
 @pytest.mark.parametrize("master", ["fp32", "bf16"])
 def test_a_gradient_cut_as_it_lands_lets_its_buffers_go_and_is_never_applied(master, tmp_path, monkeypatch):
     """The GPU worker's link drops part-way through the gradients of layers fully on disk, which it
@@ -391,17 +406,10 @@ def test_a_gradient_cut_as_it_lands_lets_its_buffers_go_and_is_never_applied(mas
     Every update of the step then raises, none applied, and the checkpoint the run stops with reads
     every layer as it was before the step: nothing of the gradients that landed in part is taken."""
     from megatrain_ray.host.transport import GRADIENT, HELLO
-    from megatrain_ray.runtime.actors import ShardStoreActor
 
-    monkeypatch.setattr(disk_module, "WINDOW", 2)
-    fmt = StateFormat(master, "int8")
-    store = ShardStoreActor(threads=1)
-    store.allocate(ARCH, LAYERS, torch.bfloat16 if master == "bf16" else torch.float32, state_format=fmt, seed=3,
-                   disk_dir=str(tmp_path), disk_layers=LAYERS[1:], disk_compute_layers=FULLY)
+    store, streams = linked_store(master, tmp_path, monkeypatch)
     hot, server = store.hot, store.server
-    streams = [socket.create_connection(server.address) for _ in range(2)]
     try:
-        store.init_random(seed=5, std=0.02)
         store.fault_in_moments()
         before = {i: shard.layer_tensors(store, i, copy=True) for i in LAYERS}
         counts = store.update_counts()
@@ -445,17 +453,10 @@ def test_a_send_over_several_connections_reads_the_copy_once_however_far_apart_t
     layer from its first connection to its last, so its copy is read once. A send whose other
     connection closes instead lets its buffer go."""
     from megatrain_ray.host.transport import HELLO, REQUEST, STATUS, recv_exact
-    from megatrain_ray.runtime.actors import ShardStoreActor
 
-    monkeypatch.setattr(disk_module, "WINDOW", 2)
-    fmt = StateFormat("bf16", "int8")
-    store = ShardStoreActor(threads=1)
-    store.allocate(ARCH, LAYERS, torch.bfloat16, state_format=fmt, seed=3,
-                   disk_dir=str(tmp_path), disk_layers=LAYERS[1:], disk_compute_layers=FULLY)
-    hot, server = store.hot, store.server
-    streams = [socket.create_connection(server.address) for _ in range(2)]
+    store, streams = linked_store("bf16", tmp_path, monkeypatch)
+    hot = store.hot
     try:
-        store.init_random(seed=5, std=0.02)
         hot.flush()
         copy = shard.layer_tensors(store, 3, copy=True)["layers.3.master"].view(torch.uint8)  # a bf16 master is the copy
         for k, sock in enumerate(streams):
