@@ -596,7 +596,9 @@ class HeldWindow:
     asks for it ahead of its use: that is the read ahead), and released when the last lets go,
     written back if one of them changed it. A thread that needs a buffer while all are held waits
     for one: every hold ends on its own (a send, a gradient's landing, an update: none waits for
-    another layer; a landing cut short lets go when its connection closes), so every wait ends."""
+    another layer; a send or a landing held across the link's connections ends with the last of
+    them, each of which asks for the layer without waiting for another, or when one closes), so
+    every wait ends."""
 
     def __init__(self, tier: DiskTier):
         self.tier = tier
