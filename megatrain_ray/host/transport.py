@@ -344,11 +344,13 @@ class LayerServer:
         from its first chunk, on any stream, to its last: its file is written once, not once a stream
         (`StreamsHold`), and never after a cut."""
         with self.held.gradient(layer) as grad:
-            self.landings.begin(layer, lambda: self.received(layer) + 1)
+            self.landings.begin(layer, lambda: self._received_now(layer) + 1)
             yield grad
+        self.landings.end(layer, self._received_now(layer))
+
+    def _received_now(self, layer: int) -> int:
         with self.cond:
-            received = self.received(layer)
-        self.landings.end(layer, received)
+            return self.received(layer)
 
     def _receive_gradients(self, conn: socket.socket, k: int) -> None:
         try:
