@@ -22,6 +22,7 @@ from megatrain_ray.host.precision import StateFormat
 from megatrain_ray.host.store import ShardStore
 from megatrain_ray.models.registry import model_layouts
 from test_disk_tier import ARCH, LAYERS, MODES, every_tensor, saved_state, train, trained_alike
+from test_transport import wait_until  # polled: a hold taken notifies nobody
 
 FULLY = (1, 2, 3)  # the blocks and the head: through a window of 2 buffers
 
@@ -36,18 +37,6 @@ def full_disk_under(fds, real):
         return real(fd, buffers, offset)
 
     return pwritev
-
-
-def until(lock, condition, seconds: float = 10) -> bool:
-    """Whether `condition()`, read under `lock`, holds within `seconds` (polled: a hold taken notifies nobody)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        with lock:
-            if condition():
-                return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
 
 
 def ended(call, seconds: float = 30):
@@ -426,7 +415,7 @@ def test_a_gradient_cut_as_it_lands_lets_its_buffers_go_and_is_never_applied(mas
         streams[1].sendall(cut[: len(cut) // 2])
         with server.cond:  # stream 0's chunks landed; stream 1 holds layer 3 as its chunk lands
             assert server.cond.wait_for(lambda: server.arrived[3, 0] == server.arrived[2, 0] == 1, 10)
-        assert until(hot.cond, lambda: hot.holders[3] == 2 and hot.holders[2] == 1)
+        wait_until(lambda: hot.holders[3] == 2 and hot.holders[2] == 1, "the landings' holds", timeout=10)
         streams[1].close()  # the link drops mid-chunk
 
         hp = AdamWStep(1, 1e-3, 1.0, (0.9, 0.95), 1e-8, 0.0)
@@ -477,7 +466,7 @@ def test_a_send_over_several_connections_reads_the_copy_once_however_far_apart_t
         read = hot.tier.bytes_read
         first = chunk_of(0)
         sent_once = hot.tier.bytes_read - read
-        assert until(hot.cond, lambda: hot.holders[3] == 1), dict(hot.holders)  # for the connection to come
+        wait_until(lambda: hot.holders[3] == 1, "the send's hold, for the connection to come", timeout=10)
         for other in (1, 2):  # through the window's other buffer, one after the other
             passed = hot.tier.bytes_read
             hot.hold(other)
@@ -486,11 +475,11 @@ def test_a_send_over_several_connections_reads_the_copy_once_however_far_apart_t
         second = chunk_of(1)
         assert hot.tier.bytes_read - read == sent_once == disk_module.part_bytes(hot.tier.parts[3], ("compute",))
         assert torch.equal(torch.cat([first, second]), copy)
-        assert until(hot.cond, lambda: not hot.holders), dict(hot.holders)
+        wait_until(lambda: not hot.holders, "every hold let go", timeout=10)
 
         chunk_of(0)  # the layer's next send, whose second connection closes before it asks
         streams[1].close()
-        assert until(hot.cond, lambda: not hot.holders), dict(hot.holders)
+        wait_until(lambda: not hot.holders, "every hold let go", timeout=10)
     finally:
         for sock in streams:
             sock.close()
